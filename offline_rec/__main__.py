@@ -1,0 +1,6 @@
+"""`python -m offline_rec` (and `accelerate launch -m offline_rec train ...`) runs the CLI."""
+
+from offline_rec.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Rich tables for the terminal: validation reports, dataset descriptions, metric summaries."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from offline_rec.validate import ERROR, Report
+
+
+def print_validation(console: Console, report: Report) -> None:
+    if report.problems:
+        table = Table(title=f"problems in {report.path}")
+        for col in ("severity", "kind", "where", "problem"):
+            table.add_column(col)
+        for p in report.problems:
+            style = "red" if p.severity == ERROR else "yellow"
+            table.add_row(f"[{style}]{p.severity}[/{style}]", p.code, p.location, p.message)
+        console.print(table)
+        hidden = sum(report.counts.values()) - len(report.problems)
+        if hidden:
+            console.print(f"... and {hidden} more of the same kinds (counts by kind: --json)")
+    verdict = "[green]valid[/green]" if report.ok else "[red]INVALID[/red]"
+    console.print(
+        f"{verdict}: {report.rows_checked} rows, {report.groups_checked} groups checked; "
+        f"{report.errors} error(s), {report.warnings} warning(s)"
+    )
+
+
+def key_value_table(title: str, items: dict) -> Table:
+    table = Table(title=title, show_header=False)
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    for k, v in items.items():
+        table.add_row(str(k), _fmt(v))
+    return table
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, dict):
+        return ", ".join(f"{k}: {_fmt(x)}" for k, x in v.items())
+    return str(v)
+
+
+def print_description(console: Console, stats: dict) -> None:
+    console.print(key_value_table(
+        f"dataset {stats['path']}",
+        {
+            "schema version": stats["schema_version"],
+            "complete": stats["complete"],
+            "task": stats["task"].get("name"),
+            "reward function": stats["task"].get("reward_function"),
+            "shards": stats["shards"],
+            "rows": stats["rows"],
+            "groups": stats["groups"],
+            "group sizes (size: groups)": stats.get("group_size_histogram", {}),
+            "tokens": stats.get("tokens", {}),
+            "prompt length": stats.get("prompt_length", {}),
+            "completion length": stats.get("completion_length", {}),
+            "groups with all-equal rewards (no signal)": stats.get("all_equal_reward_group_fraction", 0.0),
+            "finish reasons": stats.get("finish_reasons", {}),
+            "policy versions (version: rows)": stats.get("policy_versions", {}),
+        },
+    ))
+    reward = stats.get("reward")
+    if reward:
+        console.print(key_value_table("reward", {k: v for k, v in reward.items() if k != "histogram"}))
+        if reward.get("histogram"):
+            table = Table(title="reward histogram")
+            table.add_column("bin")
+            table.add_column("count", justify="right")
+            table.add_column("")
+            peak = max(b["count"] for b in reward["histogram"]) or 1
+            for b in reward["histogram"]:
+                table.add_row(f"[{b['low']:.3g}, {b['high']:.3g}]", str(b["count"]), "#" * round(30 * b["count"] / peak))
+            console.print(table)
+    behavior = stats.get("behavior") or {}
+    flat = {k: v for k, v in behavior.items() if k != "sampling"}
+    flat.update({f"sampling.{k}": v for k, v in (behavior.get("sampling") or {}).items()})
+    console.print(key_value_table("behavior provenance", flat))
