@@ -1,0 +1,237 @@
+"""Per-token log-probabilities of given tokens, without holding the vocabulary-wide log-softmax.
+
+The trainer needs log pi(y_t | ...) only for the token actually in the data. The naive route
+(lm_head over every position -> float32 logits [N, V] -> log_softmax -> gather) keeps several
+[N, V] float32 tensors alive through backward; at 8k tokens and a 32k vocabulary that is
+about 1 GB each. Here the lm_head is applied `chunk_size` rows at a time inside one autograd
+Function that saves only the hidden states, the weight, the targets and the per-token
+logsumexp, and recomputes each chunk's logits in backward. Peak extra memory is then a few
+[chunk_size, V] buffers plus the gradients themselves.
+
+Precision: logits and the logsumexp are always float32 (float64 for float64 inputs), also when
+hidden states and weight are bf16/fp16: low-precision inputs are upcast before the matmul, so
+the result equals the float32 computation on the same (rounded) values.
+
+Not handled by the fast path (and so sent to the plain `model(...).logits` route by
+`token_logprobs_from_model`): models whose lm_head is not a plain `nn.Linear` (e.g. a LoRA-
+wrapped lm_head) and models that transform logits after the lm_head (Gemma-2 final-logit
+soft-capping, Cohere `logit_scale`, Granite `logits_scaling`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offline_rec.errors import UserError
+
+# Config attributes of transformers models that change the logits after the lm_head matmul;
+# a model carrying any of them is scored through its own forward instead of the fast path.
+_LOGIT_TRANSFORM_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def naive_token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Reference: float32 log_softmax(logits / temperature) over the vocabulary, then gather.
+
+    logits [..., V], targets [...] int64 -> [...] float32 (float64 for float64 logits).
+    """
+    scaled = _float_at_least_32(logits) / temperature  # [..., V]
+    return scaled.log_softmax(dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """log softmax((hidden @ weight.T + bias) / temperature)[target], `chunk_size` rows at a time.
+
+    hidden [N, H] or [B, T, H]; weight [V, H] (the lm_head); targets [N] or [B, T] int64 in
+    [0, V); bias [V] or None. Returns float32 log-probs shaped like targets (float64 when the
+    inputs are float64). Gradients flow to hidden, weight and bias; backward recomputes each
+    chunk's logits instead of storing them.
+    """
+    if chunk_size < 1:
+        raise UserError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise UserError(f"temperature must be > 0, got {temperature}")
+    if hidden.shape[:-1] != targets.shape:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight {tuple(weight.shape)} is not [V, {hidden.shape[-1]}]")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias {tuple(bias.shape)} is not [{weight.shape[0]}]")
+    flat_logprobs = _ChunkedTokenLogprobs.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        targets.reshape(-1),
+        bias,
+        int(chunk_size),
+        float(temperature),
+    )  # [N]
+    return flat_logprobs.reshape(targets.shape)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Forward and backward of chunked_token_logprobs; see there for the contract.
+
+    With z = (h W^T + b) / temperature and logp = z[target] - logsumexp(z):
+      d logp / d z = onehot(target) - softmax(z),  and  d z / d(h W^T + b) = 1 / temperature.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, bias, chunk_size, temperature):
+        with torch.autocast(hidden.device.type, enabled=False):
+            # Autocast would silently run the matmuls in bf16; precision is set by our inputs.
+            weight_exact = _float_at_least_32(weight)  # a copy only for low-precision weights
+            bias_exact = None if bias is None else _float_at_least_32(bias)
+            logprobs = torch.empty(hidden.shape[0], dtype=weight_exact.dtype, device=hidden.device)
+            logsumexp = torch.empty_like(logprobs)  # [N]
+            for rows in _row_chunks(hidden.shape[0], chunk_size):
+                scaled = _scaled_logits(hidden[rows], weight_exact, bias_exact, temperature)  # [c, V]
+                logsumexp[rows] = torch.logsumexp(scaled, dim=-1)
+                target_logits = scaled.gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1)  # [c]
+                logprobs[rows] = target_logits - logsumexp[rows]
+        ctx.save_for_backward(hidden, weight, targets, bias, logsumexp)
+        ctx.chunk_size = chunk_size
+        ctx.temperature = temperature
+        return logprobs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs):
+        hidden, weight, targets, bias, logsumexp = ctx.saved_tensors
+        want_hidden, want_weight, _, want_bias, _, _ = ctx.needs_input_grad
+        temperature = ctx.temperature
+        with torch.autocast(hidden.device.type, enabled=False):
+            weight_exact = _float_at_least_32(weight)
+            bias_exact = None if bias is None else _float_at_least_32(bias)
+            exact = weight_exact.dtype
+            grad_hidden = torch.empty_like(hidden) if want_hidden else None
+            # Summed over chunks in float32 so a bf16 weight gets one rounding, like a single matmul.
+            grad_weight = torch.zeros_like(weight, dtype=exact) if want_weight else None
+            grad_bias = torch.zeros_like(bias, dtype=exact) if want_bias else None
+            for rows in _row_chunks(hidden.shape[0], ctx.chunk_size):
+                hidden_exact = _float_at_least_32(hidden[rows])  # [c, H]
+                # d loss / d(raw logits) = g * (onehot - softmax(z)) / temperature, built in place
+                # in the one [c, V] buffer of recomputed logits.
+                grad_logits = _scaled_logits(hidden_exact, weight_exact, bias_exact, temperature)
+                grad_logits.sub_(logsumexp[rows].unsqueeze(-1)).exp_()  # softmax(z)  [c, V]
+                scale = grad_logprobs[rows].to(exact).unsqueeze(-1) / temperature  # [c, 1]
+                grad_logits.mul_(-scale)
+                grad_logits.scatter_add_(-1, targets[rows].unsqueeze(-1), scale)
+                if want_hidden:
+                    grad_hidden[rows] = grad_logits @ weight_exact  # [c, H]
+                if want_weight:
+                    grad_weight.addmm_(grad_logits.T, hidden_exact)  # [V, H]
+                if want_bias:
+                    grad_bias += grad_logits.sum(dim=0)  # [V]
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, None, grad_bias, None, None
+
+
+def _scaled_logits(hidden_rows, weight_exact, bias_exact, temperature):
+    """(hidden_rows @ weight^T + bias) / temperature in the weight's exact dtype: [c, V], fresh."""
+    hidden_exact = hidden_rows.to(weight_exact.dtype)
+    if bias_exact is None:
+        logits = hidden_exact @ weight_exact.T
+    else:
+        logits = torch.addmm(bias_exact, hidden_exact, weight_exact.T)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
+
+
+def _row_chunks(num_rows: int, chunk_size: int):
+    """Slices covering 0..num_rows in steps of chunk_size (the last one may be shorter)."""
+    return [slice(start, min(start + chunk_size, num_rows)) for start in range(0, num_rows, chunk_size)]
+
+
+def _float_at_least_32(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor in float32, or unchanged if it is already float32/float64."""
+    if tensor.dtype in (torch.float32, torch.float64):
+        return tensor
+    return tensor.float()
+
+
+def token_logprobs_from_model(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    positions_mask: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-prob of each next token under a transformers causal LM: [B, L-1] float32.
+
+    out[:, t] = log p(input_ids[:, t+1] | input_ids[:, :t+1]) at the given temperature.
+    input_ids, attention_mask: [B, L] (left or right padding). position_ids default to the
+    count of real tokens before each position, so left padding scores like no padding.
+    positions_mask [B, L-1] bool: only these positions are scored (e.g. completion tokens, so
+    the prompt never goes through the lm_head); the others are 0. Padding positions are not
+    masked for you: pass positions_mask to exclude them.
+
+    The backbone (`model.get_decoder()`) gives the final hidden states and the lm_head
+    (`model.get_output_embeddings()`, which is the input embedding when tied) is applied by
+    chunked_token_logprobs. Models outside that shape run `model(...).logits` instead.
+    """
+    batch, length = input_ids.shape
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} is not {(batch, length)}")
+    if positions_mask is not None and (
+        positions_mask.shape != (batch, length - 1) or positions_mask.dtype != torch.bool
+    ):
+        raise ValueError(f"positions_mask must be bool [{batch}, {length - 1}], got "
+                         f"{positions_mask.dtype} {tuple(positions_mask.shape)}")
+    if position_ids is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    targets = input_ids[:, 1:]  # [B, L-1]
+    model_inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
+                        position_ids=position_ids, use_cache=False)
+
+    parts = _backbone_and_head(model)
+    if parts is None:
+        logits = model(**model_inputs).logits[:, :-1]  # [B, L-1, V]
+        if positions_mask is None:
+            return naive_token_logprobs(logits, targets, temperature)
+        scored = naive_token_logprobs(logits[positions_mask], targets[positions_mask], temperature)
+        return _spread(scored, positions_mask)
+
+    backbone, head = parts
+    hidden = backbone(**model_inputs).last_hidden_state[:, :-1]  # [B, L-1, H]
+    if positions_mask is None:
+        return chunked_token_logprobs(hidden, head.weight, targets, head.bias, chunk_size, temperature)
+    scored = chunked_token_logprobs(
+        hidden[positions_mask], head.weight, targets[positions_mask], head.bias, chunk_size, temperature
+    )  # [n_scored]
+    return _spread(scored, positions_mask)
+
+
+def _spread(scored: torch.Tensor, positions_mask: torch.Tensor) -> torch.Tensor:
+    """Place per-position values (row-major order of positions_mask) into zeros [B, L-1]."""
+    zeros = torch.zeros(positions_mask.shape, dtype=scored.dtype, device=scored.device)
+    return zeros.masked_scatter(positions_mask, scored)
+
+
+def _backbone_and_head(model):
+    """(decoder module, plain nn.Linear lm_head) when the fast path is exact, else None."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    # Exactly nn.Linear: a subclass or a wrapper (LoRA on the lm_head) may compute something else.
+    if type(head) is not torch.nn.Linear:
+        return None
+    config = getattr(model, "config", None)
+    configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
+    if any(getattr(c, name, None) is not None for c in configs for name in _LOGIT_TRANSFORM_ATTRIBUTES):
+        return None
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if backbone is None or backbone is model:  # a bare backbone has no separate head to chunk
+        return None
+    return backbone, head
