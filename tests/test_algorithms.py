@@ -1,0 +1,640 @@
+"""Tests of the loss family: hand-computed values, identities between variants, a naive
+per-token reference for every preset, micro-batch invariance, advantages and RED-Drop."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from offline_rec import errors
+from offline_rec.algorithms import (
+    ALGORITHMS,
+    METRIC_KEYS,
+    WIDE_CLIP,
+    AlgorithmSpec,
+    advantage_stats,
+    clip_mask,
+    get_algorithm,
+    group_advantages,
+    policy_loss,
+    token_weights,
+)
+
+torch.set_num_threads(1)
+
+# A few specs beyond the presets so every clip/weight/regularizer choice meets the naive reference.
+EXTRA_SPECS = {
+    "tis": AlgorithmSpec("tis", clip="one-side", weight="tis"),
+    "twoside-k2": AlgorithmSpec("twoside-k2", clip="two-side", weight="is", regularizer="k2", reg_coef=0.3),
+    "gspo-forward-kl": AlgorithmSpec(
+        "gspo-forward-kl", clip="gspo-one-side", weight="gspo-is", regularizer="forward-kl", reg_coef=0.2,
+        eps_low=3e-4, eps_high=4e-4,
+    ),
+    "red-weight-temp2-oneside": AlgorithmSpec("rw2", clip="one-side", weight="advantage", temp=2.0),
+}
+ALL_SPECS = {**ALGORITHMS, **EXTRA_SPECS}
+
+
+def batch_with_ratios(rhos_by_row, logp_by_row, advantages):
+    """Rows of equal length whose tokens have the given ratios: blogp = logp - log(rho)."""
+    rho = torch.tensor(rhos_by_row, dtype=torch.float64)  # [B, T]
+    logp = torch.tensor(logp_by_row, dtype=torch.float64).expand_as(rho).clone().requires_grad_()
+    blogp = logp.detach() - rho.log()
+    return logp, blogp, torch.tensor(advantages, dtype=torch.float64), torch.ones_like(rho)
+
+
+def random_batch(seed=0, dtype=torch.float64):
+    """Six rows of lengths 5,3,1,4,2,5 with garbage (nan, inf) in the padding.
+
+    Rows alternate between tiny log-ratios (|log rho| ~ 1e-4, inside gspo's 3e-4/4e-4 band) and
+    wide ones (up to ~e^±2, reaching the ring's far regions), so every clip mode keeps some
+    tokens and masks others.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 3, 1, 4, 2, 5])
+    B, T = len(lengths), 5
+    mask = torch.arange(T)[None, :] < lengths[:, None]  # [B, T]
+    logp = -torch.rand(B, T, generator=g, dtype=dtype) * 3 - 0.05  # [B, T]
+    spread = torch.tensor([0.8, 1e-4, 0.5, 1e-4, 0.8, 0.3], dtype=dtype)[:, None]  # [B, 1]
+    log_ratio = torch.randn(B, T, generator=g, dtype=dtype) * spread  # [B, T]
+    blogp = logp - log_ratio
+    logp = logp.masked_fill(~mask, float("nan")).requires_grad_()
+    blogp = blogp.masked_fill(~mask, float("inf"))
+    advantages = torch.tensor([1.0, -0.5, 0.0, 2.0, -1.5, 0.7], dtype=dtype)
+    return logp, blogp, advantages, mask
+
+
+def grad_of(spec, logp, blogp, advantages, mask, **kwargs):
+    if logp.grad is not None:
+        logp.grad = None
+    loss, metrics = policy_loss(spec, logp, blogp, advantages, mask, **kwargs)
+    loss.backward()
+    return loss.detach(), logp.grad.clone(), metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Naive reference, written straight from the notes' formulas with loops over i, t.
+
+
+def naive_loss(spec, logp, blogp, advantages, mask):
+    """The loss, and the fraction of completion tokens with M = 0."""
+    B, T = logp.shape
+    lo, hi = 1 - spec.eps_low, 1 + spec.eps_high
+    lo2, hi2 = 1 - spec.eps_low_prime, 1 + spec.eps_high_prime
+    log_ratio = (logp.detach() - blogp).tolist()  # python floats: M, W and s are detached
+    per_sequence = []
+    total, num_tokens, num_clipped = 0.0, 0, 0
+    for i in range(B):
+        tokens = [t for t in range(T) if mask[i, t]]
+        A = float(advantages[i])
+        s = math.exp(sum(log_ratio[i][t] for t in tokens) / max(len(tokens), 1))
+        row = 0.0
+        for t in tokens:
+            rho = math.exp(log_ratio[i][t])
+            one_side = (A >= 0 and rho <= hi) or (A <= 0 and rho >= lo)
+            band = lo <= rho <= hi
+            M = {
+                "none": True,
+                "one-side": one_side,
+                "two-side": band,
+                "ring": band or (A >= 0 and rho <= lo2) or (A <= 0 and rho >= hi2),
+                "gspo-one-side": (A >= 0 and s <= hi) or (A <= 0 and s >= lo),
+            }[spec.clip]
+            W = {
+                "none": 1.0,
+                "is": rho,
+                "tis": min(max(rho, lo2), hi2),
+                "gspo-is": s,
+                "advantage": math.exp(A / spec.temp),
+            }[spec.weight]
+            R = {
+                "none": 0.0,
+                "k2": spec.reg_coef * (logp[i, t] - float(blogp[i, t])) ** 2,
+                "forward-kl": -spec.reg_coef * logp[i, t],
+            }[spec.regularizer]
+            row = row + (-float(M) * W * A * logp[i, t] + R)
+            num_clipped += not M
+        total = total + row
+        num_tokens += len(tokens)
+        per_sequence.append(row / max(len(tokens), 1))
+    clip_fraction = num_clipped / num_tokens
+    if spec.clip == "gspo-one-side":
+        return sum(per_sequence) / B, clip_fraction
+    return total / num_tokens, clip_fraction
+
+
+def ppo_clip_loss(spec, logp, blogp, advantages, mask):
+    """PPO's clipped surrogate, rho carrying gradient: -min(rho*A, clip(rho)*A), token-mean."""
+    mask = mask.bool()
+    rho = torch.exp(torch.where(mask, logp - blogp, 0.0))  # [B, T], NOT detached
+    A = advantages[:, None]
+    surrogate = torch.minimum(rho * A, rho.clamp(1 - spec.eps_low, 1 + spec.eps_high) * A)
+    return -torch.where(mask, surrogate, 0.0).sum() / mask.sum()
+
+
+# --------------------------------------------------------------------------------------------
+# Presets and spec validation.
+
+
+def test_presets_match_the_notes_table():
+    expected = {
+        # name: (clip, weight, regularizer, reg_coef, std_normalize, drop, eps_low, eps_high)
+        "reinforce": ("none", "none", "none", 0.0, False, "none", 0.2, 0.2),
+        "grpo": ("one-side", "is", "none", 0.0, True, "none", 0.2, 0.2),
+        "rec-oneside-is": ("one-side", "is", "none", 0.0, False, "none", 0.2, 0.2),
+        "rec-oneside-nois": ("one-side", "none", "none", 0.0, False, "none", 0.2, 0.2),
+        "rec-twoside-is": ("two-side", "is", "none", 0.0, False, "none", 0.2, 0.2),
+        "rec-twoside-nois": ("two-side", "none", "none", 0.0, False, "none", 0.2, 0.2),
+        "rec-ring-is": ("ring", "is", "none", 0.0, False, "none", 0.2, 0.2),
+        "rec-ring-nois": ("ring", "none", "none", 0.0, False, "none", 0.2, 0.2),
+        "rec-gspo-is": ("gspo-one-side", "gspo-is", "none", 0.0, False, "none", 3e-4, 4e-4),
+        "rec-gspo-nois": ("gspo-one-side", "none", "none", 0.0, False, "none", 3e-4, 4e-4),
+        "opmd": ("none", "none", "k2", 0.1, False, "none", 0.2, 0.2),
+        "asymre": ("none", "none", "forward-kl", 0.1, False, "none", 0.2, 0.2),
+        "red-drop": ("none", "none", "none", 0.0, False, "balance", 0.2, 0.2),
+        "red-weight": ("none", "advantage", "none", 0.0, False, "none", 0.2, 0.2),
+    }
+    assert set(ALGORITHMS) == set(expected)
+    for name, (clip, weight, reg, coef, std, drop, lo, hi) in expected.items():
+        spec = ALGORITHMS[name]
+        got = (spec.clip, spec.weight, spec.regularizer, spec.reg_coef, spec.std_normalize, spec.drop,
+               spec.eps_low, spec.eps_high)
+        assert got == (clip, weight, reg, coef, std, drop, lo, hi), name
+        assert spec.name == name
+        assert (spec.eps_low_prime, spec.eps_high_prime, spec.temp) == (0.6, 2.0, 1.0)
+    assert WIDE_CLIP == {"eps_low": 0.6, "eps_high": 2.0}
+
+
+def test_get_algorithm_applies_and_coerces_overrides():
+    spec = get_algorithm("rec-oneside-nois", eps_low="0.6", eps_high=2, std_normalize="true", clip="one-side")
+    assert spec == dataclasses.replace(ALGORITHMS["rec-oneside-nois"], **WIDE_CLIP, std_normalize=True)
+    assert isinstance(spec.eps_high, float)
+    assert get_algorithm("grpo", std_normalize="no").std_normalize is False
+    assert get_algorithm("opmd") == ALGORITHMS["opmd"]
+
+
+def test_unknown_algorithm_lists_valid_names():
+    valid = r"valid: asymre, grpo, opmd, rec-gspo-is, rec-gspo-nois, rec-oneside-is"
+    with pytest.raises(errors.UserError, match=r"unknown algorithm 'ppo'; " + valid):
+        get_algorithm("ppo")
+
+
+def test_unknown_field_lists_valid_fields():
+    valid = r"valid: clip, drop, eps_high, eps_high_prime, eps_low"
+    with pytest.raises(errors.UserError, match=r"unknown algorithm field 'epsilon'; " + valid):
+        get_algorithm("grpo", epsilon=0.3)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(clip="three-side"), r"unknown clip 'three-side'; valid: none, one-side, two-side, ring, gspo"),
+        (dict(weight="vtrace"), r"unknown weight 'vtrace'; valid: none, is, tis, gspo-is, advantage"),
+        (dict(regularizer="l2"), r"unknown regularizer 'l2'; valid: none, k2, forward-kl"),
+        (dict(drop="all"), r"unknown drop 'all'; valid: none, balance"),
+        (dict(eps_low=-0.1), r"eps_low must be finite and >= 0"),
+        (dict(reg_coef="nan"), r"reg_coef must be finite and >= 0"),
+        (dict(temp=0), r"temp must be > 0"),
+        (dict(eps_high="wide"), r"eps_high expects a number, got 'wide'"),
+        (dict(std_normalize="maybe"), r"std_normalize expects true/false"),
+        (dict(clip=3), r"clip expects a string"),
+    ],
+)
+def test_invalid_overrides_raise_user_error(overrides, message):
+    with pytest.raises(errors.UserError, match=message):
+        get_algorithm("rec-oneside-is", **overrides)
+
+
+def test_spec_constructor_validates_with_value_error():
+    with pytest.raises(ValueError, match=r"unknown clip 'dual'; valid: none, one-side"):
+        AlgorithmSpec(clip="dual")
+    with pytest.raises(ValueError, match="eps_high must be finite"):
+        AlgorithmSpec(eps_high=float("inf"))
+    with pytest.raises(ValueError, match="ring clip needs eps_low_prime >= eps_low"):
+        AlgorithmSpec(clip="ring", eps_low=0.7)
+    with pytest.raises(ValueError, match="std_normalize must be a bool"):
+        AlgorithmSpec(std_normalize=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ALGORITHMS["grpo"].eps_low = 0.5
+
+
+def test_policy_loss_rejects_mismatched_shapes():
+    logp = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(ValueError, match="mask shape"):
+        policy_loss(ALGORITHMS["reinforce"], logp, torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 4))
+    with pytest.raises(ValueError, match="advantages must be"):
+        policy_loss(ALGORITHMS["reinforce"], logp, torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
+    with pytest.raises(ValueError, match="num_tokens must be > 0"):
+        policy_loss(ALGORITHMS["reinforce"], logp, torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3),
+                    num_tokens=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-computed values: every clip mode.
+
+# Ratios chosen away from every boundary. eps 0.2/0.2 -> band [0.8, 1.2]; ring primes 0.6/2.0
+# -> far regions rho <= 0.4 (A >= 0) and rho >= 3.0 (A <= 0).
+CLIP_RHOS = [[0.3, 0.5, 0.9, 1.1, 1.5, 4.0], [0.3, 0.5, 0.9, 1.1, 1.5, 4.0]]
+CLIP_ADV = [1.0, -1.0]
+# Row 0 (A=+1): one-side keeps rho <= 1.2; two-side keeps the band; ring adds rho <= 0.4.
+# Row 1 (A=-1): one-side keeps rho >= 0.8; two-side keeps the band; ring adds rho >= 3.0.
+EXPECTED_MASKS = {
+    "none": [[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]],
+    "one-side": [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]],
+    "two-side": [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]],
+    "ring": [[1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1]],
+}
+# With W = 1, logp = -1 on row 0 and -2 on row 1, N = 12:
+#   per kept token: row 0: -1 * (+1) * (-1) = +1, row 1: -1 * (-1) * (-2) = -2
+EXPECTED_CLIP_LOSS = {
+    "none": (6 * 1 + 6 * -2) / 12,  # -1/2
+    "one-side": (4 * 1 + 4 * -2) / 12,  # -1/3
+    "two-side": (2 * 1 + 2 * -2) / 12,  # -1/6
+    "ring": (3 * 1 + 3 * -2) / 12,  # -1/4
+}
+
+
+@pytest.mark.parametrize("clip", EXPECTED_MASKS)
+def test_clip_mask_and_loss_by_hand(clip):
+    spec = AlgorithmSpec(clip=clip)
+    logp, blogp, adv, mask = batch_with_ratios(CLIP_RHOS, [[-1.0], [-2.0]], CLIP_ADV)
+    rho = torch.tensor(CLIP_RHOS, dtype=torch.float64)
+    got = clip_mask(spec, rho, torch.ones(2, 1, dtype=torch.float64), adv[:, None])
+    assert got.tolist() == [[bool(x) for x in row] for row in EXPECTED_MASKS[clip]]
+
+    loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(EXPECTED_CLIP_LOSS[clip])
+    # d loss / d logp = -M * A / N
+    expected_grad = -torch.tensor(EXPECTED_MASKS[clip], dtype=torch.float64) * adv[:, None] / 12
+    torch.testing.assert_close(grad, expected_grad)
+    kept = sum(map(sum, EXPECTED_MASKS[clip]))
+    assert metrics["clip_fraction"] == pytest.approx(1 - kept / 12)
+
+
+def test_one_side_is_exactly_where_ppo_clip_passes_gradient():
+    # PPO-clip with rho carrying gradient: d/dlogp of -min(rho*A, clip(rho)*A) is -rho*A where the
+    # unclipped term is the min and 0 elsewhere; its support must be the one-side mask.
+    spec = AlgorithmSpec(clip="one-side", eps_low=0.2, eps_high=0.2)
+    logp, blogp, adv, mask = batch_with_ratios(CLIP_RHOS, [[-1.0], [-2.0]], CLIP_ADV)
+    ppo_clip_loss(spec, logp, blogp, adv, mask).backward()
+    assert (logp.grad != 0).int().tolist() == EXPECTED_MASKS["one-side"]
+
+
+def test_gspo_one_side_by_hand():
+    # eps 3e-4 / 4e-4: sequence band [0.9997, 1.0004].
+    spec = ALGORITHMS["rec-gspo-nois"]
+    log_ratio = torch.tensor([[0.1, 0.3, 0.0], [-0.1, 0.1, 0.0], [-0.3, -0.1, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.float64)
+    logp = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]], dtype=torch.float64)
+    logp.requires_grad_()
+    blogp = logp.detach() - log_ratio
+    adv = torch.tensor([1.0, -1.0, -1.0], dtype=torch.float64)
+    # row 0: s = e^{(0.1+0.3)/2} = e^0.2 = 1.22 > 1.0004 with A > 0 -> masked
+    # row 1: s = e^{(-0.1+0.1+0)/3} = 1 >= 0.9997 with A < 0      -> kept
+    # row 2: s = e^{-0.2} = 0.82 < 0.9997 with A < 0              -> masked
+    # loss = (0 + mean(-(-1)*[-1,-2,-3]) + 0) / 3 = (-2) / 3
+    loss, grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(-2 / 3)
+    # d loss / d logp[1, t] = -A / (n_1 * num_sequences) = 1 / 9
+    expected = torch.zeros(3, 3, dtype=torch.float64)
+    expected[1] = 1 / 9
+    torch.testing.assert_close(grad, expected)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-computed values: every weight (clip "none", A = +2, logp = -1, so per_token = 2 * W).
+
+WEIGHT_RHOS = [[0.3, 1.0, 4.0]]
+# tis clamps to [1 - 0.6, 1 + 2.0] = [0.4, 3.0]; gspo-is: s = (0.3 * 1 * 4)^(1/3) = 1.2^(1/3).
+EXPECTED_WEIGHTS = {
+    "none": [1.0, 1.0, 1.0],  # loss 2
+    "is": [0.3, 1.0, 4.0],  # loss 2 * 5.3 / 3 = 3.5333
+    "tis": [0.4, 1.0, 3.0],  # loss 2 * 4.4 / 3 = 2.9333
+    "gspo-is": [1.2 ** (1 / 3)] * 3,  # loss 2 * 1.06266 = 2.12532
+    "advantage": [math.exp(2.0)] * 3,  # temp 1: loss 2 * e^2 = 14.778
+}
+
+
+@pytest.mark.parametrize("weight", EXPECTED_WEIGHTS)
+def test_token_weights_and_loss_by_hand(weight):
+    spec = AlgorithmSpec(weight=weight)
+    logp, blogp, adv, mask = batch_with_ratios(WEIGHT_RHOS, [[-1.0]], [2.0])
+    rho = torch.tensor(WEIGHT_RHOS, dtype=torch.float64)
+    seq_ratio = torch.tensor([[1.2 ** (1 / 3)]], dtype=torch.float64)
+    expected = torch.tensor([EXPECTED_WEIGHTS[weight]], dtype=torch.float64)
+    torch.testing.assert_close(token_weights(spec, rho, seq_ratio, adv[:, None]), expected)
+
+    loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(2 * sum(EXPECTED_WEIGHTS[weight]) / 3)
+    torch.testing.assert_close(grad, -expected * 2 / 3)  # -W * A / N
+    assert metrics["weight_mean"] == pytest.approx(sum(EXPECTED_WEIGHTS[weight]) / 3)
+
+
+def test_red_weight_temperature():
+    # temp 2, A = 2: W = e^{2/2} = e; loss = 2 * e.
+    spec = AlgorithmSpec(weight="advantage", temp=2.0)
+    logp, blogp, adv, mask = batch_with_ratios(WEIGHT_RHOS, [[-1.0]], [2.0])
+    loss, _, _ = grad_of(spec, logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(2 * math.e)
+
+
+# --------------------------------------------------------------------------------------------
+# Regularizers.
+
+
+def test_k2_regularizer_by_hand_applies_to_clipped_tokens():
+    # one-side clip, A = +1, rho = [2, 0.5]: token 0 is clipped (rho > 1.2), token 1 kept.
+    # log rho = [ln 2, -ln 2]; logp = -1.
+    # pg per token: [0, -1 * 1 * (-1)] = [0, 1]; R = 0.5 * (ln 2)^2 on BOTH tokens.
+    # loss = (0 + 1 + 2 * 0.5 * 0.480453) / 2 = 0.740227
+    spec = AlgorithmSpec(clip="one-side", regularizer="k2", reg_coef=0.5)
+    logp, blogp, adv, mask = batch_with_ratios([[2.0, 0.5]], [[-1.0]], [1.0])
+    loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
+    ln2 = math.log(2)
+    assert loss.item() == pytest.approx((1 + 2 * 0.5 * ln2**2) / 2)
+    assert metrics["reg_loss"] == pytest.approx(0.5 * ln2**2)
+    assert metrics["pg_loss"] == pytest.approx(0.5)
+    # grad = (-M*A + 2c * log rho) / N = ([0 + ln2, -1 - ln2]) / 2
+    torch.testing.assert_close(grad, torch.tensor([[ln2 / 2, (-1 - ln2) / 2]], dtype=torch.float64))
+
+
+def test_forward_kl_regularizer_by_hand():
+    # A = 0 so only R = -c * logp counts: logp = [-1, -3], c = 0.1 -> R = [0.1, 0.3], loss = 0.2;
+    # grad = -c / N = -0.05 on each token.
+    spec = ALGORITHMS["asymre"]
+    logp = torch.tensor([[-1.0, -3.0]], dtype=torch.float64, requires_grad=True)
+    loss, grad, _ = grad_of(spec, logp, torch.tensor([[-2.0, -2.0]]), torch.zeros(1), torch.ones(1, 2))
+    assert loss.item() == pytest.approx(0.2)
+    torch.testing.assert_close(grad, torch.full((1, 2), -0.05, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------------------------
+# Identities between variants.
+
+
+def test_grpo_gradient_equals_rec_oneside_is_and_ppo_clip():
+    logp, blogp, adv, mask = random_batch(seed=1)
+    _, grad_grpo, _ = grad_of(ALGORITHMS["grpo"], logp, blogp, adv, mask)
+    _, grad_rec, _ = grad_of(ALGORITHMS["rec-oneside-is"], logp, blogp, adv, mask)
+    torch.testing.assert_close(grad_grpo, grad_rec, rtol=0, atol=0)
+    logp.grad = None
+    clean_logp = torch.where(mask, logp, 0.0)
+    ppo_clip_loss(ALGORITHMS["grpo"], clean_logp, torch.where(mask, blogp, 0.0), adv, mask).backward()
+    torch.testing.assert_close(logp.grad, grad_rec)
+    assert (grad_rec[mask] != 0).any() and (grad_rec[mask & (adv[:, None] != 0)] == 0).any()  # some clipping
+
+
+def test_asymre_equals_reinforce_with_shifted_advantages():
+    # -c * logp  ==  -(A + c) * logp - (-A * logp): the baseline shifted down by c.
+    logp, blogp, adv, mask = random_batch(seed=2)
+    loss_a, grad_a, _ = grad_of(ALGORITHMS["asymre"], logp, blogp, adv, mask)
+    loss_r, grad_r, _ = grad_of(ALGORITHMS["reinforce"], logp, blogp, adv + 0.1, mask)
+    torch.testing.assert_close(grad_a, grad_r)
+    torch.testing.assert_close(loss_a, loss_r)
+
+
+def test_opmd_equals_reinforce_plus_k2_gradient():
+    # d/dlogp of c * (logp - blogp)^2 / N = 2c (logp - blogp) / N on completion tokens.
+    logp, blogp, adv, mask = random_batch(seed=3)
+    _, grad_o, _ = grad_of(ALGORITHMS["opmd"], logp, blogp, adv, mask)
+    _, grad_r, _ = grad_of(ALGORITHMS["reinforce"], logp, blogp, adv, mask)
+    n = mask.sum()
+    extra = torch.where(mask, 2 * 0.1 * (logp.detach() - blogp), 0.0) / n
+    torch.testing.assert_close(grad_o, grad_r + extra)
+
+
+# --------------------------------------------------------------------------------------------
+# Every preset against the naive loop, through the contract, and under micro-batching.
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_matches_naive_per_token_loop(name):
+    spec = ALL_SPECS[name]
+    logp, blogp, adv, mask = random_batch(seed=4)
+    loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
+
+    clean = torch.where(mask, logp.detach(), -1.0).requires_grad_()  # the naive loop never reads padding
+    reference, clip_fraction = naive_loss(spec, clean, blogp, adv, mask)
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    torch.testing.assert_close(grad, torch.where(mask, clean.grad, 0.0))
+    assert metrics["clip_fraction"] == pytest.approx(clip_fraction)
+    if spec.clip != "none":  # the data exercises both sides of every mask
+        assert 0 < clip_fraction < 1
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_every_preset_honours_the_contract(name):
+    spec = ALGORITHMS[name]
+    logp, blogp, adv, mask = random_batch(seed=5, dtype=torch.float32)
+    loss, metrics = policy_loss(spec, logp, blogp, adv, mask.float())
+    assert loss.dim() == 0 and torch.isfinite(loss) and loss.dtype == torch.float32
+    loss.backward()
+    assert logp.grad.shape == logp.shape
+    assert torch.isfinite(logp.grad).all()
+    assert (logp.grad[~mask] == 0).all()
+    assert tuple(metrics) == METRIC_KEYS
+    assert all(type(value) is float and math.isfinite(value) for value in metrics.values())
+    assert metrics["num_tokens"] == 20 and metrics["num_sequences"] == 6
+    assert metrics["loss"] == pytest.approx(metrics["pg_loss"] + metrics["reg_loss"], abs=1e-6)
+    assert metrics["kl_behavior"] >= 0
+    assert metrics["ratio_min"] <= metrics["ratio_mean"] <= metrics["ratio_max"]
+    # bool and float masks give the same loss
+    loss_bool, _ = policy_loss(spec, logp.detach(), blogp, adv, mask)
+    assert loss_bool.item() == loss.item()
+
+
+def test_metrics_by_hand():
+    # rho = [0.5, 2.0], A = +1, one-side: token 1 clipped. k3 = rho - 1 - ln rho:
+    # 0.5 - 1 + ln 2 = 0.193147, 2 - 1 - ln 2 = 0.306853; mean = 0.25.
+    spec = ALGORITHMS["rec-oneside-is"]
+    logp, blogp, adv, mask = batch_with_ratios([[0.5, 2.0]], [[-1.0]], [1.0])
+    _, metrics = policy_loss(spec, logp, blogp, adv, mask)
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["ratio_mean"] == pytest.approx(1.25)
+    assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((0.5, 2.0))
+    assert metrics["kl_behavior"] == pytest.approx(0.25)
+    assert metrics["pg_loss"] == pytest.approx(0.5 * 1 / 2)  # -0.5 * 1 * (-1) / 2
+
+
+def test_empty_batch_gives_zero_loss():
+    logp = torch.full((2, 3), float("nan"), requires_grad=True)
+    loss, metrics = policy_loss(ALGORITHMS["grpo"], logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3))
+    loss.backward()
+    assert loss.item() == 0 and (logp.grad == 0).all()
+    assert metrics["num_tokens"] == 0 and metrics["ratio_mean"] == 1.0
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_micro_batch_invariance(name):
+    spec = ALL_SPECS[name]
+    logp, blogp, adv, mask = random_batch(seed=6)
+    _, full_grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    num_tokens, num_sequences = int(mask.sum()), len(adv)
+    for size in (1, 2, 4):
+        logp.grad = None
+        total = 0.0
+        for start in range(0, len(adv), size):
+            rows = slice(start, start + size)
+            loss, _ = policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows],
+                                  num_tokens=num_tokens, num_sequences=num_sequences)
+            total = total + loss
+        total.backward()
+        torch.testing.assert_close(logp.grad, full_grad, msg=f"micro-batch size {size}")
+
+
+def test_token_mean_depends_on_global_normalizer():
+    # Without the global count each micro-batch is its own token-mean: the objective changes.
+    spec = ALGORITHMS["reinforce"]
+    logp, blogp, adv, mask = random_batch(seed=7)
+    full, _ = policy_loss(spec, logp, blogp, adv, mask)
+    local = sum(policy_loss(spec, logp[i : i + 2], blogp[i : i + 2], adv[i : i + 2], mask[i : i + 2])[0]
+                for i in range(0, 6, 2))
+    assert not torch.isclose(full, local / 3)
+
+
+# --------------------------------------------------------------------------------------------
+# Advantages.
+
+
+def test_mean_baseline_by_hand():
+    # group a: [0, 1, 1, 0] mean 0.5 -> [-0.5, 0.5, 0.5, -0.5]; group b: [0.2, 0.8] mean 0.5.
+    rewards = torch.tensor([0.0, 1.0, 0.2, 1.0, 0.0, 0.8])
+    adv, keep = group_advantages(ALGORITHMS["reinforce"], rewards, ["a", "a", "b", "a", "a", "b"])
+    torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, -0.3, 0.5, -0.5, 0.3]))
+    assert keep.all() and adv.dtype == torch.float32
+
+
+def test_std_normalize_uses_unbiased_std():
+    # [0, 0, 1]: mean 1/3; unbiased var = (1/9 + 1/9 + 4/9) / 2 = 1/3 -> std = 0.57735
+    # A = [-1/3, -1/3, 2/3] / (0.57735 + 1e-6) = [-0.57735, -0.57735, 1.15470]
+    # (population std sqrt(2/9) = 0.4714 would give -0.7071.)
+    adv, _ = group_advantages(ALGORITHMS["grpo"], torch.tensor([0.0, 0.0, 1.0]), [7, 7, 7])
+    std = math.sqrt(1 / 3)
+    torch.testing.assert_close(adv, torch.tensor([-1 / 3, -1 / 3, 2 / 3]) / (std + 1e-6))
+
+
+@pytest.mark.parametrize("std_normalize", [False, True])
+def test_singleton_and_constant_groups_get_zero(std_normalize):
+    spec = AlgorithmSpec(std_normalize=std_normalize)
+    rewards = torch.tensor([3.0, 0.1, 0.1, 0.1, 1.0, 0.0])
+    adv, keep = group_advantages(spec, rewards, [0, 1, 1, 1, 2, 2])
+    assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]  # exactly 0, no nan
+    assert adv[4] > 0 > adv[5] and keep.all()
+    adv_one, _ = group_advantages(spec, torch.tensor([5.0]), ["only"])
+    assert adv_one.tolist() == [0.0]
+
+
+def test_advantage_stats_counts_groups():
+    rewards = torch.tensor([3.0, 0.1, 0.1, 0.1, 1.0, 0.0, 2.0])
+    stats = advantage_stats(rewards, [0, 1, 1, 1, 2, 2, 3])
+    assert stats == {"num_samples": 7, "num_groups": 4, "singleton_groups": 2, "zero_variance_groups": 1}
+
+
+def test_group_ids_may_be_a_tensor():
+    adv, _ = group_advantages(ALGORITHMS["reinforce"], torch.tensor([0.0, 1.0]), torch.tensor([4, 4]))
+    assert adv.tolist() == [-0.5, 0.5]
+
+
+def test_group_advantages_rejects_bad_input():
+    with pytest.raises(ValueError, match="2 group ids for 3 rewards"):
+        group_advantages(ALGORITHMS["reinforce"], torch.zeros(3), [0, 0])
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        group_advantages(ALGORITHMS["reinforce"], torch.tensor([0.0, float("nan")]), [0, 0])
+
+
+# --------------------------------------------------------------------------------------------
+# RED-Drop.
+
+
+def test_red_drop_balances_and_recomputes_baseline_over_kept():
+    spec = ALGORITHMS["red-drop"]
+    # group a: [0, 0, 0, 1]: mean 0.25, 3 negatives vs 1 positive -> drop 2 negatives;
+    #   kept [0, 1], baseline 0.5 -> A = -0.5 (kept negative), +0.5; dropped A = 0.
+    # group b: [0, 1, 1, 1]: 1 negative vs 3 positives -> nothing dropped; mean 0.75.
+    # group c: [0, 0.5, 1]: 0.5 == mean is a positive -> 1 vs 2, nothing dropped.
+    # group d: [0.1, 0.2, 0.3]: 0.2 equals the mean up to float rounding -> positive, no drop.
+    rewards = torch.tensor([0, 0, 0, 1, 0, 1, 1, 1, 0, 0.5, 1, 0.1, 0.2, 0.3])
+    groups = list("aaaabbbbcccddd")
+    adv, keep = group_advantages(spec, rewards, groups, generator=torch.Generator().manual_seed(3))
+    assert keep[:4].tolist().count(False) == 2 and keep[3]
+    assert keep[4:].all()
+    kept_a = [i for i in range(4) if keep[i]]
+    torch.testing.assert_close(adv[kept_a], torch.tensor([-0.5, 0.5]))
+    assert [adv[i].item() for i in range(4) if not keep[i]] == [0.0, 0.0]
+    torch.testing.assert_close(adv[4:8], torch.tensor([-0.75, 0.25, 0.25, 0.25]))
+    torch.testing.assert_close(adv[8:11], torch.tensor([-0.5, 0.0, 0.5]))
+    torch.testing.assert_close(adv[11:], torch.tensor([-0.1, 0.0, 0.1]))
+
+
+def test_red_drop_choice_follows_the_generator():
+    spec = ALGORITHMS["red-drop"]
+    rewards = torch.tensor([0.0] * 7 + [1.0])  # 7 negatives, 1 positive -> keep 1 + 1
+    choices = set()
+    for seed in range(20):
+        _, keep = group_advantages(spec, rewards, [0] * 8, generator=torch.Generator().manual_seed(seed))
+        assert keep.sum() == 2 and keep[7]
+        choices.add(tuple(keep.tolist()))
+    assert len(choices) > 1  # random, not always the first negatives
+    _, default_1 = group_advantages(spec, rewards, [0] * 8)
+    _, default_2 = group_advantages(spec, rewards, [0] * 8)
+    assert torch.equal(default_1, default_2)  # fixed default generator: reproducible
+
+
+def test_red_drop_leaves_loss_and_normalizer():
+    # The trainer masks dropped rows out (mask & keep): the loss then equals the loss on the kept
+    # rows alone, normalized by THEIR token count.
+    spec = ALGORITHMS["red-drop"]
+    logp, blogp, _, mask = random_batch(seed=8)
+    rewards = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
+    generator = torch.Generator().manual_seed(0)
+    adv, keep = group_advantages(spec, rewards, [0, 0, 0, 0, 1, 1], generator=generator)
+    assert keep.sum() == 4  # group 0 drops 2 of its 3 negatives
+    loss_dropped, metrics = policy_loss(spec, logp, blogp, adv.double(), mask & keep[:, None])
+    loss_kept, metrics_kept = policy_loss(spec, logp[keep], blogp[keep], adv.double()[keep], mask[keep])
+    torch.testing.assert_close(loss_dropped, loss_kept)
+    assert metrics["num_tokens"] == metrics_kept["num_tokens"] == mask[keep].sum().item()
+    # Leaving the dropped rows in the normalizer (their A is 0) would shrink the loss.
+    loss_wrong, _ = policy_loss(spec, logp, blogp, adv.double(), mask)
+    assert mask[~keep].sum() > 0 and not torch.isclose(loss_wrong, loss_kept)
+
+
+# --------------------------------------------------------------------------------------------
+# The bandit pitfall: behavior [0.3, 0.6, 0.1], rewards [0, 0.8, 1], fixed logged data.
+
+
+def train_bandit(spec, steps=300, lr=1.0):
+    """Full-batch gradient descent on a softmax policy over 3 arms, starting at the behavior."""
+    behavior = torch.tensor([0.3, 0.6, 0.1])
+    arm_rewards = torch.tensor([0.0, 0.8, 1.0])
+    arms = torch.multinomial(behavior, 2048, replacement=True, generator=torch.Generator().manual_seed(0))
+    rewards = arm_rewards[arms]
+    groups = [i // 8 for i in range(len(arms))]
+    adv, keep = group_advantages(spec, rewards, groups)
+    blogp = behavior.log()[arms][:, None]  # [N, 1]: one-token responses
+    mask = keep[:, None]
+    theta = behavior.log().clone().requires_grad_()
+    for _ in range(steps):
+        logp = torch.log_softmax(theta, 0)[arms][:, None]  # [N, 1]
+        loss, _ = policy_loss(spec, logp, blogp, adv, mask)
+        (grad,) = torch.autograd.grad(loss, theta)
+        with torch.no_grad():
+            theta -= lr * grad
+    return torch.softmax(theta.detach(), 0)
+
+
+def test_bandit_reinforce_collapses_to_arm_2_while_regularized_keep_arm_3():
+    # Expected gradient of plain REINFORCE on this data is constant: theta moves along
+    # c_a = mu_a * E[A | a] ~ (0.3 * -0.58, 0.6 * 0.22, 0.1 * 0.42) -> arm 2 wins, arm 3 -> 0.
+    reinforce = train_bandit(ALGORITHMS["reinforce"])
+    assert reinforce[1] > 0.99 and reinforce[2] < 0.005
+    # One-side clipping stops pushing once pi/mu leaves the band: arm 3 keeps ~0.12 (> 0.1).
+    oneside = train_bandit(ALGORITHMS["rec-oneside-nois"])
+    # The k2 penalty balances the pull: arm 3 ends near 0.2.
+    opmd = train_bandit(ALGORITHMS["opmd"])
+    for regularized in (oneside, opmd):
+        assert regularized[2] > 0.1 > reinforce[2]
+    assert opmd[2] > 0.15
