@@ -269,6 +269,9 @@ class DatasetWriter:
         for f in data.iterdir():
             if f.name not in listed:
                 f.unlink()
+        for name in (S.MANIFEST_FILE, S.CARD_FILE):  # temporaries of `atomic_write_text` killed mid-write
+            for f in self.path.glob(f".{name}.*.tmp"):
+                f.unlink()
         self.progress = dict(self.manifest.get("progress") or {})
         for shard in self.manifest[S.M_SHARDS]:
             table = pq.read_table(self.path / shard["path"], columns=[S.GROUP_ID])
@@ -295,6 +298,9 @@ class DatasetWriter:
             raise ValueError("add_group takes the rows of exactly one group")
         if gid in self.committed_group_ids:
             raise ValueError(f"group {gid!r} is already in the dataset")
+        # A dataset being extended (a resumed complete one included) is incomplete until
+        # `close()`: a crash before it must not leave a manifest that claims completeness.
+        self.manifest[S.M_COMPLETE] = False
         self._buffer.extend(rows)
         self._buffer_groups += 1
         self.committed_group_ids.add(gid)

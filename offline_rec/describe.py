@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.dataset import open_dataset
+from offline_rec.dataset import Dataset, open_dataset
+from offline_rec.errors import DataError
 
 PERCENTILES = (0.5, 0.9, 0.99)
 REWARD_BINS = 10
@@ -37,10 +38,22 @@ def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD
 
 
 def describe_dataset(path: str | Path) -> dict:
-    """The statistics `inspect` prints, as a JSON-serializable dict."""
+    """The statistics `inspect` prints, as a JSON-serializable dict; DataError if a shard is unreadable."""
     import polars as pl
 
     ds = open_dataset(path)
+    try:
+        return _describe(ds, path)
+    except (pl.exceptions.PolarsError, OSError) as e:
+        # A truncated or corrupt shard surfaces here, from inside the lazy query: name the
+        # dataset and the command that locates the damage instead of a polars traceback.
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{path}: cannot read the dataset's shards ({first_line}); run `offline-rec validate {path}` to locate the damage") from None
+
+
+def _describe(ds: Dataset, path: str | Path) -> dict:
+    import polars as pl
+
     base = {
         "path": str(path),
         "schema_version": ds.manifest.get(S.M_SCHEMA_VERSION),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from offline_rec.validate import ERROR, Report
@@ -10,12 +11,13 @@ from offline_rec.validate import ERROR, Report
 
 def print_validation(console: Console, report: Report) -> None:
     if report.problems:
-        table = Table(title=f"problems in {report.path}")
+        # Paths, group ids and messages are user data: escaped, so "[...]" in them prints as is.
+        table = Table(title=f"problems in {escape(report.path)}")
         for col in ("severity", "kind", "where", "problem"):
             table.add_column(col)
         for p in report.problems:
             style = "red" if p.severity == ERROR else "yellow"
-            table.add_row(f"[{style}]{p.severity}[/{style}]", p.code, p.location, p.message)
+            table.add_row(f"[{style}]{p.severity}[/{style}]", p.code, escape(p.location), escape(p.message))
         console.print(table)
         hidden = sum(report.counts.values()) - len(report.problems)
         if hidden:
@@ -28,11 +30,11 @@ def print_validation(console: Console, report: Report) -> None:
 
 
 def key_value_table(title: str, items: dict) -> Table:
-    table = Table(title=title, show_header=False)
+    table = Table(title=escape(title), show_header=False)
     table.add_column("key", style="bold")
     table.add_column("value")
     for k, v in items.items():
-        table.add_row(str(k), _fmt(v))
+        table.add_row(escape(str(k)), escape(_fmt(v)))
     return table
 
 

@@ -3,6 +3,7 @@
 `validate_dataset(path)` never modifies anything. It streams each shard batch by batch with
 vectorized Arrow checks; besides one record batch it keeps 8 bytes per group (a hash of the
 group id, to find ids repeated across shards), so memory stays bounded as the dataset grows.
+When some id repeats, a second pass over the group_id column alone reports where.
 """
 
 from __future__ import annotations
@@ -143,6 +144,7 @@ def validate_dataset(path: str | Path, check_checksums: bool = True) -> Report:
         out.add(WARNING, "empty", "dataset has no shards (no rows)")
 
     group_hashes: list[np.ndarray] = []
+    readable: list[tuple[Path, str]] = []  # shards whose rows were checked, for the duplicate-group pass
     totals = Counter()
     for rel, entry in shards_to_read:
         shard_path = path / rel
@@ -154,6 +156,7 @@ def validate_dataset(path: str | Path, check_checksums: bool = True) -> Report:
         counts = _validate_shard(shard_path, rel, out, group_hashes)
         if counts is None:
             continue
+        readable.append((shard_path, rel))
         rows, groups, tokens = counts
         totals.update(rows=rows, groups=groups, completion_tokens=tokens)
         report.rows_checked += rows
@@ -175,10 +178,33 @@ def validate_dataset(path: str | Path, check_checksums: bool = True) -> Report:
     if group_hashes:
         allh = np.concatenate(group_hashes)
         allh.sort()
-        dup = int(np.count_nonzero(allh[1:] == allh[:-1])) if len(allh) > 1 else 0
-        if dup:
-            out.add(ERROR, "duplicate-group", f"{dup} group id(s) occur in more than one shard or in separate runs of rows (a group must be contiguous and in one shard); run with --json for the per-shard list")
+        repeated = allh[1:][allh[1:] == allh[:-1]]
+        if len(repeated):
+            _report_repeated_groups(readable, set(repeated.tolist()), out)
     return report
+
+
+def _report_repeated_groups(shards: list[tuple[Path, str]], repeated_hashes: set[int], out: _Collector) -> None:
+    """Second pass over the group_id column only: locate each run of rows whose group id was seen before.
+
+    The first pass kept one hash per run of rows; a hash seen twice means a group split across
+    shards, a non-contiguous group or two groups with one id. This pass finds where, remembering
+    only the ids whose hash repeats (comparing the ids themselves, so a hash collision is no error).
+    """
+    first_seen: dict[str, tuple[str, int]] = {}
+    for shard_path, rel in shards:
+        cur_gid, row = None, 0
+        for batch in pq.ParquetFile(shard_path).iter_batches(batch_size=READ_BATCH_ROWS, columns=[S.GROUP_ID]):
+            for gid in batch.column(S.GROUP_ID).to_pylist():
+                if gid != cur_gid and gid is not None and _group_hash(gid) in repeated_hashes:
+                    if gid not in first_seen:
+                        first_seen[gid] = (rel, row)
+                    else:
+                        where_rel, where_row = first_seen[gid]
+                        rule = "a group's rows must be contiguous" if where_rel == rel else "a group must live in one shard"
+                        out.add(ERROR, "duplicate-group", f"group id already used at {where_rel} row {where_row} ({rule}; group ids must be unique)", shard=rel, row=row, group_id=gid)
+                cur_gid = gid
+                row += 1
 
 
 def _validate_shard(shard_path: Path, rel: str, out: _Collector, group_hashes: list[np.ndarray]):
@@ -205,6 +231,8 @@ def _validate_shard(shard_path: Path, rel: str, out: _Collector, group_hashes: l
             return
         groups += 1
         shard_hashes.append(_group_hash(cur_gid))
+        if None in cur_idx:  # a null sample_index is already reported as a null; no order to check
+            return
         k = len(cur_idx)
         if sorted(cur_idx) != list(range(k)):
             dup = len(cur_idx) != len(set(cur_idx))
