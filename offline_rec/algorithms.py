@@ -50,6 +50,13 @@ of the mean (e.g. rewards [0.1, 0.2, 0.3]) must not turn a reward equal to the m
 DEFAULT_DROP_SEED = 0
 """Seed of the generator RED-Drop uses when the caller passes none (reproducible by default)."""
 
+EXPONENT_LIMIT = 20.0
+"""Exponents in the loss are clamped to [-20, 20] before exp(): the log ratio logp - blogp that gives
+rho (and s_i), and RED-Weight's A / temp. e^20 = 4.9e8 is far beyond any clip band, so masks never
+change; but a token whose log-probs differ by more than ~88, or an advantage above 88 * temp (rewards
+on a 0-100 scale), would overflow float32 to inf, turning the loss into inf or NaN and the clipped
+gradient into NaN. Only the weights, masks and ratio metrics see the clamp; R uses logp - blogp."""
+
 WIDE_CLIP = dict(eps_low=0.6, eps_high=2.0)
 """The paper's recommended wide clip for rec-oneside: dataclasses.replace(spec, **WIDE_CLIP)."""
 
@@ -253,7 +260,7 @@ def token_weights(
       is         W = rho
       tis        W = clamp(rho, 1-eps_low', 1+eps_high')
       gspo-is    W = s_i
-      advantage  W = exp(A / temp)   (RED-Weight)
+      advantage  W = exp(A / temp)   (RED-Weight; the exponent clamped to +-EXPONENT_LIMIT)
     """
     import torch
 
@@ -265,7 +272,7 @@ def token_weights(
         return rho.clamp(1 - spec.eps_low_prime, 1 + spec.eps_high_prime)
     if spec.weight == "gspo-is":
         return seq_ratio.expand_as(rho)
-    return torch.exp(advantages / spec.temp).expand_as(rho)
+    return torch.exp((advantages / spec.temp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)).expand_as(rho)
 
 
 def regularizer(spec: AlgorithmSpec, logp: torch.Tensor, blogp: torch.Tensor) -> torch.Tensor:
@@ -330,7 +337,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of `spec` on one (micro-)batch, and detached metrics.
 
-        rho       = exp(logp - blogp)                         detached, [B, T]
+        rho       = exp(clamp(logp - blogp, +-EXPONENT_LIMIT))   detached, [B, T]
         per_token = -M * W * A * logp + R                     M, W from rho (or s_i), detached
         loss      = aggregate(per_token, m, num_tokens, num_sequences)
 
@@ -363,7 +370,7 @@ def policy_loss(
     blogp = torch.where(mask, behavior_logprobs.detach().to(dtype), 0.0)  # [B, T]
     adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
 
-    log_ratio = logp.detach() - blogp  # [B, T], 0 off the mask
+    log_ratio = (logp.detach() - blogp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)  # [B, T], 0 off the mask
     rho = log_ratio.exp()  # [B, T]
     seq_ratio = sequence_ratio(log_ratio, mask)  # [B, 1]
     kept = clip_mask(spec, rho, seq_ratio, adv) & mask  # [B, T]

@@ -15,7 +15,7 @@ from typing import List, Optional
 import typer
 
 from offline_rec import __version__
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, disk_full
 
 app = typer.Typer(
     name="offline-rec",
@@ -93,6 +93,391 @@ def inspect(
 # --------------------------------------------------------------------------------------------
 
 
+# --------------------------------------------------------------------------------------------
+# import, filter, reward
+
+
+@app.command("import")
+def import_(
+    src: Path = typer.Argument(..., help="Source file (JSONL or Parquet), or a directory of them."),
+    fmt: str = typer.Option(..., "--format", "-f", help="Source format: rows, text, openai or trl."),
+    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (model folder or id): tokenizes text, renders chat messages, maps token strings; default: --score-with's."),
+    score_with: Optional[str] = typer.Option(None, "--score-with", help="Compute behavior log-probs teacher-forced with this model (replaces any in the source); required for text and trl."),
+    skip_bad: bool = typer.Option(False, "--skip-bad", help="Import the good rows and list bad lines in OUT/rejects.jsonl, instead of refusing."),
+    logprobs_source: Optional[str] = typer.Option(None, "--logprobs-source", help="What the source's log-probs are: sampled, raw or unknown (default unknown; recomputed with --score-with)."),
+    prompt_column: str = typer.Option("prompt", "--prompt-column", help="text/trl: the prompt column."),
+    completion_column: str = typer.Option("completion", "--completion-column", help="text/trl: the completion column."),
+    reward_column: str = typer.Option("reward", "--reward-column", help="text: the reward column (absent or null: reward null)."),
+    group_column: str = typer.Option("group_id", "--group-column", help="text: the group id column (rows without one are grouped by identical prompt)."),
+    append_eos: bool = typer.Option(True, "--append-eos/--no-append-eos", help="text/trl: end each tokenized completion with EOS (logged responses are taken to have stopped on it)."),
+    reward_columns: Optional[str] = typer.Option(None, "--reward-columns", help="trl: comma-separated reward columns to sum (default: every numeric column but step and advantage)."),
+    behavior: Optional[str] = typer.Option(None, "--behavior", help="Which policy sampled the data, where the source does not say."),
+    task: str = typer.Option("", "--task", help="Task name stored with rows that have none (a label; `reward` scores later)."),
+    policy_version: int = typer.Option(0, "--policy-version", help="policy_version where the source has none."),
+    group_by_prompt: bool = typer.Option(False, "--group-by-prompt", help="openai: group lines with identical prompt text (default: the choices of one line)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="--score-with: sequences per forward pass."),
+    dtype: str = typer.Option("float32", "--dtype", help="--score-with: model dtype (float32, bfloat16, float16, auto)."),
+    score_temperature: float = typer.Option(1.0, "--score-temperature", help="--score-with: temperature of the recomputed log-probs (the sampling temperature, if known)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
+    from offline_rec.importers import ERRORS_SHOWN, BadLinesError, ImportOptions, import_dataset
+
+    options = ImportOptions(
+        prompt_column=prompt_column,
+        completion_column=completion_column,
+        reward_column=reward_column,
+        group_column=group_column,
+        append_eos=append_eos,
+        reward_columns=tuple(c.strip() for c in reward_columns.split(",") if c.strip()) if reward_columns else None,
+        behavior=behavior,
+        task=task,
+        policy_version=policy_version,
+        group_by_prompt=group_by_prompt,
+    )
+    try:
+        summary = import_dataset(
+            src, fmt, out, options=options, tokenizer=tokenizer, score_with=score_with,
+            logprobs_source=logprobs_source, skip_bad=skip_bad, batch_size=batch_size,
+            dtype=dtype, score_temperature=score_temperature,
+        )
+    except BadLinesError as e:
+        for reject in e.rejects[:ERRORS_SHOWN]:
+            typer.echo(str(reject), err=True)
+        if len(e.rejects) > ERRORS_SHOWN:
+            typer.echo(f"... and {len(e.rejects) - ERRORS_SHOWN} more", err=True)
+        raise
+    if as_json:
+        _print_json(summary)
+        return
+    typer.echo(f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})")
+    if summary["rejected_lines"]:
+        reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
+        typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")
+
+
+@app.command("filter")
+def filter_(
+    dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
+    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    drop_truncated: bool = typer.Option(False, "--drop-truncated", help="Drop responses with finish_reason 'length' (the rest of their group stays)."),
+    drop_all_equal: bool = typer.Option(False, "--drop-all-equal", help="Drop groups whose rewards are all equal (no learning signal)."),
+    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Drop groups whose prompt is longer than N tokens."),
+    max_completion_tokens: Optional[int] = typer.Option(None, "--max-completion-tokens", help="Drop whole groups holding a completion longer than N tokens."),
+    min_policy_version: Optional[int] = typer.Option(None, "--min-policy-version", help="Drop responses of older policy versions."),
+    max_policy_version: Optional[int] = typer.Option(None, "--max-policy-version", help="Drop responses of newer policy versions."),
+    sample_fraction: Optional[float] = typer.Option(None, "--sample-fraction", help="Keep this fraction of groups, chosen by a hash of (seed, group id)."),
+    seed: int = typer.Option(0, "--seed", help="Seed of --sample-fraction."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
+    from offline_rec.filtering import FilterOptions, filter_dataset
+
+    options = FilterOptions(
+        drop_truncated=drop_truncated, drop_all_equal=drop_all_equal, max_prompt_tokens=max_prompt_tokens,
+        max_completion_tokens=max_completion_tokens, min_policy_version=min_policy_version,
+        max_policy_version=max_policy_version, sample_fraction=sample_fraction, seed=seed,
+    )
+    summary = filter_dataset(dataset, out, options)
+    if as_json:
+        _print_json(summary)
+        return
+    typer.echo(f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} groups -> {summary['out']}")
+    for reason, counts in summary["dropped"].items():
+        if counts["rows"] or counts["groups"]:
+            typer.echo(f"  dropped by {reason}: {counts['rows']} rows, {counts['groups']} whole groups")
+
+
+@app.command("reward")
+def reward_(
+    dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
+    task: str = typer.Option(..., "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."),
+    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward function with module:function."),
+    timeout: float = typer.Option(10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """(Re)score a dataset with a task's reward function into a new dataset (fields from each row's meta)."""
+    from offline_rec.rescoring import rescore_dataset
+
+    summary = rescore_dataset(dataset, out, task, reward=reward, timeout_s=timeout)
+    if as_json:
+        _print_json(summary)
+        return
+    stats = summary["reward_stats"]
+    typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups -> {summary['out']}")
+    if summary["null"]:
+        typer.echo(f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, returned None {stats.get('returned_none', 0)})"
+                   + (f"; first error: {stats['first_error']}" if stats.get("first_error") else ""))
+
+
+# --------------------------------------------------------------------------------------------
+# train  (owned by the training loop: offline_rec/train.py, config.py)
+
+
+def _list_train_options(value: bool) -> None:
+    if value:
+        from offline_rec.config import option_help
+
+        for key, kind, default, help_text in option_help():
+            typer.echo(f"{key:<24} {kind:<12} {default!r:<16} {help_text}")
+        raise typer.Exit()
+
+
+@app.command()
+def train(
+    data: Optional[List[str]] = typer.Option(None, "--data", help="Dataset directory (repeat for several)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Policy to start from: local model folder or Hub id."),
+    algorithm: Optional[str] = typer.Option(None, "--algorithm", help="Loss preset, e.g. rec-oneside-nois, grpo, opmd."),
+    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory."),
+    config: Optional[Path] = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
+    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override an option: key=value, or algorithm.eps_high=2.0 (repeatable)."),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue the run in --out from its latest checkpoint."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training groups."),
+    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Train exactly this many optimizer steps (overrides --epochs)."),
+    prompts_per_step: Optional[int] = typer.Option(None, "--prompts-per-step", help="Whole groups per optimizer step."),
+    micro_batch_tokens: Optional[int] = typer.Option(None, "--micro-batch-tokens", help="Token budget of a micro-batch, padding included."),
+    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of shuffling, RED-Drop and torch."),
+    holdout: Optional[float] = typer.Option(None, "--holdout", help="Fraction of groups kept out of training (holdout.json)."),
+    list_options: bool = typer.Option(False, "--list-options", callback=_list_train_options, is_eager=True,
+                                      help="List every option (YAML key / --set key) with its default and exit."),
+) -> None:
+    """Train a policy offline on logged groups (runs under `accelerate launch -m offline_rec train` too)."""
+    from offline_rec.config import build_config
+
+    options = dict(data=data or None, model=model, algorithm=algorithm, out=out, resume=resume, epochs=epochs,
+                   max_steps=max_steps, prompts_per_step=prompts_per_step, micro_batch_tokens=micro_batch_tokens,
+                   lr=lr, seed=seed, holdout=holdout)
+    resolved = build_config(config, options, set_ or ())
+    from offline_rec.train import train as run_training
+
+    summary = run_training(resolved)
+    if summary.get("already_finished"):
+        return
+    final = summary.get("final_metrics", {})
+    typer.echo(f"trained {summary['steps']} steps -> {summary['final_model']}"
+               + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+# Hugging Face Hub: push, pull  (owned by offline_rec/hub.py)
+
+
+@app.command()
+def push(
+    dataset: Path = typer.Argument(..., help="Dataset directory."),
+    repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="Hub dataset repo, created if missing."),
+    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to push to, created if missing (default main)."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hub token with write access (default: `hf auth login` or HF_TOKEN)."),
+    license: Optional[str] = typer.Option(None, "--license", help="License id for the card, e.g. cc-by-4.0 (default: the manifest's, else 'other')."),
+) -> None:
+    """Upload a valid dataset to a Hub dataset repo, with a card generated from its manifest."""
+    from offline_rec.hub import push_dataset
+
+    result = push_dataset(dataset, repo_id, private=private, revision=revision, token=token, license=license,
+                          echo=lambda message: typer.echo(message, err=True))
+    typer.echo(f"pushed {len(result.files)} files to {result.url}" + (f" (branch {revision})" if revision else "")
+               + f", tagged {result.tag}")
+
+
+@app.command()
+def pull(
+    repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="Hub dataset repo (or hf://datasets/ORG/NAME[@REVISION])."),
+    out: Path = typer.Option(..., "--out", "-o", help="New directory for the dataset."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag (e.g. schema-v1.0) or commit (default main)."),
+    token: Optional[str] = typer.Option(None, "--token", help="Hub token, for private or gated repos."),
+) -> None:
+    """Download a Hub dataset into a local folder, verifying its checksums and schema (works offline from the cache)."""
+    from offline_rec.hub import pull_dataset
+
+    path = pull_dataset(repo_id, out, revision=revision, token=token)
+    typer.echo(f"pulled {repo_id}" + (f"@{revision}" if revision else "") + f" -> {path}")
+
+
+# --------------------------------------------------------------------------------------------
+# collect, merge  (owned by offline_rec/collect.py, merge.py, backends/)
+
+
+@app.command()
+def collect(
+    model: str = typer.Option(..., "--model", help="Behavior policy: model folder or Hub id."),
+    task: str = typer.Option(..., "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."),
+    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (or the one to --resume)."),
+    num_samples: int = typer.Option(8, "--num-samples", "-k", help="Completions per prompt (one group)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts)."),
+    prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="The prompt file's prompt column (default: the task's)."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512)."),
+    split: str = typer.Option("train", "--split", help="Built-in prompts: train or test."),
+    reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward with module:function."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="hf or vllm (default: vllm when importable, else hf)."),
+    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0: greedy)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k truncation (default: none)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest completion, in tokens."),
+    seed: int = typer.Option(0, "--seed", help="Seeds sampling (per prompt) and picks built-in prompts."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype)."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM: GPUs per model."),
+    groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Commit a Parquet shard every N groups (at batch boundaries)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted collect into --out."),
+    num_shards: int = typer.Option(1, "--num-shards", help="Scale-out: split the prompts into N slices (index mod N)..."),
+    shard_index: int = typer.Option(0, "--shard-index", help="...and collect slice I; `merge` combines the slices."),
+    policy_version: int = typer.Option(0, "--policy-version", help="Training step of the behavior policy (0 = base)."),
+    behavior: Optional[str] = typer.Option(None, "--behavior", help="Behavior name stored in every row (default: --model)."),
+    reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+) -> None:
+    """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
+    from offline_rec.collect import CollectConfig, collect as run_collect
+    from offline_rec.dataset import read_manifest
+
+    config = CollectConfig(
+        model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompt_column=prompt_column,
+        num_prompts=num_prompts, split=split, reward=reward, backend=backend, temperature=temperature, top_p=top_p,
+        top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, dtype=dtype,
+        chat_template=chat_template, tensor_parallel_size=tensor_parallel_size, groups_per_shard=groups_per_shard,
+        resume=resume, num_shards=num_shards, shard_index=shard_index, policy_version=policy_version,
+        behavior=behavior, reward_timeout_s=reward_timeout or None, show_progress=not quiet,
+    )
+    path = run_collect(config)
+    manifest = read_manifest(path)
+    totals, stats = manifest["totals"], manifest.get("stats") or {}
+    finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
+    typer.echo(f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion tokens; {finish}) -> {path}")
+
+
+@app.command()
+def merge(
+    datasets: List[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
+    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Groups per output shard."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Combine datasets with the same tokenizer and disjoint group ids into one, re-sharded."""
+    from offline_rec.merge import merge_datasets
+
+    summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard)
+    if as_json:
+        _print_json(summary)
+        return
+    typer.echo(f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups -> {summary['out']}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------
+# eval, report  (owned by offline_rec/evaluate.py, offpolicy.py, report.py)
+
+
+@app.command("eval")
+def eval_(
+    model: Optional[str] = typer.Option(None, "--model", help="Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id."),
+    task: Optional[str] = typer.Option(None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset)."),
+    num_samples: int = typer.Option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k)."),
+    greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy)."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts)."),
+    prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="The prompt file's prompt column (default: the task's)."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512)."),
+    split: str = typer.Option("test", "--split", help="Built-in prompts: test (held out, the default) or train."),
+    reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward with module:function."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="hf or vllm (default: vllm when importable, else hf)."),
+    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k truncation (default: none)."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest completion, in tokens."),
+    seed: int = typer.Option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap."),
+    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call; --offline: sequences per forward pass."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype)."),
+    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template."),
+    success_threshold: float = typer.Option(0.5, "--success-threshold", help="A sample is correct when its reward is above this (accuracy, pass@k)."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="vLLM: share of the GPU it may take (default: vLLM's)."),
+    reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit)."),
+    offline: bool = typer.Option(False, "--offline", help="Estimate from logged data without generating (needs --data or --run)."),
+    data: Optional[List[str]] = typer.Option(None, "--data", help="--offline: dataset(s) of logged groups (repeatable; default: the run's)."),
+    run: Optional[str] = typer.Option(None, "--run", help="--offline: train RUN folder; its held-out groups (holdout.json) are used."),
+    num_bootstrap: int = typer.Option(1000, "--num-bootstrap", help="--offline: bootstrap resamples of the 95% intervals (0: none)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the evaluation already in --out."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
+    from offline_rec.evaluate import evaluate, offline_evaluate, summary_table
+
+    if offline:
+        summary = offline_evaluate(model, data or (), run, out, temperature=temperature, batch_size=batch_size, dtype=dtype,
+                                   num_bootstrap=num_bootstrap, seed=seed, overwrite=overwrite)
+    else:
+        if data or run:
+            raise UserError("--data and --run go with --offline (an estimate from logged data)")
+        for value, flag in ((model, "--model"), (task, "--task"), (out, "--out")):
+            if not value:
+                raise UserError(f"eval needs {flag} (or --offline to estimate from logged data)")
+        summary = evaluate(
+            model, task, out, num_samples=num_samples, greedy=greedy, prompts=prompts, prompt_column=prompt_column,
+            num_prompts=num_prompts, split=split, reward=reward, backend=backend,
+            temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
+            max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, dtype=dtype, chat_template=chat_template,
+            success_threshold=success_threshold, gpu_memory_utilization=gpu_memory_utilization,
+            reward_timeout_s=reward_timeout or None, overwrite=overwrite, show_progress=not quiet,
+        )
+    if as_json:
+        _print_json(summary)
+        return
+    _console().print(summary_table(summary))
+    if out is not None:
+        typer.echo(f"-> {out}" + ("" if offline else f" (rollouts: {summary['rollouts']})"))
+
+
+@app.command()
+def report(
+    runs: List[Path] = typer.Argument(..., help="Train RUN folders and/or evaluation folders (or their summary.json)."),
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for the PNG plots and summary.md."),
+    smoothing: float = typer.Option(0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none)."),
+) -> None:
+    """Plot training and evaluation curves of runs side by side, and write a markdown summary table."""
+    from offline_rec.report import report_runs
+
+    written = report_runs(runs, out, smoothing=smoothing)
+    for name, path in written.items():
+        typer.echo(f"{name}: {path}")
+
+
+# --------------------------------------------------------------------------------------------
+# demo  (owned by offline_rec/demo.py)
+
+
+@app.command()
+def demo(
+    out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json."),
+    algorithm: str = typer.Option("rec-oneside-nois", "--algorithm", help="Loss preset to train with."),
+    wide_clip: bool = typer.Option(False, "--wide-clip", help="The paper's wide clip: eps_low 0.6, eps_high 2.0."),
+    backend: str = typer.Option("hf", "--backend", help="Sampling backend: hf (fastest for this tiny model on a CPU) or vllm."),
+    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Train prompts sampled (default 512; 64 with --quick)."),
+    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the fixed dataset (default 12; 2 with --quick)."),
+    eval_prompts: Optional[int] = typer.Option(None, "--eval-prompts", help="Held-out test prompts (default 512; 64 with --quick)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds the train prompts, the sampling and the shuffle."),
+    model: Optional[str] = typer.Option(None, "--model", help="Behavior policy folder (default: the shipped demo policy)."),
+    quick: bool = typer.Option(False, "--quick", help="A reduced demo (a tenth of the data, 2 epochs): every stage in about a minute."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier demo's outputs in --out."),
+    threads: int = typer.Option(1, "--threads", help="torch CPU threads (1 is fastest for this tiny model on a shared CPU)."),
+) -> None:
+    """Collect, validate, train offline, evaluate and report on a tiny arith policy: the whole pipeline on a CPU."""
+    from offline_rec.demo import run_demo
+
+    given = dict(num_prompts=num_prompts, epochs=epochs, eval_prompts=eval_prompts)
+    summary = run_demo(out, model=model, quick=quick, overwrite=overwrite, threads=threads, algorithm=algorithm,
+                       wide_clip=wide_clip, backend=backend, seed=seed, **{k: v for k, v in given.items() if v is not None})
+    typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Console entry point: runs the app, turning UserError into one line on stderr and exit 2."""
     try:
@@ -100,6 +485,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     except UserError as e:
         typer.echo(f"error: {e.message}", err=True)
         sys.exit(e.exit_code)
+    except OSError as e:  # a full disk, wherever it strikes (checkpoints, rejects, summaries): one line too
+        full = disk_full(e, e.filename or "the output")
+        if full is None:
+            raise
+        typer.echo(f"error: {full.message}", err=True)
+        sys.exit(full.exit_code)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)

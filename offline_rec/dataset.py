@@ -30,9 +30,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
-from offline_rec.errors import DataError, UserError
+from offline_rec.errors import DataError, UserError, disk_full
 
 READ_BATCH_ROWS = 4096
+# What pyarrow raises for a damaged Parquet file: I/O and format errors, and ValueError
+# (UnicodeDecodeError included) when damaged metadata decodes to garbage names or sizes.
+SHARD_READ_ERRORS = (OSError, pa.ArrowException, ValueError)
 
 
 # --------------------------------------------------------------------------------------------
@@ -68,8 +71,11 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        full = disk_full(e, path, f"{path.name} is unchanged; free space and run the command again")
+        if full is not None:
+            raise full from None
         raise
     _fsync_dir(path.parent)
 
@@ -274,7 +280,11 @@ class DatasetWriter:
                 f.unlink()
         self.progress = dict(self.manifest.get("progress") or {})
         for shard in self.manifest[S.M_SHARDS]:
-            table = pq.read_table(self.path / shard["path"], columns=[S.GROUP_ID])
+            try:
+                table = pq.read_table(self.path / shard["path"], columns=[S.GROUP_ID])
+            except SHARD_READ_ERRORS as e:
+                raise DataError(f"{self.path / shard['path']}: cannot read a committed shard ({e}); "
+                                f"run `offline-rec validate {self.path}`") from None
             self.committed_group_ids.update(table.column(S.GROUP_ID).unique().to_pylist())
 
     # -- writing
@@ -321,11 +331,20 @@ class DatasetWriter:
             name = S.SHARD_PATTERN.format(index=index)
             data = self.path / S.DATA_DIR
             tmp = data / f".{name}.tmp"
-            pq.write_table(table, tmp, compression="zstd")
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            digest = sha256_file(tmp)
-            os.replace(tmp, data / name)
+            try:
+                pq.write_table(table, tmp, compression="zstd")
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                digest = sha256_file(tmp)
+                os.replace(tmp, data / name)
+            except OSError as e:  # e.g. a full disk: the half-written temporary goes, the shards committed before stay
+                tmp.unlink(missing_ok=True)
+                kept = ("nothing was written" if self.atomic else
+                        "the shards committed before are kept; `--resume` continues from them")
+                full = disk_full(e, self.final_path / S.DATA_DIR / name, f"{kept}; free space and run the command again")
+                if full is not None:
+                    raise full from None
+                raise
             _fsync_dir(data)
             self.manifest[S.M_SHARDS].append(
                 {
@@ -429,7 +448,7 @@ class Dataset:
             pf = pq.ParquetFile(shard)
             for batch in pf.iter_batches(batch_size=batch_rows, columns=columns):
                 yield shard, batch
-        except (OSError, pa.ArrowException) as e:
+        except SHARD_READ_ERRORS as e:
             raise DataError(f"{shard}: cannot read Parquet shard ({e}); run `offline-rec validate {self.path}`") from None
 
     def iter_group_tables(self, columns: list[str] | None = None, batch_rows: int = READ_BATCH_ROWS) -> Iterator[pa.Table]:

@@ -9,18 +9,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.dataset import Dataset, open_dataset
+from offline_rec.dataset import SHARD_READ_ERRORS, Dataset, open_dataset
 from offline_rec.errors import DataError
 
 PERCENTILES = (0.5, 0.9, 0.99)
 REWARD_BINS = 10
 
 
+# The reward with NaN and inf as null: those are counted apart and left out of every statistic
+# (`validate` reports them as errors), so that one bad value does not turn the moments into NaN.
+_FINITE_REWARD = "_finite_reward"
+
+
 def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD_BINS) -> list[dict]:
-    """Equal-width bins over [lo, hi], counted by a lazy query; a constant reward gives one bin."""
+    """Equal-width bins over [lo, hi] of the finite rewards, counted by a lazy query; a constant reward gives one bin."""
     import polars as pl
 
-    r = pl.col(S.REWARD)
+    r = pl.col(_FINITE_REWARD)
     if lo is None:
         return []
     if lo == hi:
@@ -42,6 +47,7 @@ def describe_dataset(path: str | Path) -> dict:
     import polars as pl
 
     ds = open_dataset(path)
+    _check_shard_schemas(ds)
     try:
         return _describe(ds, path)
     except (pl.exceptions.PolarsError, OSError) as e:
@@ -49,6 +55,28 @@ def describe_dataset(path: str | Path) -> dict:
         # dataset and the command that locates the damage instead of a polars traceback.
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(f"{path}: cannot read the dataset's shards ({first_line}); run `offline-rec validate {path}` to locate the damage") from None
+
+
+def _check_shard_schemas(ds: Dataset) -> None:
+    """DataError naming the first shard whose footer is unreadable or whose columns break the schema.
+
+    Reads only the Parquet footers: a polars scan over such a shard would fail with a message
+    that names no shard, or silently cast a wrong type.
+    """
+    import pyarrow.parquet as pq
+
+    from offline_rec.validate import schema_issues
+
+    for shard in ds.shard_paths:
+        try:
+            schema = pq.read_schema(shard)
+        except SHARD_READ_ERRORS as e:
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DataError(f"{ds.path}: cannot read the dataset's shards ({shard.relative_to(ds.path)}: {first_line}); "
+                            f"run `offline-rec validate {ds.path}`") from None
+        issues = schema_issues(schema)
+        if issues:
+            raise DataError(f"{ds.path}: {shard.relative_to(ds.path)}: {issues[0]}; run `offline-rec validate {ds.path}`")
 
 
 def _describe(ds: Dataset, path: str | Path) -> dict:
@@ -67,7 +95,9 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
     lf = ds.scan().with_columns(
         pl.col(S.PROMPT_IDS).list.len().alias("_prompt_len"),
         pl.col(S.COMPLETION_IDS).list.len().alias("_completion_len"),
+        pl.when(pl.col(S.REWARD).is_finite()).then(pl.col(S.REWARD)).alias(_FINITE_REWARD),
     )
+    finite = pl.col(_FINITE_REWARD)
     q = PERCENTILES
     row_stats = lf.select(
         pl.len().alias("rows"),
@@ -77,15 +107,16 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         *[pl.col("_completion_len").quantile(p, "nearest").alias(f"completion_p{int(p * 100)}") for p in q],
         pl.col("_prompt_len").max().alias("prompt_max"),
         pl.col("_completion_len").max().alias("completion_max"),
-        pl.col(S.REWARD).mean().alias("reward_mean"),
-        pl.col(S.REWARD).std().alias("reward_std"),
+        finite.mean().alias("reward_mean"),
+        finite.std().alias("reward_std"),
         pl.col(S.REWARD).null_count().alias("reward_null"),
-        pl.col(S.REWARD).min().alias("reward_min"),
-        pl.col(S.REWARD).max().alias("reward_max"),
+        (pl.col(S.REWARD).is_not_null() & finite.is_null()).sum().alias("reward_nonfinite"),
+        finite.min().alias("reward_min"),
+        finite.max().alias("reward_max"),
     ).collect(engine="streaming").row(0, named=True)
     groups = (
         lf.group_by(S.GROUP_ID)
-        .agg(pl.len().alias("size"), pl.col(S.REWARD).min().alias("rmin"), pl.col(S.REWARD).max().alias("rmax"))
+        .agg(pl.len().alias("size"), finite.min().alias("rmin"), finite.max().alias("rmax"))
         .collect(engine="streaming")
     )
     size_hist = groups.group_by("size").agg(pl.len().alias("groups")).sort("size")
@@ -108,6 +139,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
             "mean": row_stats["reward_mean"],
             "std": row_stats["reward_std"],
             "null": int(row_stats["reward_null"]),
+            "nonfinite": int(row_stats["reward_nonfinite"]),
             "min": row_stats["reward_min"],
             "max": row_stats["reward_max"],
             "histogram": _reward_histogram(lf, row_stats["reward_min"], row_stats["reward_max"]),

@@ -51,6 +51,7 @@ from offline_rec import schema as S
 from offline_rec.dataset import atomic_write_json, atomic_write_text, open_dataset, open_datasets
 from offline_rec.errors import UserError
 from offline_rec.tasks import REWARD_TIMEOUT_S
+from offline_rec.validate import check_dataset_for_use
 
 SUMMARY_FILE = "summary.json"
 PER_PROMPT_FILE = "per_prompt.jsonl"
@@ -540,7 +541,7 @@ def offline_evaluate(
     sampling temperature (1.0 when unrecorded). Rows with a null reward are left out and counted.
     Returns the summary, also written to OUT/summary.json when `out` is given.
     """
-    from offline_rec.models import check_model_tokenizer, load_model, load_tokenizer
+    from offline_rec.models import check_model_tokenizer, load_model, load_tokenizer, model_context
     from offline_rec.offpolicy import behavior_kl, offpolicy_estimates
 
     if out is not None:
@@ -559,13 +560,15 @@ def offline_evaluate(
     if batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {batch_size}")
     model = resolve_model(model)
+    for path in data:
+        check_dataset_for_use(path)  # a bad row is refused with its shard and row
     datasets = open_datasets(data)
     tokenizer = load_tokenizer(model)
     from offline_rec.train import check_tokenizers
 
     check_tokenizers(datasets, tokenizer, model)
     check_tokenizer_fits(model, tokenizer)
-    logged = _read_logged(datasets, holdout_ids)
+    logged = _read_logged(datasets, holdout_ids, model_context(model))
     vocab = model_vocab_size(model)
     if vocab is not None and logged["max_token_id"] >= vocab:
         raise UserError(f"the data holds token id {logged['max_token_id']} but {model} has {vocab} embeddings: "
@@ -639,7 +642,7 @@ def _read_holdout(run: Path) -> dict:
     return {"group_ids": group_ids, "datasets": datasets}
 
 
-def _read_logged(datasets, group_ids: set[str] | None) -> dict:
+def _read_logged(datasets, group_ids: set[str] | None, context: int | None = None) -> dict:
     """The logged rows to estimate from: tokens, behavior log-probs, masks, rewards (null-reward rows left out)."""
     columns = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD]
     logged = {"prompt_ids": [], "completion_ids": [], "behavior_logprobs": [], "loss_masks": [], "rewards": [],
@@ -652,6 +655,11 @@ def _read_logged(datasets, group_ids: set[str] | None) -> dict:
                 continue
             found.add(group_id)
             for row in rows:
+                length = len(row[S.PROMPT_IDS]) + len(row[S.COMPLETION_IDS])
+                if context is not None and length > context:
+                    raise UserError(f"group {group_id!r} of {dataset.path} has a row of {length} tokens, more than the "
+                                    f"model's context of {context}; drop such groups with "
+                                    "`offline-rec filter --max-prompt-tokens N --max-completion-tokens M`")
                 if row[S.REWARD] is None:
                     logged["null_rewards"] += 1
                     continue

@@ -30,6 +30,7 @@ from pathlib import Path
 from offline_rec import schema as S
 from offline_rec.dataset import DatasetWriter, open_dataset
 from offline_rec.errors import UserError
+from offline_rec.validate import check_dataset_for_use
 
 REASONS = ("policy_version", "truncated", "max_prompt_tokens", "max_completion_tokens", "all_equal", "sample_fraction")
 
@@ -121,6 +122,7 @@ def filter_dataset(src: str | Path, out: str | Path, options: FilterOptions, gro
     Summary: {"rows_in", "groups_in", "rows_out", "groups_out", "dropped": {reason: {"rows", "groups"}}}.
     """
     options.check()
+    check_dataset_for_use(src)  # bad rows are refused with their place, not copied into OUT
     dataset = open_dataset(src, require_complete=True)
     counts = {reason: [0, 0] for reason in REASONS}
     rows_in = groups_in = rows_out = groups_out = 0

@@ -266,12 +266,9 @@ def _print_err(message: str) -> None:
 
 def _require_valid(path: Path, what: str, fix: str) -> dict:
     """The manifest of `path` when `validate_dataset` finds no error; DataError naming the first one otherwise."""
-    from offline_rec.validate import ERROR, validate_dataset
+    from offline_rec.validate import check_dataset_for_use
 
-    report = validate_dataset(path)
-    if not report.ok:
-        first = next(p for p in report.problems if p.severity == ERROR)
-        raise DataError(f"{what} is not a valid dataset ({report.errors} error(s); first: {first.location}: {first.message}); {fix}")
+    check_dataset_for_use(path, what=what, fix=fix)
     return read_manifest(path)
 
 

@@ -20,12 +20,15 @@ import pyarrow.parquet as pq
 from offline_rec import schema as S
 from offline_rec.dataset import Dataset, DatasetWriter, open_dataset
 from offline_rec.errors import UserError
+from offline_rec.validate import check_dataset_for_use
 
 
 def merge_datasets(inputs: Sequence[str | Path], out: str | Path, groups_per_shard: int = 256) -> dict:
     """Write the union of `inputs` to the new dataset `out`; returns {"out", "inputs", "rows", "groups"}."""
     if not inputs:
         raise UserError("merge needs at least one input dataset")
+    for path in inputs:
+        check_dataset_for_use(path)  # a bad row is refused with its place, not copied into OUT
     datasets = [open_dataset(path, require_complete=True) for path in inputs]
     _check_tokenizers(datasets)
     _check_disjoint(datasets)

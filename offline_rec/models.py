@@ -95,3 +95,27 @@ def check_model_tokenizer(model, tokenizer, where: str = "") -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise UserError(f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: model and tokenizer do not match")
+
+
+# Config attributes that hold a causal LM's context length, by architecture family.
+_CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def model_context(name_or_path: str) -> int | None:
+    """The number of positions model `name_or_path` was built for (its config's max_position_embeddings
+    or equivalent), read from config.json alone; None when the config names none or cannot be read.
+
+    A longer sequence either crashes the forward (learned position embeddings) or is silently
+    extrapolated (rotary): commands that score logged rows refuse such rows up front.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        return None
+    for attribute in _CONTEXT_ATTRIBUTES:
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

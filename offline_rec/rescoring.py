@@ -17,6 +17,7 @@ from offline_rec import schema as S
 from offline_rec.dataset import DatasetWriter, open_dataset
 from offline_rec.errors import DataError
 from offline_rec.tasks import REWARD_TIMEOUT_S, get_task, merge_reward_stats, score_many
+from offline_rec.validate import check_dataset_for_use
 
 SCORE_BATCH_ROWS = 256  # rows handed to score_many at once (whole groups, at least one)
 
@@ -43,6 +44,7 @@ def rescore_dataset(
     ``module:function``) to a new dataset OUT. Returns {"out", "rows", "groups", "rewarded", "null",
     "reward_stats"}."""
     task = get_task(task_name, reward)
+    check_dataset_for_use(src)  # bad rows are refused with their place, not copied into OUT
     dataset = open_dataset(src, require_complete=True)
     stats: dict = {}
     rows_done = groups_done = rewarded = 0

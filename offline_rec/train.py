@@ -47,7 +47,8 @@ from offline_rec.config import TrainConfig, save_config
 from offline_rec.dataset import Dataset, atomic_write_json, open_dataset
 from offline_rec.errors import UserError
 from offline_rec.logprobs import token_logprobs_from_model
-from offline_rec.models import load_model, load_tokenizer, tokenizer_hash
+from offline_rec.models import load_model, load_tokenizer, model_context, tokenizer_hash
+from offline_rec.validate import check_dataset_for_use
 
 HUB_DATA_PREFIX = "hf://datasets/"
 
@@ -80,7 +81,10 @@ def train(config: TrainConfig) -> dict:
 
     # ---- 1. Checks: everything a user can get wrong fails here, before RUN is touched.
     spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
-    datasets = [open_dataset(resolve_data_path(p)) for p in config.data]
+    data_paths = [resolve_data_path(p) for p in config.data]
+    for path in data_paths:
+        check_dataset_for_use(path)  # a bad row is refused with its shard and row before anything runs
+    datasets = [open_dataset(path) for path in data_paths]
     tokenizer = load_tokenizer(config.model)
     check_tokenizers(datasets, tokenizer, config.model)
     if config.resume and (run_dir / ckpt.FINAL_DIR).is_dir():
@@ -89,6 +93,7 @@ def train(config: TrainConfig) -> dict:
         raise UserError(f"run directory {run_dir} already exists; pass --resume to continue it, or choose another --out")
     check_optional_features(config)
     index = batching.index_datasets(datasets, config.max_length, config.truncate)
+    check_context(index, config.model)
     train_groups, holdout_groups = batching.split_holdout(index.group_ids, config.holdout)
     if len(train_groups) == 0:
         raise UserError(f"holdout={config.holdout} leaves no group to train on")
@@ -374,6 +379,22 @@ def check_tokenizers(datasets: list[Dataset], tokenizer, model: str) -> None:
                             f"(tokenizer_hash {digest[:12]} != {mine[:12]}); train a policy with the same tokenizer")
 
 
+def check_context(index: batching.GroupIndex, model: str) -> None:
+    """Refuse rows (after truncation to max_length) longer than the model has positions for: a forward
+    over them crashes (learned positions) or silently extrapolates (rotary)."""
+    context = model_context(model)
+    if context is None:
+        return
+    lengths = index.prompt_length.astype(np.int64) + index.completion_length  # [R]
+    too_long = np.flatnonzero(lengths > context)
+    if len(too_long):
+        row = int(too_long[0])
+        group = index.group_ids[int(np.searchsorted(index.row_start, row, side="right")) - 1]
+        raise UserError(f"{len(too_long)} rows are longer than {model}'s context of {context} tokens (the first, in group "
+                        f"{group!r}, has {int(lengths[row])}); set max_length <= {context} with truncate: true, or drop "
+                        "them with `offline-rec filter --max-prompt-tokens N --max-completion-tokens M`")
+
+
 def check_optional_features(config: TrainConfig) -> None:
     """Features that need an extra package or module: refuse them up front, with the fix."""
     needs = [
@@ -611,3 +632,12 @@ def print_settings(config, spec, index, train_groups, holdout_groups, per_epoch,
     if index.truncated_rows:
         console.print(f"[yellow]warning:[/yellow] {index.truncated_rows} rows longer than max_length={config.max_length} "
                       "had their completions truncated (truncate: true)")
+    # Groups whose advantages are all 0 (see advantage_stats): one response, or all rewards equal.
+    low = np.minimum.reduceat(index.reward, index.row_start)  # [G]
+    high = np.maximum.reduceat(index.reward, index.row_start)  # [G]
+    singletons, all_equal = int((index.size == 1).sum()), int(((index.size > 1) & (low == high)).sum())
+    if singletons or all_equal:
+        console.print(f"[yellow]warning:[/yellow] {singletons} groups of one response and {all_equal} groups whose "
+                      "rewards are all equal carry no learning signal (advantage 0; metrics.jsonl counts them per step "
+                      "as singleton_groups and zero_variance_group_fraction); `offline-rec filter --drop-all-equal` "
+                      "removes them")

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
-from offline_rec.dataset import READ_BATCH_ROWS, read_manifest, sha256_file
+from offline_rec.dataset import READ_BATCH_ROWS, SHARD_READ_ERRORS, read_manifest, sha256_file
 from offline_rec.errors import DataError, UserError
 
 ERROR = "error"
@@ -95,7 +95,7 @@ def _group_hash(gid: str) -> int:
     return int.from_bytes(hashlib.blake2b(gid.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little", signed=True)
 
 
-def _types_match(actual: pa.Schema) -> list[str]:
+def schema_issues(actual: pa.Schema) -> list[str]:
     """Names of schema problems: missing columns and wrong types (large_* variants accepted)."""
     issues = []
     for name, dtype, _, _ in S.COLUMNS:
@@ -184,6 +184,25 @@ def validate_dataset(path: str | Path, check_checksums: bool = True) -> Report:
     return report
 
 
+def check_dataset_for_use(path: str | Path, *, what: str | None = None, fix: str | None = None,
+                          check_checksums: bool = True) -> None:
+    """Refuse a dataset that `validate_dataset` finds errors in: DataError naming the first one and its place.
+
+    Every command that reads a dataset to train on it or to write another one calls this first,
+    so bad data is refused with its location (shard, row, group) before anything is written,
+    instead of failing mid-run or being silently copied. Warnings (null rewards, an incomplete or
+    empty dataset) pass: each command decides what it needs. Costs one streaming pass.
+    """
+    report = validate_dataset(path, check_checksums=check_checksums)
+    if report.ok:
+        return
+    first = next(p for p in report.problems if p.severity == ERROR)
+    raise DataError(
+        f"{what or path} is not a valid dataset ({report.errors} error(s); first: {first.location}: {first.message}); "
+        + (fix or f"`offline-rec validate {path}` lists them")
+    )
+
+
 def _report_repeated_groups(shards: list[tuple[Path, str]], repeated_hashes: set[int], out: _Collector) -> None:
     """Second pass over the group_id column only: locate each run of rows whose group id was seen before.
 
@@ -211,10 +230,10 @@ def _validate_shard(shard_path: Path, rel: str, out: _Collector, group_hashes: l
     try:
         pf = pq.ParquetFile(shard_path)
         schema = pf.schema_arrow
-    except (OSError, pa.ArrowException) as e:
+    except SHARD_READ_ERRORS as e:
         out.add(ERROR, "corrupt-shard", f"cannot read Parquet ({e})", shard=rel)
         return None
-    type_issues = _types_match(schema)
+    type_issues = schema_issues(schema)
     for msg in type_issues:
         out.add(ERROR, "schema", msg, shard=rel)
     if type_issues:
@@ -251,7 +270,7 @@ def _validate_shard(shard_path: Path, rel: str, out: _Collector, group_hashes: l
                     cur_gid, cur_start, cur_idx = gids[i], rows + i, []
                 cur_idx.append(sidx[i])
             rows += n
-    except (OSError, pa.ArrowException) as e:
+    except SHARD_READ_ERRORS as e:
         out.add(ERROR, "corrupt-shard", f"cannot read Parquet after row {rows} ({e})", shard=rel)
         return None
     close_group()
