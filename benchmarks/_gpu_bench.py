@@ -1,0 +1,165 @@
+"""GPU benchmark (run by benchmarks/gpu.sh): vLLM collect and trainer steps of a ~0.4B Qwen2 built from a config.
+
+Nothing is downloaded. The tokenizer is a byte-level BPE trained here on seeded random words
+(32k vocabulary); the model is Qwen2Config(hidden 896, 24 layers, 14 heads, 2 KV heads, MLP
+4864, tied embeddings) with random weights, saved in bfloat16: Qwen2.5-0.5B's shape with a 32k
+instead of a 152k vocabulary, N = 0.39B parameters.
+
+Two stages, each in a fresh process (vLLM reserves most of the GPU memory):
+  collect  `offline_rec.collect.collect` with the vLLM backend (bf16): arith prompts x 8 samples,
+           temperature 1, up to 256 new tokens (a random model rarely stops early), all prompts in
+           one batch. Engine start-up is not timed. Prints samples/s, generated tokens/s and the
+           generation MFU 2 * N * tokens/s / peak.
+  train    `offline_rec.train.train` (bf16 autocast, float32 master weights and AdamW) on a synthetic
+           dataset (prompts 50-200, completions 100-700 tokens, 16 groups of 8 per step, 16k-token
+           micro-batches); steps timed by the wall clock between consecutive steps after 2 warm-up
+           steps, as in _train_bench. Prints tokens/s and MFU = 6 * N * tokens/s / peak.
+Peak: 989e12 FLOP/s, the dense bf16 peak of an H100/H200 SXM (--peak-tflops to change). N counts
+every parameter once (the tied embedding is the lm_head's matmul); attention's own FLOPs are left
+out, so MFU is slightly understated.
+
+--dry-run: tiny sizes (hidden 64, 2 layers, 500-token vocabulary, a few samples and steps), on
+the CPU when there is no GPU, fp32, vLLM if importable else the hf backend: it checks the code
+path only; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import random_words, run_child, write_synthetic_dataset  # noqa: E402
+
+PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM
+SIZES = {
+    "gpu": {
+        "model": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True),
+        "vocab": 32000, "dtype": "bfloat16",
+        "collect": dict(num_prompts=256, num_samples=8, max_new_tokens=256),
+        "data": dict(num_groups=128, prompt_lengths=(50, 200), completion_lengths=(100, 700), groups_per_shard=64),
+        "train": dict(prompts_per_step=16, micro_batch_tokens=16384, warmup=2, steps=4),
+    },
+    "dry-run": {
+        "model": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=128, max_position_embeddings=1024, tie_word_embeddings=True),
+        "vocab": 500, "dtype": "float32",
+        "collect": dict(num_prompts=4, num_samples=2, max_new_tokens=8),
+        "data": dict(num_groups=8, prompt_lengths=(5, 20), completion_lengths=(5, 40), groups_per_shard=4),
+        "train": dict(prompts_per_step=2, micro_batch_tokens=512, warmup=1, steps=1),
+    },
+}
+
+
+def build_model(path: str, size: str) -> dict:
+    """The Qwen2 model of `size` with random weights and a locally trained BPE tokenizer, saved into `path`."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from offline_rec.tiny import build_bpe_tokenizer
+
+    sizes = SIZES[size]
+    words = random_words(8 * sizes["vocab"]) + [f"What is {a}+{b}? {a + b}" for a in range(10, 100) for b in range(10, 100, 7)]
+    tokenizer = build_bpe_tokenizer([" ".join(words[i:i + 64]) for i in range(0, len(words), 64)], vocab_size=sizes["vocab"])
+    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(vocab_size=len(tokenizer), **sizes["model"], **special)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).to(getattr(torch, sizes["dtype"]))
+    model.generation_config = GenerationConfig(**special, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": len(tokenizer)}
+
+
+def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
+    """vLLM (or, without it, hf) collect throughput; engine start-up not timed."""
+    from offline_rec.backends import SamplingSettings, vllm_import_error
+    from offline_rec.collect import CollectConfig, collect
+
+    settings = SIZES[size]["collect"]
+    if vllm_import_error() is None:
+        from offline_rec.backends.vllm import VLLMBackend, make_engine
+
+        engine = "vllm"
+        backend = VLLMBackend(llm=make_engine(model, dtype, seed=0), tokenizer=None)
+    else:
+        from offline_rec.backends.hf import HFBackend
+
+        engine = "hf"
+        backend = HFBackend(model, dtype=dtype)
+    backend.generate([[5, 6, 7]], 1, SamplingSettings(max_new_tokens=2))  # warm-up
+    config = CollectConfig(model=model, task="arith", out=Path(out), backend=engine, temperature=1.0, seed=0,
+                           batch_size=settings["num_prompts"], dtype=dtype, show_progress=False, **settings)
+    started = time.perf_counter()
+    collect(config, backend=backend)
+    seconds = time.perf_counter() - started
+    from offline_rec.dataset import open_dataset
+
+    dataset = open_dataset(out)
+    return {"engine": engine, "seconds": seconds, "samples": dataset.num_rows,
+            "generated_tokens": dataset.totals["completion_tokens"]}
+
+
+def train_stage(model: str, data: str, out: str, size: str, gpu: bool) -> dict:
+    """Trainer tokens/s in steady state (wall clock between steps), as in _train_bench."""
+    from benchmarks._train_bench import time_trainer
+    from offline_rec.config import TrainConfig
+
+    settings = dict(SIZES[size]["train"])
+    warmup, steps = settings.pop("warmup"), settings.pop("steps")
+    config = TrainConfig(data=[data], model=model, algorithm="rec-oneside-nois", out=out, max_steps=warmup + steps + 1,
+                         lr=1e-6, progress=False, report_to=[], save_every=0, keep_last=1, model_dtype="float32",
+                         mixed_precision="bf16" if gpu else "no", cpu=not gpu, seed=0, **settings)
+    timed = time_trainer(config)[warmup - 1:warmup - 1 + steps]
+    return {"tokens": sum(s["tokens"] for s in timed), "seconds": sum(s["seconds"] for s in timed), "steps": len(timed)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny sizes, CPU allowed: checks the code path only")
+    parser.add_argument("--workdir", default="/tmp/offline-rec-gpu-bench", help="model, datasets and runs go here")
+    parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the GPU's dense bf16 peak, TFLOP/s")
+    arguments = parser.parse_args(argv)
+    import torch
+
+    gpu = torch.cuda.is_available()
+    size = "dry-run" if arguments.dry_run else "gpu"
+    if not gpu and not arguments.dry_run:
+        print("no CUDA device: run with --dry-run to check the code path on the CPU", file=sys.stderr)
+        return 2
+    workdir = Path(arguments.workdir) / f"{size}-{int(time.time())}"
+    workdir.mkdir(parents=True)
+    model = str(workdir / "model")
+    info = build_model(model, size)
+    dtype = SIZES[size]["dtype"]
+    data = write_synthetic_dataset(workdir / "data", group_size=8, vocab_size=info["vocab"], **SIZES[size]["data"])["path"]
+    device = torch.cuda.get_device_name(0) if gpu else "CPU"
+    peak = arguments.peak_tflops * 1e12
+    n = info["parameters"]
+    print(f"device: {device}; model: Qwen2 {SIZES[size]['model']['hidden_size']}x{SIZES[size]['model']['num_hidden_layers']}, "
+          f"vocab {info['vocab']}, N = {n / 1e6:.1f}M parameters; peak used: {arguments.peak_tflops:g} TFLOP/s (dense bf16)")
+
+    sampled = run_child("_gpu_bench", "collect_stage", dict(model=model, out=str(workdir / "collected"), size=size, dtype=dtype))
+    sample_rate, token_rate = sampled["samples"] / sampled["seconds"], sampled["generated_tokens"] / sampled["seconds"]
+    print(f"collect ({sampled['engine']}, {dtype}): {sampled['samples']} samples, {sampled['generated_tokens']} tokens in "
+          f"{sampled['seconds']:.1f} s: {sample_rate:.1f} samples/s, {token_rate:.0f} tokens/s, "
+          f"generation MFU {2 * n * token_rate / peak:.2%}")
+
+    trained = run_child("_gpu_bench", "train_stage", dict(model=model, data=data, out=str(workdir / "run"), size=size, gpu=gpu))
+    train_rate = trained["tokens"] / trained["seconds"]
+    print(f"train ({'bf16 autocast' if gpu else 'fp32'}): {trained['steps']} steps, {trained['tokens']} tokens in "
+          f"{trained['seconds']:.1f} s: {train_rate:.0f} tokens/s, MFU {6 * n * train_rate / peak:.2%}")
+    print(json.dumps({"device": device, "parameters": n, "collect_samples_per_s": sample_rate,
+                      "collect_tokens_per_s": token_rate, "generation_mfu": 2 * n * token_rate / peak,
+                      "train_tokens_per_s": train_rate, "train_mfu": 6 * n * train_rate / peak,
+                      "peak_tflops": arguments.peak_tflops, "dry_run": arguments.dry_run}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

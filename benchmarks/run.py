@@ -1,0 +1,325 @@
+"""offline-rec's performance benchmark: each stage against its limit, side by side.
+
+    python benchmarks/run.py [--quick] [--json OUT] [--repeats N] [--threads N] [--workdir DIR]
+
+Prints one table (key, value, goal, what it compares) and writes a flat JSON object of numbers
+(null where a part cannot run, e.g. no vLLM). The keys and their goals:
+
+  train_vs_bare               trainer tokens/s / bare forward+loss+backward+AdamW loop    >= 0.9
+  padding_efficiency          real tokens / tokens run through the model (trainer packing) >= 0.9
+  logprob_peak_memory_ratio   chunked log-prob peak memory / full-logits peak              <= 0.25
+  shard_scan_vs_pyarrow       training data reader rows/s / raw pyarrow scan rows/s        >= 0.5
+  shard_scan_rss_growth       reader peak RSS on a 10x dataset / on the 1x dataset         <= 1.2 (flat)
+  collect_vllm_vs_hf          collect samples/s, vLLM backend / hf backend                 >= 2
+  collect_hf_vs_bare_generate collect samples/s, hf backend / bare batched generate        >= 0.9
+  ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
+  validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
+
+How each is measured is in the docstrings of benchmarks/_train_bench.py, _data_bench.py,
+_collect_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
+fresh process with the same number of torch threads (--threads, default: all cores). Noisy
+ratios are measured --repeats times (default 3, 1 with --quick) and the median is reported.
+A part that fails is reported as null with its error, and the exit code is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `offline_rec` importable
+
+from benchmarks import logprob_memory  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    describe_model,
+    machine,
+    make_model,
+    median,
+    run_child,
+    write_synthetic_dataset,
+)
+
+# Fixed sizes. Full: models of tens of millions of parameters, so that Python overhead does not
+# dominate on a 2-core CPU. Quick (CI): the same measurements on small models and data.
+SIZES = {
+    "full": {
+        "model": {"vocab_size": 8000, "hidden_size": 512, "num_layers": 8, "num_heads": 8},
+        "train_data": {"num_groups": 64, "prompt_lengths": (10, 60), "completion_lengths": (10, 200), "groups_per_shard": 16},
+        "train": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 3},
+        "ddp": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 2, "thread_variant": True,
+                "repeats": 2},
+        "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
+        "scan": {"max_steps": None},
+        "collect": {"num_prompts": 16, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
+        "cli_rows": 1_000_000,
+    },
+    "quick": {
+        "model": {"vocab_size": 2000, "hidden_size": 128, "num_layers": 2, "num_heads": 4},
+        "train_data": {"num_groups": 16, "prompt_lengths": (10, 30), "completion_lengths": (10, 100), "groups_per_shard": 4},
+        "train": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 2},
+        "ddp": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 1, "thread_variant": False,
+                "repeats": 1},
+        "scan_data": {"num_groups": 256, "groups_per_shard": 64},
+        "scan": {"max_steps": None},
+        "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
+        "cli_rows": None,
+    },
+}
+SCAN_GROWTH = 10  # the RSS check's bigger dataset has this many times the rows
+GROUP_SIZE = 8
+
+# (key, goal as text, what it compares); the table's rows, in order.
+KEYS = (
+    ("train_vs_bare", ">= 0.9", "trainer tokens/s / bare fwd+loss+bwd+AdamW loop (same model, batches, loss, threads)"),
+    ("train_vs_bare_chunked", "", "same, bare loop using the trainer's chunked log-prob path"),
+    ("trainer_tokens_per_s", "", "trainer steady-state tokens/s (wall clock between steps)"),
+    ("bare_tokens_per_s", "", "bare loop tokens/s (full logits)"),
+    ("bare_chunked_tokens_per_s", "", "bare loop tokens/s (chunked log-probs)"),
+    ("padding_efficiency", ">= 0.9", "real / padded tokens, trainer packing, lengths 20..600, 1 epoch"),
+    ("logprob_peak_memory_ratio", "<= 0.25", "chunked / full-logits peak memory, fwd+bwd"),
+    ("shard_scan_vs_pyarrow", ">= 0.5", "reader rows/s (index + read_step_rows + pack) / raw pyarrow scan"),
+    ("shard_reader_rows_per_s", "", "training data reader rows/s, 1x dataset"),
+    ("pyarrow_scan_rows_per_s", "", "raw pyarrow iter_batches rows/s, same shards and columns"),
+    ("shard_scan_rss_growth", "<= 1.2", f"reader peak RSS, {SCAN_GROWTH}x dataset / 1x"),
+    ("shard_scan_rss_1x_mb", "", "reader process peak RSS, 1x dataset"),
+    ("shard_scan_rss_10x_mb", "", f"reader process peak RSS, {SCAN_GROWTH}x dataset"),
+    ("collect_vllm_vs_hf", ">= 2", "collect samples/s, vllm backend / hf backend (start-up excluded)"),
+    ("collect_hf_vs_bare_generate", ">= 0.9", "collect samples/s, hf backend / bare batched generate with scores"),
+    ("collect_vllm_samples_per_s", "", "collect samples/s, vllm backend"),
+    ("collect_hf_samples_per_s", "", "collect samples/s, hf backend"),
+    ("bare_generate_samples_per_s", "", "bare generate samples/s"),
+    ("ddp_scaling", "(2 = linear)", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 1 thread (gloo)"),
+    ("ddp_vs_threads", "", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 2 threads"),
+    ("validate_1m_rows_seconds", "", "offline-rec validate --json, 1M narrow rows"),
+    ("validate_1m_rows_peak_rss_mb", "", "its peak RSS"),
+    ("inspect_1m_rows_seconds", "", "offline-rec inspect --json, 1M narrow rows"),
+    ("inspect_1m_rows_peak_rss_mb", "", "its peak RSS"),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# parts: each returns a dict of numbers (and may add notes)
+
+
+def part_logprob_memory(context: dict) -> dict:
+    result = logprob_memory.run(quick=context["quick"])
+    return {key: result[key] for key in ("logprob_peak_memory_ratio", "naive_peak_mb", "chunked_peak_mb")}
+
+
+def part_train(context: dict) -> dict:
+    sizes = context["sizes"]
+    kwargs = dict(model=context["model"]["path"], data=context["train_data"]["path"],
+                  workdir=str(context["workdir"] / "train"), repeats=context["repeats"], threads=context["threads"],
+                  **sizes["train"])
+    result = run_child("_train_bench", "train_vs_bare_child", kwargs, threads=context["threads"])
+    context["notes"].append(f"train: {result['tokens_per_step']:.0f} tokens/step in {result['micro_batches_per_step']:.0f} "
+                            f"micro-batches; per-repeat train_vs_bare {[round(r, 3) for r in result['train_vs_bare_all']]}; "
+                            f"trainer's own tokens_per_s metric {result['trainer_reported_tokens_per_s']:.0f}")
+    keys = ("train_vs_bare", "train_vs_bare_chunked", "trainer_tokens_per_s", "bare_tokens_per_s", "bare_chunked_tokens_per_s",
+            "trainer_reported_tokens_per_s", "train_padding_efficiency", "tokens_per_step")
+    return {key: result[key] for key in keys}
+
+
+def part_ddp(context: dict) -> dict:
+    from benchmarks._train_bench import time_ddp
+
+    sizes = dict(context["sizes"]["ddp"])
+    thread_variant, repeats = sizes.pop("thread_variant"), min(sizes.pop("repeats"), context["repeats"])
+    common = dict(model=context["model"]["path"], data=context["train_data"]["path"], **sizes)
+    layouts = [(1, 1), (2, 1)] + ([(1, 2)] if thread_variant else [])
+    rates = {}
+    for repeat in range(repeats):  # each launch starts torch in every rank: fewer rounds than the other parts
+        for processes, threads in layouts:
+            workdir = context["workdir"] / f"ddp-{repeat}"
+            workdir.mkdir(parents=True, exist_ok=True)
+            run = time_ddp(workdir=str(workdir), processes=processes, threads=threads, **common)
+            rates.setdefault((processes, threads), []).append(run["tokens_per_s"])
+    one = rates[(1, 1)]
+    result = {"ddp_scaling": median(two / single for two, single in zip(rates[(2, 1)], one)),
+              "ddp_1x1_tokens_per_s": median(one), "ddp_2x1_tokens_per_s": median(rates[(2, 1)])}
+    if (1, 2) in rates:
+        result["ddp_vs_threads"] = median(two / threaded for two, threaded in zip(rates[(2, 1)], rates[(1, 2)]))
+        result["ddp_1x2_tokens_per_s"] = median(rates[(1, 2)])
+    return result
+
+
+def part_padding(context: dict) -> dict:
+    from benchmarks._data_bench import padding_efficiency
+
+    return padding_efficiency(context["scan_data"]["path"])
+
+
+def part_scan(context: dict) -> dict:
+    sizes = context["sizes"]
+    one = run_child("_data_bench", "scan_reader", dict(data=context["scan_data"]["path"], **sizes["scan"]),
+                    threads=context["threads"])
+    big = write_synthetic_dataset(context["workdir"] / "scan-10x", num_groups=SCAN_GROWTH * sizes["scan_data"]["num_groups"],
+                                  group_size=GROUP_SIZE, groups_per_shard=sizes["scan_data"]["groups_per_shard"],
+                                  vocab_size=context["model"]["vocab"], seed=1)
+    # The same number of steps on both sizes: what may grow is the index, not the per-step memory.
+    ten = run_child("_data_bench", "scan_reader", dict(data=big["path"], max_steps=one["steps_timed"]),
+                    threads=context["threads"])
+    shutil.rmtree(big["path"], ignore_errors=True)
+    context["notes"].append(
+        f"shard reader: 1x {one['rows']} rows in {one['shards']} shards, {one['steps_timed']}/{one['steps_per_epoch']} steps timed, "
+        f"{one['shards_read_per_step']:.1f} shards decoded per step; index pass {one['index_rows_per_s']:.0f} rows/s, "
+        f"step reads {one['step_rows_per_s']:.0f} rows/s, collate {one['collate_rows_per_s']:.0f} rows/s; "
+        f"10x: {ten['rows']} rows, reader {ten['reader_rows_per_s']:.0f} rows/s (extrapolated: {ten['extrapolated']})")
+    return {
+        "shard_scan_vs_pyarrow": one["reader_rows_per_s"] / one["raw_rows_per_s"],
+        "shard_reader_rows_per_s": one["reader_rows_per_s"],
+        "pyarrow_scan_rows_per_s": one["raw_rows_per_s"],
+        "shard_index_rows_per_s": one["index_rows_per_s"],
+        "shard_step_read_rows_per_s": one["step_rows_per_s"],
+        "collate_rows_per_s": one["collate_rows_per_s"],
+        "shard_scan_10x_vs_pyarrow": ten["reader_rows_per_s"] / ten["raw_rows_per_s"],
+        "shard_scan_rss_growth": ten["_peak_rss_mb"] / one["_peak_rss_mb"],
+        "shard_scan_rss_1x_mb": one["_peak_rss_mb"],
+        "shard_scan_rss_10x_mb": ten["_peak_rss_mb"],
+    }
+
+
+def part_collect(context: dict) -> dict:
+    kwargs = dict(model=context["model"]["path"], workdir=str(context["workdir"] / "collect"), repeats=context["repeats"],
+                  threads=context["threads"], with_vllm=True, **context["sizes"]["collect"])
+    result = run_child("_collect_bench", "collect_child", kwargs, threads=context["threads"])
+    if result["vllm_unavailable"]:
+        context["notes"].append(f"collect: vLLM unavailable ({result['vllm_unavailable']}): collect_vllm_vs_hf is null")
+    else:
+        context["notes"].append(f"collect: vLLM engine start + warm-up {result['vllm_engine_start_seconds']:.1f} s (not timed); "
+                                f"torch threads {result['torch_threads']} before, {result['torch_threads_after_vllm']} after vLLM")
+    keys = ("collect_vllm_vs_hf", "collect_hf_vs_bare_generate", "collect_vllm_samples_per_s", "collect_hf_samples_per_s",
+            "bare_generate_samples_per_s", "vllm_engine_start_seconds")
+    return {key: result[key] for key in keys}
+
+
+def part_validate_inspect(context: dict) -> dict:
+    from benchmarks._data_bench import cli_cost
+
+    rows = context["sizes"]["cli_rows"]
+    if rows is None:
+        context["notes"].append("validate/inspect on 1M rows: full mode only (null here)")
+        return {}
+    narrow = write_synthetic_dataset(context["workdir"] / "narrow-1m", num_groups=rows // GROUP_SIZE, group_size=GROUP_SIZE,
+                                     prompt_lengths=(1, 8), completion_lengths=(1, 16), vocab_size=context["model"]["vocab"],
+                                     groups_per_shard=256, seed=2)
+    validate, inspect = cli_cost("validate", narrow["path"]), cli_cost("inspect", narrow["path"])
+    shutil.rmtree(narrow["path"], ignore_errors=True)
+    return {"validate_1m_rows_seconds": validate["seconds"], "validate_1m_rows_peak_rss_mb": validate["peak_rss_mb"],
+            "inspect_1m_rows_seconds": inspect["seconds"], "inspect_1m_rows_peak_rss_mb": inspect["peak_rss_mb"]}
+
+
+# Cheap parts first: a run cut short still reports them.
+PARTS = (
+    ("log-prob memory", part_logprob_memory),
+    ("padding", part_padding),
+    ("shard reader", part_scan),
+    ("validate/inspect", part_validate_inspect),
+    ("collect", part_collect),
+    ("training", part_train),
+    ("ddp", part_ddp),
+)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def prepare(context: dict) -> None:
+    """The model and datasets the parts share."""
+    sizes, workdir = context["sizes"], context["workdir"]
+    context["model"] = make_model(workdir / "model", **sizes["model"])
+    vocab = context["model"]["vocab"]
+    context["train_data"] = write_synthetic_dataset(workdir / "train-data", group_size=GROUP_SIZE, vocab_size=vocab,
+                                                    **sizes["train_data"])
+    context["scan_data"] = write_synthetic_dataset(workdir / "scan-1x", group_size=GROUP_SIZE, vocab_size=vocab,
+                                                   prompt_lengths=(10, 100), completion_lengths=(10, 500), **sizes["scan_data"])
+
+
+def print_table(results: dict, context: dict, errors: dict) -> None:
+    info = context["machine"]
+    print()
+    print(f"offline-rec benchmark ({'quick' if context['quick'] else 'full'}), {time.strftime('%Y-%m-%d %H:%M')}")
+    print(f"machine: {info['cpu_model']}, {info['cores']} cores, {info['memory_gb']} GiB; torch threads {context['threads']}; "
+          f"load average {context['load_before']:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print("versions: python " + info["python"] + ", " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
+    print(f"model: {describe_model(context['sizes']['model'], context['model'])}")
+    print(f"{'key':<30} {'value':>11}  {'goal':<13} compares")
+    for key, goal, meaning in KEYS:
+        value = results.get(key)
+        shown = "null" if value is None else (f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}")
+        print(f"{key:<30} {shown:>11}  {goal:<13} {meaning}")
+    for note in context["notes"]:
+        print(f"note: {note}")
+    for part, message in errors.items():
+        print(f"ERROR in {part}: {message}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small models and data (CI): about 3 minutes on 2 cores")
+    parser.add_argument("--json", type=Path, help="write the flat JSON object of numbers here")
+    parser.add_argument("--repeats", type=int, help="rounds of each noisy ratio (default 3; 1 with --quick)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of every timed process")
+    parser.add_argument("--workdir", type=Path, help="keep models and datasets here (default: a temporary directory)")
+    parser.add_argument("--only", nargs="*", help="run only these parts: " + ", ".join(name for name, _ in PARTS))
+    arguments = parser.parse_args(argv)
+
+    workdir = arguments.workdir or Path(tempfile.mkdtemp(prefix="offline-rec-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    context = {
+        "quick": arguments.quick,
+        "sizes": SIZES["quick" if arguments.quick else "full"],
+        "repeats": arguments.repeats or (1 if arguments.quick else 3),
+        "threads": arguments.threads,
+        "workdir": workdir,
+        "notes": [],
+        "machine": machine(),
+        "load_before": os.getloadavg()[0],
+    }
+    started = time.perf_counter()
+    results: dict = {key: None for key, _, _ in KEYS}
+    errors: dict = {}
+    try:
+        prepare(context)
+        for name, part in PARTS:
+            if arguments.only and name not in arguments.only:
+                continue
+            part_started, load = time.perf_counter(), os.getloadavg()[0]
+            try:
+                measured = part(context)
+                results.update(measured)
+                print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" for k, v in measured.items() if v is not None), flush=True)
+            except Exception:  # a broken part must not hide the others' numbers
+                errors[name] = traceback.format_exc(limit=3).strip().splitlines()[-1]
+                traceback.print_exc()
+            context["notes"].append(f"{name}: {time.perf_counter() - part_started:.0f} s, load average {load:.2f} at start")
+            if arguments.json:  # written after every part, so a run cut short keeps what it measured
+                write_json(arguments.json, results)
+    finally:
+        if arguments.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    results.update(quick=int(arguments.quick), cores=context["machine"]["cores"], torch_threads=context["threads"],
+                   repeats=context["repeats"], load_average_before=round(context["load_before"], 2),
+                   load_average_after=round(os.getloadavg()[0], 2), seconds=round(time.perf_counter() - started, 1),
+                   model_parameters=context.get("model", {}).get("parameters"))
+    print_table(results, context, errors)
+    if arguments.json:
+        write_json(arguments.json, results)
+    return 1 if errors else 0
+
+
+def write_json(path: Path, results: dict) -> None:
+    """The flat JSON object: every value a number or null."""
+    numbers = {key: (None if value is None else float(value)) for key, value in results.items()}
+    path.write_text(json.dumps(numbers, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The performance benchmark: its helpers compute what they claim, and `benchmarks/run.py --quick` writes every key.
+
+No thresholds on timings (they are noisy on a shared machine): the quick run only has to finish
+and report each key as a number, or null where a part cannot run (e.g. no vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks._common import median, write_synthetic_dataset  # noqa: E402
+from benchmarks._data_bench import padding_efficiency  # noqa: E402
+from datagen import make_rows, write_dataset  # noqa: E402
+
+# The keys the benchmark promises (docs/benchmarks.md describes each).
+REQUIRED_KEYS = (
+    "train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow", "shard_scan_rss_growth",
+    "collect_vllm_vs_hf", "collect_hf_vs_bare_generate", "ddp_scaling", "validate_1m_rows_seconds",
+    "validate_1m_rows_peak_rss_mb", "inspect_1m_rows_seconds", "inspect_1m_rows_peak_rss_mb",
+)
+# Keys that need nothing optional, so a quick run always measures them.
+ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow",
+                   "shard_scan_rss_growth", "collect_hf_vs_bare_generate", "ddp_scaling")
+
+
+def test_median_of_odd_and_even_counts():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 3.0, 2.0]) == 2.5  # (2 + 3) / 2
+    assert median([None, 5.0]) == 5.0  # nulls are skipped
+    assert median([]) is None
+
+
+def test_synthetic_dataset_has_the_asked_shape_and_validates(tmp_path):
+    from offline_rec.dataset import open_dataset
+    from offline_rec.validate import validate_dataset
+
+    # 5 groups of 2 rows, 2 groups per shard: shards of 2, 2, 1 groups; every row 3 + 4 tokens.
+    info = write_synthetic_dataset(tmp_path / "ds", num_groups=5, group_size=2, prompt_lengths=(3, 3),
+                                   completion_lengths=(4, 4), vocab_size=50, groups_per_shard=2)
+    assert (info["rows"], info["groups"], info["tokens"]) == (10, 5, 10 * (3 + 4))
+    dataset = open_dataset(info["path"])
+    assert len(dataset.shard_paths) == 3
+    assert [s["groups"] for s in dataset.manifest["shards"]] == [2, 2, 1]
+    assert dataset.totals["completion_tokens"] == 10 * 4
+    report = validate_dataset(info["path"])
+    assert report.ok and report.warnings == 0, report.to_json()
+    rows = dataset.to_table().to_pylist()
+    assert all(4 <= t < 50 for row in rows for t in row["prompt_ids"] + row["completion_ids"])
+    assert rows[0]["prompt_ids"] == rows[1]["prompt_ids"]  # a group shares its prompt
+
+
+def test_padding_efficiency_is_one_for_equal_lengths_and_exact_for_two(tmp_path):
+    equal = write_synthetic_dataset(tmp_path / "equal", num_groups=6, group_size=4, prompt_lengths=(5, 5),
+                                    completion_lengths=(7, 7), vocab_size=50, groups_per_shard=3)
+    assert padding_efficiency(equal["path"], prompts_per_step=4, micro_batch_tokens=48)["padding_efficiency"] == 1.0
+    # One group of 2 rows of 2 + 3 = 5 and 2 + 9 = 11 tokens. A 22-token budget packs both rows
+    # (2 x 11 = 22 <= 22): 16 real tokens of 22 run. An 11-token budget gives each row its own
+    # micro-batch: 16 / 16.
+    two = write_dataset(tmp_path / "two", make_rows([2], prompt_lengths=[[2, 2]], completion_lengths=[[3, 9]]))
+    assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=22)["padding_efficiency"] == pytest.approx(16 / 22)
+    assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=11)["padding_efficiency"] == 1.0
+
+
+def test_gpu_script_is_valid_bash():
+    assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu.sh")]).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_quick_benchmark_writes_every_key(tmp_path):
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for key in REQUIRED_KEYS:
+        assert key in results, key
+        assert results[key] is None or (isinstance(results[key], (int, float)) and math.isfinite(results[key])), (key, results[key])
+    for key in ALWAYS_MEASURED:
+        assert isinstance(results[key], float) and results[key] > 0, (key, results[key])
+    for key in ("validate_1m_rows_seconds", "inspect_1m_rows_seconds"):
+        assert results[key] is None  # full mode only
