@@ -337,7 +337,8 @@ def markdown_table(rows: list[dict], threshold: float) -> str:
 
 
 def plot_curves(results: list[dict], path: Path, title: str) -> Path:
-    """Held-out greedy accuracy over steps: one panel per regime, one line per variant (mean, min-max band)."""
+    """Held-out accuracy over steps: a column per regime, a row per metric (greedy, one sample at T=1),
+    a line per variant (mean over seeds, band from min to max)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -345,34 +346,39 @@ def plot_curves(results: list[dict], path: Path, title: str) -> Path:
 
     regimes = [r for r in REGIMES if any(x["regime"] == r for x in results)]
     variants = sorted({x["variant"] for x in results}, key=_variant_order)
-    figure, axes = plt.subplots(1, len(regimes), figsize=(5.2 * len(regimes), 4.2), squeeze=False,
-                                layout="constrained", sharey=True)
-    colors = plt.get_cmap("tab20").colors
-    for axis, regime in zip(axes[0], regimes):
-        for index, variant in enumerate(variants):
-            runs = [x for x in results if x["regime"] == regime and x["variant"] == variant]
-            if not runs:
-                continue
-            steps = [p["step"] for p in runs[0]["curve"]]
-            values = [[p["greedy_accuracy"] for p in r["curve"]] for r in runs if len(r["curve"]) == len(steps)]
-            mean = [statistics.mean(column) for column in zip(*values)]
-            color = colors[(2 * index) % len(colors)]
-            axis.plot(steps, mean, color=color, marker="o", markersize=3, label=f"{variant} ({len(values)})")
-            if len(values) > 1:
-                axis.fill_between(steps, [min(c) for c in zip(*values)], [max(c) for c in zip(*values)],
-                                  color=color, alpha=0.15)
-        axis.set_title(regime)
-        axis.set_xlabel("optimizer step")
-        axis.grid(True, alpha=0.3)
-        axis.set_ylim(0, 1)
-    axes[0][0].set_ylabel("held-out greedy accuracy")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for axis in axes[0][1:]:
-        for handle, label in zip(*axis.get_legend_handles_labels()):
-            if label not in labels:
-                handles.append(handle)
-                labels.append(label)
-    figure.legend(handles, labels, loc="outside lower center", ncol=min(5, len(labels)), frameon=False, fontsize=8)
+    metrics = (("greedy_accuracy", "held-out greedy accuracy"), ("accuracy", "held-out accuracy, T=1"))
+    figure, axes = plt.subplots(len(metrics), len(regimes), figsize=(5.2 * len(regimes), 3.6 * len(metrics) + 0.6),
+                                squeeze=False, layout="constrained", sharey=True, sharex=True)
+    colors = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    for row, (key, label) in enumerate(metrics):
+        for column, regime in enumerate(regimes):
+            axis = axes[row][column]
+            for index, variant in enumerate(variants):
+                runs = [x for x in results if x["regime"] == regime and x["variant"] == variant]
+                if not runs:
+                    continue
+                steps = [p["step"] for p in runs[0]["curve"]]
+                values = [[p[key] for p in r["curve"]] for r in runs if len(r["curve"]) == len(steps)]
+                color = colors[index % len(colors)]
+                axis.plot(steps, [statistics.mean(c) for c in zip(*values)], color=color, marker="o", markersize=3,
+                          label=f"{variant} ({len(values)} seed{'s' if len(values) > 1 else ''})")
+                if len(values) > 1:
+                    axis.fill_between(steps, [min(c) for c in zip(*values)], [max(c) for c in zip(*values)],
+                                      color=color, alpha=0.15)
+            axis.grid(True, alpha=0.3)
+            axis.set_ylim(0, 1)
+            if row == 0:
+                axis.set_title(regime)
+            if row == len(metrics) - 1:
+                axis.set_xlabel("optimizer step")
+            if column == 0:
+                axis.set_ylabel(label)
+    labels: dict = {}
+    for axis in axes.flat:
+        for handle, name in zip(*axis.get_legend_handles_labels()):
+            labels.setdefault(name, handle)
+    figure.legend(list(labels.values()), list(labels.keys()), loc="outside lower center", ncol=min(4, len(labels)),
+                  frameon=False, fontsize=8)
     figure.suptitle(title, fontsize=11)
     figure.savefig(path, dpi=120)
     plt.close(figure)

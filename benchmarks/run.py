@@ -17,7 +17,7 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
 
 How each is measured is in the docstrings of benchmarks/_train_bench.py, _data_bench.py,
 _collect_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
-fresh process with the same number of torch threads (--threads, default: all cores). Noisy
+fresh process with the same number of torch threads (--threads, default 1; DDP ranks always use 1). Noisy
 ratios are measured --repeats times (default 3, 1 with --quick) and the median is reported.
 A part that fails is reported as null with its error, and the exit code is then 1.
 """
@@ -266,7 +266,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small models and data (CI): about 3 minutes on 2 cores")
     parser.add_argument("--json", type=Path, help="write the flat JSON object of numbers here")
     parser.add_argument("--repeats", type=int, help="rounds of each noisy ratio (default 3; 1 with --quick)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads of every timed process")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of every timed process (default 1: on a shared CPU, 2 threads per process "
+                             "measured 2.5x slower and far noisier than 1; use more on an idle machine)")
     parser.add_argument("--workdir", type=Path, help="keep models and datasets here (default: a temporary directory)")
     parser.add_argument("--only", nargs="*", help="run only these parts: " + ", ".join(name for name, _ in PARTS))
     arguments = parser.parse_args(argv)

@@ -120,11 +120,11 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, overwrit
     """
     from rich.console import Console
 
-    config = DemoSettings(**{**(QUICK if quick else {}), **settings})
-    if config.backend not in ("hf", "vllm"):
-        raise UserError(f"unknown backend {config.backend!r}; valid: hf, vllm")
     from offline_rec.algorithms import get_algorithm
+    from offline_rec.backends import check_backend_name
 
+    config = DemoSettings(**{**(QUICK if quick else {}), **settings})
+    check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
     get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
     if threads is not None:
         if threads < 1:
