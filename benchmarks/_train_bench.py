@@ -98,7 +98,7 @@ def step_batches(config, num_steps: int) -> list[dict]:
         generator = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))
         advantages, keep = group_advantages(spec, torch.from_numpy(index.reward[rows]), row_groups, generator=generator)
         kept = {int(r): float(a) for r, a, k in zip(rows, advantages.tolist(), keep.tolist()) if k}
-        step_rows = [r for r in batching.read_step_rows(datasets, index, groups, kept) if r.trainable_tokens > 0]
+        step_rows = [r for r in batching.read_step_rows(index, groups, kept) if r.trainable_tokens > 0]
         packed = batching.pack_micro_batches([r.length for r in step_rows], config.micro_batch_tokens)
         batches = [batching.collate([step_rows[j] for j in micro], pad_id) for micro in packed]
         steps.append({"batches": batches, "num_tokens": sum(r.trainable_tokens for r in step_rows),

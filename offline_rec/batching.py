@@ -3,9 +3,10 @@
 Memory model. `index_datasets` streams every shard once and keeps, per GROUP, its id, where it
 lives (dataset, shard, first row) and its size (~100 bytes with the id string), and per ROW four
 numbers (prompt length, completion length after truncation, reward, policy version: 20 bytes).
-10 million rows in groups of 8 need ~330 MB. Tokens and log-probs are NOT kept: each optimizer step reads the
-rows of its own groups (`read_step_rows`), shard by shard, so the token memory is one decoded
-shard plus the step's rows, whatever the dataset size. Shuffling permutes group positions
+10 million rows in groups of 8 need ~330 MB. Tokens and log-probs are NOT kept in memory: the
+same pass appends them, decoded, to a memory-mapped temporary file (`offline_rec.rowstore`,
+~9 bytes per token on disk), from which each optimizer step takes the rows of its own groups
+(`read_step_rows`) without decoding anything. Shuffling permutes group positions
 (`epoch_order`), which is why a step can take any groups of any shard.
 
 Batching rules:
@@ -28,16 +29,16 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
 from offline_rec import schema as S
 from offline_rec.dataset import Dataset
 from offline_rec.errors import DataError, UserError
+from offline_rec.rowstore import COLUMNS as STEP_COLUMNS
+from offline_rec.rowstore import RowStore, RowStoreWriter
 
-# Columns the index pass reads, and those each step reads for its rows.
+# Columns the index pass reads (each step reads STEP_COLUMNS of its rows from the RowStore).
 INDEX_COLUMNS = [S.GROUP_ID, S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD, S.POLICY_VERSION]
-STEP_COLUMNS = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK]
 
 
 # --------------------------------------------------------------------------------------------
@@ -64,6 +65,7 @@ class GroupIndex:
     policy_version: np.ndarray  # [R] int32
     truncated_rows: int = 0
     max_token_id: int = -1
+    rows: RowStore | None = None  # the step columns of the R rows, in the same order
 
     @property
     def num_groups(self) -> int:
@@ -74,16 +76,44 @@ class GroupIndex:
         return np.arange(start, start + self.size[group])
 
     def rows_of_groups(self, groups) -> np.ndarray:
-        return np.concatenate([self.rows_of(g) for g in groups]) if len(groups) else np.zeros(0, np.int64)
+        """Row numbers of `groups`, group after group: [sum of their sizes] int64."""
+        groups = np.asarray(groups, dtype=np.int64)
+        sizes = self.size[groups].astype(np.int64)
+        first_in_output = np.cumsum(sizes) - sizes
+        return np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(self.row_start[groups] - first_in_output, sizes)
 
     def group_tokens(self, groups) -> np.ndarray:
-        """Tokens (prompt + completion) of each group in `groups`."""
-        lengths = self.prompt_length + self.completion_length
-        return np.array([int(lengths[self.rows_of(g)].sum()) for g in groups], dtype=np.int64)
+        """Tokens (prompt + completion) of each group in `groups`: [len(groups)] int64."""
+        rows = self.rows_of_groups(groups)
+        lengths = self.prompt_length[rows].astype(np.int64) + self.completion_length[rows]
+        totals = np.zeros(len(groups), dtype=np.int64)
+        np.add.at(totals, np.repeat(np.arange(len(groups)), self.size[np.asarray(groups, dtype=np.int64)]), lengths)
+        return totals
 
 
-def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool) -> GroupIndex:
+def _group_runs(ids: pa.Array, previous_id) -> tuple[np.ndarray, np.ndarray]:
+    """Where groups start in a batch of group ids, and their sizes within the batch.
+
+    A run that continues the previous batch's last group (`previous_id`) does not count as a
+    start; its rows are the batch's rows before the first start.
+    """
+    n = len(ids)
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    # indices_nonzero rather than a boolean to_numpy, which would import pandas (0.3 s).
+    starts = pc.indices_nonzero(pc.not_equal(ids.slice(1), ids.slice(0, n - 1))).to_numpy().astype(np.int64) + 1
+    if ids[0].as_py() != previous_id:
+        starts = np.concatenate([[0], starts])
+    sizes = np.diff(np.append(starts, n))
+    return starts.astype(np.int64), sizes.astype(np.int64)
+
+
+def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool, keep_rows: bool = True,
+                   cache_dir: str | Path | None = None) -> GroupIndex:
     """Stream the datasets once and build the GroupIndex.
+
+    With `keep_rows`, the step columns of every row are appended, as read, to a RowStore in
+    `cache_dir` (default $TMPDIR) that `read_step_rows` reads from; without, `rows` is None.
 
     UserError for rows with a null reward (counted per shard: run `offline-rec reward`), rows
     whose behavior_logprobs or loss_mask do not match their completion, and rows longer than
@@ -95,59 +125,70 @@ def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool) -> 
     null_rewards: dict[str, int] = {}
     mismatched: dict[str, int] = {}
     too_long, longest, max_token_id = 0, 0, -1
-    for d, dataset in enumerate(datasets):
-        shard_number = {path: i for i, path in enumerate(dataset.shard_paths)}
-        current_shard, shard_offset, previous_id = None, 0, None
-        for shard, batch in dataset.iter_batches(columns=INDEX_COLUMNS):
-            if shard != current_shard:
-                current_shard, shard_offset, previous_id = shard, 0, None
-            ids = batch.column(S.GROUP_ID).to_pylist()
-            for i, gid in enumerate(ids):  # a new group wherever the id changes (groups are contiguous)
-                if gid != previous_id:
-                    group_ids.append(gid)
-                    g_dataset.append(d)
-                    g_shard.append(shard_number[shard])
-                    g_shard_row.append(shard_offset + i)
-                    g_size.append(0)
-                    previous_id = gid
-                g_size[-1] += 1
-            shard_offset += batch.num_rows
+    store = RowStoreWriter(cache_dir) if keep_rows else None
+    try:
+        for d, dataset in enumerate(datasets):
+            shard_number = {path: i for i, path in enumerate(dataset.shard_paths)}
+            current_shard, shard_offset, previous_id = None, 0, None
+            for shard, batch in dataset.iter_batches(columns=INDEX_COLUMNS):
+                if shard != current_shard:
+                    current_shard, shard_offset, previous_id = shard, 0, None
+                ids = batch.column(S.GROUP_ID)
+                starts, sizes = _group_runs(ids, previous_id)
+                continued = int(starts[0]) if len(starts) else batch.num_rows
+                if continued:  # rows of the previous batch's last group
+                    g_size[-1] += continued
+                group_ids.extend(ids.take(pa.array(starts)).to_pylist())
+                g_dataset.extend([d] * len(starts))
+                g_shard.extend([shard_number[shard]] * len(starts))
+                g_shard_row.extend((starts + shard_offset).tolist())
+                g_size.extend(sizes.tolist())
+                shard_offset += batch.num_rows
+                if batch.num_rows:
+                    previous_id = ids[batch.num_rows - 1].as_py()
+                if store is not None:
+                    store.append(batch)
 
-            prompt_len = pc.list_value_length(batch.column(S.PROMPT_IDS)).to_numpy(zero_copy_only=False)
-            completion_len = pc.list_value_length(batch.column(S.COMPLETION_IDS)).to_numpy(zero_copy_only=False)
-            logprob_len = pc.list_value_length(batch.column(S.BEHAVIOR_LOGPROBS)).to_numpy(zero_copy_only=False)
-            mask_len = pc.list_value_length(batch.column(S.LOSS_MASK)).to_numpy(zero_copy_only=False)
-            bad = (logprob_len != completion_len) | (~np.isnan(mask_len.astype(float)) & (mask_len != completion_len))
-            if bad.any():
-                mismatched[str(shard)] = mismatched.get(str(shard), 0) + int(bad.sum())
-            reward = batch.column(S.REWARD)
-            if reward.null_count:
-                null_rewards[str(shard)] = null_rewards.get(str(shard), 0) + reward.null_count
-            total = prompt_len.astype(np.int64) + completion_len
-            too_long += int((total > max_length).sum())
-            longest = max(longest, int(total.max(initial=0)))
-            for column in (S.PROMPT_IDS, S.COMPLETION_IDS):
-                top = pc.max(pc.list_flatten(batch.column(column))).as_py()
-                max_token_id = max(max_token_id, -1 if top is None else int(top))
-            prompt_lengths.append(prompt_len.astype(np.int32))
-            completion_lengths.append(np.minimum(completion_len, np.maximum(max_length - prompt_len, 0)).astype(np.int32))
-            rewards.append(reward.to_numpy(zero_copy_only=False).astype(np.float64))
-            versions.append(batch.column(S.POLICY_VERSION).to_numpy(zero_copy_only=False).astype(np.int32))
+                prompt_len = pc.list_value_length(batch.column(S.PROMPT_IDS)).to_numpy(zero_copy_only=False)
+                completion_len = pc.list_value_length(batch.column(S.COMPLETION_IDS)).to_numpy(zero_copy_only=False)
+                logprob_len = pc.list_value_length(batch.column(S.BEHAVIOR_LOGPROBS)).to_numpy(zero_copy_only=False)
+                mask_len = pc.list_value_length(batch.column(S.LOSS_MASK)).to_numpy(zero_copy_only=False)
+                bad = (logprob_len != completion_len) | (~np.isnan(mask_len.astype(float)) & (mask_len != completion_len))
+                if bad.any():
+                    mismatched[str(shard)] = mismatched.get(str(shard), 0) + int(bad.sum())
+                reward = batch.column(S.REWARD)
+                if reward.null_count:
+                    null_rewards[str(shard)] = null_rewards.get(str(shard), 0) + reward.null_count
+                total = prompt_len.astype(np.int64) + completion_len
+                too_long += int((total > max_length).sum())
+                longest = max(longest, int(total.max(initial=0)))
+                for column in (S.PROMPT_IDS, S.COMPLETION_IDS):
+                    top = pc.max(pc.list_flatten(batch.column(column))).as_py()
+                    max_token_id = max(max_token_id, -1 if top is None else int(top))
+                prompt_lengths.append(prompt_len.astype(np.int32))
+                completion_lengths.append(np.minimum(completion_len, np.maximum(max_length - prompt_len, 0)).astype(np.int32))
+                rewards.append(reward.to_numpy(zero_copy_only=False).astype(np.float64))
+                versions.append(batch.column(S.POLICY_VERSION).to_numpy(zero_copy_only=False).astype(np.int32))
 
-    if null_rewards:
-        rows = sum(null_rewards.values())
-        where = ", ".join(f"{shard}: {n}" for shard, n in list(null_rewards.items())[:3])
-        raise DataError(f"{rows} rows have no reward ({where}{', ...' if len(null_rewards) > 3 else ''}); "
-                        "score them first with `offline-rec reward`")
-    if mismatched:
-        rows = sum(mismatched.values())
-        raise DataError(f"{rows} rows have behavior_logprobs or loss_mask of another length than completion_ids "
-                        f"(shards {', '.join(list(mismatched)[:3])}); run `offline-rec validate`")
-    if too_long and not truncate:
-        raise UserError(f"{too_long} rows are longer than max_length={max_length} tokens (longest {longest}); "
-                        "raise max_length or set truncate: true to cut their completions")
-    if not group_ids:
-        raise UserError(f"no rows in {', '.join(str(d.path) for d in datasets)}")
+        if null_rewards:
+            rows = sum(null_rewards.values())
+            where = ", ".join(f"{shard}: {n}" for shard, n in list(null_rewards.items())[:3])
+            raise DataError(f"{rows} rows have no reward ({where}{', ...' if len(null_rewards) > 3 else ''}); "
+                            "score them first with `offline-rec reward`")
+        if mismatched:
+            rows = sum(mismatched.values())
+            raise DataError(f"{rows} rows have behavior_logprobs or loss_mask of another length than completion_ids "
+                            f"(shards {', '.join(list(mismatched)[:3])}); run `offline-rec validate`")
+        if too_long and not truncate:
+            raise UserError(f"{too_long} rows are longer than max_length={max_length} tokens (longest {longest}); "
+                            "raise max_length or set truncate: true to cut their completions")
+        if not group_ids:
+            raise UserError(f"no rows in {', '.join(str(d.path) for d in datasets)}")
+        stored = store.finish() if store is not None else None
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
     size = np.array(g_size, dtype=np.int32)
     return GroupIndex(
         group_ids=group_ids,
@@ -162,8 +203,8 @@ def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool) -> 
         policy_version=np.concatenate(versions),
         truncated_rows=too_long,
         max_token_id=max_token_id,
+        rows=stored,
     )
-
 
 # --------------------------------------------------------------------------------------------
 # holdout, epochs, steps, ranks
@@ -251,66 +292,40 @@ def padding_efficiency(lengths, micro_batches: list[list[int]]) -> float:
 # reading a step's rows and making tensors
 
 
-@dataclass
+@dataclass(slots=True)
 class Row:
     """One training row of a step: its tokens, truncated, and what the loss needs."""
 
-    prompt_ids: np.ndarray  # [P] int64
-    completion_ids: np.ndarray  # [C] int64
+    prompt_ids: np.ndarray  # [P] int32
+    completion_ids: np.ndarray  # [C] int32
     behavior_logprobs: np.ndarray  # [C] float32
-    loss_mask: np.ndarray  # [C] bool, the data's loss_mask (null = all ones)
+    loss_mask: np.ndarray | None  # [C] int8 0/1, the data's loss_mask; None where it is null (all ones)
     advantage: float
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt_ids) + len(self.completion_ids)
+    length: int  # P + C
 
     @property
     def trainable_tokens(self) -> int:
         """Completion tokens that get a log-prob: masked-in ones with a token before them."""
-        if len(self.prompt_ids) == 0:
-            return int(self.loss_mask[1:].sum())
-        return int(self.loss_mask.sum())
+        first = 1 if len(self.prompt_ids) == 0 else 0  # the first token of an empty prompt has no context
+        if self.loss_mask is None:
+            return max(len(self.completion_ids) - first, 0)
+        return int(self.loss_mask[first:].sum())
 
 
-def _list_rows(column: pa.ChunkedArray | pa.Array, dtype) -> list[np.ndarray]:
-    """A list<...> column as one numpy array per row (null lists become None)."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    offsets = array.offsets.to_numpy()
-    values = array.values.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
-    valid = array.is_valid().to_numpy(zero_copy_only=False)
-    return [values[offsets[i]:offsets[i + 1]] if valid[i] else None for i in range(len(array))]
-
-
-def read_step_rows(datasets: list[Dataset], index: GroupIndex, groups, row_advantages: dict[int, float]) -> list[Row]:
-    """The rows `row_advantages` names (index row numbers) of `groups`, read shard by shard.
+def read_step_rows(index: GroupIndex, groups, row_advantages: dict[int, float]) -> list[Row]:
+    """The rows `row_advantages` names (index row numbers) of `groups`, from the index's RowStore.
 
     Rows come back in group order, then row order. Completions are truncated to the lengths in
-    the index. Memory: one decoded shard at a time plus the returned rows.
+    the index; the arrays are read-only views of the store (nothing is decoded or copied).
     """
-    by_shard: dict[tuple[int, int], list[int]] = {}
-    for g in groups:
-        by_shard.setdefault((int(index.dataset[g]), int(index.shard[g])), []).append(int(g))
-    rows: dict[int, Row] = {}
-    for (d, s), shard_groups in by_shard.items():
-        path: Path = datasets[d].shard_paths[s]
-        wanted = [(r, int(index.shard_row[g] + r - index.row_start[g])) for g in shard_groups for r in index.rows_of(g)
-                  if int(r) in row_advantages]
-        if not wanted:
-            continue
-        try:
-            table = pq.read_table(path, columns=STEP_COLUMNS).take([offset for _, offset in wanted])
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"{path}: cannot read Parquet shard ({e}); run `offline-rec validate`") from None
-        prompts = _list_rows(table.column(S.PROMPT_IDS), np.int64)
-        completions = _list_rows(table.column(S.COMPLETION_IDS), np.int64)
-        logprobs = _list_rows(table.column(S.BEHAVIOR_LOGPROBS), np.float32)
-        masks = _list_rows(table.column(S.LOSS_MASK), np.int8)
-        for k, (r, _) in enumerate(wanted):
-            keep = int(index.completion_length[r])
-            mask = np.ones(keep, dtype=bool) if masks[k] is None else masks[k][:keep].astype(bool)
-            rows[int(r)] = Row(prompts[k], completions[k][:keep], logprobs[k][:keep], mask, row_advantages[int(r)])
-    return [rows[int(r)] for g in groups for r in index.rows_of(g) if int(r) in rows]
+    if index.rows is None:
+        raise ValueError("this GroupIndex was built with keep_rows=False: it has no rows to read")
+    numbers = [r for r in index.rows_of_groups(groups).tolist() if r in row_advantages]
+    keep = index.completion_length[numbers]  # [N] after truncation
+    lengths = (index.prompt_length[numbers] + keep).tolist()
+    columns = index.rows.columns(numbers, {S.COMPLETION_IDS: keep, S.BEHAVIOR_LOGPROBS: keep, S.LOSS_MASK: keep})
+    return [Row(*fields) for fields in zip(columns[S.PROMPT_IDS], columns[S.COMPLETION_IDS], columns[S.BEHAVIOR_LOGPROBS],
+                                           columns[S.LOSS_MASK], [row_advantages[r] for r in numbers], lengths)]
 
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
@@ -323,20 +338,24 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     """
     length = max(row.length for row in rows)
     batch = len(rows)
-    input_ids = torch.full((batch, length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, length), dtype=torch.long)
-    positions_mask = torch.zeros((batch, max(length - 1, 1)), dtype=torch.bool)
-    behavior = torch.zeros((batch, max(length - 1, 1)), dtype=torch.float32)
+    # Filled in numpy (one copy per row, the store's read-only views are never handed to torch).
+    input_ids = np.full((batch, length), pad_id, dtype=np.int64)
+    attention_mask = np.zeros((batch, length), dtype=np.int64)
+    positions_mask = np.zeros((batch, max(length - 1, 1)), dtype=bool)
+    behavior = np.zeros((batch, max(length - 1, 1)), dtype=np.float32)
     for i, row in enumerate(rows):
         p, c = len(row.prompt_ids), len(row.completion_ids)
-        input_ids[i, :p] = torch.from_numpy(row.prompt_ids)
-        input_ids[i, p:p + c] = torch.from_numpy(row.completion_ids)
+        input_ids[i, :p] = row.prompt_ids
+        input_ids[i, p:p + c] = row.completion_ids
         attention_mask[i, :p + c] = 1
-        # Completion token j sits at p + j and is predicted from position p + j - 1.
-        scorable = np.arange(c) + p - 1 >= 0  # the first token of an empty prompt has no context
-        positions = torch.from_numpy(np.arange(c)[scorable] + p - 1)
-        positions_mask[i, positions] = torch.from_numpy(row.loss_mask[scorable])
-        behavior[i, positions] = torch.from_numpy(row.behavior_logprobs[scorable])
+        # Completion token j sits at p + j and is predicted from position p + j - 1; the first
+        # token of an empty prompt has no context and is not scored.
+        first = 1 if p == 0 else 0
+        if c > first:
+            positions_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
+            behavior[i, p - 1 + first:p - 1 + c] = row.behavior_logprobs[first:]
+    input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
+    positions_mask, behavior = torch.from_numpy(positions_mask), torch.from_numpy(behavior)
     advantages = torch.tensor([row.advantage for row in rows], dtype=torch.float32)
     if length == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
         input_ids = torch.cat([input_ids, torch.full((batch, 1), pad_id)], dim=1)

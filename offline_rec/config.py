@@ -41,7 +41,7 @@ REPORTERS = ("tensorboard", "wandb")
 # change how long the run goes and what it logs, not the trajectory of the steps already taken.
 RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "keep_last", "report_to", "wandb_project",
-     "progress", "eval_every", "eval_task", "push_to_hub"}
+     "progress", "eval_every", "eval_task", "push_to_hub", "reader_cache_dir"}
 )
 
 
@@ -74,6 +74,8 @@ class TrainConfig:
     holdout: float = _option(0.0, "fraction of groups kept out of training, chosen by a hash of group_id (holdout.json)")
     shuffle: bool = _option(True, "shuffle groups each epoch (seeded by seed and epoch)")
     seed: int = _option(0, "seed of the shuffle, RED-Drop's random drops and torch")
+    reader_cache_dir: str | None = _option(None, "directory of the decoded, memory-mapped copy of the token columns "
+                                                 "steps are read from (~9 bytes/token, deleted at exit; null: $TMPDIR)")
 
     # -- optimizer
     lr: float = _option(1e-6, "AdamW learning rate (peak, after warmup)")

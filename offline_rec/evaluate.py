@@ -541,7 +541,7 @@ def offline_evaluate(
     sampling temperature (1.0 when unrecorded). Rows with a null reward are left out and counted.
     Returns the summary, also written to OUT/summary.json when `out` is given.
     """
-    from offline_rec.models import check_model_tokenizer, load_model, load_tokenizer, model_context
+    from offline_rec.models import check_model_tokenizer, check_tokenizers, load_model, load_tokenizer, model_context
     from offline_rec.offpolicy import behavior_kl, offpolicy_estimates
 
     if out is not None:
@@ -564,8 +564,6 @@ def offline_evaluate(
         check_dataset_for_use(path)  # a bad row is refused with its shard and row
     datasets = open_datasets(data)
     tokenizer = load_tokenizer(model)
-    from offline_rec.train import check_tokenizers
-
     check_tokenizers(datasets, tokenizer, model)
     check_tokenizer_fits(model, tokenizer)
     logged = _read_logged(datasets, holdout_ids, model_context(model))

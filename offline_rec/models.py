@@ -1,4 +1,4 @@
-"""Load policies and tokenizers with clear errors, and fingerprint a tokenizer by its content."""
+"""Load policies and tokenizers with clear errors, fingerprint a tokenizer by its content, check data against them."""
 
 from __future__ import annotations
 
@@ -95,6 +95,19 @@ def check_model_tokenizer(model, tokenizer, where: str = "") -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise UserError(f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: model and tokenizer do not match")
+
+
+def check_tokenizers(datasets, tokenizer, model: str) -> None:
+    """The datasets' recorded tokenizer hashes (manifest behavior.tokenizer_hash) must agree with the model's."""
+    recorded = {str(d.path): d.behavior.get("tokenizer_hash") for d in datasets}
+    recorded = {path: h for path, h in recorded.items() if h}
+    if not recorded:
+        return
+    mine = tokenizer_hash(tokenizer)
+    for path, digest in recorded.items():
+        if digest != mine:
+            raise UserError(f"dataset {path} was tokenized with another tokenizer than {model}'s "
+                            f"(tokenizer_hash {digest[:12]} != {mine[:12]}); train a policy with the same tokenizer")
 
 
 # Config attributes that hold a causal LM's context length, by architecture family.

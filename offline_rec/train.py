@@ -47,7 +47,7 @@ from offline_rec.config import TrainConfig, save_config
 from offline_rec.dataset import Dataset, atomic_write_json, open_dataset
 from offline_rec.errors import UserError
 from offline_rec.logprobs import token_logprobs_from_model
-from offline_rec.models import load_model, load_tokenizer, model_context, tokenizer_hash
+from offline_rec.models import check_tokenizers, load_model, load_tokenizer, model_context
 from offline_rec.validate import check_dataset_for_use
 
 HUB_DATA_PREFIX = "hf://datasets/"
@@ -92,7 +92,7 @@ def train(config: TrainConfig) -> dict:
     if not config.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"run directory {run_dir} already exists; pass --resume to continue it, or choose another --out")
     check_optional_features(config)
-    index = batching.index_datasets(datasets, config.max_length, config.truncate)
+    index = batching.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir)
     check_context(index, config.model)
     train_groups, holdout_groups = batching.split_holdout(index.group_ids, config.holdout)
     if len(train_groups) == 0:
@@ -174,7 +174,7 @@ def train(config: TrainConfig) -> dict:
         # This rank's share of the groups, its kept rows, packed into micro-batches.
         share = batching.assign_to_ranks(index.group_tokens(groups), world)[rank]
         kept = {int(r): float(a) for r, a, k in zip(rows, advantages.tolist(), keep.tolist()) if k}
-        my_rows = [r for r in batching.read_step_rows(datasets, index, groups[share], kept) if r.trainable_tokens > 0]
+        my_rows = [r for r in batching.read_step_rows(index, groups[share], kept) if r.trainable_tokens > 0]
         micro_batches = batching.pack_micro_batches([r.length for r in my_rows], config.micro_batch_tokens)
 
         # N (and the sequence count for seq-mean losses) over the whole step, all ranks.
@@ -364,19 +364,6 @@ def k3_penalty(logprobs, reference_logprobs, mask, num_tokens: int) -> torch.Ten
 
 # --------------------------------------------------------------------------------------------
 # checks before anything is written
-
-
-def check_tokenizers(datasets: list[Dataset], tokenizer, model: str) -> None:
-    """The datasets' recorded tokenizer hashes must agree with each other and with the model's."""
-    recorded = {str(d.path): d.behavior.get("tokenizer_hash") for d in datasets}
-    recorded = {path: h for path, h in recorded.items() if h}
-    if not recorded:
-        return
-    mine = tokenizer_hash(tokenizer)
-    for path, digest in recorded.items():
-        if digest != mine:
-            raise UserError(f"dataset {path} was tokenized with another tokenizer than {model}'s "
-                            f"(tokenizer_hash {digest[:12]} != {mine[:12]}); train a policy with the same tokenizer")
 
 
 def check_context(index: batching.GroupIndex, model: str) -> None:

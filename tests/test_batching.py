@@ -96,6 +96,32 @@ def test_index_records_groups_shards_and_lengths(tmp_path):
     assert index.max_token_id == 9
 
 
+def test_index_finds_groups_across_read_batches_and_reads_every_row_back(tmp_path, monkeypatch):
+    """Groups straddling the index pass's record batches (3 rows here) keep their size and rows."""
+    sizes = [5, 1, 7, 2, 3, 3]
+    groups = [[_row(f"g{g}", k, [g + 4] * (g + 1), [100 + g * 10 + k] * (k + 1)) for k in range(n)]
+              for g, n in enumerate(sizes)]
+    dataset = _dataset(tmp_path, groups, groups_per_shard=4)  # shards of 15 and 6 rows
+    iter_batches = type(dataset).iter_batches
+    monkeypatch.setattr(type(dataset), "iter_batches", lambda self, columns=None: iter_batches(self, columns, batch_rows=3))
+    index = batching.index_datasets([dataset], 100, False)
+    assert index.group_ids == [f"g{g}" for g in range(6)]
+    assert index.size.tolist() == sizes
+    assert index.shard.tolist() == [0, 0, 0, 0, 1, 1] and index.shard_row.tolist() == [0, 5, 6, 13, 0, 3]
+    assert index.rows_of_groups([3, 0]).tolist() == [13, 14, 0, 1, 2, 3, 4]  # group 3 starts after 5 + 1 + 7 rows
+    assert index.group_tokens([1, 3]).tolist() == [2 + 1, 2 * 4 + 1 + 2]
+    rows = batching.read_step_rows(index, [5, 2], {int(r): float(r) for r in index.rows_of_groups([5, 2])})
+    expected = [(g, k) for g in (5, 2) for k in range(sizes[g])]
+    assert [r.prompt_ids.tolist() for r in rows] == [[g + 4] * (g + 1) for g, _ in expected]
+    assert [r.completion_ids.tolist() for r in rows] == [[100 + g * 10 + k] * (k + 1) for g, k in expected]
+    assert [r.advantage for r in rows] == index.rows_of_groups([5, 2]).astype(float).tolist()
+    assert [r.length for r in rows] == [g + 1 + k + 1 for g, k in expected]
+    no_rows = batching.index_datasets([dataset], 100, False, keep_rows=False)
+    assert no_rows.rows is None and no_rows.size.tolist() == sizes
+    with pytest.raises(ValueError, match="keep_rows=False"):
+        batching.read_step_rows(no_rows, [0], {0: 1.0})
+
+
 def test_index_refuses_null_rewards_and_long_rows(tmp_path):
     nulls = _dataset(tmp_path, [[_row("a", 0, [5], [6], reward=None), _row("a", 1, [5], [6], reward=None)]], "n")
     with pytest.raises(DataError, match="2 rows have no reward.*offline-rec reward"):
@@ -111,7 +137,7 @@ def test_read_and_collate_place_tokens_by_hand(tmp_path):
     groups = [[_row("a", 0, [5, 6], [7, 8, 9], loss_mask=[1, 0, 1]), _row("a", 1, [5, 6], [10])]]
     dataset = _dataset(tmp_path, groups)
     index = batching.index_datasets([dataset], 100, False)
-    rows = batching.read_step_rows([dataset], index, [0], {0: 0.5, 1: -0.5})
+    rows = batching.read_step_rows(index, [0], {0: 0.5, 1: -0.5})
     assert [r.trainable_tokens for r in rows] == [2, 1]
     batch = batching.collate(rows, pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 0, 0]]
@@ -122,4 +148,4 @@ def test_read_and_collate_place_tokens_by_hand(tmp_path):
     assert torch.equal(batch["loss_mask"], batch["positions_mask"])
     assert batch["advantages"].tolist() == [0.5, -0.5]
     # rows missing from the advantages (RED-Drop's dropped rows) are not read
-    assert len(batching.read_step_rows([dataset], index, [0], {1: 0.0})) == 1
+    assert len(batching.read_step_rows(index, [0], {1: 0.0})) == 1

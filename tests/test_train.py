@@ -109,7 +109,7 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
     groups = np.arange(4)
     rows_of_step = index.rows_of_groups(groups)
     advantages = dict(zip(rows_of_step.tolist(), (index.reward[rows_of_step] - 0.5).tolist()))
-    rows = batching.read_step_rows([dataset], index, groups, advantages)
+    rows = batching.read_step_rows(index, groups, advantages)
     num_tokens = sum(r.trainable_tokens for r in rows)
     model = load_model(model_dir)
 
@@ -336,7 +336,8 @@ def _bad_hash_dataset(tmp_path, data_dir):
 
 
 @pytest.mark.parametrize("case", ["null-rewards", "missing-model", "unknown-algorithm", "config-typo",
-                                  "tokenizer-mismatch", "hub-path", "too-long", "eval-without-module"])
+                                  "tokenizer-mismatch", "hub-path", "too-long", "eval-without-module",
+                                  "reader-cache-dir"])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, data_dir, capsys, case, monkeypatch):
     run = tmp_path / "run"
     data, model, algorithm, extra = data_dir, model_dir, "grpo", []
@@ -356,9 +357,12 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, d
         data, expected = "hf://datasets/org/name", "cannot pull org/name"
     elif case == "too-long":
         extra, expected = ["--set", "max_length=10"], "longer than max_length=10"
+    elif case == "reader-cache-dir":
+        extra, expected = ["--set", f"reader_cache_dir={tmp_path / 'nowhere'}"], "nowhere is not a directory"
     else:
         monkeypatch.setitem(sys.modules, "offline_rec.evaluate", None)  # as if the module did not exist
         extra, expected = ["--set", "eval_every=2", "--set", "eval_task=t"], "needs offline_rec.evaluate"
+    capsys.readouterr()  # what building the case printed (a model's loading bar) is not the command's
     code, err = _cli(capsys, ["--data", data, "--model", model, "--algorithm", algorithm, "--out", str(run),
                               "--set", "progress=false", *extra])
     assert code == 2
