@@ -10,14 +10,15 @@ shard_scan_vs_pyarrow. The training data reader is what turns shards into step b
 store), then per optimizer step `batching.read_step_rows` (the step's rows from the store) and
 `batching.pack_micro_batches`, with the trainer's seeded shuffle. Its rows/s = dataset rows /
 (index seconds + seconds of the steps of one epoch). The limit: a raw
-`pyarrow.parquet.ParquetFile.iter_batches` scan of the same shards and the same columns. Both run
-in one fresh process per dataset size, alternately, 3 rounds; the ratio is the median (round 0
-pays the process's one-time costs and is reported apart). When `max_steps` caps the steps (big
-datasets), the epoch's step time is extrapolated from the timed steps (steps draw groups
-uniformly at random, so they cost alike), and the result says so. Tensor building
-(`batching.collate`) is part of the training step, not the reader: its rows/s are reported apart.
-shard_scan_rss_growth: peak RSS of the reader process on a 10x larger dataset over the 1x one
-(the same number of steps is run on both; the index itself covers the whole dataset).
+`pyarrow.parquet.ParquetFile.iter_batches` scan of the same shards and the same columns. Both
+run in one fresh process per dataset size, alternately: one warm-up round (it pays the
+process's one-time costs; its ratio is reported apart), then 3 measured rounds, whose median
+is the ratio. When `max_steps` caps the steps (big datasets), the epoch's step time is
+extrapolated from the timed steps (steps draw groups uniformly at random, so they cost alike),
+and the result says so. Tensor building (`batching.collate`) is part of the training step, not
+the reader: its rows/s are reported apart. shard_scan_rss_growth: peak RSS of the reader
+process on a 10x larger dataset over the 1x one (the same number of steps is run on both; the
+index itself covers the whole dataset).
 
 validate/inspect: `offline-rec validate|inspect DATASET --json` (the CLI's `main`, in a fresh
 process whose only other import is this module) on a dataset of 1M narrow rows (prompts 1-8,
@@ -106,10 +107,10 @@ def _raw_scan(dataset) -> float:
 
 def scan_reader(data: str, max_steps: int | None, rounds: int = 3, prompts_per_step: int = TRAINER_PROMPTS_PER_STEP,
                 micro_batch_tokens: int = TRAINER_MICRO_BATCH_TOKENS, seed: int = 0) -> dict:
-    """In a fresh process: `rounds` x (the reader's epoch, or `max_steps` steps of it extrapolated; a raw scan).
-
-    The ratio is the median over rounds; round 0 also pays the process's one-time costs (first
-    reads of the files, lazy imports inside pyarrow), reported apart as `first_round_ratio`.
+    """In a fresh process: a warm-up round, then `rounds` x (the reader's epoch, or `max_steps` steps
+    of it extrapolated; a raw scan). The ratio is the median over the measured rounds. The warm-up
+    round pays the process's one-time costs (first reads of the files, lazy imports inside
+    pyarrow); its ratio is reported apart as `first_round_ratio`.
     """
     from statistics import median
 
@@ -117,12 +118,13 @@ def scan_reader(data: str, max_steps: int | None, rounds: int = 3, prompts_per_s
 
     dataset = open_dataset(data)
     results = []
-    for _ in range(rounds):
+    for _ in range(1 + rounds):
         reader = _reader_epoch(dataset, max_steps, prompts_per_step, micro_batch_tokens, seed)
         results.append({**reader, "raw_rows_per_s": _raw_scan(dataset)})
     ratios = [r["reader_rows_per_s"] / r["raw_rows_per_s"] for r in results]
-    middle = results[ratios.index(median(ratios))] if rounds % 2 else results[-1]
-    return {**middle, "ratio": median(ratios), "ratios": ratios, "first_round_ratio": ratios[0],
+    measured = ratios[1:]
+    middle = results[1 + measured.index(median(measured))] if rounds % 2 else results[-1]
+    return {**middle, "ratio": median(measured), "ratios": measured, "first_round_ratio": ratios[0],
             "rows": dataset.num_rows, "shards": len(dataset.shard_paths)}
 
 

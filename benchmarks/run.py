@@ -170,7 +170,7 @@ def part_scan(context: dict) -> dict:
     context["notes"].append(
         f"shard reader: 1x {one['rows']} rows in {one['shards']} shards, {one['steps_timed']}/{one['steps_per_epoch']} steps timed, "
         f"{one['shards_touched_per_step']:.1f} shards touched per step, row store {one['store_mb']:.0f} MB; "
-        f"per-round ratio {[round(r, 3) for r in one['ratios']]} (round 0 pays one-time costs); "
+        f"per-round ratio {[round(r, 3) for r in one['ratios']]} after a warm-up round at {one['first_round_ratio']:.3f}; "
         f"index pass {one['index_rows_per_s']:.0f} rows/s, step reads {one['step_rows_per_s']:.0f} rows/s, "
         f"collate {one['collate_rows_per_s']:.0f} rows/s; "
         f"10x: {ten['rows']} rows, reader {ten['reader_rows_per_s']:.0f} rows/s (extrapolated: {ten['extrapolated']}), "

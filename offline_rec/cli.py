@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -25,6 +25,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+
+
+# --------------------------------------------------------------------------------------------
+# options several commands share: one definition each (the default stays with the parameter)
+
+# outputs
+NewDatasetOut = Annotated[Path, typer.Option("--out", "-o", help="New dataset directory (must not exist).")]
+SummaryJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
+# prompts (collect, eval)
+PromptsFile = Annotated[Optional[str], typer.Option("--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).")]
+PromptColumn = Annotated[Optional[str], typer.Option("--prompt-column", help="The prompt file's prompt column (default: the task's).")]
+NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512).")]
+RewardFunction = Annotated[Optional[str], typer.Option("--reward", help="Replace the task's reward with module:function.")]
+# sampling (collect, eval)
+Backend = Annotated[Optional[str], typer.Option("--backend", help="hf or vllm (default: vllm when importable, else hf).")]
+Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).")]
+ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1: off).")]
+TopK = Annotated[Optional[int], typer.Option("--top-k", help="Top-k truncation (default: none).")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Longest completion, in tokens.")]
 
 
 def _version(value: bool) -> None:
@@ -101,7 +122,7 @@ def inspect(
 def import_(
     src: Path = typer.Argument(..., help="Source file (JSONL or Parquet), or a directory of them."),
     fmt: str = typer.Option(..., "--format", "-f", help="Source format: rows, text, openai or trl."),
-    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    out: NewDatasetOut = ...,
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (model folder or id): tokenizes text, renders chat messages, maps token strings; default: --score-with's."),
     score_with: Optional[str] = typer.Option(None, "--score-with", help="Compute behavior log-probs teacher-forced with this model (replaces any in the source); required for text and trl."),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Import the good rows and list bad lines in OUT/rejects.jsonl, instead of refusing."),
@@ -119,7 +140,7 @@ def import_(
     batch_size: int = typer.Option(8, "--batch-size", help="--score-with: sequences per forward pass."),
     dtype: str = typer.Option("float32", "--dtype", help="--score-with: model dtype (float32, bfloat16, float16, auto)."),
     score_temperature: float = typer.Option(1.0, "--score-temperature", help="--score-with: temperature of the recomputed log-probs (the sampling temperature, if known)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: SummaryJson = False,
 ) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
     from offline_rec.importers import ERRORS_SHOWN, BadLinesError, ImportOptions, import_dataset
@@ -160,7 +181,7 @@ def import_(
 @app.command("filter")
 def filter_(
     dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
-    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    out: NewDatasetOut = ...,
     drop_truncated: bool = typer.Option(False, "--drop-truncated", help="Drop responses with finish_reason 'length' (the rest of their group stays)."),
     drop_all_equal: bool = typer.Option(False, "--drop-all-equal", help="Drop groups whose rewards are all equal (no learning signal)."),
     max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Drop groups whose prompt is longer than N tokens."),
@@ -169,7 +190,7 @@ def filter_(
     max_policy_version: Optional[int] = typer.Option(None, "--max-policy-version", help="Drop responses of newer policy versions."),
     sample_fraction: Optional[float] = typer.Option(None, "--sample-fraction", help="Keep this fraction of groups, chosen by a hash of (seed, group id)."),
     seed: int = typer.Option(0, "--seed", help="Seed of --sample-fraction."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: SummaryJson = False,
 ) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
     from offline_rec.filtering import FilterOptions, filter_dataset
@@ -193,10 +214,10 @@ def filter_(
 def reward_(
     dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
     task: str = typer.Option(..., "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."),
-    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    out: NewDatasetOut = ...,
     reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward function with module:function."),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: SummaryJson = False,
 ) -> None:
     """(Re)score a dataset with a task's reward function into a new dataset (fields from each row's meta)."""
     from offline_rec.rescoring import rescore_dataset
@@ -309,20 +330,20 @@ def collect(
     task: str = typer.Option(..., "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."),
     out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (or the one to --resume)."),
     num_samples: int = typer.Option(8, "--num-samples", "-k", help="Completions per prompt (one group)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts)."),
-    prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="The prompt file's prompt column (default: the task's)."),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512)."),
+    prompts: PromptsFile = None,
+    prompt_column: PromptColumn = None,
+    num_prompts: NumPrompts = None,
     split: str = typer.Option("train", "--split", help="Built-in prompts: train or test."),
-    reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward with module:function."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="hf or vllm (default: vllm when importable, else hf)."),
+    reward: RewardFunction = None,
+    backend: Backend = None,
     temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0: greedy)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k truncation (default: none)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest completion, in tokens."),
+    top_p: TopP = 1.0,
+    top_k: TopK = None,
+    max_new_tokens: MaxNewTokens = 256,
     seed: int = typer.Option(0, "--seed", help="Seeds sampling (per prompt) and picks built-in prompts."),
     batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype)."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template."),
+    dtype: Dtype = None,
+    chat_template: ChatTemplate = True,
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM: GPUs per model."),
     groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Commit a Parquet shard every N groups (at batch boundaries)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted collect into --out."),
@@ -331,7 +352,7 @@ def collect(
     policy_version: int = typer.Option(0, "--policy-version", help="Training step of the behavior policy (0 = base)."),
     behavior: Optional[str] = typer.Option(None, "--behavior", help="Behavior name stored in every row (default: --model)."),
     reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: Quiet = False,
 ) -> None:
     """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
     from offline_rec.collect import CollectConfig, collect as run_collect
@@ -355,9 +376,9 @@ def collect(
 @app.command()
 def merge(
     datasets: List[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
-    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (must not exist)."),
+    out: NewDatasetOut = ...,
     groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Groups per output shard."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    as_json: SummaryJson = False,
 ) -> None:
     """Combine datasets with the same tokenizer and disjoint group ids into one, re-sharded."""
     from offline_rec.merge import merge_datasets
@@ -383,20 +404,20 @@ def eval_(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset)."),
     num_samples: int = typer.Option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k)."),
     greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy)."),
-    prompts: Optional[str] = typer.Option(None, "--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts)."),
-    prompt_column: Optional[str] = typer.Option(None, "--prompt-column", help="The prompt file's prompt column (default: the task's)."),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512)."),
+    prompts: PromptsFile = None,
+    prompt_column: PromptColumn = None,
+    num_prompts: NumPrompts = None,
     split: str = typer.Option("test", "--split", help="Built-in prompts: test (held out, the default) or train."),
-    reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward with module:function."),
-    backend: Optional[str] = typer.Option(None, "--backend", help="hf or vllm (default: vllm when importable, else hf)."),
+    reward: RewardFunction = None,
+    backend: Backend = None,
     temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's)."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass (1: off)."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Top-k truncation (default: none)."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", help="Longest completion, in tokens."),
+    top_p: TopP = 1.0,
+    top_k: TopK = None,
+    max_new_tokens: MaxNewTokens = 256,
     seed: int = typer.Option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap."),
     batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call; --offline: sequences per forward pass."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype)."),
-    chat_template: bool = typer.Option(True, "--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template."),
+    dtype: Dtype = None,
+    chat_template: ChatTemplate = True,
     success_threshold: float = typer.Option(0.5, "--success-threshold", help="A sample is correct when its reward is above this (accuracy, pass@k)."),
     gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="vLLM: share of the GPU it may take (default: vLLM's)."),
     reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit)."),
@@ -405,8 +426,8 @@ def eval_(
     run: Optional[str] = typer.Option(None, "--run", help="--offline: train RUN folder; its held-out groups (holdout.json) are used."),
     num_bootstrap: int = typer.Option(1000, "--num-bootstrap", help="--offline: bootstrap resamples of the 95% intervals (0: none)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the evaluation already in --out."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    quiet: Quiet = False,
+    as_json: SummaryJson = False,
 ) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
     from offline_rec.evaluate import evaluate, offline_evaluate, summary_table

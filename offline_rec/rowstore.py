@@ -76,11 +76,16 @@ class RowStoreWriter:
         try:
             for name in COLUMNS:
                 column = batch.column(name)
-                # Null lists count as empty, whatever offsets the array gives them.
-                lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy().astype(np.int64)
-                values = pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(VALUE_DTYPES[name], copy=False)
+                if column.null_count == 0:  # the array's own offsets and values, no copy
+                    offsets = column.offsets.to_numpy().astype(np.int64)
+                    values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+                    ends = offsets[1:] - offsets[0]
+                else:  # null lists count as empty, whatever offsets the array gives them
+                    ends = np.cumsum(pc.fill_null(pc.list_value_length(column), 0).to_numpy(), dtype=np.int64)
+                    values = pc.list_flatten(column)
+                values = values.to_numpy(zero_copy_only=False).astype(VALUE_DTYPES[name], copy=False)
                 values.tofile(self._files[name, "values"])
-                (self._ends[name] + np.cumsum(lengths)).tofile(self._files[name, "offsets"])
+                (self._ends[name] + ends).tofile(self._files[name, "offsets"])
                 self._ends[name] += len(values)
                 if name in NULLABLE:
                     column.is_valid().to_numpy(zero_copy_only=False).astype(np.int8).tofile(self._files[name, "valid"])
