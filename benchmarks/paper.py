@@ -18,11 +18,13 @@ How a run is built from the library (collect / train / evaluate), and what that 
 - Prompts: per seed, a fixed pool of `pool` train-split prompts (640 = 20 steps x 32 prompts), so every
   regime sees the same prompts equally often and differs only in which policy sampled the answers.
   The k=1 regimes take each step's 32 prompts as one slice of the pool (collect --num-shards).
-- Training is a loop of segments: a FRESH `train` of k steps from the current model on the segment's
-  data (the offline regime uses the same 20-step segments on its one dataset, with a new shuffle seed
-  per segment). `train --resume` refuses new data, so AdamW's moments restart at every segment: in
-  every regime every 20 steps, in the k=1 regimes at EVERY step (there the update is close to
-  lr * sign(gradient); read those two regimes with that in mind).
+- Training is a loop of segments: a `train` of k steps from the current model on the segment's data
+  (the offline regime uses the same 20-step segments on its one dataset, with a new shuffle seed per
+  segment). With `--optimizer restart` (the default, and what docs/paper.md measured) each segment is a
+  FRESH run, so AdamW's moments restart at every segment: in every regime every 20 steps, in the k=1
+  regimes at EVERY step (there the update is close to lr * sign(gradient)). With `--optimizer continue`
+  each segment continues the previous one's AdamW state (`train --init-from`): one optimizer per run,
+  as in the paper.
 - Evaluation: every `eval_every` steps the current model decodes `eval_prompts` held-out TEST prompts
   greedily (greedy accuracy) and samples one answer each at T=1 (accuracy), via `evaluate`.
 - Everything else is the demo recipe: K=8 samples at T=1, AdamW lr 1e-4 without weight decay,
@@ -86,12 +88,17 @@ class Scale:
     max_grad_norm: float = 1.0
     batch_size: int = 128
     """Prompts per generate call."""
+    optimizer: str = "restart"
+    """AdamW across segments: "restart" (a fresh optimizer per segment, what docs/paper.md measured) or
+    "continue" (each segment continues the previous one's with `train --init-from`: one optimizer per run)."""
 
     @property
     def pass_steps(self) -> int:
         return self.pool // self.prompts_per_step
 
     def check(self) -> None:
+        if self.optimizer not in ("restart", "continue"):
+            raise SystemExit(f"--optimizer must be restart or continue, got {self.optimizer!r}")
         if self.pool % self.prompts_per_step:
             raise SystemExit(f"--pool {self.pool} must be a multiple of --prompts-per-step {self.prompts_per_step}")
         if self.steps % self.pass_steps or self.pass_steps % self.eval_every:
@@ -133,8 +140,9 @@ class Grid:
 
     def __init__(self, out: Path, policy: str, scale: Scale, log=print):
         self.out, self.policy, self.scale, self.log = out, policy, scale, log
-        # Per scale: a grid of another scale in the same folder never reads these.
-        key = hashlib.sha256(json.dumps([asdict(scale), str(policy)]).encode()).hexdigest()[:10]
+        # Per scale: a grid of another scale in the same folder never reads these (the optimizer plays no part).
+        sizes = {k: v for k, v in asdict(scale).items() if k != "optimizer"}
+        key = hashlib.sha256(json.dumps([sizes, str(policy)]).encode()).hexdigest()[:10]
         self.shared = out / "shared" / key
         self.shared.mkdir(parents=True, exist_ok=True)
 
@@ -187,8 +195,8 @@ def evaluate_model(model: str, out: Path, scale: Scale) -> dict:
 
 
 def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, seed: int, scale: Scale,
-                  save_every: int) -> Path:
-    """A fresh `train` of `steps` steps from `model`; returns the run folder."""
+                  save_every: int, init_from: Path | None = None) -> Path:
+    """A `train` of `steps` steps from `model`, or continuing the run `init_from`; returns the run folder."""
     from offline_rec.config import TrainConfig
     from offline_rec.train import train
 
@@ -199,7 +207,7 @@ def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, s
             data=[str(data)], model=model, algorithm=preset, algorithm_overrides=overrides, out=str(out),
             prompts_per_step=scale.prompts_per_step, max_steps=steps, lr=scale.lr, weight_decay=0.0,
             max_grad_norm=scale.max_grad_norm, seed=seed, save_every=save_every, keep_last=0, report_to=[],
-            progress=False,
+            progress=False, init_from=None if init_from is None else str(init_from),
         ))
     return out
 
@@ -234,8 +242,9 @@ def run_one(grid: Grid, variant: str, regime_name: str, seed: int) -> dict:
             timing["collect"] += time.monotonic() - tick
         tick = time.monotonic()
         save_every = scale.eval_every if segment > scale.eval_every else 0
+        previous = Path(models[first]).parent if scale.optimizer == "continue" and first > 0 else None
         segment_dir = train_segment(models[first], data, run_dir / f"train-{first:05d}", variant, segment,
-                                    derive_seed(seed, 1_000_000 + first), scale, save_every)
+                                    derive_seed(seed, 1_000_000 + first), scale, save_every, init_from=previous)
         timing["train"] += time.monotonic() - tick
         for line in _read_jsonl(segment_dir / ckpt.METRICS_FILE):
             # The trainer counts steps from 0 in each segment: staleness is recomputed on the global step.
@@ -391,7 +400,8 @@ def plot_curves(results: list[dict], path: Path, title: str) -> Path:
 
 def read_results(out: Path, scale: Scale) -> list[dict]:
     """Finished runs of this scale (runs of another scale in the same folder are ignored)."""
-    return [r for r in _read_jsonl(out / RESULTS_FILE) if r.get("scale") == asdict(scale)]
+    # Results written before the optimizer choice existed restarted AdamW every segment.
+    return [r for r in _read_jsonl(out / RESULTS_FILE) if {"optimizer": "restart", **r.get("scale", {})} == asdict(scale)]
 
 
 def run_grid(out: Path, variants, regimes, seeds, scale: Scale, policy: str | None = None,
@@ -446,6 +456,8 @@ def main(argv: list[str] | None = None) -> dict:
                                             "into the same --out; a last run over all seeds then writes the full table)")
     parser.add_argument("--steps", type=int, help=f"optimizer steps per run (default {Scale.steps})")
     parser.add_argument("--eval-prompts", type=int, help=f"held-out prompts per evaluation (default {Scale.eval_prompts})")
+    parser.add_argument("--optimizer", choices=("restart", "continue"),
+                        help="AdamW across a run's segments: restart (default) or continue (train --init-from)")
     parser.add_argument("--threshold", type=float, default=0.6, help="greedy accuracy for the steps-to-threshold column")
     parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
     parser.add_argument("--threads", type=int, default=1,
@@ -455,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     scale = QUICK_SCALE if args.quick else Scale()
-    overrides = {k: v for k, v in (("steps", args.steps), ("eval_prompts", args.eval_prompts)) if v is not None}
+    overrides = {k: v for k, v in (("steps", args.steps), ("eval_prompts", args.eval_prompts),
+                                   ("optimizer", args.optimizer)) if v is not None}
     if overrides:
         scale = Scale(**{**asdict(scale), **overrides})
     if args.quick:

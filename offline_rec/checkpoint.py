@@ -1,4 +1,4 @@
-"""Training checkpoints: written atomically, found again on --resume, turned into the final model.
+"""Training checkpoints: written atomically, found again on --resume (or by init_from), turned into the final model.
 
 A run directory holds::
 
@@ -34,6 +34,7 @@ import shutil
 from pathlib import Path
 
 from offline_rec.dataset import atomic_write_json
+from offline_rec.errors import UserError
 
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
@@ -73,6 +74,26 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete checkpoint: `path` itself (RUN/checkpoints/step-N) or a run folder's latest one.
+
+    UserError for anything else, e.g. a `final/` folder, which holds weights but no optimizer state.
+    """
+    path = Path(path)
+    if (path / TRAINER_STATE_FILE).is_file() and (path / ACCELERATE_STATE_DIR).is_dir():
+        return path
+    latest = latest_checkpoint(path) if path.is_dir() else None
+    if latest is None:
+        raise UserError(f"{path} is neither a training run with checkpoints nor a {CHECKPOINTS_DIR}/step-N folder "
+                        f"(a {FINAL_DIR}/ folder has no optimizer state: start from it with --model instead)")
+    return latest
+
+
+def policy_version(trainer_state: dict) -> int:
+    """Updates the checkpoint's weights have had since the first run of their line (older checkpoints: their step)."""
+    return int(trainer_state.get("policy_version", trainer_state["step"]))
+
+
 def read_trainer_state(checkpoint_dir: str | os.PathLike) -> dict:
     return json.loads((Path(checkpoint_dir) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
 
@@ -90,6 +111,24 @@ def register_state_hooks(accelerator) -> None:
     """Keep model weights out of accelerate's state: they are saved once, as the HF export."""
     accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
     accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
+
+
+def load_optimizer_state(accelerator, optimizer, scheduler, checkpoint_dir: str | os.PathLike) -> None:
+    """Continue AdamW from a checkpoint of another run: its moments and step counts, THIS run's settings.
+
+    accelerate restores optimizer, scheduler and RNG states together; the hyper-parameters of the
+    param groups (lr, betas, eps, weight decay) and the scheduler are put back to this run's after.
+    """
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    schedule = scheduler.state_dict()
+    try:
+        accelerator.load_state(str(Path(checkpoint_dir) / ACCELERATE_STATE_DIR))
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"cannot continue the optimizer of {checkpoint_dir} ({e}); "
+                        "init_from needs a checkpoint of the same model with the same trainable parameters") from None
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+    scheduler.load_state_dict(schedule)
 
 
 def save_checkpoint(accelerator, scorer, tokenizer, run_dir, step: int, trainer_state: dict, keep_last: int) -> Path:

@@ -255,6 +255,7 @@ def train(
     config: Optional[Path] = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override an option: key=value, or algorithm.eps_high=2.0 (repeatable)."),
     resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue the run in --out from its latest checkpoint."),
+    init_from: Optional[str] = typer.Option(None, "--init-from", help="Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, policy version."),
     epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training groups."),
     max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Train exactly this many optimizer steps (overrides --epochs)."),
     prompts_per_step: Optional[int] = typer.Option(None, "--prompts-per-step", help="Whole groups per optimizer step."),
@@ -268,7 +269,7 @@ def train(
     """Train a policy offline on logged groups (runs under `accelerate launch -m offline_rec train` too)."""
     from offline_rec.config import build_config
 
-    options = dict(data=data or None, model=model, algorithm=algorithm, out=out, resume=resume, epochs=epochs,
+    options = dict(data=data or None, model=model, algorithm=algorithm, out=out, resume=resume, init_from=init_from, epochs=epochs,
                    max_steps=max_steps, prompts_per_step=prompts_per_step, micro_batch_tokens=micro_batch_tokens,
                    lr=lr, seed=seed, holdout=holdout)
     resolved = build_config(config, options, set_ or ())

@@ -63,6 +63,8 @@ class TrainConfig:
     algorithm_overrides: dict = _option({}, "preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6")
     out: str = _option("", "run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json")
     resume: bool = _option(False, "continue the run in `out` from its latest checkpoint (starts fresh if there is none)")
+    init_from: str | None = _option(None, "continue an earlier run on THIS data: its checkpoint (RUN or RUN/checkpoints/step-N) "
+                                          "gives the weights, AdamW moments and policy version; schedule and data order start fresh")
 
     # -- data
     prompts_per_step: int = _option(32, "whole groups (prompts) per optimizer step; the last step of an epoch may have fewer")

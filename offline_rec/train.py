@@ -92,6 +92,7 @@ def train(config: TrainConfig) -> dict:
     if not config.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"run directory {run_dir} already exists; pass --resume to continue it, or choose another --out")
     check_optional_features(config)
+    init_from = check_init_from(config) if config.init_from else None
     index = batching.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir)
     check_context(index, config.model)
     train_groups, holdout_groups = batching.split_holdout(index.group_ids, config.holdout)
@@ -112,8 +113,11 @@ def train(config: TrainConfig) -> dict:
     if state and (state["data_fingerprint"] != data_fingerprint or state["steps_per_epoch"] != per_epoch):
         raise UserError(f"the training data differs from the one {resume_from} was trained on; "
                         "resume with the same --data and holdout")
+    # Policy versions count updates along a line of runs continued with init_from (0 = the base model).
+    version_start = (state.get("policy_version_start", 0) if state
+                     else ckpt.policy_version(ckpt.read_trainer_state(init_from)) if init_from else 0)
     set_seed(config.seed)
-    policy = load_policy(config, resume_from)
+    policy = load_policy(config, resume_from or init_from)
     vocab = policy.get_input_embeddings().weight.shape[0]
     if index.max_token_id >= vocab:
         raise UserError(f"the data holds token id {index.max_token_id} but {config.model} has {vocab} embeddings: "
@@ -132,6 +136,9 @@ def train(config: TrainConfig) -> dict:
     ckpt.register_state_hooks(accelerator)
     if resume_from:
         accelerator.load_state(str(resume_from / ckpt.ACCELERATE_STATE_DIR))
+    elif init_from:
+        ckpt.load_optimizer_state(accelerator, optimizer, scheduler, init_from)
+        set_seed(config.seed)  # the earlier run's saved RNG states must not decide this run's
     start_step = state["step"] if state else 0
     if start_step > total_steps:
         raise UserError(f"{resume_from} is past step {total_steps}: a resumed run cannot be made shorter than it already is")
@@ -232,8 +239,9 @@ def train(config: TrainConfig) -> dict:
             dropped_fraction=1.0 - float(keep.double().mean()),
             policy_version_mean=float(versions.mean()),
             policy_version_max=int(versions.max()),
-            staleness=float(step - versions.mean()),  # updates since the behavior policy, runs starting at version 0
-            staleness_max=int(step - versions.min()),
+            trained_policy_version=version_start + step,  # updates the policy had before this step
+            staleness=float(version_start + step - versions.mean()),  # updates since the behavior policy
+            staleness_max=int(version_start + step - versions.min()),
             grad_norm=float(grad_norm),
             lr=lr,
             num_tokens=num_tokens,
@@ -245,7 +253,8 @@ def train(config: TrainConfig) -> dict:
         done = step + 1 == total_steps
         evaluate_now = config.eval_every and (step + 1) % config.eval_every == 0
         if done or evaluate_now or (config.save_every and (step + 1) % config.save_every == 0):
-            trainer_state = make_trainer_state(config, step + 1, per_epoch, total_steps, data_fingerprint, metrics)
+            trainer_state = make_trainer_state(config, step + 1, per_epoch, total_steps, data_fingerprint, metrics,
+                                               version_start)
             last_saved = ckpt.save_checkpoint(accelerator, scorer, tokenizer, run_dir, step + 1, trainer_state,
                                               config.keep_last)
         if evaluate_now:
@@ -366,6 +375,17 @@ def k3_penalty(logprobs, reference_logprobs, mask, num_tokens: int) -> torch.Ten
 # checks before anything is written
 
 
+def check_init_from(config: TrainConfig) -> Path:
+    """The checkpoint init_from names, if it can continue this config: LoRA on both sides or neither."""
+    checkpoint = ckpt.resolve_checkpoint(config.init_from)
+    is_adapter = (checkpoint / "adapter_config.json").is_file()
+    if is_adapter != bool(config.lora_r):
+        raise UserError(f"init_from {checkpoint} holds {'a LoRA adapter' if is_adapter else 'full weights'} but this run "
+                        f"{'trains a LoRA adapter (lora_r > 0)' if config.lora_r else 'trains full weights (lora_r 0)'}: "
+                        "continue with the same lora_r")
+    return checkpoint
+
+
 def check_context(index: batching.GroupIndex, model: str) -> None:
     """Refuse rows (after truncation to max_length) longer than the model has positions for: a forward
     over them crashes (learned positions) or silently extrapolates (rotary)."""
@@ -414,8 +434,10 @@ def finished_summary(run_dir: Path) -> dict:
     return {**summary, "already_finished": True}
 
 
-def make_trainer_state(config, steps_done: int, per_epoch: int, total_steps: int, data_fingerprint: str, metrics: dict) -> dict:
-    """The data cursor after `steps_done` steps: the next step is the `position`-th group of `epoch`."""
+def make_trainer_state(config, steps_done: int, per_epoch: int, total_steps: int, data_fingerprint: str, metrics: dict,
+                       version_start: int = 0) -> dict:
+    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`),
+    and the policy version of the weights: `version_start` (the init_from checkpoint's) + steps_done."""
     epoch, step_in_epoch = divmod(steps_done, per_epoch)
     return {
         "step": steps_done,
@@ -426,6 +448,8 @@ def make_trainer_state(config, steps_done: int, per_epoch: int, total_steps: int
         "total_steps": total_steps,
         "finished": steps_done >= total_steps,
         "data_fingerprint": data_fingerprint,
+        "policy_version_start": version_start,
+        "policy_version": version_start + steps_done,
         "metrics": metrics,
     }
 
@@ -488,7 +512,8 @@ _NAMESPACES = {
     "losses": ("loss", "pg_loss", "reg_loss", "kl_initial"),
     "policy": ("clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "kl_behavior", "weight_mean", "grad_norm"),
     "data": ("reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction",
-             "policy_version_mean", "policy_version_max", "staleness", "staleness_max", "num_tokens", "groups"),
+             "policy_version_mean", "policy_version_max", "trained_policy_version", "staleness", "staleness_max",
+             "num_tokens", "groups"),
     "charts": ("lr", "tokens_per_s", "padding_efficiency", "seconds", "epoch"),
 }
 _NAMESPACE_OF = {key: space for space, keys in _NAMESPACES.items() for key in keys}
@@ -501,7 +526,9 @@ class MetricsLog:
     and ranks); over its completion tokens: clip_fraction (share with clip mask 0), ratio_mean /
     ratio_min / ratio_max of pi/mu, kl_behavior (k3 estimate of KL(behavior || policy)),
     weight_mean; over its rows: reward_mean, dropped_fraction (RED-Drop), policy_version_mean/max
-    and staleness (= step - 1 - policy_version, mean and max); over its groups:
+    (of the behavior policies), trained_policy_version (updates the trained weights had before
+    the step: step - 1, plus the init_from checkpoint's version) and staleness
+    (= trained_policy_version - policy_version, mean and max); over its groups:
     zero_variance_group_fraction, singleton_groups, groups; num_tokens (N of the loss),
     padding_efficiency (real / padded tokens through the model), tokens_per_s (real prompt +
     completion tokens through the model per second), grad_norm (before clipping), lr, seconds.

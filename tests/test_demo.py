@@ -228,3 +228,20 @@ def test_paper_grid_smoke(tmp_path, tiny_policy):
                            log=lambda message: None)
     assert again["results"] == 2
     assert len((tmp_path / "paper" / "results.jsonl").read_text().splitlines()) == 2
+    # The restarted segments of a run each began as version 0.
+    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
+    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [0, 1]
+
+
+@pytest.mark.slow
+def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_policy):
+    paper = _paper()
+    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1,
+                        optimizer="continue")
+    paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale"], [0], scale, policy=tiny_policy, log=lambda message: None)
+    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
+    # The second segment continued the first one's run (init_from): its policy is 2 updates old.
+    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [2, 3]
+    restart = paper.Scale(**{**paper.asdict(scale), "optimizer": "restart"})
+    assert paper.read_results(tmp_path / "paper", restart) == []  # results of one choice never stand for the other
+    assert len(paper.read_results(tmp_path / "paper", scale)) == 1
