@@ -17,9 +17,11 @@ by one record batch plus one group, whatever the dataset size.
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import hashlib
 import json
 import os
+import platform
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -189,6 +191,42 @@ def _totals(shards: list[dict]) -> dict:
 # writer
 
 
+def partial_prefix(final_path: Path, pid: int | None = None) -> str:
+    """Name prefix of a one-shot writer's hidden folder: `.OUT.partial-HOST-PID-` (tempfile adds a random end).
+
+    HOST is 8 hex digits of the host name's sha256: fixed length, so that no host's prefix is
+    another's (a raw "worker" would be a prefix of "worker-3").
+    """
+    host = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+    return f".{final_path.name}.partial-{host}-{os.getpid() if pid is None else pid}-"
+
+
+def remove_dead_partials(final_path: Path) -> list[Path]:
+    """Delete the hidden folders that killed one-shot writers of `final_path` left behind.
+
+    Only folders of this host whose process no longer exists: a writer still running, here or on
+    another machine sharing the folder, keeps its own. Returns what was removed.
+    """
+    mine = partial_prefix(final_path, pid=0)[:-len("0-")]  # `.OUT.partial-HOST-`
+    removed = []
+    for candidate in final_path.parent.glob(f"{glob.escape(mine)}*"):
+        pid_text = candidate.name[len(mine):].split("-", 1)[0]
+        if candidate.is_dir() and pid_text.isdigit() and not _process_exists(int(pid_text)):
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 class DatasetWriter:
     """Writes a dataset one committed shard at a time.
 
@@ -244,7 +282,8 @@ class DatasetWriter:
             )
         if atomic:
             self.final_path.parent.mkdir(parents=True, exist_ok=True)
-            self.path = Path(tempfile.mkdtemp(prefix=f".{self.final_path.name}.partial-", dir=self.final_path.parent))
+            remove_dead_partials(self.final_path)
+            self.path = Path(tempfile.mkdtemp(prefix=partial_prefix(self.final_path), dir=self.final_path.parent))
         else:
             if exists:  # overwrite in place
                 shutil.rmtree(self.final_path)

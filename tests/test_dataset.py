@@ -365,6 +365,23 @@ def test_atomic_writer_that_fails_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_new_atomic_writer_removes_what_killed_ones_of_this_host_left(tmp_path):
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(finished.stdout)  # a process that has ended (its pid is not reused this fast)
+    out = tmp_path / "out"
+    dead = tmp_path / (dataset_module.partial_prefix(out, pid=dead_pid) + "abc")
+    alive = tmp_path / (dataset_module.partial_prefix(out, pid=os.getpid()) + "def")  # a writer still running
+    other_host = tmp_path / ".out.partial-0badc0de-" f"{dead_pid}-ghi"  # a machine sharing the folder
+    other_output = tmp_path / (dataset_module.partial_prefix(tmp_path / "other", pid=dead_pid) + "jkl")
+    for folder in (dead, alive, other_host, other_output):
+        (folder / S.DATA_DIR).mkdir(parents=True)
+    with DatasetWriter(out, atomic=True) as writer:
+        writer.add_groups(make_rows([2]))
+    assert not dead.exists()
+    assert alive.exists() and other_host.exists() and other_output.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, other_host.name, other_output.name, "out"])
+
+
 def test_atomic_overwrite_replaces_the_old_dataset_in_one_step(tmp_path):
     path = write_dataset(tmp_path / "out", make_rows([2]))
     with pytest.raises(UserError, match="already exists"):

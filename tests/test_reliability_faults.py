@@ -424,6 +424,7 @@ def test_one_shot_writers_killed_leave_no_output_or_a_complete_one(one_shot_kill
                 code, err = run_cli(one_shot_argv(command, dataset, jsonl, out))
                 assert code == 0, err
                 assert validate_dataset(out).ok and group_rows(out) == expected
+                assert not partials(out), "the rerun removes what the killed writer left"
     assert absent >= 1, "no kill landed before the output was published"
     assert tree_digest(dataset) == inputs_before["dataset"] and jsonl.read_bytes() == inputs_before["jsonl"]
 
