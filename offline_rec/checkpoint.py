@@ -94,6 +94,21 @@ def policy_version(trainer_state: dict) -> int:
     return int(trainer_state.get("policy_version", trainer_state["step"]))
 
 
+def model_policy_version(model: str | os.PathLike) -> int:
+    """The policy version of a model folder: a checkpoint's trainer_state.json, or for RUN/final its
+    run's summary.json; 0 (the base policy) for anything else, a Hub id included."""
+    path = Path(model)
+    try:
+        if (path / TRAINER_STATE_FILE).is_file():
+            return policy_version(read_trainer_state(path))
+        if path.name == FINAL_DIR and (path.parent / SUMMARY_FILE).is_file():
+            summary = json.loads((path.parent / SUMMARY_FILE).read_text(encoding="utf-8"))
+            return int(summary.get("policy_version", summary.get("steps")) or 0)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return 0
+
+
 def read_trainer_state(checkpoint_dir: str | os.PathLike) -> dict:
     return json.loads((Path(checkpoint_dir) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
 

@@ -350,7 +350,7 @@ def collect(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted collect into --out."),
     num_shards: int = typer.Option(1, "--num-shards", help="Scale-out: split the prompts into N slices (index mod N)..."),
     shard_index: int = typer.Option(0, "--shard-index", help="...and collect slice I; `merge` combines the slices."),
-    policy_version: int = typer.Option(0, "--policy-version", help="Training step of the behavior policy (0 = base)."),
+    policy_version: Optional[int] = typer.Option(None, "--policy-version", help="Training updates of the behavior policy (default: read from a checkpoint or RUN/final folder, else 0 = base)."),
     behavior: Optional[str] = typer.Option(None, "--behavior", help="Behavior name stored in every row (default: --model)."),
     reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
     quiet: Quiet = False,

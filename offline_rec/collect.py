@@ -96,8 +96,9 @@ class CollectConfig:
     num_shards: int = 1
     """Collect only prompts whose index mod num_shards == shard_index (scale-out over machines)."""
     shard_index: int = 0
-    policy_version: int = 0
-    """Training step of the behavior policy (0 = base)."""
+    policy_version: int | None = None
+    """Training updates of the behavior policy (0 = base); None: read from the model folder
+    (a checkpoint's trainer_state.json or a RUN/final's summary.json), else 0."""
     behavior: str | None = None
     """Name stored in each row's `behavior` column (default: the model)."""
     reward_timeout_s: float | None = REWARD_TIMEOUT_S
@@ -120,6 +121,10 @@ class CollectConfig:
             raise UserError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.split not in SPLITS:
             raise one_of("split", self.split, SPLITS)
+        if self.policy_version is None:
+            from offline_rec.checkpoint import model_policy_version
+
+            self.policy_version = model_policy_version(self.model)
         if self.policy_version < 0:
             raise UserError(f"--policy-version must be >= 0, got {self.policy_version}")
 

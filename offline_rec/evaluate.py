@@ -181,21 +181,6 @@ def resolve_model(name_or_path: str) -> str:
     return str(name_or_path)
 
 
-def policy_version_of(model: str) -> int:
-    """The training step a model folder was saved at: its trainer_state.json, or its run's summary for
-    RUN/final; 0 (the base policy) for anything else."""
-    path = Path(model)
-    for state_file, key in ((path / ckpt.TRAINER_STATE_FILE, "step"), (path.parent / ckpt.SUMMARY_FILE, "steps")):
-        if key == "steps" and path.name != ckpt.FINAL_DIR:
-            continue
-        if state_file.is_file():
-            try:
-                return int(json.loads(state_file.read_text(encoding="utf-8")).get(key) or 0)
-            except (ValueError, TypeError, AttributeError):
-                return 0
-    return 0
-
-
 def model_vocab_size(model: str) -> int | None:
     """The number of embedding rows `model`'s config declares (None if it does not say), without loading weights."""
     from transformers import AutoConfig
@@ -270,7 +255,7 @@ def evaluate(
         model=model, task=task, out=out / ROLLOUTS_DIR, num_samples=num_samples, prompts=prompts,
         prompt_column=prompt_column, num_prompts=num_prompts, split=split, reward=reward,
         temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
-        batch_size=batch_size, dtype=dtype, chat_template=chat_template, policy_version=policy_version_of(model),
+        batch_size=batch_size, dtype=dtype, chat_template=chat_template, policy_version=ckpt.model_policy_version(model),
         reward_timeout_s=reward_timeout_s, show_progress=show_progress,
     )  # validates the sampling settings
     if backend is None or isinstance(backend, str):

@@ -273,6 +273,7 @@ def train(config: TrainConfig) -> dict:
         "final_model": str(run_dir / ckpt.FINAL_DIR),
         "last_checkpoint": str(last_saved),
         "steps": total_steps,
+        "policy_version": version_start + total_steps,
         "train_groups": len(train_groups),
         "holdout_groups": len(holdout_groups),
         "world_size": world,

@@ -293,6 +293,22 @@ def test_resume_with_nothing_committed_starts_afresh(tmp_path, checkpoint, backe
     assert (dataset.num_groups, dataset.task["name"]) == (3, "arith")
 
 
+def test_the_policy_version_is_read_from_a_checkpoint_folder(tmp_path, checkpoint, backend):
+    import shutil
+
+    step = tmp_path / "run" / "checkpoints" / "step-000003"
+    shutil.copytree(checkpoint, step)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 3, "policy_version": 5}))
+    settings = dict(task="arith", num_prompts=2, num_samples=2, max_new_tokens=4, show_progress=False)
+    read = collect(CollectConfig(model=str(step), out=tmp_path / "read", **settings), backend=backend)
+    given = collect(CollectConfig(model=str(step), out=tmp_path / "given", policy_version=1, **settings), backend=backend)
+    base = collect(CollectConfig(model=checkpoint, out=tmp_path / "base", **settings), backend=backend)
+    versions = {name: {r[S.POLICY_VERSION] for g in open_dataset(path).iter_groups() for r in g}
+                for name, path in (("read", read), ("given", given), ("base", base))}
+    assert versions == {"read": {5}, "given": {1}, "base": {0}}
+    assert open_dataset(read).behavior["policy_version"] == 5
+
+
 def test_reward_timeouts_are_counted_and_leave_the_reward_null(tmp_path, checkpoint, backend, monkeypatch):
     (tmp_path / "sleepy.py").write_text("import time\ndef score(prompt, completion, fields):\n    time.sleep(1.0)\n    return 1.0\n")
     monkeypatch.syspath_prepend(str(tmp_path))

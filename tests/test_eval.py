@@ -147,18 +147,25 @@ def test_evaluate_hf_writes_a_consistent_eval_folder(tmp_path, checkpoint, promp
 
 
 def test_checkpoint_of_a_run_gives_its_policy_version(tmp_path, checkpoint):
+    from offline_rec.checkpoint import model_policy_version
+
     run = tmp_path / "run"
     step = run / "checkpoints" / "step-000007"
     shutil.copytree(checkpoint, step)
     (step / "trainer_state.json").write_text(json.dumps({"step": 7}))
     assert E.resolve_model(str(run)) == str(step)  # no final/ yet: the latest checkpoint
-    assert E.policy_version_of(str(step)) == 7
+    assert model_policy_version(str(step)) == 7  # a checkpoint from before policy versions were recorded
+    (step / "trainer_state.json").write_text(json.dumps({"step": 7, "policy_version": 12}))  # a run continued with init_from
+    assert model_policy_version(str(step)) == 12
     final = run / "final"
     shutil.copytree(checkpoint, final)
     (run / "summary.json").write_text(json.dumps({"steps": 9}))
     assert E.resolve_model(str(run)) == str(final)
-    assert E.policy_version_of(str(final)) == 9
-    assert E.policy_version_of(checkpoint) == 0
+    assert model_policy_version(str(final)) == 9
+    (run / "summary.json").write_text(json.dumps({"steps": 9, "policy_version": 14}))
+    assert model_policy_version(str(final)) == 14
+    assert model_policy_version(checkpoint) == 0
+    assert model_policy_version("org/hub-model") == 0
 
 
 def test_evaluate_checkpoint_in_process(tmp_path, checkpoint, prompts_file):
