@@ -138,7 +138,7 @@ def load_optimizer_state(accelerator, optimizer, scheduler, checkpoint_dir: str 
     schedule = scheduler.state_dict()
     try:
         accelerator.load_state(str(Path(checkpoint_dir) / ACCELERATE_STATE_DIR))
-    except (ValueError, KeyError, RuntimeError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise UserError(f"cannot continue the optimizer of {checkpoint_dir} ({e}); "
                         "init_from needs a checkpoint of the same model with the same trainable parameters") from None
     for group, own in zip(optimizer.param_groups, settings):

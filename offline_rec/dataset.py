@@ -207,8 +207,10 @@ def remove_dead_partials(final_path: Path) -> list[Path]:
     Only folders of this host whose process no longer exists: a writer still running, here or on
     another machine sharing the folder, keeps its own. Returns what was removed.
     """
-    mine = partial_prefix(final_path, pid=0)[:-len("0-")]  # `.OUT.partial-HOST-`
     removed = []
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there, not probe it
+        return removed
+    mine = partial_prefix(final_path, pid=0)[:-len("0-")]  # `.OUT.partial-HOST-`
     for candidate in final_path.parent.glob(f"{glob.escape(mine)}*"):
         pid_text = candidate.name[len(mine):].split("-", 1)[0]
         if candidate.is_dir() and pid_text.isdigit() and not _process_exists(int(pid_text)):

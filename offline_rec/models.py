@@ -47,10 +47,13 @@ def _check_model_path(name_or_path: str) -> None:
         raise UserError(f"model {name_or_path} does not exist")
 
 
-def load_tokenizer(name_or_path: str):
+def load_tokenizer(name_or_path: str, model_folder: bool = True):
+    """AutoTokenizer with a pad token (EOS where it has none). `model_folder=False` accepts a local
+    folder without config.json (a LoRA checkpoint: adapter and tokenizer files only)."""
     from transformers import AutoTokenizer
 
-    _check_model_path(name_or_path)
+    if model_folder:
+        _check_model_path(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as e:

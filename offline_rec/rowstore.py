@@ -13,7 +13,9 @@ the rows' int64 offsets into them ([R + 1]), each in its own file, plus one vali
 for the nullable loss_mask. ~9 bytes per token and 33 per row. Every file is an anonymous
 temporary file (`tempfile.TemporaryFile`: on Linux it never has a name) in `directory` (default:
 the system's temporary directory, $TMPDIR), so the operating system deletes it when the process
-ends, however it ends, kill -9 included.
+ends, however it ends, kill -9 included (on NFS a killed process may leave `.nfs*` files).
+Each process writes its own store: under DDP, one per rank. Where `directory` is a tmpfs (often
+/tmp), the store lives in RAM (`RowStore.in_memory`; the trainer warns): use a disk folder.
 
 The pages are file-backed: the kernel can drop them under memory pressure and read them back.
 They still count in the process's resident set once touched, so a read releases the pages of
@@ -27,6 +29,7 @@ smaller than the budget is never released, so its pages fault in once.
 from __future__ import annotations
 
 import mmap
+import os
 import tempfile
 from pathlib import Path
 
@@ -101,12 +104,30 @@ class RowStoreWriter:
         except OSError as e:
             self.close()
             raise _write_error(self.directory, e) from None
-        return RowStore(self._files, self.num_rows)
+        store = RowStore(self._files, self.num_rows)
+        store.directory = self.directory
+        store.in_memory = _filesystem_type(self.directory) in ("tmpfs", "ramfs")
+        return store
 
     def close(self) -> None:
         """Drop what was written (the files disappear with their last handle)."""
         for file in self._files.values():
             file.close()
+
+
+def _filesystem_type(directory: str) -> str | None:
+    """The type of the filesystem holding `directory`, from /proc/mounts (None where unknown)."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    target = os.path.realpath(directory)
+    best = None
+    for point, kind in mounts:
+        point = point.replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and (best is None or len(point) > len(best[0])):
+            best = (point, kind)
+    return best[1] if best else None
 
 
 def _resident_file_bytes() -> int | None:
@@ -131,6 +152,8 @@ class RowStore:
 
     def __init__(self, files: dict, num_rows: int, resident_budget: int = RESIDENT_BUDGET_BYTES):
         self._files = files  # the open files keep the data alive
+        self.directory: str | None = None  # where the files are (set by the writer)
+        self.in_memory = False  # True where that is a tmpfs: the store takes RAM, not disk
         self.num_rows = num_rows
         self.resident_budget = resident_budget
         self._maps = []
@@ -146,6 +169,12 @@ class RowStore:
 
     def __len__(self) -> int:
         return self.num_rows
+
+    def close(self) -> None:
+        """Close the files (the data goes with them). Views handed out must not be used after."""
+        self._columns = []
+        for file in self._files.values():
+            file.close()
 
     def release_pages(self) -> None:
         """Unmap the pages earlier reads touched (the data stays in the OS page cache).
@@ -171,6 +200,8 @@ class RowStore:
             resident = _resident_file_bytes()
             if resident is None or resident - self._resident_at_release > self.resident_budget:
                 self.release_pages()
+            else:  # other file mappings may have gone since (a model unloaded): the store's share is what grew
+                self._resident_at_release = min(self._resident_at_release, resident)
         columns = {}
         for name, (offsets, values, valid) in zip(COLUMNS, self._columns):
             starts, ends = offsets[numbers], offsets[numbers + 1]

@@ -47,7 +47,7 @@ from offline_rec.config import TrainConfig, save_config
 from offline_rec.dataset import Dataset, atomic_write_json, open_dataset
 from offline_rec.errors import UserError
 from offline_rec.logprobs import token_logprobs_from_model
-from offline_rec.models import check_tokenizers, load_model, load_tokenizer, model_context
+from offline_rec.models import check_tokenizers, load_model, load_tokenizer, model_context, tokenizer_hash
 from offline_rec.validate import check_dataset_for_use
 
 HUB_DATA_PREFIX = "hf://datasets/"
@@ -92,7 +92,9 @@ def train(config: TrainConfig) -> dict:
     if not config.resume and run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"run directory {run_dir} already exists; pass --resume to continue it, or choose another --out")
     check_optional_features(config)
-    init_from = check_init_from(config) if config.init_from else None
+    resume_from = ckpt.latest_checkpoint(run_dir) if config.resume else None
+    # A resumed continuation starts from its own checkpoint: the run it continued may be gone by now.
+    init_from = check_init_from(config, tokenizer) if config.init_from and resume_from is None else None
     index = batching.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir)
     check_context(index, config.model)
     train_groups, holdout_groups = batching.split_holdout(index.group_ids, config.holdout)
@@ -108,7 +110,6 @@ def train(config: TrainConfig) -> dict:
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu,
                               step_scheduler_with_optimizer=False)  # one scheduler step per optimizer step
     rank, world = accelerator.process_index, accelerator.num_processes
-    resume_from = ckpt.latest_checkpoint(run_dir) if config.resume else None
     state = ckpt.read_trainer_state(resume_from) if resume_from else None
     if state and (state["data_fingerprint"] != data_fingerprint or state["steps_per_epoch"] != per_epoch):
         raise UserError(f"the training data differs from the one {resume_from} was trained on; "
@@ -116,6 +117,7 @@ def train(config: TrainConfig) -> dict:
     # Policy versions count updates along a line of runs continued with init_from (0 = the base model).
     version_start = (state.get("policy_version_start", 0) if state
                      else ckpt.policy_version(ckpt.read_trainer_state(init_from)) if init_from else 0)
+    continued_from = state.get("init_from") if state else str(init_from.resolve()) if init_from else None
     set_seed(config.seed)
     policy = load_policy(config, resume_from or init_from)
     vocab = policy.get_input_embeddings().weight.shape[0]
@@ -254,7 +256,7 @@ def train(config: TrainConfig) -> dict:
         evaluate_now = config.eval_every and (step + 1) % config.eval_every == 0
         if done or evaluate_now or (config.save_every and (step + 1) % config.save_every == 0):
             trainer_state = make_trainer_state(config, step + 1, per_epoch, total_steps, data_fingerprint, metrics,
-                                               version_start)
+                                               version_start, continued_from)
             last_saved = ckpt.save_checkpoint(accelerator, scorer, tokenizer, run_dir, step + 1, trainer_state,
                                               config.keep_last)
         if evaluate_now:
@@ -290,6 +292,7 @@ def train(config: TrainConfig) -> dict:
                                               training_data=list(config.data), eval_summary=evals or None,
                                               config=config.to_dict())
     metrics_log.close()
+    index.rows.close()
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
@@ -376,15 +379,44 @@ def k3_penalty(logprobs, reference_logprobs, mask, num_tokens: int) -> torch.Ten
 # checks before anything is written
 
 
-def check_init_from(config: TrainConfig) -> Path:
-    """The checkpoint init_from names, if it can continue this config: LoRA on both sides or neither."""
+def check_init_from(config: TrainConfig, tokenizer) -> Path:
+    """The checkpoint init_from names, if it can continue this config: same tokenizer and architecture
+    as `model`, LoRA on both sides or neither, with the same rank and alpha."""
     checkpoint = ckpt.resolve_checkpoint(config.init_from)
-    is_adapter = (checkpoint / "adapter_config.json").is_file()
-    if is_adapter != bool(config.lora_r):
-        raise UserError(f"init_from {checkpoint} holds {'a LoRA adapter' if is_adapter else 'full weights'} but this run "
-                        f"{'trains a LoRA adapter (lora_r > 0)' if config.lora_r else 'trains full weights (lora_r 0)'}: "
+    if tokenizer_hash(load_tokenizer(str(checkpoint), model_folder=False)) != tokenizer_hash(tokenizer):
+        raise UserError(f"init_from {checkpoint} was trained with another tokenizer than {config.model}'s: "
+                        "give the --model the earlier run started from")
+    adapter_file = checkpoint / "adapter_config.json"
+    if adapter_file.is_file() != bool(config.lora_r):
+        raise UserError(f"init_from {checkpoint} holds {'a LoRA adapter' if adapter_file.is_file() else 'full weights'} but "
+                        f"this run {'trains a LoRA adapter (lora_r > 0)' if config.lora_r else 'trains full weights (lora_r 0)'}: "
                         "continue with the same lora_r")
+    if adapter_file.is_file():
+        adapter = json.loads(adapter_file.read_text(encoding="utf-8"))
+        if (adapter.get("r"), adapter.get("lora_alpha")) != (config.lora_r, config.lora_alpha):
+            raise UserError(f"init_from {checkpoint} holds a LoRA adapter of r={adapter.get('r')}, alpha="
+                            f"{adapter.get('lora_alpha')}; this run asks r={config.lora_r}, alpha={config.lora_alpha}: "
+                            "continue with the same lora_r and lora_alpha")
+    else:
+        mine, theirs = (_architecture(path) for path in (config.model, checkpoint))
+        if mine and theirs and mine != theirs:
+            raise UserError(f"init_from {checkpoint} is {_describe(theirs)} but {config.model} is {_describe(mine)}: "
+                            "give the --model the earlier run started from")
     return checkpoint
+
+
+def _describe(architecture: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in architecture.items())
+
+
+def _architecture(model: str | Path) -> dict | None:
+    """The shape-defining fields of a local model folder's config.json (None for a Hub id)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    return {key: config.get(key) for key in keys}
 
 
 def check_context(index: batching.GroupIndex, model: str) -> None:
@@ -436,9 +468,10 @@ def finished_summary(run_dir: Path) -> dict:
 
 
 def make_trainer_state(config, steps_done: int, per_epoch: int, total_steps: int, data_fingerprint: str, metrics: dict,
-                       version_start: int = 0) -> dict:
+                       version_start: int = 0, init_from: str | None = None) -> dict:
     """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`),
-    and the policy version of the weights: `version_start` (the init_from checkpoint's) + steps_done."""
+    and the policy version of the weights: `version_start` (that of `init_from`, the checkpoint this
+    run continued, if any) + steps_done."""
     epoch, step_in_epoch = divmod(steps_done, per_epoch)
     return {
         "step": steps_done,
@@ -451,6 +484,7 @@ def make_trainer_state(config, steps_done: int, per_epoch: int, total_steps: int
         "data_fingerprint": data_fingerprint,
         "policy_version_start": version_start,
         "policy_version": version_start + steps_done,
+        "init_from": init_from,
         "metrics": metrics,
     }
 
@@ -644,6 +678,10 @@ def print_settings(config, spec, index, train_groups, holdout_groups, per_epoch,
         rows.append(("kl_to_initial", f"{config.kl_to_initial:g}"))
     for key, value in rows:
         console.print(f"[bold]{key:>10}[/bold]  {value}")
+    if index.rows is not None and index.rows.in_memory:
+        console.print(f"[yellow]warning:[/yellow] the decoded copy of the data steps read from ({index.rows.nbytes / 2**20:.0f} MB) "
+                      f"is in {index.rows.directory}, a filesystem held in memory; set reader_cache_dir (or TMPDIR) to a "
+                      "disk folder to keep it out of RAM")
     if index.truncated_rows:
         console.print(f"[yellow]warning:[/yellow] {index.truncated_rows} rows longer than max_length={config.max_length} "
                       "had their completions truncated (truncate: true)")

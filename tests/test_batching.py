@@ -122,6 +122,21 @@ def test_index_finds_groups_across_read_batches_and_reads_every_row_back(tmp_pat
         batching.read_step_rows(no_rows, [0], {0: 1.0})
 
 
+def test_rows_of_two_datasets_come_back_truncated_to_max_length(tmp_path):
+    first = _dataset(tmp_path, [[_row("a", 0, [5, 6], [7, 8, 9, 10], loss_mask=[1, 0, 1, 1]), _row("a", 1, [5, 6], [11])]], "one")
+    second = _dataset(tmp_path, [[_row("b", 0, [], [12, 13, 14]), _row("b", 1, [4] * 6, [15, 16])]], "two")
+    index = batching.index_datasets([first, second], max_length=5, truncate=True)
+    assert index.group_ids == ["a", "b"] and index.dataset.tolist() == [0, 1]
+    assert index.truncated_rows == 2  # a/0: 2 + 4 > 5; b/1: 6 + 2 > 5 (its prompt alone is too long)
+    rows = batching.read_step_rows(index, [1, 0], {r: float(r) for r in range(4)})
+    assert [r.prompt_ids.tolist() for r in rows] == [[], [4] * 6, [5, 6], [5, 6]]
+    assert [r.completion_ids.tolist() for r in rows] == [[12, 13, 14], [], [7, 8, 9], [11]]
+    assert [r.behavior_logprobs.tolist() for r in rows] == [[-0.5] * 3, [], [-0.5] * 3, [-0.5]]
+    assert [None if r.loss_mask is None else r.loss_mask.tolist() for r in rows] == [None, None, [1, 0, 1], None]
+    assert [r.length for r in rows] == [3, 6, 5, 3] and [r.advantage for r in rows] == [2.0, 3.0, 0.0, 1.0]
+    assert [r.trainable_tokens for r in rows] == [2, 0, 2, 1]  # an empty prompt's first token is not scored
+
+
 def test_index_refuses_null_rewards_and_long_rows(tmp_path):
     nulls = _dataset(tmp_path, [[_row("a", 0, [5], [6], reward=None), _row("a", 1, [5], [6], reward=None)]], "n")
     with pytest.raises(DataError, match="2 rows have no reward.*offline-rec reward"):

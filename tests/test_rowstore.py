@@ -122,3 +122,30 @@ def test_resident_pages_stay_within_the_budget_and_released_views_stay_valid(tmp
     # the budget, plus what one read maps (50 rows x 32 KB of values, with the kernel's read-around)
     assert growth < (4 << 20) + (16 << 20)
     assert first[S.COMPLETION_IDS][0].tolist() == rows[0][1]  # released pages come back on touch
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="resident memory is read from /proc")
+def test_the_budget_counts_from_what_other_mappings_gave_back(tmp_path):
+    """Another file mapping touched then dropped must not leave room for the store to grow past its budget."""
+    import mmap
+
+    rng = np.random.default_rng(1)
+    rows = [([1], rng.integers(0, 1000, 4000).tolist(), [0.0] * 4000, None) for _ in range(1000)]
+    writer = RowStoreWriter(tmp_path)
+    writer.append(_batch(rows))
+    store = writer.finish()
+    store.resident_budget = 4 << 20
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\1" * (48 << 20))
+    with open(other, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        assert sum(mapping[i] for i in range(0, len(mapping), 4096)) > 0  # 48 MB made resident
+        store.columns([0])  # sees the growth, releases the store's (few) pages: the baseline now includes the 48 MB
+        mapping.close()  # ... which go away
+    baseline = rowstore._resident_file_bytes()
+    growth = 0
+    for start in range(0, 1000, 25):
+        columns = store.columns(range(start, start + 25))
+        assert sum(int(piece.sum()) for piece in columns[S.COMPLETION_IDS]) >= 0  # touch what was read
+        growth = max(growth, rowstore._resident_file_bytes() - baseline)
+    assert growth < (4 << 20) + (8 << 20)  # without lowering the baseline it reached ~16 MB (every row read)

@@ -4,6 +4,7 @@ import importlib.machinery
 import json
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from offline_rec.config import build_config
 from offline_rec.dataset import open_dataset
 from offline_rec.logprobs import token_logprobs_from_model
 from offline_rec.models import load_model
+from offline_rec.tiny import make_tiny_checkpoint
 from offline_rec.train import train
 
 from test_train_support import config, state_dict_of, tiny_model, write_dataset
@@ -437,31 +439,43 @@ def test_a_resumed_continuation_keeps_its_version_start(tmp_path, model_dir, dat
     source = str(first / "checkpoints" / "step-000001")
     continued = _run_steps(tmp_path, model_dir, data_dir, "continued", 2, init_from=source, save_every=1)
     expected = state_dict_of(continued / "final")
-    # As if it had been killed after its first step: the resume starts from ITS checkpoint.
+    # As if it had been killed after its first step: the resume starts from ITS checkpoint, and
+    # does not need the run it continued any more.
     shutil.rmtree(continued / "final")
     shutil.rmtree(continued / "checkpoints" / "step-000002")
+    shutil.rmtree(first)
     _run_steps(tmp_path, model_dir, data_dir, "continued", 2, init_from=source, save_every=1, resume=True)
+    state = json.loads((continued / "checkpoints" / "step-000002" / "trainer_state.json").read_text())
+    assert state["init_from"] == str(Path(source).resolve())  # where the line came from, kept across the resume
     assert [m["trained_policy_version"] for m in metrics_of(continued)] == [1, 2]
     got = state_dict_of(continued / "final")
     assert max((got[k] - v).abs().max().item() for k, v in expected.items()) == 0
 
 
-@pytest.mark.parametrize("case", ["missing", "final-folder", "lora-mismatch"])
+@pytest.mark.parametrize("case", ["missing", "final-folder", "lora-mismatch", "lora-rank", "other-model"])
 def test_init_from_errors_are_one_line_and_write_nothing(tmp_path, model_dir, data_dir, capsys, case):
-    first = _run_steps(tmp_path, model_dir, data_dir, "first", 1)
-    extra = []
+    lora = dict(lora_r=4, lora_target_modules=["q_proj", "v_proj"]) if case == "lora-rank" else {}
+    first = _run_steps(tmp_path, model_dir, data_dir, "first", 1, **lora)
+    model, extra = model_dir, []
     if case == "missing":  # the named option; the other cases give the YAML key with --set
         source, expected = tmp_path / "nowhere", "neither a training run with checkpoints"
         extra = ["--init-from", str(source)]
     elif case == "final-folder":
         source, expected = first / "final", "has no optimizer state: start from it with --model"
-    else:
+    elif case == "lora-mismatch":
         source, expected = first, "holds full weights but this run trains a LoRA adapter"
         extra = ["--set", "lora_r=4"]
+    elif case == "lora-rank":  # peft would load the adapter's own rank and silently ignore lora_r
+        source, expected = first, "LoRA adapter of r=4, alpha=16.0; this run asks r=8"
+        extra = ["--set", "lora_r=8", "--set", "lora_target_modules=[q_proj,v_proj]"]
+    else:  # same tokenizer, other shape: its weights would be trained under the other model's name
+        model = make_tiny_checkpoint(tmp_path / "wider", hidden_size=128, num_layers=2, num_heads=4,
+                                     max_position_embeddings=128)
+        source, expected = first, "give the --model the earlier run started from"
     run = tmp_path / "run"
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["train", "--data", data_dir, "--model", model_dir, "--algorithm", "grpo", "--out", str(run),
+        cli_main(["train", "--data", data_dir, "--model", model, "--algorithm", "grpo", "--out", str(run),
                   "--set", "progress=false", "--set", "cpu=true",
                   *(extra if case == "missing" else ["--set", f"init_from={source}", *extra])])
     err = capsys.readouterr().err
