@@ -194,18 +194,24 @@ def _totals(shards: list[dict]) -> dict:
 def partial_prefix(final_path: Path, pid: int | None = None) -> str:
     """Name prefix of a one-shot writer's hidden folder: `.OUT.partial-HOST-PID-` (tempfile adds a random end).
 
-    HOST is 8 hex digits of the host name's sha256: fixed length, so that no host's prefix is
-    another's (a raw "worker" would be a prefix of "worker-3").
+    HOST is 8 hex digits of the sha256 of the host name and the PID namespace: fixed length, so
+    that no host's prefix is another's (a raw "worker" would be a prefix of "worker-3"), and
+    distinct for containers that share a host name (host networking) but not their process ids.
     """
-    host = hashlib.sha256(platform.node().encode()).hexdigest()[:8]
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    host = hashlib.sha256(f"{platform.node()}\0{namespace}".encode()).hexdigest()[:8]
     return f".{final_path.name}.partial-{host}-{os.getpid() if pid is None else pid}-"
 
 
 def remove_dead_partials(final_path: Path) -> list[Path]:
     """Delete the hidden folders that killed one-shot writers of `final_path` left behind.
 
-    Only folders of this host whose process no longer exists: a writer still running, here or on
-    another machine sharing the folder, keeps its own. Returns what was removed.
+    Only folders of this host (and PID namespace) whose process no longer exists: a writer still
+    running, here or on another machine or container sharing the folder, keeps its own. A leftover
+    whose process id has been reused stays. Returns what was removed.
     """
     removed = []
     if os.name == "nt":  # os.kill(pid, 0) would terminate the process there, not probe it
