@@ -107,6 +107,9 @@ def train(config: TrainConfig) -> dict:
     # accelerate keeps its settings in a per-process singleton; train() may run several times in one
     # process (tests, notebooks), and an earlier run's mixed precision must not stick to this one.
     AcceleratorState._reset_state(reset_partial_state=False)
+    # A process group that exists already belongs to someone else (an in-process vLLM engine, a
+    # notebook's own setup): whoever made it tears it down, not the end of this run.
+    foreign_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu,
                               step_scheduler_with_optimizer=False)  # one scheduler step per optimizer step
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -294,7 +297,8 @@ def train(config: TrainConfig) -> dict:
     metrics_log.close()
     index.rows.close()
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if not foreign_process_group:
+        accelerator.end_training()
     return summary
 
 

@@ -391,6 +391,31 @@ def test_cli_trains(tmp_path, model_dir, data_dir, capsys):
     assert len(metrics_of(tmp_path / "run")) == 2
 
 
+def test_a_process_group_made_by_someone_else_outlives_the_run(tmp_path, model_dir, data_dir):
+    """As with an in-process vLLM engine: it made the group and destroys it at exit (no traceback)."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:  # a free port for the group's rendezvous
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = f"""
+import atexit, os, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="{port}")
+dist.init_process_group("gloo", rank=0, world_size=1)
+atexit.register(dist.destroy_process_group)
+from offline_rec.train import train
+from offline_rec.config import TrainConfig
+train(TrainConfig(data=[{str(data_dir)!r}], model={str(model_dir)!r}, algorithm="grpo", out={str(tmp_path / "run")!r},
+                  max_steps=1, micro_batch_tokens=64, progress=False, report_to=[], cpu=True))
+assert dist.is_initialized()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert (tmp_path / "run" / "final").is_dir()
+
+
 # --------------------------------------------------------------------------------------------
 # init_from: a run continued on new data keeps the earlier run's AdamW state and policy version
 
