@@ -15,25 +15,15 @@ import pyarrow.parquet as pq
 import pytest
 import typer
 
+from cli_support import run_cli as run_main
 from datagen import make_rows, write_dataset
 from offline_rec import __version__
 from offline_rec import schema as S
-from offline_rec.cli import app, main
+from offline_rec.cli import app
 from offline_rec.describe import describe_dataset
 
 REPO_DIR = Path(__file__).resolve().parent.parent
 HEAVY_MODULES = ("torch", "transformers", "vllm")
-
-
-def run_main(capsys, *argv):
-    """(exit code, stdout, stderr) of `offline-rec ARGV` run in this process."""
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def run_process(*argv):

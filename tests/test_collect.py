@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_support import cli_exit_code as run_main
 from datagen import tree_digest
 from sampling_support import one_torch_thread  # noqa: F401  (an autouse fixture)
 from sampling_support import ALPHABET, PROMPTS, make_sampling_checkpoint, max_logprob_error, next_token_logits, raw_logprobs
 from offline_rec import schema as S
 from offline_rec.backends import SamplingSettings, encode_prompts, finish_sample
 from offline_rec.backends.hf import HFBackend
-from offline_rec.cli import main
 from offline_rec.collect import CollectConfig, collect
 from offline_rec.dataset import DatasetWriter, open_dataset
 from offline_rec.errors import UserError
@@ -49,14 +49,6 @@ def sample(backend, num_samples=4, seeds=(11, 12, 13), **settings):
     settings.setdefault("max_new_tokens", 12)
     prompt_ids = encode_prompts(backend.tokenizer, PROMPTS)
     return prompt_ids, backend.generate(prompt_ids, num_samples, SamplingSettings(**settings), seeds=list(seeds))
-
-
-def run_main(*argv) -> int:
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
-    return 0
 
 
 # --------------------------------------------------------------------------------------------

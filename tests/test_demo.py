@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import run_cli
 from offline_rec.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,17 +127,10 @@ def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatc
     assert ensure_demo_policy(progress=False) == path
 
 
-def run_cli(capsys, *argv) -> tuple[int, str]:
+def run_demo_cli(capsys, *argv) -> tuple[int, str]:
     """(exit code, stdout + stderr) of `offline-rec ARGV` run in this process through the entry point."""
-    from offline_rec.cli import main
-
-    try:
-        main(list(argv))
-        code = 0
-    except SystemExit as exit:
-        code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
+    code, out, err = run_cli(capsys, *argv)
+    return code, out + err
 
 
 @pytest.mark.slow
@@ -145,15 +139,15 @@ def test_demo_command_runs_a_quick_demo(tmp_path, tiny_policy, capsys):
     # --quick takes 4 samples per prompt; 8 prompts, 1 epoch of 32-prompt steps: a single step.
     args = ["demo", "--out", str(out), "--model", tiny_policy, "--quick", "--num-prompts", "8", "--epochs", "1",
             "--eval-prompts", "8", "--wide-clip"]
-    code, output = run_cli(capsys, *args)
+    code, output = run_demo_cli(capsys, *args)
     assert code == 0, output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["settings"]["num_samples"] == 4
     assert summary["algorithm_overrides"] == {"eps_low": 0.6, "eps_high": 2.0}
     assert "pass@4" in summary["after"]
-    code, output = run_cli(capsys, *args)
+    code, output = run_demo_cli(capsys, *args)
     assert code == 2 and "--overwrite" in output
-    assert run_cli(capsys, *args, "--overwrite")[0] == 0
+    assert run_demo_cli(capsys, *args, "--overwrite")[0] == 0
 
 
 def test_demo_command_is_listed():

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import run_cli as run_main
 from offline_rec import backends
 from offline_rec import evaluate as E
 from offline_rec import schema as S
-from offline_rec.cli import main
 from offline_rec.dataset import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.tiny import DEFAULT_ALPHABET, build_char_tokenizer, make_tiny_checkpoint
@@ -42,16 +42,6 @@ def prompts_file(tmp_path_factory) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
-
-def run_main(capsys, *argv):
-    """(exit code, stdout, stderr) of `offline-rec ARGV` in this process."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 # --------------------------------------------------------------------------------------------

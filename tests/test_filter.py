@@ -14,9 +14,9 @@ import json
 
 import pytest
 
+from cli_support import run_cli
 from datagen import make_rows, tree_digest, write_dataset
 from offline_rec import schema as S
-from offline_rec.cli import main
 from offline_rec.dataset import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.filtering import FilterOptions, filter_dataset, group_fraction_key
@@ -128,11 +128,8 @@ def test_drop_all_equal_refuses_null_rewards(tmp_path):
 
 def test_cli_summary_manifest_and_input_untouched(source, tmp_path, capsys):
     before = tree_digest(source)
-    try:
-        main(["filter", str(source), "--out", str(tmp_path / "out"), "--drop-truncated", "--max-prompt-tokens", "4"])
-    except SystemExit as e:
-        assert e.code in (0, None)
-    out = capsys.readouterr().out
+    code, out, _ = run_cli(capsys, "filter", source, "--out", tmp_path / "out", "--drop-truncated", "--max-prompt-tokens", "4")
+    assert code == 0
     assert "kept 5/8 rows, 3/4 groups" in out and "dropped by truncated: 3 rows, 1 whole groups" in out
     assert tree_digest(source) == before
     manifest = open_dataset(tmp_path / "out").manifest
@@ -141,8 +138,6 @@ def test_cli_summary_manifest_and_input_untouched(source, tmp_path, capsys):
     assert manifest[S.M_STATS]["filter"]["dropped"]["truncated"] == {"rows": 3, "groups": 1}
     assert manifest[S.M_TASK] == open_dataset(source).task and manifest[S.M_BEHAVIOR] == open_dataset(source).behavior
     # Writing onto an existing dataset (the input itself included) is refused: exit 2.
-    with pytest.raises(SystemExit) as info:
-        main(["filter", str(source), "--out", str(source), "--drop-truncated"])
-    assert info.value.code == 2
+    assert run_cli(capsys, "filter", source, "--out", source, "--drop-truncated")[0] == 2
     assert tree_digest(source) == before
     json.dumps(manifest)  # JSON-clean

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_support import run_cli as run_main
 from datagen import tree_digest
 from offline_rec import schema as S
-from offline_rec.cli import main
 from offline_rec.dataset import open_dataset, sha256_file
 from offline_rec.errors import UserError
 from offline_rec.importers import (
@@ -42,15 +42,6 @@ CHAT_SUFFIX = [42, 14, 32, 32, 22, 32, 33, 14, 27, 33, 51, 41]  # "\nassistant: 
 def tiny(tmp_path_factory) -> str:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
 
-
-def run_main(capsys, *argv) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def rows_of(path) -> list[dict]:

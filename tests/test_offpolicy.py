@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from cli_support import run_cli
 from offline_rec import schema as S
 from offline_rec.offpolicy import behavior_kl, offpolicy_estimates
 
@@ -234,17 +235,6 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
     assert estimates["kl_per_token"] == pytest.approx(-sum(expected_log_w) / tokens, abs=1e-4)
     assert abs(expected_log_w[0]) > 0.1  # the two policies differ: a real test of the weights
 
-
-def run_cli(capsys, *argv):
-    from offline_rec.cli import main
-
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_cli_offline(tmp_path, behavior_model, capsys):

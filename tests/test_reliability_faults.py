@@ -39,11 +39,11 @@ import pytest
 import torch
 import yaml
 
+from cli_support import cli_exit_code
 from datagen import make_rows, tree_digest, write_dataset
 from test_train_support import tiny_model, write_dataset as write_training_dataset
 from offline_rec import checkpoint as ckpt
 from offline_rec import schema as S
-from offline_rec.cli import main
 from offline_rec.dataset import open_dataset
 from offline_rec.tiny import make_tiny_checkpoint
 from offline_rec.validate import validate_dataset
@@ -128,12 +128,8 @@ def one_torch_thread():
 def run_cli(argv) -> tuple[int, str]:
     """(exit code, captured stderr) of `offline-rec ARGV` in this process; other exceptions propagate."""
     err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exited:
-        code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli_exit_code(*argv)
     return code, err.getvalue()
 
 

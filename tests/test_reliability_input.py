@@ -29,11 +29,11 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import run_cli
 from datagen import make_rows, tree_digest, write_dataset
 from test_validate import DEFECTS as VALIDATE_DEFECTS
 from offline_rec import hub
 from offline_rec import schema as S
-from offline_rec.cli import main
 from offline_rec.tiny import make_tiny_checkpoint
 from offline_rec.validate import ERROR, validate_dataset
 
@@ -89,22 +89,11 @@ def command(name: str, dataset: Path, out: Path, model: str) -> list[str]:
     }[name]
 
 
-def run_cli(capsys, argv) -> tuple[int, str, str]:
-    """(exit code, stdout, stderr) of `offline-rec ARGV` in this process; any other exception fails the test."""
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as exited:
-        code = exited.code if isinstance(exited.code, int) else (0 if exited.code is None else 1)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
-
-
 def assert_refused(capsys, argv, inputs: list[Path], out: Path | None, *fragments: str) -> str:
     """Exit 2, one stderr line "error: ..." holding each fragment, inputs unchanged, no output; the line."""
     before = {str(p): tree_digest(p) for p in inputs}
     parent_before = sorted(p.name for p in out.parent.iterdir()) if out is not None else None
-    code, _, err = run_cli(capsys, argv)
+    code, _, err = run_cli(capsys, *argv)
     lines = err.strip().splitlines()
     assert code == 2, f"exit {code}, stderr: {err}"
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -159,7 +148,7 @@ def test_validate_exits_1_and_reports_each_defect_at_its_place(tmp_path, capsys,
     build, expected = VALIDATE_DEFECTS[defect]
     dataset = build(tmp_path)
     before = tree_digest(dataset)
-    code, out, err = run_cli(capsys, ["validate", dataset, "--json"])
+    code, out, err = run_cli(capsys, "validate", dataset, "--json")
     assert code == 1 and err == ""
     report = json.loads(out)
     assert {(p["code"], p["shard"], p["row"]) for p in report["problems"] if p["severity"] == ERROR} == expected
@@ -170,7 +159,7 @@ def test_validate_exits_1_and_reports_each_defect_at_its_place(tmp_path, capsys,
 def test_inspect_describes_what_it_can_read(tmp_path, capsys, defect):
     dataset = VALIDATE_DEFECTS[defect][0](tmp_path)
     before = tree_digest(dataset)
-    code, out, err = run_cli(capsys, ["inspect", dataset, "--json"])
+    code, out, err = run_cli(capsys, "inspect", dataset, "--json")
     assert code == 0 and err == ""
     stats = json.loads(out)
     assert stats["rows"] > 0
@@ -217,7 +206,7 @@ def test_null_rewards_pass_commands_that_do_not_need_them(tmp_path, capsys, mode
     dataset = null_reward_dataset(tmp_path)
     before = tree_digest(dataset)
     out = outputs(tmp_path)
-    code, _, err = run_cli(capsys, command(consumer, dataset, out, model))
+    code, _, err = run_cli(capsys, *command(consumer, dataset, out, model))
     assert code == 0, err
     assert tree_digest(dataset) == before
 
@@ -255,7 +244,7 @@ def test_an_empty_dataset_passes_through_transformations(tmp_path, capsys, model
     dataset = empty_dataset(tmp_path)
     before = tree_digest(dataset)
     out = outputs(tmp_path)
-    code, _, err = run_cli(capsys, command(consumer, dataset, out, model))
+    code, _, err = run_cli(capsys, *command(consumer, dataset, out, model))
     assert code == 0, err
     assert tree_digest(dataset) == before
     if consumer != "inspect":
@@ -360,7 +349,7 @@ def test_non_utf8_import_file_is_refused_with_its_line(tmp_path, capsys):
     src.write_bytes(json.dumps(good).encode() + b"\n" + b'{"prompt": "caf\xe9 \xff"}\n')
     out = outputs(tmp_path)
     before = src.read_bytes()
-    code, _, err = run_cli(capsys, ["import", src, "--format", "rows", "--out", out])
+    code, _, err = run_cli(capsys, "import", src, "--format", "rows", "--out", out)
     lines = err.strip().splitlines()
     assert code == 2 and "Traceback" not in err
     # the bad line first (file:line: reason), then the one error line
@@ -368,7 +357,7 @@ def test_non_utf8_import_file_is_refused_with_its_line(tmp_path, capsys):
     assert lines[-1].startswith("error: ") and len(lines) == 2
     assert src.read_bytes() == before and not out.exists()
     # --skip-bad imports the good line and sets the bad one aside
-    code, _, err = run_cli(capsys, ["import", src, "--format", "rows", "--out", out, "--skip-bad"])
+    code, _, err = run_cli(capsys, "import", src, "--format", "rows", "--out", out, "--skip-bad")
     assert code == 0, err
     assert validate_dataset(out).ok
     (reject,) = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
@@ -387,7 +376,7 @@ def test_singleton_and_all_equal_groups_train_with_a_warning_and_a_metric(tmp_pa
     argv = command("train", dataset, out, model)
     argv[argv.index("--max-steps") + 1] = "1"
     argv += ["--prompts-per-step", "3", "--set", "shuffle=false"]
-    code, stdout, err = run_cli(capsys, argv)
+    code, stdout, err = run_cli(capsys, *argv)
     assert code == 0, err
     (metrics,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert metrics["singleton_groups"] == 1

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from offline_rec.cli import main
+from cli_support import run_cli
 from offline_rec.errors import UserError
 from offline_rec.report import format_number, read_metrics, report_runs, smooth
 
@@ -107,15 +107,6 @@ def test_labels_keep_runs_apart(tmp_path):
     markdown = report_runs([a, b], tmp_path / "r")["summary"].read_text()
     assert [row[0] for row in table_rows(markdown, "Training runs")] == ["x/run (opmd)", "y/run (opmd)"]
 
-
-def run_cli(capsys, *argv):
-    try:
-        main([str(a) for a in argv])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_cli_report(tmp_path, sources, capsys):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from cli_support import cli_exit_code as run
 from datagen import tree_digest, write_dataset
 from offline_rec import schema as S
-from offline_rec.cli import main
 from offline_rec.dataset import make_row, open_dataset
 from offline_rec.errors import UserError
 from offline_rec.rescoring import rescore_dataset
@@ -39,14 +39,6 @@ def arith_groups() -> list[list[dict]]:
 @pytest.fixture
 def unrewarded(tmp_path):
     return write_dataset(tmp_path / "logged", arith_groups(), groups_per_shard=1, task={"name": "traffic", "reward_function": None})
-
-
-def run(*argv) -> int:
-    try:
-        main([str(a) for a in argv])
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else 0
-    return 0
 
 
 def test_arith_rewards_by_hand_and_input_untouched(unrewarded, tmp_path, capsys):
