@@ -71,10 +71,6 @@ class GroupIndex:
     def num_groups(self) -> int:
         return len(self.group_ids)
 
-    def rows_of(self, group: int) -> np.ndarray:
-        start = self.row_start[group]
-        return np.arange(start, start + self.size[group])
-
     def rows_of_groups(self, groups) -> np.ndarray:
         """Row numbers of `groups`, group after group: [sum of their sizes] int64."""
         groups = np.asarray(groups, dtype=np.int64)
@@ -104,8 +100,7 @@ def _group_runs(ids: pa.Array, previous_id) -> tuple[np.ndarray, np.ndarray]:
     starts = pc.indices_nonzero(pc.not_equal(ids.slice(1), ids.slice(0, n - 1))).to_numpy().astype(np.int64) + 1
     if ids[0].as_py() != previous_id:
         starts = np.concatenate([[0], starts])
-    sizes = np.diff(np.append(starts, n))
-    return starts.astype(np.int64), sizes.astype(np.int64)
+    return starts, np.diff(np.append(starts, n))
 
 
 def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool, keep_rows: bool = True,
@@ -205,6 +200,7 @@ def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool, kee
         max_token_id=max_token_id,
         rows=stored,
     )
+
 
 # --------------------------------------------------------------------------------------------
 # holdout, epochs, steps, ranks

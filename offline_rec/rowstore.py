@@ -41,8 +41,9 @@ from offline_rec import schema as S
 from offline_rec.errors import UserError
 
 COLUMNS = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK]
-NULLABLE = {S.LOSS_MASK}
-VALUE_DTYPES = {S.PROMPT_IDS: np.int32, S.COMPLETION_IDS: np.int32, S.BEHAVIOR_LOGPROBS: np.float32, S.LOSS_MASK: np.int8}
+# From the schema: the element type of each list column, and which columns may be null.
+VALUE_DTYPES = {name: np.dtype(S.ARROW_SCHEMA.field(name).type.value_type.to_pandas_dtype()) for name in COLUMNS}
+NULLABLE = {name for name in COLUMNS if S.ARROW_SCHEMA.field(name).nullable}
 
 # Resident file-backed memory the store may add to the process before `release_pages`.
 RESIDENT_BUDGET_BYTES = 64 << 20
@@ -66,7 +67,8 @@ class RowStoreWriter:
             for name in COLUMNS:
                 for part in ("values", "offsets"):
                     self._files[name, part] = tempfile.TemporaryFile(dir=self.directory, prefix="offline-rec-rows-")
-            self._files[S.LOSS_MASK, "valid"] = tempfile.TemporaryFile(dir=self.directory, prefix="offline-rec-rows-")
+            for name in NULLABLE:
+                self._files[name, "valid"] = tempfile.TemporaryFile(dir=self.directory, prefix="offline-rec-rows-")
         except OSError as e:
             self.close()
             raise _write_error(self.directory, e) from None
@@ -104,10 +106,7 @@ class RowStoreWriter:
         except OSError as e:
             self.close()
             raise _write_error(self.directory, e) from None
-        store = RowStore(self._files, self.num_rows)
-        store.directory = self.directory
-        store.in_memory = _filesystem_type(self.directory) in ("tmpfs", "ramfs")
-        return store
+        return RowStore(self._files, self.num_rows, self.directory)
 
     def close(self) -> None:
         """Drop what was written (the files disappear with their last handle)."""
@@ -150,10 +149,10 @@ def _map(file, dtype) -> tuple[mmap.mmap | None, np.ndarray]:
 class RowStore:
     """The stored rows, memory-mapped, numbered in the order they were appended."""
 
-    def __init__(self, files: dict, num_rows: int, resident_budget: int = RESIDENT_BUDGET_BYTES):
+    def __init__(self, files: dict, num_rows: int, directory: str, resident_budget: int = RESIDENT_BUDGET_BYTES):
         self._files = files  # the open files keep the data alive
-        self.directory: str | None = None  # where the files are (set by the writer)
-        self.in_memory = False  # True where that is a tmpfs: the store takes RAM, not disk
+        self.directory = directory
+        self.in_memory = _filesystem_type(directory) in ("tmpfs", "ramfs")  # the store takes RAM, not disk
         self.num_rows = num_rows
         self.resident_budget = resident_budget
         self._maps = []
