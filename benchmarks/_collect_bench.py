@@ -7,7 +7,7 @@ start-up and model loading are NOT timed (reported apart as `vllm_engine_start_s
 backend first samples one tiny batch and runs one single-prompt collect, untimed (first-call costs:
 lazy initialisation, imports of the task, reward and writer code). Then `repeats` rounds, the
 order of the three sides rotating from round to round (load drifts on a shared machine), of:
-  hf      `offline_rec.collect.collect` with the hf backend: arith prompts, K samples each,
+  hf      `offline_rec.rollout.collect.collect` with the hf backend: arith prompts, K samples each,
           temperature 1, no truncation, --max-new-tokens T, --batch-size B prompts per call;
           the whole command is timed (plan, sampling, rewards, writing the dataset);
   bare    the same prompt token ids in the same batches, left-padded, through one
@@ -31,7 +31,7 @@ from benchmarks._common import median, set_threads
 
 def _collect_config(model: str, out: Path, backend: str, num_prompts: int, num_samples: int, batch_size: int,
                     max_new_tokens: int):
-    from offline_rec.collect import CollectConfig
+    from offline_rec.rollout.collect import CollectConfig
 
     return CollectConfig(model=model, task="arith", out=out, num_samples=num_samples, num_prompts=num_prompts,
                          backend=backend, temperature=1.0, max_new_tokens=max_new_tokens, seed=0,
@@ -39,7 +39,7 @@ def _collect_config(model: str, out: Path, backend: str, num_prompts: int, num_s
 
 
 def _time_collect(config, backend) -> float:
-    from offline_rec.collect import collect
+    from offline_rec.rollout.collect import collect
 
     started = time.perf_counter()
     collect(config, backend=backend)
@@ -49,10 +49,14 @@ def _time_collect(config, backend) -> float:
 def _prompt_batches(dataset: Path, batch_size: int) -> list[list[list[int]]]:
     """The prompt ids of a collected dataset, one per group in file (= sampling) order, in batches."""
     from offline_rec import schema as S
-    from offline_rec.dataset import open_dataset
+    from offline_rec.data.dataset import open_dataset
 
     table = open_dataset(dataset).to_table(columns=[S.SAMPLE_INDEX, S.PROMPT_IDS])
-    first = [ids for k, ids in zip(table.column(S.SAMPLE_INDEX).to_pylist(), table.column(S.PROMPT_IDS).to_pylist()) if k == 0]
+    first = [
+        ids
+        for k, ids in zip(table.column(S.SAMPLE_INDEX).to_pylist(), table.column(S.PROMPT_IDS).to_pylist())
+        if k == 0
+    ]
     return [first[i:i + batch_size] for i in range(0, len(first), batch_size)]
 
 
@@ -60,7 +64,7 @@ def bare_generate(model, pad_id: int, eos_ids, batches, num_samples: int, max_ne
     """Batched `generate` with scores and the sampled tokens' log-probs; returns the number of samples."""
     import torch
 
-    from offline_rec.backends import derive_seed
+    from offline_rec.rollout.backends import derive_seed
 
     samples, prompt_index = 0, 0
     for prompts in batches:
@@ -74,8 +78,13 @@ def bare_generate(model, pad_id: int, eos_ids, batches, num_samples: int, max_ne
                                  output_scores=True, return_dict_in_generate=True, pad_token_id=pad_id,
                                  eos_token_id=sorted(eos_ids))
             new_tokens = out.sequences[:, length:]  # [B*K, T]
-            logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None]).squeeze(-1)
-                                    for t, step in enumerate(out.scores)], dim=1)  # [B*K, T]
+            logprobs = torch.stack(
+                [
+                    torch.log_softmax(step.float(), dim=-1).gather(-1, new_tokens[:, t, None]).squeeze(-1)
+                    for t, step in enumerate(out.scores)
+                ],
+                dim=1,
+            )  # [B*K, T]
         logprobs.tolist()
         samples += new_tokens.shape[0]
         prompt_index += len(prompts)
@@ -85,8 +94,8 @@ def bare_generate(model, pad_id: int, eos_ids, batches, num_samples: int, max_ne
 def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, batch_size: int, max_new_tokens: int,
                   repeats: int, threads: int | None, with_vllm: bool) -> dict:
     """In a fresh process: `repeats` rounds of hf collect, bare generate and (if possible) vLLM collect."""
-    from offline_rec.backends import SamplingSettings, vllm_import_error
-    from offline_rec.backends.hf import HFBackend
+    from offline_rec.rollout.backends import SamplingSettings, vllm_import_error
+    from offline_rec.rollout.backends.hf import HFBackend
 
     threads_used = set_threads(threads)
     workdir = Path(workdir)
@@ -97,7 +106,7 @@ def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, 
     if with_vllm:
         vllm_reason = vllm_import_error()
         if vllm_reason is None:
-            from offline_rec.backends.vllm import VLLMBackend
+            from offline_rec.rollout.backends.vllm import VLLMBackend
 
             started = time.perf_counter()
             vllm = VLLMBackend(model, dtype="float32", seed=0)
@@ -106,7 +115,9 @@ def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, 
     # One untimed single-prompt collect per backend: first-call costs (task, reward, writer imports) are not steady state.
     for name, backend in (("hf", hf), ("vllm", vllm)):
         if backend is not None:
-            _time_collect(_collect_config(model, workdir / f"warm-up-{name}", name, 1, num_samples, batch_size, 2), backend)
+            _time_collect(
+                _collect_config(model, workdir / f"warm-up-{name}", name, 1, num_samples, batch_size, 2), backend
+            )
     samples = num_prompts * num_samples
     settings = (num_prompts, num_samples, batch_size, max_new_tokens)
     batches = None  # the prompt batches bare generate replays, from the first hf collect

@@ -9,7 +9,7 @@ which exec starts afresh. (The rusage `wait4` reports is no good here: Linux car
 ru_maxrss of the forked copy of the parent across exec, so every child of a big parent
 would report at least the parent's size.)
 
-Models are random-weight Llamas built from a config (offline_rec.tiny) with a byte-level BPE
+Models are random-weight Llamas built from a config (offline_rec.models.tiny) with a byte-level BPE
 tokenizer trained here on seeded random words, so the vocabulary size is what we ask for.
 Datasets are written shard by shard from numpy arrays (fast enough for a million rows) with the
 same layout, Parquet settings and manifest as `DatasetWriter`; `offline-rec validate` passes them.
@@ -58,7 +58,9 @@ def run_command(command: list[str], env: dict | None = None, timeout: float | No
     return {"seconds": seconds, "returncode": completed.returncode, "output": text}
 
 
-def run_child(module: str, function: str, kwargs: dict, threads: int | None = None, timeout: float | None = None) -> dict:
+def run_child(
+    module: str, function: str, kwargs: dict, threads: int | None = None, timeout: float | None = None
+) -> dict:
     """`benchmarks.<module>.<function>(**kwargs)` in a fresh process with `threads` OpenMP threads:
     its result plus `_seconds` and `_peak_rss_mb`."""
     command = [sys.executable, "-m", "benchmarks._common", module, function, json.dumps(kwargs)]
@@ -158,10 +160,14 @@ def make_model(path: str | Path, vocab_size: int, hidden_size: int, num_layers: 
     The tokenizer also covers the arith task's prompts ("What is 12+34? ") so collect can use it.
     Returns the directory, the parameter count and the actual vocabulary size.
     """
-    from offline_rec.tiny import build_bpe_tokenizer, build_tiny_model, save_tiny
+    from offline_rec.models.tiny import build_bpe_tokenizer, build_tiny_model, save_tiny
 
-    corpus = random_words(8 * vocab_size, seed) + [f"What is {a}+{b}? {a + b}" for a in range(10, 100) for b in range(10, 100, 7)]
-    tokenizer = build_bpe_tokenizer([" ".join(corpus[i:i + 64]) for i in range(0, len(corpus), 64)], vocab_size=vocab_size)
+    corpus = random_words(8 * vocab_size, seed) + [
+        f"What is {a}+{b}? {a + b}" for a in range(10, 100) for b in range(10, 100, 7)
+    ]
+    tokenizer = build_bpe_tokenizer(
+        [" ".join(corpus[i : i + 64]) for i in range(0, len(corpus), 64)], vocab_size=vocab_size
+    )
     model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                              max_position_embeddings=max_position_embeddings, seed=seed)
     save_tiny(model, tokenizer, path)
@@ -192,8 +198,8 @@ def write_synthetic_dataset(path: str | Path, num_groups: int, group_size: int =
     import pyarrow.parquet as pq
 
     from offline_rec import schema as S
-    from offline_rec.dataset import DatasetWriter, completion_token_count, sha256_file
-
+    from offline_rec.data.dataset import DatasetWriter, completion_token_count
+    from offline_rec.files import sha256_file
     rng = np.random.default_rng(seed)
     behavior = S.behavior_provenance(model="benchmark-synthetic", temperature=1.0, logprobs_source=S.LOGPROBS_SAMPLED)
     writer = DatasetWriter(path, behavior=behavior, task={"name": "synthetic"}, groups_per_shard=1 << 62)

@@ -40,8 +40,8 @@ TRAINER_MAX_LENGTH = 2048
 def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_STEP,
                        micro_batch_tokens: int = TRAINER_MICRO_BATCH_TOKENS, seed: int = 0) -> dict:
     """Real / padded tokens over one epoch of the trainer's micro-batches (see the module docstring)."""
-    from offline_rec import batching
-    from offline_rec.dataset import open_dataset
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.training import batching
 
     index = batching.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False, keep_rows=False)
     train_groups, _ = batching.split_holdout(index.group_ids, 0.0)
@@ -60,7 +60,7 @@ def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_ST
 
 def _reader_epoch(dataset, max_steps: int | None, prompts_per_step: int, micro_batch_tokens: int, seed: int) -> dict:
     """One timed epoch of the trainer's reader (index pass, then step reads and packing; collate timed apart)."""
-    from offline_rec import batching
+    from offline_rec.training import batching
 
     started = time.perf_counter()
     index = batching.index_datasets([dataset], TRAINER_MAX_LENGTH, truncate=False)
@@ -94,7 +94,7 @@ def _raw_scan(dataset) -> float:
     """Rows/s of a raw pyarrow scan of the dataset's shards, over the columns the reader reads."""
     import pyarrow.parquet as pq
 
-    from offline_rec import batching
+    from offline_rec.training import batching
 
     columns = list(dict.fromkeys(batching.INDEX_COLUMNS + batching.STEP_COLUMNS))
     started = time.perf_counter()
@@ -114,7 +114,7 @@ def scan_reader(data: str, max_steps: int | None, rounds: int = 3, prompts_per_s
     """
     from statistics import median
 
-    from offline_rec.dataset import open_dataset
+    from offline_rec.data.dataset import open_dataset
 
     dataset = open_dataset(data)
     results = []

@@ -6,11 +6,11 @@ Nothing is downloaded. The tokenizer is a byte-level BPE trained here on seeded 
 instead of a 152k vocabulary, N = 0.39B parameters.
 
 Two stages, each in a fresh process (vLLM reserves most of the GPU memory):
-  collect  `offline_rec.collect.collect` with the vLLM backend (bf16): arith prompts x 8 samples,
+  collect  `offline_rec.rollout.collect.collect` with the vLLM backend (bf16): arith prompts x 8 samples,
            temperature 1, up to 256 new tokens (a random model rarely stops early), all prompts in
            one batch. Engine start-up is not timed. Prints samples/s, generated tokens/s and the
            generation MFU 2 * N * tokens/s / peak.
-  train    `offline_rec.train.train` (bf16 autocast, float32 master weights and AdamW) on a synthetic
+  train    `offline_rec.training.loop.train` (bf16 autocast, float32 master weights and AdamW) on a synthetic
            dataset (prompts 50-200, completions 100-700 tokens, 16 groups of 8 per step, 16k-token
            micro-batches); steps timed by the wall clock between consecutive steps after 2 warm-up
            steps, as in _train_bench. Prints tokens/s and MFU = 6 * N * tokens/s / peak.
@@ -61,12 +61,18 @@ def build_model(path: str, size: str) -> dict:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from offline_rec.tiny import build_bpe_tokenizer
+    from offline_rec.models.tiny import build_bpe_tokenizer
 
     sizes = SIZES[size]
-    words = random_words(8 * sizes["vocab"]) + [f"What is {a}+{b}? {a + b}" for a in range(10, 100) for b in range(10, 100, 7)]
-    tokenizer = build_bpe_tokenizer([" ".join(words[i:i + 64]) for i in range(0, len(words), 64)], vocab_size=sizes["vocab"])
-    special = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    words = random_words(8 * sizes["vocab"]) + [
+        f"What is {a}+{b}? {a + b}" for a in range(10, 100) for b in range(10, 100, 7)
+    ]
+    tokenizer = build_bpe_tokenizer(
+        [" ".join(words[i : i + 64]) for i in range(0, len(words), 64)], vocab_size=sizes["vocab"]
+    )
+    special = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     config = Qwen2Config(vocab_size=len(tokenizer), **sizes["model"], **special)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(getattr(torch, sizes["dtype"]))
@@ -78,17 +84,17 @@ def build_model(path: str, size: str) -> dict:
 
 def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
     """vLLM (or, without it, hf) collect throughput; engine start-up not timed."""
-    from offline_rec.backends import SamplingSettings, vllm_import_error
-    from offline_rec.collect import CollectConfig, collect
+    from offline_rec.rollout.backends import SamplingSettings, vllm_import_error
+    from offline_rec.rollout.collect import CollectConfig, collect
 
     settings = SIZES[size]["collect"]
     if vllm_import_error() is None:
-        from offline_rec.backends.vllm import VLLMBackend, make_engine
+        from offline_rec.rollout.backends.vllm import VLLMBackend, make_engine
 
         engine = "vllm"
         backend = VLLMBackend(llm=make_engine(model, dtype, seed=0), tokenizer=None)
     else:
-        from offline_rec.backends.hf import HFBackend
+        from offline_rec.rollout.backends.hf import HFBackend
 
         engine = "hf"
         backend = HFBackend(model, dtype=dtype)
@@ -98,7 +104,7 @@ def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
     started = time.perf_counter()
     collect(config, backend=backend)
     seconds = time.perf_counter() - started
-    from offline_rec.dataset import open_dataset
+    from offline_rec.data.dataset import open_dataset
 
     dataset = open_dataset(out)
     return {"engine": engine, "seconds": seconds, "samples": dataset.num_rows,
@@ -108,7 +114,7 @@ def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
 def train_stage(model: str, data: str, out: str, size: str, gpu: bool) -> dict:
     """Trainer tokens/s in steady state (wall clock between steps), as in _train_bench."""
     from benchmarks._train_bench import time_trainer
-    from offline_rec.config import TrainConfig
+    from offline_rec.training.config import TrainConfig
 
     settings = dict(SIZES[size]["train"])
     warmup, steps = settings.pop("warmup"), settings.pop("steps")
@@ -137,20 +143,30 @@ def main(argv=None) -> int:
     model = str(workdir / "model")
     info = build_model(model, size)
     dtype = SIZES[size]["dtype"]
-    data = write_synthetic_dataset(workdir / "data", group_size=8, vocab_size=info["vocab"], **SIZES[size]["data"])["path"]
+    data = write_synthetic_dataset(workdir / "data", group_size=8, vocab_size=info["vocab"], **SIZES[size]["data"])[
+        "path"
+    ]
     device = torch.cuda.get_device_name(0) if gpu else "CPU"
     peak = arguments.peak_tflops * 1e12
     n = info["parameters"]
-    print(f"device: {device}; model: Qwen2 {SIZES[size]['model']['hidden_size']}x{SIZES[size]['model']['num_hidden_layers']}, "
-          f"vocab {info['vocab']}, N = {n / 1e6:.1f}M parameters; peak used: {arguments.peak_tflops:g} TFLOP/s (dense bf16)")
+    print(
+        f"device: {device}; model: Qwen2 {SIZES[size]['model']['hidden_size']}x{SIZES[size]['model']['num_hidden_layers']}, "
+        f"vocab {info['vocab']}, N = {n / 1e6:.1f}M parameters; peak used: {arguments.peak_tflops:g} TFLOP/s (dense bf16)"
+    )
 
-    sampled = run_child("_gpu_bench", "collect_stage", dict(model=model, out=str(workdir / "collected"), size=size, dtype=dtype))
+    sampled = run_child(
+        "_gpu_bench", "collect_stage", dict(model=model, out=str(workdir / "collected"), size=size, dtype=dtype)
+    )
     sample_rate, token_rate = sampled["samples"] / sampled["seconds"], sampled["generated_tokens"] / sampled["seconds"]
-    print(f"collect ({sampled['engine']}, {dtype}): {sampled['samples']} samples, {sampled['generated_tokens']} tokens in "
-          f"{sampled['seconds']:.1f} s: {sample_rate:.1f} samples/s, {token_rate:.0f} tokens/s, "
-          f"generation MFU {2 * n * token_rate / peak:.2%}")
+    print(
+        f"collect ({sampled['engine']}, {dtype}): {sampled['samples']} samples, {sampled['generated_tokens']} tokens in "
+        f"{sampled['seconds']:.1f} s: {sample_rate:.1f} samples/s, {token_rate:.0f} tokens/s, "
+        f"generation MFU {2 * n * token_rate / peak:.2%}"
+    )
 
-    trained = run_child("_gpu_bench", "train_stage", dict(model=model, data=data, out=str(workdir / "run"), size=size, gpu=gpu))
+    trained = run_child(
+        "_gpu_bench", "train_stage", dict(model=model, data=data, out=str(workdir / "run"), size=size, gpu=gpu)
+    )
     train_rate = trained["tokens"] / trained["seconds"]
     print(f"train ({'bf16 autocast' if gpu else 'fp32'}): {trained['steps']} steps, {trained['tokens']} tokens in "
           f"{trained['seconds']:.1f} s: {train_rate:.0f} tokens/s, MFU {6 * n * train_rate / peak:.2%}")

@@ -2,7 +2,7 @@
 
 train_vs_bare. One fresh process (same torch threads for every side) runs, `repeats` times in
 turn:
-  trainer  `offline_rec.train.train(config)` for warmup + steps + 1 optimizer steps. Its step
+  trainer  `offline_rec.training.loop.train(config)` for warmup + steps + 1 optimizer steps. Its step
            times are read off the wall clock between consecutive `MetricsLog.write` calls (one
            per step, wrapped here to take a timestamp), so they cover everything the loop does
            per step: reading the step's rows, packing, collating, forward/backward, clipping,
@@ -41,7 +41,7 @@ ALGORITHM = "rec-oneside-nois"
 
 def trainer_config(model: str, data: str, out: str, prompts_per_step: int, micro_batch_tokens: int, max_steps: int):
     """The trainer settings both sides share: fp32, no progress bar, checkpoint only at the end."""
-    from offline_rec.config import TrainConfig
+    from offline_rec.training.config import TrainConfig
 
     return TrainConfig(data=[data], model=model, algorithm=ALGORITHM, out=out, prompts_per_step=prompts_per_step,
                        micro_batch_tokens=micro_batch_tokens, max_steps=max_steps, lr=1e-6, progress=False,
@@ -50,7 +50,7 @@ def trainer_config(model: str, data: str, out: str, prompts_per_step: int, micro
 
 def time_trainer(config) -> list[dict]:
     """Run `train(config)`; per step: wall seconds since the previous step's metrics, model tokens, the trainer's own tokens/s."""
-    from offline_rec import train as trainer
+    from offline_rec.training import loop as trainer
 
     stamps: list[tuple[float, dict]] = []
     original_write = trainer.MetricsLog.write
@@ -77,10 +77,10 @@ def step_batches(config, num_steps: int) -> list[dict]:
     import numpy as np
     import torch
 
-    from offline_rec import batching
     from offline_rec.algorithms import get_algorithm, group_advantages
-    from offline_rec.dataset import open_dataset
-    from offline_rec.models import load_tokenizer
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.models.loading import load_tokenizer
+    from offline_rec.training import batching
 
     spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
     datasets = [open_dataset(path) for path in config.data]
@@ -111,8 +111,8 @@ def time_bare(config, steps: list[dict], warmup: int, chunked: bool) -> list[dic
     import torch
 
     from offline_rec.algorithms import get_algorithm, policy_loss
-    from offline_rec.logprobs import naive_token_logprobs, token_logprobs_from_model
-    from offline_rec.models import load_model
+    from offline_rec.models.loading import load_model
+    from offline_rec.models.logprobs import naive_token_logprobs, token_logprobs_from_model
 
     spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
     model = load_model(config.model, dtype=config.model_dtype)
@@ -155,11 +155,15 @@ def train_vs_bare_child(model: str, data: str, workdir: str, prompts_per_step: i
     expected_tokens = [s["tokens"] for s in batches[warmup:]]
     rounds = []
     for repeat in range(repeats):
-        run = trainer_config(model, data, str(Path(workdir) / f"run-{repeat}"), prompts_per_step, micro_batch_tokens, max_steps)
+        run = trainer_config(
+            model, data, str(Path(workdir) / f"run-{repeat}"), prompts_per_step, micro_batch_tokens, max_steps
+        )
         trainer_steps = time_trainer(run)[warmup - 1:warmup - 1 + steps]  # optimizer steps warmup+1 .. warmup+steps
         measured_tokens = [s["tokens"] for s in trainer_steps]
         if measured_tokens != expected_tokens:
-            raise RuntimeError(f"trainer and bare loop disagree on tokens per step: {measured_tokens} vs {expected_tokens}")
+            raise RuntimeError(
+                f"trainer and bare loop disagree on tokens per step: {measured_tokens} vs {expected_tokens}"
+            )
         bare = time_bare(config, batches, warmup, chunked=False)
         bare_chunked = time_bare(config, batches, warmup, chunked=True)
         rounds.append({
@@ -220,8 +224,20 @@ def time_ddp(model: str, data: str, workdir: str, processes: int, threads: int, 
     result_file = Path(workdir) / f"ddp-{processes}x{threads}.json"
     kwargs = dict(model=model, data=data, out=str(out), prompts_per_step=prompts_per_step,
                   micro_batch_tokens=micro_batch_tokens, warmup=warmup, steps=steps, result_file=str(result_file))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", str(free_port()),
-               "-m", "benchmarks._common", "_train_bench", "ddp_rank", json.dumps(kwargs)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(processes),
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "benchmarks._common",
+        "_train_bench",
+        "ddp_rank",
+        json.dumps(kwargs),
+    ]
     done = run_command(command, env=child_environment(threads))
     if done["returncode"] != 0:
         raise RuntimeError(f"DDP run {processes}x{threads} failed:\n" + "\n".join(done["output"].splitlines()[-15:]))

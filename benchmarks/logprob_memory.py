@@ -4,7 +4,7 @@ Both paths start from the final hidden states [N, H] and the lm_head weight [V, 
 both requiring grad), produce log pi(target) [N], and back-propagate a weighted sum of them
 (random per-token coefficients standing in for advantages) to the hidden states and the weight.
   naive:   logits = hidden @ weight.T  (all N x V, float32) -> log_softmax -> gather
-  chunked: offline_rec.logprobs.chunked_token_logprobs (chunk_size rows at a time, recomputed
+  chunked: offline_rec.models.logprobs.chunked_token_logprobs (chunk_size rows at a time, recomputed
            in backward)
 Full size: 8 x 1024 tokens, hidden 1024, vocab 32000, chunk 1024. --quick: 4 x 512 tokens,
 hidden 256, vocab 16000, chunk 256 (same tokens-per-chunk ratio, a few seconds).
@@ -126,7 +126,7 @@ def _inputs(sizes: dict):
 
 def _forward_backward(path, hidden, weight, targets, coefficients, chunk_size):
     """Per-token log-probs by `path`, then backward of sum(coefficients * logprobs)."""
-    from offline_rec.logprobs import chunked_token_logprobs, naive_token_logprobs
+    from offline_rec.models.logprobs import chunked_token_logprobs, naive_token_logprobs
 
     if path == "naive":
         logprobs = naive_token_logprobs(hidden @ weight.T, targets)  # [N] via [N, V] float32

@@ -148,7 +148,7 @@ class Grid:
 
     def pool_file(self, seed: int) -> Path:
         """The seed's prompt pool as a prompts file (prompt + a, b, answer fields), written once."""
-        from offline_rec.tasks import arith_prompts
+        from offline_rec.tasks.builtin import arith_prompts
 
         path = self.shared / f"pool-seed{seed}.jsonl"
         if not path.is_file():
@@ -175,7 +175,7 @@ class Grid:
 
 def collect_data(model: str, pool: Path, out: Path, scale: Scale, sample_seed: int, version: int,
                  shard: tuple[int, int] = (0, 1)) -> Path:
-    from offline_rec.collect import CollectConfig, collect
+    from offline_rec.rollout.collect import CollectConfig, collect
 
     index, shards = shard
     return collect(CollectConfig(
@@ -186,7 +186,7 @@ def collect_data(model: str, pool: Path, out: Path, scale: Scale, sample_seed: i
 
 
 def evaluate_model(model: str, out: Path, scale: Scale) -> dict:
-    from offline_rec.evaluate import evaluate
+    from offline_rec.eval.rollouts import evaluate
 
     summary = evaluate(model, TASK, out, num_samples=1, greedy=True, num_prompts=scale.eval_prompts, split="test",
                        backend="hf", max_new_tokens=MAX_NEW_TOKENS, seed=0, batch_size=scale.batch_size,
@@ -197,8 +197,8 @@ def evaluate_model(model: str, out: Path, scale: Scale) -> dict:
 def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, seed: int, scale: Scale,
                   save_every: int, init_from: Path | None = None) -> Path:
     """A `train` of `steps` steps from `model`, or continuing the run `init_from`; returns the run folder."""
-    from offline_rec.config import TrainConfig
-    from offline_rec.train import train
+    from offline_rec.training.config import TrainConfig
+    from offline_rec.training.loop import train
 
     preset, overrides = VARIANTS[variant]
     # The trainer prints its settings table on stdout: once per segment would drown the grid's log.
@@ -214,8 +214,8 @@ def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, s
 
 def run_one(grid: Grid, variant: str, regime_name: str, seed: int) -> dict:
     """One (variant, regime, seed): segments of (collect if due -> fresh train -> evaluate); its result line."""
-    from offline_rec import checkpoint as ckpt
-    from offline_rec.backends import derive_seed
+    from offline_rec.rollout.backends import derive_seed
+    from offline_rec.training import checkpoint as ckpt
 
     scale, regime = grid.scale, make_regime(regime_name, grid.scale)
     run_dir = grid.out / "runs" / variant / regime_name / f"seed{seed}"
@@ -248,14 +248,18 @@ def run_one(grid: Grid, variant: str, regime_name: str, seed: int) -> dict:
         timing["train"] += time.monotonic() - tick
         for line in _read_jsonl(segment_dir / ckpt.METRICS_FILE):
             # The trainer counts steps from 0 in each segment: staleness is recomputed on the global step.
-            train_lines.append({**line, "step": first + line["step"], "staleness": first + line["step"] - 1 - data_version})
+            train_lines.append(
+                {**line, "step": first + line["step"], "staleness": first + line["step"] - 1 - data_version}
+            )
         models[first + segment] = str(segment_dir / ckpt.FINAL_DIR)
         tick = time.monotonic()
         for local_step, path in ckpt.list_checkpoints(segment_dir):
             step = first + local_step
             if step % scale.eval_every == 0:
                 metrics = evaluate_model(str(path), run_dir / "eval" / f"step-{step:05d}", scale)
-                curve.append({"step": step, "greedy_accuracy": metrics["greedy_accuracy"], "accuracy": metrics["accuracy"]})
+                curve.append(
+                    {"step": step, "greedy_accuracy": metrics["greedy_accuracy"], "accuracy": metrics["accuracy"]}
+                )
         timing["eval"] += time.monotonic() - tick
         _forget_old_models(models, run_dir, first + segment, regime.offset)
     result = {
@@ -401,13 +405,15 @@ def plot_curves(results: list[dict], path: Path, title: str) -> Path:
 def read_results(out: Path, scale: Scale) -> list[dict]:
     """Finished runs of this scale (runs of another scale in the same folder are ignored)."""
     # Results written before the optimizer choice existed restarted AdamW every segment.
-    return [r for r in _read_jsonl(out / RESULTS_FILE) if {"optimizer": "restart", **r.get("scale", {})} == asdict(scale)]
+    return [
+        r for r in _read_jsonl(out / RESULTS_FILE) if {"optimizer": "restart", **r.get("scale", {})} == asdict(scale)
+    ]
 
 
 def run_grid(out: Path, variants, regimes, seeds, scale: Scale, policy: str | None = None,
              threshold: float = 0.6, log=print) -> dict:
     """Run every (seed, regime, variant) not yet in results.jsonl, then write table.md and curves.png."""
-    from offline_rec.demo import ensure_demo_policy
+    from offline_rec.demo.pipeline import ensure_demo_policy
 
     scale.check()
     for name in variants:
@@ -426,9 +432,11 @@ def run_grid(out: Path, variants, regimes, seeds, scale: Scale, policy: str | No
         with open(out / RESULTS_FILE, "a") as file:
             file.write(json.dumps(result) + "\n")
         curve = result["curve"]
-        log(f"[{number}/{len(todo)}] {variant:<22} {regime:<9} seed {seed}: greedy {curve[0]['greedy_accuracy']:.3f} -> "
+        log(
+            f"[{number}/{len(todo)}] {variant:<22} {regime:<9} seed {seed}: greedy {curve[0]['greedy_accuracy']:.3f} -> "
             f"best {max(p['greedy_accuracy'] for p in curve):.3f} -> final {curve[-1]['greedy_accuracy']:.3f} "
-            f"({result['seconds']:.0f} s: {result['timing']})")
+            f"({result['seconds']:.0f} s: {result['timing']})"
+        )
     wanted = set(variants), set(regimes), set(seeds)
     results = [r for r in read_results(out, scale)
                if r["variant"] in wanted[0] and r["regime"] in wanted[1] and r["seed"] in wanted[2]]
@@ -452,13 +460,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--variants", help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--regimes", help=f"comma-separated, from: {', '.join(REGIMES)}")
     parser.add_argument("--seeds", type=int, help="number of seeds, 0..N-1 (default 3; 1 with --quick)")
-    parser.add_argument("--seed-list", help="exactly these seeds, e.g. 1,2 (grids of different seeds may run at once "
-                                            "into the same --out; a last run over all seeds then writes the full table)")
+    parser.add_argument(
+        "--seed-list",
+        help="exactly these seeds, e.g. 1,2 (grids of different seeds may run at once "
+        "into the same --out; a last run over all seeds then writes the full table)",
+    )
     parser.add_argument("--steps", type=int, help=f"optimizer steps per run (default {Scale.steps})")
-    parser.add_argument("--eval-prompts", type=int, help=f"held-out prompts per evaluation (default {Scale.eval_prompts})")
+    parser.add_argument(
+        "--eval-prompts", type=int, help=f"held-out prompts per evaluation (default {Scale.eval_prompts})"
+    )
     parser.add_argument("--optimizer", choices=("restart", "continue"),
                         help="AdamW across a run's segments: restart (default) or continue (train --init-from)")
-    parser.add_argument("--threshold", type=float, default=0.6, help="greedy accuracy for the steps-to-threshold column")
+    parser.add_argument(
+        "--threshold", type=float, default=0.6, help="greedy accuracy for the steps-to-threshold column"
+    )
     parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: two per process ran 4-7x slower on a busy 2-core machine)")
@@ -489,8 +504,11 @@ def main(argv: list[str] | None = None) -> dict:
     outcome = run_grid(Path(args.out), variants, regimes, list(seeds), scale, policy=args.model,
                        threshold=args.threshold, log=lambda message: print(message, file=sys.stderr, flush=True))
     print(outcome["table"])
-    print(f"{outcome['results']} runs in {outcome['out']}; this invocation took {(time.monotonic() - started) / 60:.1f} min "
-          f"on {platform.node()} ({__import__('os').cpu_count()} CPUs)", file=sys.stderr)
+    print(
+        f"{outcome['results']} runs in {outcome['out']}; this invocation took {(time.monotonic() - started) / 60:.1f} min "
+        f"on {platform.node()} ({__import__('os').cpu_count()} CPUs)",
+        file=sys.stderr,
+    )
     return outcome
 
 

@@ -51,10 +51,21 @@ from benchmarks._common import (  # noqa: E402
 SIZES = {
     "full": {
         "model": {"vocab_size": 8000, "hidden_size": 512, "num_layers": 8, "num_heads": 8},
-        "train_data": {"num_groups": 64, "prompt_lengths": (10, 60), "completion_lengths": (10, 200), "groups_per_shard": 16},
+        "train_data": {
+            "num_groups": 64,
+            "prompt_lengths": (10, 60),
+            "completion_lengths": (10, 200),
+            "groups_per_shard": 16,
+        },
         "train": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 3},
-        "ddp": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 2, "thread_variant": True,
-                "repeats": 2},
+        "ddp": {
+            "prompts_per_step": 2,
+            "micro_batch_tokens": 1024,
+            "warmup": 1,
+            "steps": 2,
+            "thread_variant": True,
+            "repeats": 2,
+        },
         "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
@@ -62,10 +73,21 @@ SIZES = {
     },
     "quick": {
         "model": {"vocab_size": 2000, "hidden_size": 128, "num_layers": 2, "num_heads": 4},
-        "train_data": {"num_groups": 16, "prompt_lengths": (10, 30), "completion_lengths": (10, 100), "groups_per_shard": 4},
+        "train_data": {
+            "num_groups": 16,
+            "prompt_lengths": (10, 30),
+            "completion_lengths": (10, 100),
+            "groups_per_shard": 4,
+        },
         "train": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 2},
-        "ddp": {"prompts_per_step": 2, "micro_batch_tokens": 1024, "warmup": 1, "steps": 1, "thread_variant": False,
-                "repeats": 1},
+        "ddp": {
+            "prompts_per_step": 2,
+            "micro_batch_tokens": 1024,
+            "warmup": 1,
+            "steps": 1,
+            "thread_variant": False,
+            "repeats": 1,
+        },
         "scan_data": {"num_groups": 256, "groups_per_shard": 64},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
@@ -119,11 +141,21 @@ def part_train(context: dict) -> dict:
                   workdir=str(context["workdir"] / "train"), repeats=context["repeats"], threads=context["threads"],
                   **sizes["train"])
     result = run_child("_train_bench", "train_vs_bare_child", kwargs, threads=context["threads"])
-    context["notes"].append(f"train: {result['tokens_per_step']:.0f} tokens/step in {result['micro_batches_per_step']:.0f} "
-                            f"micro-batches; per-repeat train_vs_bare {[round(r, 3) for r in result['train_vs_bare_all']]}; "
-                            f"trainer's own tokens_per_s metric {result['trainer_reported_tokens_per_s']:.0f}")
-    keys = ("train_vs_bare", "train_vs_bare_chunked", "trainer_tokens_per_s", "bare_tokens_per_s", "bare_chunked_tokens_per_s",
-            "trainer_reported_tokens_per_s", "train_padding_efficiency", "tokens_per_step")
+    context["notes"].append(
+        f"train: {result['tokens_per_step']:.0f} tokens/step in {result['micro_batches_per_step']:.0f} "
+        f"micro-batches; per-repeat train_vs_bare {[round(r, 3) for r in result['train_vs_bare_all']]}; "
+        f"trainer's own tokens_per_s metric {result['trainer_reported_tokens_per_s']:.0f}"
+    )
+    keys = (
+        "train_vs_bare",
+        "train_vs_bare_chunked",
+        "trainer_tokens_per_s",
+        "bare_tokens_per_s",
+        "bare_chunked_tokens_per_s",
+        "trainer_reported_tokens_per_s",
+        "train_padding_efficiency",
+        "tokens_per_step",
+    )
     return {key: result[key] for key in keys}
 
 
@@ -160,9 +192,14 @@ def part_scan(context: dict) -> dict:
     sizes = context["sizes"]
     one = run_child("_data_bench", "scan_reader", dict(data=context["scan_data"]["path"], **sizes["scan"]),
                     threads=context["threads"])
-    big = write_synthetic_dataset(context["workdir"] / "scan-10x", num_groups=SCAN_GROWTH * sizes["scan_data"]["num_groups"],
-                                  group_size=GROUP_SIZE, groups_per_shard=sizes["scan_data"]["groups_per_shard"],
-                                  vocab_size=context["model"]["vocab"], seed=1)
+    big = write_synthetic_dataset(
+        context["workdir"] / "scan-10x",
+        num_groups=SCAN_GROWTH * sizes["scan_data"]["num_groups"],
+        group_size=GROUP_SIZE,
+        groups_per_shard=sizes["scan_data"]["groups_per_shard"],
+        vocab_size=context["model"]["vocab"],
+        seed=1,
+    )
     # The same number of steps on both sizes: what may grow is the index, not the per-step memory.
     ten = run_child("_data_bench", "scan_reader", dict(data=big["path"], max_steps=one["steps_timed"]),
                     threads=context["threads"])
@@ -174,7 +211,8 @@ def part_scan(context: dict) -> dict:
         f"index pass {one['index_rows_per_s']:.0f} rows/s, step reads {one['step_rows_per_s']:.0f} rows/s, "
         f"collate {one['collate_rows_per_s']:.0f} rows/s; "
         f"10x: {ten['rows']} rows, reader {ten['reader_rows_per_s']:.0f} rows/s (extrapolated: {ten['extrapolated']}), "
-        f"ratio {ten['ratio']:.3f}")
+        f"ratio {ten['ratio']:.3f}"
+    )
     return {
         "shard_scan_vs_pyarrow": one["ratio"],
         "shard_reader_rows_per_s": one["reader_rows_per_s"],
@@ -190,18 +228,32 @@ def part_scan(context: dict) -> dict:
 
 
 def part_collect(context: dict) -> dict:
-    kwargs = dict(model=context["model"]["path"], workdir=str(context["workdir"] / "collect"), repeats=context["repeats"],
-                  threads=context["threads"], with_vllm=True, **context["sizes"]["collect"])
+    kwargs = dict(
+        model=context["model"]["path"],
+        workdir=str(context["workdir"] / "collect"),
+        repeats=context["repeats"],
+        threads=context["threads"],
+        with_vllm=True,
+        **context["sizes"]["collect"],
+    )
     result = run_child("_collect_bench", "collect_child", kwargs, threads=context["threads"])
     if result["vllm_unavailable"]:
         context["notes"].append(f"collect: vLLM unavailable ({result['vllm_unavailable']}): collect_vllm_vs_hf is null")
     else:
-        context["notes"].append(f"collect: vLLM engine start + warm-up {result['vllm_engine_start_seconds']:.1f} s (not timed); "
-                                f"torch threads {result['torch_threads']} before, {result['torch_threads_after_vllm']} after vLLM; "
-                                f"per-round vllm/hf {[round(r, 3) for r in result['collect_vllm_vs_hf_all']]}")
+        context["notes"].append(
+            f"collect: vLLM engine start + warm-up {result['vllm_engine_start_seconds']:.1f} s (not timed); "
+            f"torch threads {result['torch_threads']} before, {result['torch_threads_after_vllm']} after vLLM; "
+            f"per-round vllm/hf {[round(r, 3) for r in result['collect_vllm_vs_hf_all']]}"
+        )
     context["notes"].append(f"collect: per-round hf/bare {[round(r, 3) for r in result['collect_hf_vs_bare_all']]}")
-    keys = ("collect_vllm_vs_hf", "collect_hf_vs_bare_generate", "collect_vllm_samples_per_s", "collect_hf_samples_per_s",
-            "bare_generate_samples_per_s", "vllm_engine_start_seconds")
+    keys = (
+        "collect_vllm_vs_hf",
+        "collect_hf_vs_bare_generate",
+        "collect_vllm_samples_per_s",
+        "collect_hf_samples_per_s",
+        "bare_generate_samples_per_s",
+        "vllm_engine_start_seconds",
+    )
     return {key: result[key] for key in keys}
 
 
@@ -212,9 +264,16 @@ def part_validate_inspect(context: dict) -> dict:
     if rows is None:
         context["notes"].append("validate/inspect on 1M rows: full mode only (null here)")
         return {}
-    narrow = write_synthetic_dataset(context["workdir"] / "narrow-1m", num_groups=rows // GROUP_SIZE, group_size=GROUP_SIZE,
-                                     prompt_lengths=(1, 8), completion_lengths=(1, 16), vocab_size=context["model"]["vocab"],
-                                     groups_per_shard=256, seed=2)
+    narrow = write_synthetic_dataset(
+        context["workdir"] / "narrow-1m",
+        num_groups=rows // GROUP_SIZE,
+        group_size=GROUP_SIZE,
+        prompt_lengths=(1, 8),
+        completion_lengths=(1, 16),
+        vocab_size=context["model"]["vocab"],
+        groups_per_shard=256,
+        seed=2,
+    )
     validate, inspect = cli_cost("validate", narrow["path"]), cli_cost("inspect", narrow["path"])
     shutil.rmtree(narrow["path"], ignore_errors=True)
     return {"validate_1m_rows_seconds": validate["seconds"], "validate_1m_rows_peak_rss_mb": validate["peak_rss_mb"],
@@ -243,16 +302,24 @@ def prepare(context: dict) -> None:
     vocab = context["model"]["vocab"]
     context["train_data"] = write_synthetic_dataset(workdir / "train-data", group_size=GROUP_SIZE, vocab_size=vocab,
                                                     **sizes["train_data"])
-    context["scan_data"] = write_synthetic_dataset(workdir / "scan-1x", group_size=GROUP_SIZE, vocab_size=vocab,
-                                                   prompt_lengths=(10, 100), completion_lengths=(10, 500), **sizes["scan_data"])
+    context["scan_data"] = write_synthetic_dataset(
+        workdir / "scan-1x",
+        group_size=GROUP_SIZE,
+        vocab_size=vocab,
+        prompt_lengths=(10, 100),
+        completion_lengths=(10, 500),
+        **sizes["scan_data"],
+    )
 
 
 def print_table(results: dict, context: dict, errors: dict) -> None:
     info = context["machine"]
     print()
     print(f"offline-rec benchmark ({'quick' if context['quick'] else 'full'}), {time.strftime('%Y-%m-%d %H:%M')}")
-    print(f"machine: {info['cpu_model']}, {info['cores']} cores, {info['memory_gb']} GiB; torch threads {context['threads']}; "
-          f"load average {context['load_before']:.2f} before, {os.getloadavg()[0]:.2f} after")
+    print(
+        f"machine: {info['cpu_model']}, {info['cores']} cores, {info['memory_gb']} GiB; torch threads {context['threads']}; "
+        f"load average {context['load_before']:.2f} before, {os.getloadavg()[0]:.2f} after"
+    )
     print("versions: python " + info["python"] + ", " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))
     print(f"model: {describe_model(context['sizes']['model'], context['model'])}")
     print(f"{'key':<30} {'value':>11}  {'goal':<13} compares")
@@ -302,11 +369,15 @@ def main(argv=None) -> int:
             try:
                 measured = part(context)
                 results.update(measured)
-                print(f"[{name}] " + ", ".join(f"{k}={v:.4g}" for k, v in measured.items() if v is not None), flush=True)
+                print(
+                    f"[{name}] " + ", ".join(f"{k}={v:.4g}" for k, v in measured.items() if v is not None), flush=True
+                )
             except Exception:  # a broken part must not hide the others' numbers
                 errors[name] = traceback.format_exc(limit=3).strip().splitlines()[-1]
                 traceback.print_exc()
-            context["notes"].append(f"{name}: {time.perf_counter() - part_started:.0f} s, load average {load:.2f} at start")
+            context["notes"].append(
+                f"{name}: {time.perf_counter() - part_started:.0f} s, load average {load:.2f} at start"
+            )
             if arguments.json:  # written after every part, so a run cut short keeps what it measured
                 write_json(arguments.json, results)
     finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, List, Optional
+from typing import Annotated
 
 import typer
 
@@ -35,16 +35,30 @@ NewDatasetOut = Annotated[Path, typer.Option("--out", "-o", help="New dataset di
 SummaryJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
 # prompts (collect, eval)
-PromptsFile = Annotated[Optional[str], typer.Option("--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).")]
-PromptColumn = Annotated[Optional[str], typer.Option("--prompt-column", help="The prompt file's prompt column (default: the task's).")]
-NumPrompts = Annotated[Optional[int], typer.Option("--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512).")]
-RewardFunction = Annotated[Optional[str], typer.Option("--reward", help="Replace the task's reward with module:function.")]
+PromptsFile = Annotated[
+    str | None, typer.Option("--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).")
+]
+PromptColumn = Annotated[
+    str | None, typer.Option("--prompt-column", help="The prompt file's prompt column (default: the task's).")
+]
+NumPrompts = Annotated[
+    int | None,
+    typer.Option("--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512)."),
+]
+RewardFunction = Annotated[str | None, typer.Option("--reward", help="Replace the task's reward with module:function.")]
 # sampling (collect, eval)
-Backend = Annotated[Optional[str], typer.Option("--backend", help="hf or vllm (default: vllm when importable, else hf).")]
-Dtype = Annotated[Optional[str], typer.Option("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).")]
-ChatTemplate = Annotated[bool, typer.Option("--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template.")]
+Backend = Annotated[str | None, typer.Option("--backend", help="hf or vllm (default: vllm when importable, else hf).")]
+Dtype = Annotated[
+    str | None, typer.Option("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).")
+]
+ChatTemplate = Annotated[
+    bool,
+    typer.Option(
+        "--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template."
+    ),
+]
 TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1: off).")]
-TopK = Annotated[Optional[int], typer.Option("--top-k", help="Top-k truncation (default: none).")]
+TopK = Annotated[int | None, typer.Option("--top-k", help="Top-k truncation (default: none).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Longest completion, in tokens.")]
 
 
@@ -56,7 +70,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
 ) -> None:
     """Offline RL for LLMs from logged trajectories."""
 
@@ -79,10 +95,12 @@ def _print_json(obj) -> None:
 def validate(
     dataset: Path = typer.Argument(..., help="Dataset directory."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    no_checksums: bool = typer.Option(False, "--no-checksums", help="Skip the sha256 check of shards (faster on huge datasets)."),
+    no_checksums: bool = typer.Option(
+        False, "--no-checksums", help="Skip the sha256 check of shards (faster on huge datasets)."
+    ),
 ) -> None:
     """Check a dataset against the format; exit 0 when clean, 1 on problems, 2 on unusable input."""
-    from offline_rec.validate import validate_dataset
+    from offline_rec.data.validate import validate_dataset
 
     report = validate_dataset(dataset, check_checksums=not no_checksums)
     if as_json:
@@ -100,7 +118,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ) -> None:
     """Describe a dataset: sizes, lengths, rewards, groups without signal, provenance."""
-    from offline_rec.describe import describe_dataset
+    from offline_rec.data.inspect import describe_dataset
 
     stats = describe_dataset(dataset)
     if as_json:
@@ -123,27 +141,69 @@ def import_(
     src: Path = typer.Argument(..., help="Source file (JSONL or Parquet), or a directory of them."),
     fmt: str = typer.Option(..., "--format", "-f", help="Source format: rows, text, openai or trl."),
     out: NewDatasetOut = ...,
-    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer (model folder or id): tokenizes text, renders chat messages, maps token strings; default: --score-with's."),
-    score_with: Optional[str] = typer.Option(None, "--score-with", help="Compute behavior log-probs teacher-forced with this model (replaces any in the source); required for text and trl."),
-    skip_bad: bool = typer.Option(False, "--skip-bad", help="Import the good rows and list bad lines in OUT/rejects.jsonl, instead of refusing."),
-    logprobs_source: Optional[str] = typer.Option(None, "--logprobs-source", help="What the source's log-probs are: sampled, raw or unknown (default unknown; recomputed with --score-with)."),
+    tokenizer: str | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="Tokenizer (model folder or id): tokenizes text, renders chat messages, maps token strings; default: --score-with's.",
+    ),
+    score_with: str | None = typer.Option(
+        None,
+        "--score-with",
+        help="Compute behavior log-probs teacher-forced with this model (replaces any in the source); required for text and trl.",
+    ),
+    skip_bad: bool = typer.Option(
+        False, "--skip-bad", help="Import the good rows and list bad lines in OUT/rejects.jsonl, instead of refusing."
+    ),
+    logprobs_source: str | None = typer.Option(
+        None,
+        "--logprobs-source",
+        help="What the source's log-probs are: sampled, raw or unknown (default unknown; recomputed with --score-with).",
+    ),
     prompt_column: str = typer.Option("prompt", "--prompt-column", help="text/trl: the prompt column."),
     completion_column: str = typer.Option("completion", "--completion-column", help="text/trl: the completion column."),
-    reward_column: str = typer.Option("reward", "--reward-column", help="text: the reward column (absent or null: reward null)."),
-    group_column: str = typer.Option("group_id", "--group-column", help="text: the group id column (rows without one are grouped by identical prompt)."),
-    append_eos: bool = typer.Option(True, "--append-eos/--no-append-eos", help="text/trl: end each tokenized completion with EOS (logged responses are taken to have stopped on it)."),
-    reward_columns: Optional[str] = typer.Option(None, "--reward-columns", help="trl: comma-separated reward columns to sum (default: every numeric column but step and advantage)."),
-    behavior: Optional[str] = typer.Option(None, "--behavior", help="Which policy sampled the data, where the source does not say."),
-    task: str = typer.Option("", "--task", help="Task name stored with rows that have none (a label; `reward` scores later)."),
+    reward_column: str = typer.Option(
+        "reward", "--reward-column", help="text: the reward column (absent or null: reward null)."
+    ),
+    group_column: str = typer.Option(
+        "group_id",
+        "--group-column",
+        help="text: the group id column (rows without one are grouped by identical prompt).",
+    ),
+    append_eos: bool = typer.Option(
+        True,
+        "--append-eos/--no-append-eos",
+        help="text/trl: end each tokenized completion with EOS (logged responses are taken to have stopped on it).",
+    ),
+    reward_columns: str | None = typer.Option(
+        None,
+        "--reward-columns",
+        help="trl: comma-separated reward columns to sum (default: every numeric column but step and advantage).",
+    ),
+    behavior: str | None = typer.Option(
+        None, "--behavior", help="Which policy sampled the data, where the source does not say."
+    ),
+    task: str = typer.Option(
+        "", "--task", help="Task name stored with rows that have none (a label; `reward` scores later)."
+    ),
     policy_version: int = typer.Option(0, "--policy-version", help="policy_version where the source has none."),
-    group_by_prompt: bool = typer.Option(False, "--group-by-prompt", help="openai: group lines with identical prompt text (default: the choices of one line)."),
+    group_by_prompt: bool = typer.Option(
+        False,
+        "--group-by-prompt",
+        help="openai: group lines with identical prompt text (default: the choices of one line).",
+    ),
     batch_size: int = typer.Option(8, "--batch-size", help="--score-with: sequences per forward pass."),
-    dtype: str = typer.Option("float32", "--dtype", help="--score-with: model dtype (float32, bfloat16, float16, auto)."),
-    score_temperature: float = typer.Option(1.0, "--score-temperature", help="--score-with: temperature of the recomputed log-probs (the sampling temperature, if known)."),
+    dtype: str = typer.Option(
+        "float32", "--dtype", help="--score-with: model dtype (float32, bfloat16, float16, auto)."
+    ),
+    score_temperature: float = typer.Option(
+        1.0,
+        "--score-temperature",
+        help="--score-with: temperature of the recomputed log-probs (the sampling temperature, if known).",
+    ),
     as_json: SummaryJson = False,
 ) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
-    from offline_rec.importers import ERRORS_SHOWN, BadLinesError, ImportOptions, import_dataset
+    from offline_rec.data.importers import ERRORS_SHOWN, BadLinesError, ImportOptions, import_dataset
 
     options = ImportOptions(
         prompt_column=prompt_column,
@@ -172,7 +232,9 @@ def import_(
     if as_json:
         _print_json(summary)
         return
-    typer.echo(f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})")
+    typer.echo(
+        f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})"
+    )
     if summary["rejected_lines"]:
         reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
         typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")
@@ -182,18 +244,32 @@ def import_(
 def filter_(
     dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
     out: NewDatasetOut = ...,
-    drop_truncated: bool = typer.Option(False, "--drop-truncated", help="Drop responses with finish_reason 'length' (the rest of their group stays)."),
-    drop_all_equal: bool = typer.Option(False, "--drop-all-equal", help="Drop groups whose rewards are all equal (no learning signal)."),
-    max_prompt_tokens: Optional[int] = typer.Option(None, "--max-prompt-tokens", help="Drop groups whose prompt is longer than N tokens."),
-    max_completion_tokens: Optional[int] = typer.Option(None, "--max-completion-tokens", help="Drop whole groups holding a completion longer than N tokens."),
-    min_policy_version: Optional[int] = typer.Option(None, "--min-policy-version", help="Drop responses of older policy versions."),
-    max_policy_version: Optional[int] = typer.Option(None, "--max-policy-version", help="Drop responses of newer policy versions."),
-    sample_fraction: Optional[float] = typer.Option(None, "--sample-fraction", help="Keep this fraction of groups, chosen by a hash of (seed, group id)."),
+    drop_truncated: bool = typer.Option(
+        False, "--drop-truncated", help="Drop responses with finish_reason 'length' (the rest of their group stays)."
+    ),
+    drop_all_equal: bool = typer.Option(
+        False, "--drop-all-equal", help="Drop groups whose rewards are all equal (no learning signal)."
+    ),
+    max_prompt_tokens: int | None = typer.Option(
+        None, "--max-prompt-tokens", help="Drop groups whose prompt is longer than N tokens."
+    ),
+    max_completion_tokens: int | None = typer.Option(
+        None, "--max-completion-tokens", help="Drop whole groups holding a completion longer than N tokens."
+    ),
+    min_policy_version: int | None = typer.Option(
+        None, "--min-policy-version", help="Drop responses of older policy versions."
+    ),
+    max_policy_version: int | None = typer.Option(
+        None, "--max-policy-version", help="Drop responses of newer policy versions."
+    ),
+    sample_fraction: float | None = typer.Option(
+        None, "--sample-fraction", help="Keep this fraction of groups, chosen by a hash of (seed, group id)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of --sample-fraction."),
     as_json: SummaryJson = False,
 ) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
-    from offline_rec.filtering import FilterOptions, filter_dataset
+    from offline_rec.data.filter import FilterOptions, filter_dataset
 
     options = FilterOptions(
         drop_truncated=drop_truncated, drop_all_equal=drop_all_equal, max_prompt_tokens=max_prompt_tokens,
@@ -204,7 +280,9 @@ def filter_(
     if as_json:
         _print_json(summary)
         return
-    typer.echo(f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} groups -> {summary['out']}")
+    typer.echo(
+        f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} groups -> {summary['out']}"
+    )
     for reason, counts in summary["dropped"].items():
         if counts["rows"] or counts["groups"]:
             typer.echo(f"  dropped by {reason}: {counts['rows']} rows, {counts['groups']} whole groups")
@@ -213,33 +291,43 @@ def filter_(
 @app.command("reward")
 def reward_(
     dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
-    task: str = typer.Option(..., "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."),
+    task: str = typer.Option(
+        ..., "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."
+    ),
     out: NewDatasetOut = ...,
-    reward: Optional[str] = typer.Option(None, "--reward", help="Replace the task's reward function with module:function."),
-    timeout: float = typer.Option(10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
+    reward: str | None = typer.Option(
+        None, "--reward", help="Replace the task's reward function with module:function."
+    ),
+    timeout: float = typer.Option(
+        10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."
+    ),
     as_json: SummaryJson = False,
 ) -> None:
     """(Re)score a dataset with a task's reward function into a new dataset (fields from each row's meta)."""
-    from offline_rec.rescoring import rescore_dataset
+    from offline_rec.data.reward import rescore_dataset
 
     summary = rescore_dataset(dataset, out, task, reward=reward, timeout_s=timeout)
     if as_json:
         _print_json(summary)
         return
     stats = summary["reward_stats"]
-    typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups -> {summary['out']}")
+    typer.echo(
+        f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups -> {summary['out']}"
+    )
     if summary["null"]:
-        typer.echo(f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, returned None {stats.get('returned_none', 0)})"
-                   + (f"; first error: {stats['first_error']}" if stats.get("first_error") else ""))
+        typer.echo(
+            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, returned None {stats.get('returned_none', 0)})"
+            + (f"; first error: {stats['first_error']}" if stats.get("first_error") else "")
+        )
 
 
 # --------------------------------------------------------------------------------------------
-# train  (owned by the training loop: offline_rec/train.py, config.py)
+# train  (owned by the training loop: offline_rec/training/loop.py, config.py)
 
 
 def _list_train_options(value: bool) -> None:
     if value:
-        from offline_rec.config import option_help
+        from offline_rec.training.config import option_help
 
         for key, kind, default, help_text in option_help():
             typer.echo(f"{key:<24} {kind:<12} {default!r:<16} {help_text}")
@@ -248,32 +336,63 @@ def _list_train_options(value: bool) -> None:
 
 @app.command()
 def train(
-    data: Optional[List[str]] = typer.Option(None, "--data", help="Dataset directory (repeat for several)."),
-    model: Optional[str] = typer.Option(None, "--model", help="Policy to start from: local model folder or Hub id."),
-    algorithm: Optional[str] = typer.Option(None, "--algorithm", help="Loss preset, e.g. rec-oneside-nois, grpo, opmd."),
-    out: Optional[str] = typer.Option(None, "--out", "-o", help="Run directory."),
-    config: Optional[Path] = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override an option: key=value, or algorithm.eps_high=2.0 (repeatable)."),
-    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume", help="Continue the run in --out from its latest checkpoint."),
-    init_from: Optional[str] = typer.Option(None, "--init-from", help="Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, policy version."),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the training groups."),
-    max_steps: Optional[int] = typer.Option(None, "--max-steps", help="Train exactly this many optimizer steps (overrides --epochs)."),
-    prompts_per_step: Optional[int] = typer.Option(None, "--prompts-per-step", help="Whole groups per optimizer step."),
-    micro_batch_tokens: Optional[int] = typer.Option(None, "--micro-batch-tokens", help="Token budget of a micro-batch, padding included."),
-    lr: Optional[float] = typer.Option(None, "--lr", help="AdamW learning rate."),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of shuffling, RED-Drop and torch."),
-    holdout: Optional[float] = typer.Option(None, "--holdout", help="Fraction of groups kept out of training (holdout.json)."),
-    list_options: bool = typer.Option(False, "--list-options", callback=_list_train_options, is_eager=True,
-                                      help="List every option (YAML key / --set key) with its default and exit."),
+    data: list[str] | None = typer.Option(None, "--data", help="Dataset directory (repeat for several)."),
+    model: str | None = typer.Option(None, "--model", help="Policy to start from: local model folder or Hub id."),
+    algorithm: str | None = typer.Option(None, "--algorithm", help="Loss preset, e.g. rec-oneside-nois, grpo, opmd."),
+    out: str | None = typer.Option(None, "--out", "-o", help="Run directory."),
+    config: Path | None = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
+    set_: list[str] | None = typer.Option(
+        None, "--set", help="Override an option: key=value, or algorithm.eps_high=2.0 (repeatable)."
+    ),
+    resume: bool | None = typer.Option(
+        None, "--resume/--no-resume", help="Continue the run in --out from its latest checkpoint."
+    ),
+    init_from: str | None = typer.Option(
+        None,
+        "--init-from",
+        help="Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, policy version.",
+    ),
+    epochs: int | None = typer.Option(None, "--epochs", help="Passes over the training groups."),
+    max_steps: int | None = typer.Option(
+        None, "--max-steps", help="Train exactly this many optimizer steps (overrides --epochs)."
+    ),
+    prompts_per_step: int | None = typer.Option(None, "--prompts-per-step", help="Whole groups per optimizer step."),
+    micro_batch_tokens: int | None = typer.Option(
+        None, "--micro-batch-tokens", help="Token budget of a micro-batch, padding included."
+    ),
+    lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate."),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of shuffling, RED-Drop and torch."),
+    holdout: float | None = typer.Option(
+        None, "--holdout", help="Fraction of groups kept out of training (holdout.json)."
+    ),
+    list_options: bool = typer.Option(
+        False,
+        "--list-options",
+        callback=_list_train_options,
+        is_eager=True,
+        help="List every option (YAML key / --set key) with its default and exit.",
+    ),
 ) -> None:
     """Train a policy offline on logged groups (runs under `accelerate launch -m offline_rec train` too)."""
-    from offline_rec.config import build_config
+    from offline_rec.training.config import build_config
 
-    options = dict(data=data or None, model=model, algorithm=algorithm, out=out, resume=resume, init_from=init_from, epochs=epochs,
-                   max_steps=max_steps, prompts_per_step=prompts_per_step, micro_batch_tokens=micro_batch_tokens,
-                   lr=lr, seed=seed, holdout=holdout)
+    options = dict(
+        data=data or None,
+        model=model,
+        algorithm=algorithm,
+        out=out,
+        resume=resume,
+        init_from=init_from,
+        epochs=epochs,
+        max_steps=max_steps,
+        prompts_per_step=prompts_per_step,
+        micro_batch_tokens=micro_batch_tokens,
+        lr=lr,
+        seed=seed,
+        holdout=holdout,
+    )
     resolved = build_config(config, options, set_ or ())
-    from offline_rec.train import train as run_training
+    from offline_rec.training.loop import train as run_training
 
     summary = run_training(resolved)
     if summary.get("already_finished"):
@@ -286,20 +405,28 @@ def train(
 # --------------------------------------------------------------------------------------------
 
 
-# Hugging Face Hub: push, pull  (owned by offline_rec/hub.py)
+# Hugging Face Hub: push, pull  (owned by offline_rec/hub/transfer.py)
 
 
 @app.command()
 def push(
     dataset: Path = typer.Argument(..., help="Dataset directory."),
     repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="Hub dataset repo, created if missing."),
-    private: bool = typer.Option(False, "--private", help="Create the repo private (an existing repo keeps its visibility)."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch to push to, created if missing (default main)."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hub token with write access (default: `hf auth login` or HF_TOKEN)."),
-    license: Optional[str] = typer.Option(None, "--license", help="License id for the card, e.g. cc-by-4.0 (default: the manifest's, else 'other')."),
+    private: bool = typer.Option(
+        False, "--private", help="Create the repo private (an existing repo keeps its visibility)."
+    ),
+    revision: str | None = typer.Option(
+        None, "--revision", help="Branch to push to, created if missing (default main)."
+    ),
+    token: str | None = typer.Option(
+        None, "--token", help="Hub token with write access (default: `hf auth login` or HF_TOKEN)."
+    ),
+    license: str | None = typer.Option(
+        None, "--license", help="License id for the card, e.g. cc-by-4.0 (default: the manifest's, else 'other')."
+    ),
 ) -> None:
     """Upload a valid dataset to a Hub dataset repo, with a card generated from its manifest."""
-    from offline_rec.hub import push_dataset
+    from offline_rec.hub.transfer import push_dataset
 
     result = push_dataset(dataset, repo_id, private=private, revision=revision, token=token, license=license,
                           echo=lambda message: typer.echo(message, err=True))
@@ -309,20 +436,24 @@ def push(
 
 @app.command()
 def pull(
-    repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="Hub dataset repo (or hf://datasets/ORG/NAME[@REVISION])."),
+    repo_id: str = typer.Argument(
+        ..., metavar="ORG/NAME", help="Hub dataset repo (or hf://datasets/ORG/NAME[@REVISION])."
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="New directory for the dataset."),
-    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag (e.g. schema-v1.0) or commit (default main)."),
-    token: Optional[str] = typer.Option(None, "--token", help="Hub token, for private or gated repos."),
+    revision: str | None = typer.Option(
+        None, "--revision", help="Branch, tag (e.g. schema-v1.0) or commit (default main)."
+    ),
+    token: str | None = typer.Option(None, "--token", help="Hub token, for private or gated repos."),
 ) -> None:
     """Download a Hub dataset into a local folder, verifying its checksums and schema (works offline from the cache)."""
-    from offline_rec.hub import pull_dataset
+    from offline_rec.hub.transfer import pull_dataset
 
     path = pull_dataset(repo_id, out, revision=revision, token=token)
     typer.echo(f"pulled {repo_id}" + (f"@{revision}" if revision else "") + f" -> {path}")
 
 
 # --------------------------------------------------------------------------------------------
-# collect, merge  (owned by offline_rec/collect.py, merge.py, backends/)
+# collect, merge  (owned by offline_rec/rollout/collect.py, merge.py, backends/)
 
 
 @app.command()
@@ -346,18 +477,31 @@ def collect(
     dtype: Dtype = None,
     chat_template: ChatTemplate = True,
     tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM: GPUs per model."),
-    groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Commit a Parquet shard every N groups (at batch boundaries)."),
+    groups_per_shard: int = typer.Option(
+        256, "--groups-per-shard", help="Commit a Parquet shard every N groups (at batch boundaries)."
+    ),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted collect into --out."),
-    num_shards: int = typer.Option(1, "--num-shards", help="Scale-out: split the prompts into N slices (index mod N)..."),
+    num_shards: int = typer.Option(
+        1, "--num-shards", help="Scale-out: split the prompts into N slices (index mod N)..."
+    ),
     shard_index: int = typer.Option(0, "--shard-index", help="...and collect slice I; `merge` combines the slices."),
-    policy_version: Optional[int] = typer.Option(None, "--policy-version", help="Training updates of the behavior policy (default: read from a checkpoint or RUN/final folder, else 0 = base)."),
-    behavior: Optional[str] = typer.Option(None, "--behavior", help="Behavior name stored in every row (default: --model)."),
-    reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."),
+    policy_version: int | None = typer.Option(
+        None,
+        "--policy-version",
+        help="Training updates of the behavior policy (default: read from a checkpoint or RUN/final folder, else 0 = base).",
+    ),
+    behavior: str | None = typer.Option(
+        None, "--behavior", help="Behavior name stored in every row (default: --model)."
+    ),
+    reward_timeout: float = typer.Option(
+        10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."
+    ),
     quiet: Quiet = False,
 ) -> None:
     """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
-    from offline_rec.collect import CollectConfig, collect as run_collect
-    from offline_rec.dataset import read_manifest
+    from offline_rec.data.dataset import read_manifest
+    from offline_rec.rollout.collect import CollectConfig
+    from offline_rec.rollout.collect import collect as run_collect
 
     config = CollectConfig(
         model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompt_column=prompt_column,
@@ -371,71 +515,117 @@ def collect(
     manifest = read_manifest(path)
     totals, stats = manifest["totals"], manifest.get("stats") or {}
     finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
-    typer.echo(f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion tokens; {finish}) -> {path}")
+    typer.echo(
+        f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion tokens; {finish}) -> {path}"
+    )
 
 
 @app.command()
 def merge(
-    datasets: List[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
+    datasets: list[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
     out: NewDatasetOut = ...,
     groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Groups per output shard."),
     as_json: SummaryJson = False,
 ) -> None:
     """Combine datasets with the same tokenizer and disjoint group ids into one, re-sharded."""
-    from offline_rec.merge import merge_datasets
+    from offline_rec.data.merge import merge_datasets
 
     summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard)
     if as_json:
         _print_json(summary)
         return
-    typer.echo(f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups -> {summary['out']}")
+    typer.echo(
+        f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups -> {summary['out']}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
-# eval, report  (owned by offline_rec/evaluate.py, offpolicy.py, report.py)
+# eval, report  (owned by offline_rec/eval/rollouts.py, offpolicy.py, report.py)
 
 
 @app.command("eval")
 def eval_(
-    model: Optional[str] = typer.Option(None, "--model", help="Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id."),
-    task: Optional[str] = typer.Option(None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id."
+    ),
+    task: str | None = typer.Option(
+        None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset)."
+    ),
     num_samples: int = typer.Option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k)."),
-    greedy: bool = typer.Option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy)."),
+    greedy: bool = typer.Option(
+        True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy)."
+    ),
     prompts: PromptsFile = None,
     prompt_column: PromptColumn = None,
     num_prompts: NumPrompts = None,
     split: str = typer.Option("test", "--split", help="Built-in prompts: test (held out, the default) or train."),
     reward: RewardFunction = None,
     backend: Backend = None,
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's)."),
+    temperature: float | None = typer.Option(
+        None,
+        "--temperature",
+        help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
+    ),
     top_p: TopP = 1.0,
     top_k: TopK = None,
     max_new_tokens: MaxNewTokens = 256,
-    seed: int = typer.Option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call; --offline: sequences per forward pass."),
+    seed: int = typer.Option(
+        0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap."
+    ),
+    batch_size: int = typer.Option(
+        16, "--batch-size", help="Prompts per generate call; --offline: sequences per forward pass."
+    ),
     dtype: Dtype = None,
     chat_template: ChatTemplate = True,
-    success_threshold: float = typer.Option(0.5, "--success-threshold", help="A sample is correct when its reward is above this (accuracy, pass@k)."),
-    gpu_memory_utilization: Optional[float] = typer.Option(None, "--gpu-memory-utilization", help="vLLM: share of the GPU it may take (default: vLLM's)."),
-    reward_timeout: float = typer.Option(10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit)."),
-    offline: bool = typer.Option(False, "--offline", help="Estimate from logged data without generating (needs --data or --run)."),
-    data: Optional[List[str]] = typer.Option(None, "--data", help="--offline: dataset(s) of logged groups (repeatable; default: the run's)."),
-    run: Optional[str] = typer.Option(None, "--run", help="--offline: train RUN folder; its held-out groups (holdout.json) are used."),
-    num_bootstrap: int = typer.Option(1000, "--num-bootstrap", help="--offline: bootstrap resamples of the 95% intervals (0: none)."),
+    success_threshold: float = typer.Option(
+        0.5, "--success-threshold", help="A sample is correct when its reward is above this (accuracy, pass@k)."
+    ),
+    gpu_memory_utilization: float | None = typer.Option(
+        None, "--gpu-memory-utilization", help="vLLM: share of the GPU it may take (default: vLLM's)."
+    ),
+    reward_timeout: float = typer.Option(
+        10.0,
+        "--reward-timeout",
+        help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
+    ),
+    offline: bool = typer.Option(
+        False, "--offline", help="Estimate from logged data without generating (needs --data or --run)."
+    ),
+    data: list[str] | None = typer.Option(
+        None, "--data", help="--offline: dataset(s) of logged groups (repeatable; default: the run's)."
+    ),
+    run: str | None = typer.Option(
+        None, "--run", help="--offline: train RUN folder; its held-out groups (holdout.json) are used."
+    ),
+    num_bootstrap: int = typer.Option(
+        1000, "--num-bootstrap", help="--offline: bootstrap resamples of the 95% intervals (0: none)."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace the evaluation already in --out."),
     quiet: Quiet = False,
     as_json: SummaryJson = False,
 ) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
-    from offline_rec.evaluate import evaluate, offline_evaluate, summary_table
+    from offline_rec.eval.rollouts import evaluate, offline_evaluate, summary_table
 
     if offline:
-        summary = offline_evaluate(model, data or (), run, out, temperature=temperature, batch_size=batch_size, dtype=dtype,
-                                   num_bootstrap=num_bootstrap, seed=seed, overwrite=overwrite)
+        summary = offline_evaluate(
+            model,
+            data or (),
+            run,
+            out,
+            temperature=temperature,
+            batch_size=batch_size,
+            dtype=dtype,
+            num_bootstrap=num_bootstrap,
+            seed=seed,
+            overwrite=overwrite,
+        )
     else:
         if data or run:
             raise UserError("--data and --run go with --offline (an estimate from logged data)")
@@ -460,12 +650,14 @@ def eval_(
 
 @app.command()
 def report(
-    runs: List[Path] = typer.Argument(..., help="Train RUN folders and/or evaluation folders (or their summary.json)."),
+    runs: list[Path] = typer.Argument(..., help="Train RUN folders and/or evaluation folders (or their summary.json)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the PNG plots and summary.md."),
-    smoothing: float = typer.Option(0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none)."),
+    smoothing: float = typer.Option(
+        0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none)."
+    ),
 ) -> None:
     """Plot training and evaluation curves of runs side by side, and write a markdown summary table."""
-    from offline_rec.report import report_runs
+    from offline_rec.eval.report import report_runs
 
     written = report_runs(runs, out, smoothing=smoothing)
     for name, path in written.items():
@@ -473,34 +665,60 @@ def report(
 
 
 # --------------------------------------------------------------------------------------------
-# demo  (owned by offline_rec/demo.py)
+# demo  (owned by offline_rec/demo/pipeline.py)
 
 
 @app.command()
 def demo(
-    out: Path = typer.Option(Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json."),
+    out: Path = typer.Option(
+        Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json."
+    ),
     algorithm: str = typer.Option("rec-oneside-nois", "--algorithm", help="Loss preset to train with."),
     wide_clip: bool = typer.Option(False, "--wide-clip", help="The paper's wide clip: eps_low 0.6, eps_high 2.0."),
-    backend: str = typer.Option("hf", "--backend", help="Sampling backend: hf (fastest for this tiny model on a CPU) or vllm."),
-    num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Train prompts sampled (default 2048; 64 with --quick)."),
-    epochs: Optional[int] = typer.Option(None, "--epochs", help="Passes over the fixed dataset (default 3; 2 with --quick)."),
-    eval_prompts: Optional[int] = typer.Option(None, "--eval-prompts", help="Held-out test prompts (default 512; 64 with --quick)."),
+    backend: str = typer.Option(
+        "hf", "--backend", help="Sampling backend: hf (fastest for this tiny model on a CPU) or vllm."
+    ),
+    num_prompts: int | None = typer.Option(
+        None, "--num-prompts", help="Train prompts sampled (default 2048; 64 with --quick)."
+    ),
+    epochs: int | None = typer.Option(
+        None, "--epochs", help="Passes over the fixed dataset (default 3; 2 with --quick)."
+    ),
+    eval_prompts: int | None = typer.Option(
+        None, "--eval-prompts", help="Held-out test prompts (default 512; 64 with --quick)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seeds the train prompts, the sampling and the shuffle."),
-    model: Optional[str] = typer.Option(None, "--model", help="Behavior policy folder (default: the shipped demo policy)."),
-    quick: bool = typer.Option(False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute."),
+    model: str | None = typer.Option(
+        None, "--model", help="Behavior policy folder (default: the shipped demo policy)."
+    ),
+    quick: bool = typer.Option(
+        False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier demo's outputs in --out."),
-    threads: int = typer.Option(1, "--threads", help="torch CPU threads (1 is fastest for this tiny model on a shared CPU)."),
+    threads: int = typer.Option(
+        1, "--threads", help="torch CPU threads (1 is fastest for this tiny model on a shared CPU)."
+    ),
 ) -> None:
     """Collect, validate, train offline, evaluate and report on a tiny arith policy: the whole pipeline on a CPU."""
-    from offline_rec.demo import run_demo
+    from offline_rec.demo.pipeline import run_demo
 
     given = dict(num_prompts=num_prompts, epochs=epochs, eval_prompts=eval_prompts)
-    summary = run_demo(out, model=model, quick=quick, overwrite=overwrite, threads=threads, algorithm=algorithm,
-                       wide_clip=wide_clip, backend=backend, seed=seed, **{k: v for k, v in given.items() if v is not None})
+    summary = run_demo(
+        out,
+        model=model,
+        quick=quick,
+        overwrite=overwrite,
+        threads=threads,
+        algorithm=algorithm,
+        wide_clip=wide_clip,
+        backend=backend,
+        seed=seed,
+        **{k: v for k, v in given.items() if v is not None},
+    )
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Console entry point: runs the app, turning UserError into one line on stderr and exit 2."""
     try:
         app(args=argv, prog_name="offline-rec")

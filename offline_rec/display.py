@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from offline_rec.validate import ERROR, Report
+from offline_rec.data.validate import ERROR, Report
 
 
 def print_validation(console: Console, report: Report) -> None:
@@ -76,7 +76,9 @@ def print_description(console: Console, stats: dict) -> None:
             table.add_column("")
             peak = max(b["count"] for b in reward["histogram"]) or 1
             for b in reward["histogram"]:
-                table.add_row(f"[{b['low']:.3g}, {b['high']:.3g}]", str(b["count"]), "#" * round(30 * b["count"] / peak))
+                table.add_row(
+                    f"[{b['low']:.3g}, {b['high']:.3g}]", str(b["count"]), "#" * round(30 * b["count"] / peak)
+                )
             console.print(table)
     behavior = stats.get("behavior") or {}
     flat = {k: v for k, v in behavior.items() if k != "sampling"}

@@ -31,7 +31,9 @@ def one_of(kind: str, value: str, valid) -> UserError:
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
-def disk_full(error: BaseException, writing: object, hint: str = "free space and run the command again") -> UserError | None:
+def disk_full(
+    error: BaseException, writing: object, hint: str = "free space and run the command again"
+) -> UserError | None:
     """The one-line UserError for an OSError that means "disk full" while writing `writing`; None for any other error."""
     if not isinstance(error, OSError) or error.errno not in DISK_FULL_ERRNOS:
         return None

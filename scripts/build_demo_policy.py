@@ -1,6 +1,6 @@
-"""Build the demo's behavior policy (offline_rec.demo_policy) into a folder and print its held-out stats.
+"""Build the demo's behavior policy (offline_rec.demo.policy) into a folder and print its held-out stats.
 
-    python scripts/build_demo_policy.py --out data/demo-policy --threads 1   # the shipped model
+    python scripts/build_demo_policy.py --out offline_rec/demo/arith_policy --threads 1   # the shipped model
     python scripts/build_demo_policy.py --out /tmp/policy --steps 30        # a quick smoke build
 
 The full build takes ~2 min on an idle 2-core machine; on a busy one, --threads 1 is much faster
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from offline_rec.demo_policy import DemoRecipe, build_demo_policy
+from offline_rec.demo.policy import DemoRecipe, build_demo_policy
 
 
 def main(argv: list[str] | None = None) -> dict:

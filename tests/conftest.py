@@ -21,11 +21,11 @@ def vllm_tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def vllm_engine(vllm_tiny_model):
     """A vLLM `LLM` over `vllm_tiny_model` in float32, returning processed log-probs."""
-    from offline_rec.backends import vllm_import_error
+    from offline_rec.rollout.backends import vllm_import_error
 
     reason = vllm_import_error()
     if reason is not None:
         pytest.skip(f"vLLM cannot be imported: {reason}")
-    from offline_rec.backends.vllm import make_engine
+    from offline_rec.rollout.backends.vllm import make_engine
 
     return make_engine(vllm_tiny_model, dtype="float32", seed=0)

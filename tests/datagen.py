@@ -13,14 +13,14 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
-from offline_rec.dataset import DatasetWriter, completion_token_count, make_row, sha256_file
+from offline_rec.data.dataset import DatasetWriter, completion_token_count, make_row, sha256_file
 
 Nested = Sequence[Sequence]  # one inner sequence per group, one value per response
 
@@ -93,7 +93,9 @@ def make_rows(
     return groups
 
 
-def write_dataset(path: str | os.PathLike, groups: Sequence[list[dict]], *, groups_per_shard: int = 2, **writer_options) -> Path:
+def write_dataset(
+    path: str | os.PathLike, groups: Sequence[list[dict]], *, groups_per_shard: int = 2, **writer_options
+) -> Path:
     """Write `groups` as a complete dataset at `path` (`groups_per_shard` groups per shard); returns the path.
 
     `writer_options` go to `DatasetWriter` (behavior, task, source, atomic, overwrite, ...).
@@ -118,7 +120,9 @@ def write_raw_dataset(path: str | os.PathLike, shards: Sequence[list[dict] | pa.
         relative = f"{S.DATA_DIR}/{S.SHARD_PATTERN.format(index=index)}"
         pq.write_table(table, writer.path / relative)
         group_ids = table.column(S.GROUP_ID).to_pylist() if S.GROUP_ID in table.column_names else []
-        has_tokens = S.COMPLETION_IDS in table.column_names and pa.types.is_list(table.schema.field(S.COMPLETION_IDS).type)
+        has_tokens = S.COMPLETION_IDS in table.column_names and pa.types.is_list(
+            table.schema.field(S.COMPLETION_IDS).type
+        )
         writer.manifest[S.M_SHARDS].append({
             "path": relative,
             "rows": table.num_rows,

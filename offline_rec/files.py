@@ -1,0 +1,111 @@
+"""Small file helpers shared by every layer: atomic writes, sha256, timestamps, one-shot writer folders.
+
+An atomic write goes to a hidden temporary file in the same folder, is fsynced and renamed over
+the target: a reader sees the old content or the new one, never a torn file, whatever kills the
+process in between.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import glob
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from offline_rec.errors import disk_full
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` so that readers see the old or the new content, never a mix."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        Path(tmp).unlink(missing_ok=True)
+        full = disk_full(e, path, f"{path.name} is unchanged; free space and run the command again")
+        if full is not None:
+            raise full from None
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def partial_prefix(final_path: Path, pid: int | None = None) -> str:
+    """Name prefix of a one-shot writer's hidden folder: `.OUT.partial-HOST-PID-` (tempfile adds a random end).
+
+    HOST is 8 hex digits of the sha256 of the host name and the PID namespace: fixed length, so
+    that no host's prefix is another's (a raw "worker" would be a prefix of "worker-3"), and
+    distinct for containers that share a host name (host networking) but not their process ids.
+    """
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    host = hashlib.sha256(f"{platform.node()}\0{namespace}".encode()).hexdigest()[:8]
+    return f".{final_path.name}.partial-{host}-{os.getpid() if pid is None else pid}-"
+
+
+def remove_dead_partials(final_path: Path) -> list[Path]:
+    """Delete the hidden folders that killed one-shot writers of `final_path` left behind.
+
+    Only folders of this host (and PID namespace) whose process no longer exists: a writer still
+    running, here or on another machine or container sharing the folder, keeps its own. A leftover
+    whose process id has been reused stays. Returns what was removed.
+    """
+    removed = []
+    if os.name == "nt":  # os.kill(pid, 0) would terminate the process there, not probe it
+        return removed
+    mine = partial_prefix(final_path, pid=0)[:-len("0-")]  # `.OUT.partial-HOST-`
+    for candidate in final_path.parent.glob(f"{glob.escape(mine)}*"):
+        pid_text = candidate.name[len(mine):].split("-", 1)[0]
+        if candidate.is_dir() and pid_text.isdigit() and not _process_exists(int(pid_text)):
+            shutil.rmtree(candidate, ignore_errors=True)
+            removed.append(candidate)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True

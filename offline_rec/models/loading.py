@@ -1,0 +1,140 @@
+"""Load policies and tokenizers with clear errors, fingerprint a tokenizer by its content, check data against them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from offline_rec.errors import UserError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's content: vocabulary, merges, normalization, special tokens, chat template.
+
+    Saving and reloading the same tokenizer gives the same hash; file layout and JSON formatting
+    do not matter. Two datasets may be mixed, or a policy trained on a dataset, only when the
+    hashes agree.
+    """
+    content: dict = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special_tokens": sorted((k, str(v)) for k, v in (tokenizer.special_tokens_map or {}).items()),
+        "added_tokens": sorted((str(t), i) for t, i in (tokenizer.get_added_vocab() or {}).items()),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        model = spec.get("model") or {}
+        content["merges"] = model.get("merges")
+        content["model_type"] = model.get("type")
+        for part in ("normalizer", "pre_tokenizer", "post_processor", "decoder"):
+            content[part] = spec.get(part)
+    blob = json.dumps(content, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def _check_model_path(name_or_path: str) -> None:
+    """A local path must be a model folder; anything else is left to the Hub loader."""
+    p = Path(name_or_path).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise UserError(
+                f"model {name_or_path} has no config.json (a transformers model folder, e.g. made by save_pretrained, is expected)"
+            )
+    elif name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        raise UserError(f"model {name_or_path} does not exist")
+
+
+def load_tokenizer(name_or_path: str, model_folder: bool = True):
+    """AutoTokenizer with a pad token (EOS where it has none). `model_folder=False` accepts a local
+    folder without config.json (a LoRA checkpoint: adapter and tokenizer files only)."""
+    from transformers import AutoTokenizer
+
+    if model_folder:
+        _check_model_path(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a tokenizer from {name_or_path}: {str(e).splitlines()[0]}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def torch_dtype(name: str | None, model_path: str | None = None):
+    """torch dtype for `name`; "auto"/None means the checkpoint's saved dtype (float32 if unknown)."""
+    import torch
+
+    if name in (None, "auto"):
+        saved = None
+        if model_path and (Path(model_path) / "config.json").exists():
+            cfg = json.loads((Path(model_path) / "config.json").read_text())
+            saved = cfg.get("dtype") or cfg.get("torch_dtype")
+        name = saved or "float32"
+    if name not in DTYPES[1:]:
+        raise UserError(f"unknown dtype {name!r}; valid: {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+def load_model(name_or_path: str, dtype: str | None = "auto", device: str | None = None):
+    """AutoModelForCausalLM in `dtype` (default: the saved dtype), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    _check_model_path(name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype, name_or_path))
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load a causal LM from {name_or_path}: {str(e).splitlines()[0]}") from None
+    if device:
+        model.to(device)
+    model.eval()
+    return model
+
+
+def check_model_tokenizer(model, tokenizer, where: str = "") -> None:
+    """Refuse a tokenizer whose vocabulary does not fit the model's embedding matrix."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    if len(tokenizer) > vocab:
+        raise UserError(
+            f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: model and tokenizer do not match"
+        )
+
+
+def check_tokenizers(datasets, tokenizer, model: str) -> None:
+    """The datasets' recorded tokenizer hashes (manifest behavior.tokenizer_hash) must agree with the model's."""
+    recorded = {str(d.path): d.behavior.get("tokenizer_hash") for d in datasets}
+    recorded = {path: h for path, h in recorded.items() if h}
+    if not recorded:
+        return
+    mine = tokenizer_hash(tokenizer)
+    for path, digest in recorded.items():
+        if digest != mine:
+            raise UserError(f"dataset {path} was tokenized with another tokenizer than {model}'s "
+                            f"(tokenizer_hash {digest[:12]} != {mine[:12]}); train a policy with the same tokenizer")
+
+
+# Config attributes that hold a causal LM's context length, by architecture family.
+_CONTEXT_ATTRIBUTES = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+
+
+def model_context(name_or_path: str) -> int | None:
+    """The number of positions model `name_or_path` was built for (its config's max_position_embeddings
+    or equivalent), read from config.json alone; None when the config names none or cannot be read.
+
+    A longer sequence either crashes the forward (learned position embeddings) or is silently
+    extrapolated (rotary): commands that score logged rows refuse such rows up front.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        return None
+    for attribute in _CONTEXT_ATTRIBUTES:
+        value = getattr(config, attribute, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,0 +1,234 @@
+"""Training checkpoints: written atomically, found again on --resume (or by init_from), turned into the final model.
+
+A run directory holds::
+
+    RUN/
+      config.yaml            the resolved TrainConfig
+      holdout.json           held-out group ids and the dataset paths (for `eval --offline`)
+      metrics.jsonl          one JSON object per optimizer step
+      tb/                    TensorBoard events (if tensorboard is installed)
+      checkpoints/step-000010/
+        config.json, model.safetensors, generation_config.json     Hugging Face format
+          (LoRA: adapter_config.json + adapter_model.safetensors instead)
+        tokenizer files, with the chat template
+        trainer_state.json   the data cursor (step, epoch, position, shuffle seed), finished flag
+        trainer/             accelerate state: optimizer, lr scheduler, RNG states of every rank
+      final/                 the last weights, loadable by AutoModelForCausalLM and vLLM
+        adapter/             (LoRA) the adapter; final/ itself holds the merged model
+      summary.json
+
+A checkpoint is written into `checkpoints/.step-000010.tmp` and renamed when complete, so a
+crash (even kill -9) mid-write leaves only a hidden temporary directory, which `latest_checkpoint`
+never returns and `remove_partial` deletes. `final/` is built the same way.
+
+Model weights are saved once, in Hugging Face format: the accelerate state hooks drop them from
+`trainer/` and a resumed run loads them from the HF files (`load_policy` in train.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from offline_rec.data.dataset import atomic_write_json
+from offline_rec.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"
+FINAL_DIR = "final"
+ADAPTER_DIR = "adapter"
+TRAINER_STATE_FILE = "trainer_state.json"
+ACCELERATE_STATE_DIR = "trainer"
+CONFIG_FILE = "config.yaml"
+HOLDOUT_FILE = "holdout.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+TENSORBOARD_DIR = "tb"
+
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
+# Files of a checkpoint that are training state, not part of the model folder.
+_TRAINING_ONLY = (TRAINER_STATE_FILE, ACCELERATE_STATE_DIR)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """Complete checkpoints of a run as (step, path), oldest first."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _CHECKPOINT_NAME.match(path.name)
+        if match and (path / TRAINER_STATE_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    checkpoints = list_checkpoints(run_dir)
+    return checkpoints[-1][1] if checkpoints else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A complete checkpoint: `path` itself (RUN/checkpoints/step-N) or a run folder's latest one.
+
+    UserError for anything else, e.g. a `final/` folder, which holds weights but no optimizer state.
+    """
+    path = Path(path)
+    if (path / TRAINER_STATE_FILE).is_file() and (path / ACCELERATE_STATE_DIR).is_dir():
+        return path
+    latest = latest_checkpoint(path) if path.is_dir() else None
+    if latest is None:
+        raise UserError(f"{path} is neither a training run with checkpoints nor a {CHECKPOINTS_DIR}/step-N folder "
+                        f"(a {FINAL_DIR}/ folder has no optimizer state: start from it with --model instead)")
+    return latest
+
+
+def policy_version(trainer_state: dict) -> int:
+    """Updates the checkpoint's weights have had since the first run of their line (older checkpoints: their step)."""
+    return int(trainer_state.get("policy_version", trainer_state["step"]))
+
+
+def model_policy_version(model: str | os.PathLike) -> int:
+    """The policy version of a model folder: a checkpoint's trainer_state.json, or for RUN/final its
+    run's summary.json; 0 (the base policy) for anything else, a Hub id included."""
+    path = Path(model)
+    try:
+        if (path / TRAINER_STATE_FILE).is_file():
+            return policy_version(read_trainer_state(path))
+        if path.name == FINAL_DIR and (path.parent / SUMMARY_FILE).is_file():
+            summary = json.loads((path.parent / SUMMARY_FILE).read_text(encoding="utf-8"))
+            return int(summary.get("policy_version", summary.get("steps")) or 0)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return 0
+
+
+def read_trainer_state(checkpoint_dir: str | os.PathLike) -> dict:
+    return json.loads((Path(checkpoint_dir) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
+
+
+def remove_partial(run_dir: str | os.PathLike) -> None:
+    """Delete the temporary directories an interrupted save left behind."""
+    run_dir = Path(run_dir)
+    for parent in (run_dir, run_dir / CHECKPOINTS_DIR):
+        if parent.is_dir():
+            for path in parent.glob(".*.tmp"):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def register_state_hooks(accelerator) -> None:
+    """Keep model weights out of accelerate's state: they are saved once, as the HF export."""
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: weights.clear())
+    accelerator.register_load_state_pre_hook(lambda models, input_dir: models.clear())
+
+
+def load_optimizer_state(accelerator, optimizer, scheduler, checkpoint_dir: str | os.PathLike) -> None:
+    """Continue AdamW from a checkpoint of another run: its moments and step counts, THIS run's settings.
+
+    accelerate restores optimizer, scheduler and RNG states together; the hyper-parameters of the
+    param groups (lr, betas, eps, weight decay) and the scheduler are put back to this run's after.
+    """
+    settings = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    schedule = scheduler.state_dict()
+    try:
+        accelerator.load_state(str(Path(checkpoint_dir) / ACCELERATE_STATE_DIR))
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise UserError(f"cannot continue the optimizer of {checkpoint_dir} ({e}); "
+                        "init_from needs a checkpoint of the same model with the same trainable parameters") from None
+    for group, own in zip(optimizer.param_groups, settings):
+        group.update(own)
+    scheduler.load_state_dict(schedule)
+
+
+def save_checkpoint(accelerator, scorer, tokenizer, run_dir, step: int, trainer_state: dict, keep_last: int) -> Path:
+    """Write checkpoints/step-NNNNNN atomically (every rank calls this); prune to the newest keep_last.
+
+    `scorer` is the prepared module whose `.policy` is the transformers (or peft) model.
+    """
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    final = root / checkpoint_name(step)
+    tmp = root / f".{checkpoint_name(step)}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    # Gathering the weights is a collective under FSDP / ZeRO-3: every rank takes part.
+    state_dict = accelerator.get_state_dict(scorer)
+    if accelerator.is_main_process:
+        policy = accelerator.unwrap_model(scorer).policy
+        prefix = "policy."
+        policy.save_pretrained(
+            tmp, state_dict={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
+            safe_serialization=True,
+        )
+        tokenizer.save_pretrained(tmp)
+    accelerator.save_state(str(tmp / ACCELERATE_STATE_DIR))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        # Written last: its presence is what makes the directory a checkpoint.
+        atomic_write_json(tmp / TRAINER_STATE_FILE, trainer_state)
+        if final.exists():  # a re-save of the same step (e.g. the end of a resumed, finished run)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        prune_checkpoints(run_dir, keep_last)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def prune_checkpoints(run_dir, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all)."""
+    if keep_last <= 0:
+        return
+    for _, path in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def export_final(checkpoint_dir: str | os.PathLike, run_dir: str | os.PathLike, base_model: str, dtype: str,
+                 summary: dict) -> Path:
+    """Build RUN/final from a checkpoint: the HF model folder (LoRA: merged into the base, with the
+    adapter in final/adapter), then summary.json; both appear atomically. Main process only."""
+    checkpoint_dir, run_dir = Path(checkpoint_dir), Path(run_dir)
+    final = run_dir / FINAL_DIR
+    tmp = run_dir / f".{FINAL_DIR}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model_files = [p for p in checkpoint_dir.iterdir() if p.name not in _TRAINING_ONLY]
+    if (checkpoint_dir / "adapter_config.json").is_file():
+        merged = merge_adapter(base_model, checkpoint_dir, dtype)
+        merged.save_pretrained(tmp, safe_serialization=True)
+        (tmp / ADAPTER_DIR).mkdir()
+        for path in model_files:
+            _copy(path, tmp / ADAPTER_DIR / path.name)
+            if not path.name.startswith("adapter_"):  # tokenizer files go next to the merged model too
+                _copy(path, tmp / path.name)
+    else:
+        tmp.mkdir()
+        for path in model_files:
+            _copy(path, tmp / path.name)
+    atomic_write_json(run_dir / SUMMARY_FILE, summary)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def merge_adapter(base_model: str, adapter_dir: str | os.PathLike, dtype: str = "auto"):
+    """A fresh copy of the base model (in `dtype`) with the LoRA adapter merged in: a plain transformers model."""
+    from peft import PeftModel
+
+    from offline_rec.models.loading import load_model
+
+    base = load_model(base_model, dtype=dtype, device="cpu")
+    return PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+
+
+def _copy(source: Path, destination: Path) -> None:
+    if source.is_dir():
+        shutil.copytree(source, destination)
+    else:
+        shutil.copy2(source, destination)

@@ -1,0 +1,381 @@
+"""The training configuration: one dataclass, YAML files and `--set key=value` overrides.
+
+Every option of `offline-rec train` is a field of `TrainConfig` and a key of its YAML files; the
+one-line `help` of each field is what `offline-rec train --list-options` prints. A configuration
+is assembled in layers, each overriding the one before:
+
+    1. the field defaults below
+    2. the YAML file given with --config (or, with --resume, the run's saved config.yaml)
+    3. the named command-line options (--data, --model, --lr, ...)
+    4. `--set key=value` overrides, in the order given
+
+Values are coerced to the field's type (a --set value is read as YAML: `--set betas=[0.9,0.95]`,
+`--set truncate=true`). Algorithm hyper-parameters go into `algorithm_overrides`, either as a
+YAML mapping (`algorithm_overrides: {eps_low: 0.6, eps_high: 2.0}`) or with the `algorithm.`
+prefix (`--set algorithm.eps_high=2.0`); they are merged over the preset's defaults by
+`offline_rec.algorithms.get_algorithm`. An unknown key is refused with the list of valid keys
+and the closest match.
+
+No torch here: the CLI imports this module to list and check options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from offline_rec.errors import UserError
+
+ALGORITHM_PREFIX = "algorithm."
+LR_SCHEDULES = ("constant", "cosine")
+MIXED_PRECISIONS = ("no", "bf16")
+MODEL_DTYPES = ("float32", "bfloat16")
+REPORTERS = ("tensorboard", "wandb")
+
+# Keys that may differ between a run's saved config and the command that resumes it: they
+# change how long the run goes and what it logs, not the trajectory of the steps already taken.
+RESUMABLE_CHANGES = frozenset(
+    {"resume", "epochs", "max_steps", "save_every", "keep_last", "report_to", "wandb_project",
+     "progress", "eval_every", "eval_task", "push_to_hub", "reader_cache_dir"}
+)
+
+
+def _option(default, help: str):
+    """A dataclass field with its help line (mutable defaults are copied per instance)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything `offline-rec train` needs. Validated on construction (UserError)."""
+
+    # -- what to train on, what to train, where to write
+    data: list[str] = _option([], "dataset directories to train on (repeat --data; tokenizers must agree)")
+    model: str = _option("", "policy to start from: a local transformers model folder or a Hub model id")
+    algorithm: str = _option(
+        "", "loss preset, e.g. rec-oneside-nois, grpo, opmd (see offline_rec.algorithms.ALGORITHMS)"
+    )
+    algorithm_overrides: dict = _option(
+        {}, "preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6"
+    )
+    out: str = _option("", "run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json")
+    resume: bool = _option(
+        False, "continue the run in `out` from its latest checkpoint (starts fresh if there is none)"
+    )
+    init_from: str | None = _option(
+        None,
+        "continue an earlier run on THIS data: its checkpoint (RUN or RUN/checkpoints/step-N) "
+        "gives the weights, AdamW moments and policy version; schedule and data order start fresh",
+    )
+
+    # -- data
+    prompts_per_step: int = _option(
+        32, "whole groups (prompts) per optimizer step; the last step of an epoch may have fewer"
+    )
+    epochs: int = _option(1, "passes over the training groups (ignored when max_steps > 0)")
+    max_steps: int = _option(0, "if > 0: train exactly this many optimizer steps, cycling epochs as needed")
+    micro_batch_tokens: int = _option(
+        8192, "token budget of one forward/backward, padding included (sequences x longest)"
+    )
+    max_length: int = _option(2048, "longest prompt+completion in tokens; longer rows are refused unless truncate")
+    truncate: bool = _option(False, "cut rows longer than max_length (completion tail dropped, with a warning)")
+    holdout: float = _option(
+        0.0, "fraction of groups kept out of training, chosen by a hash of group_id (holdout.json)"
+    )
+    shuffle: bool = _option(True, "shuffle groups each epoch (seeded by seed and epoch)")
+    seed: int = _option(0, "seed of the shuffle, RED-Drop's random drops and torch")
+    reader_cache_dir: str | None = _option(None, "directory of the decoded, memory-mapped copy of the token columns "
+                                                 "steps are read from (~9 bytes/token, deleted at exit; null: $TMPDIR)")
+
+    # -- optimizer
+    lr: float = _option(1e-6, "AdamW learning rate (peak, after warmup)")
+    weight_decay: float = _option(0.01, "AdamW decoupled weight decay")
+    betas: list[float] = _option([0.9, 0.999], "AdamW betas")
+    adam_eps: float = _option(1e-8, "AdamW epsilon")
+    lr_schedule: str = _option("constant", "learning-rate schedule after warmup: constant | cosine")
+    warmup_steps: int = _option(0, "linear warmup from 0 to lr over this many steps")
+    min_lr_ratio: float = _option(0.0, "cosine schedule: final lr as a fraction of lr")
+    max_grad_norm: float = _option(1.0, "clip the global gradient norm to this (0 = no clipping, norm still logged)")
+
+    # -- model
+    model_dtype: str = _option("float32", "dtype the weights are loaded and kept in: float32 | bfloat16")
+    mixed_precision: str = _option("no", "autocast for the forward/backward: no | bf16 (GPU)")
+    gradient_checkpointing: bool = _option(False, "recompute activations in backward to save memory")
+    temperature: float = _option(
+        1.0, "policy log-probs are of softmax(logits / temperature): use the sampling temperature"
+    )
+    logprob_chunk_size: int = _option(1024, "rows of the lm_head computed at a time for per-token log-probs")
+    kl_to_initial: float = _option(0.0, "coefficient of a k3 KL penalty to the initial policy (0 = off)")
+    lora_r: int = _option(0, "LoRA rank (0 = full fine-tuning); needs peft")
+    lora_alpha: float = _option(16.0, "LoRA alpha")
+    lora_dropout: float = _option(0.0, "LoRA dropout")
+    lora_target_modules: list[str] = _option(
+        ["all-linear"], "modules that get LoRA adapters (all-linear, or names like q_proj)"
+    )
+    cpu: bool = _option(False, "train on the CPU even when a GPU is present")
+
+    # -- checkpoints and logs
+    save_every: int = _option(50, "save a checkpoint every this many steps (0 = only at the end)")
+    keep_last: int = _option(3, "keep only the newest N step checkpoints (0 = keep all)")
+    report_to: list[str] = _option(["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb (or [])")
+    wandb_project: str = _option("offline-rec", "wandb project, with report_to: [wandb]")
+    progress: bool = _option(True, "show a progress bar")
+    eval_every: int = _option(0, "evaluate a checkpoint every this many steps (0 = off); needs eval_task")
+    eval_task: str | None = _option(None, "task evaluated with eval_every")
+    # The eval_* settings below are passed to offline_rec.eval.rollouts; null = its default.
+    eval_prompts: str | None = _option(None, "evaluation prompts file (null: the task's own prompts)")
+    eval_split: str | None = _option(None, "split of the task's prompts to evaluate on")
+    eval_num_prompts: int | None = _option(None, "number of evaluation prompts")
+    eval_num_samples: int | None = _option(None, "samples per evaluation prompt")
+    eval_max_new_tokens: int | None = _option(None, "longest sampled evaluation response")
+    eval_temperature: float | None = _option(None, "evaluation sampling temperature")
+    eval_backend: str | None = _option(None, "evaluation sampler: hf or vllm (null: vllm when installed)")
+    push_to_hub: str | None = _option(None, "Hub repo id the final model is pushed to at the end")
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, coerce(field.name, _field_types()[field.name], getattr(self, field.name)))
+        self.algorithm_overrides = dict(self.algorithm_overrides)
+        self.data = [str(p) for p in self.data]
+        for name in ("data", "model", "algorithm", "out"):
+            if not getattr(self, name):
+                raise UserError(f"{name} is required (--{name} or `{name}:` in the config file)")
+        # An unknown preset or preset field is refused here, with the valid choices.
+        from offline_rec.algorithms import get_algorithm
+
+        get_algorithm(self.algorithm, **self.algorithm_overrides)
+        for name in ("prompts_per_step", "epochs", "micro_batch_tokens", "max_length", "logprob_chunk_size"):
+            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "lora_r"):
+            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "weight_decay", "adam_eps", "max_grad_norm", "kl_to_initial", "lora_alpha"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value}")
+        _require(0.0 <= self.holdout < 1.0, f"holdout is a fraction in [0, 1), got {self.holdout}")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(0.0 <= self.lora_dropout < 1.0, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _require(
+            self.temperature > 0 and math.isfinite(self.temperature), f"temperature must be > 0, got {self.temperature}"
+        )
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"betas must be two numbers in [0, 1), got {self.betas}")
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _choice("model_dtype", self.model_dtype, MODEL_DTYPES)
+        for reporter in self.report_to:
+            _choice("report_to entry", reporter, REPORTERS)
+        _require(not (self.eval_every and not self.eval_task), "eval_every > 0 needs eval_task")
+        _require(bool(self.lora_target_modules), "lora_target_modules must name at least one module")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
+
+
+def _choice(name: str, value: str, valid) -> None:
+    _require(value in valid, f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+# --------------------------------------------------------------------------------------------
+# field types and coercion
+
+
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def option_help() -> list[tuple[str, str, Any, str]]:
+    """(key, type name, default, help) for every option, in declaration order."""
+    types = _field_types()
+    rows = []
+    for field in dataclasses.fields(TrainConfig):
+        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
+        rows.append((field.name, _type_name(types[field.name]), default, field.metadata["help"]))
+    return rows
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(kind))
+    if typing.get_origin(kind) is not None:
+        return f"{typing.get_origin(kind).__name__}[{', '.join(_type_name(a) for a in typing.get_args(kind))}]"
+    return "null" if kind is type(None) else kind.__name__
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def coerce(name: str, kind, value):
+    """`value` converted to the field type `kind`; strings from a command line are accepted."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "")):
+            return None
+        return coerce(name, next(a for a in args if a is not type(None)), value)
+    origin = typing.get_origin(kind)
+    if origin is list:
+        if isinstance(value, str):
+            value = _parse_value(value) if value.strip().startswith("[") else [v for v in value.split(",") if v.strip()]
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            value = [value]
+        return [coerce(name, args[0], v) for v in value]
+    if kind is dict or origin is dict:
+        if isinstance(value, str):
+            value = _parse_value(value)
+        if not isinstance(value, dict):
+            raise UserError(f"{name} expects a mapping like {{key: value}}, got {value!r}")
+        return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() in _TRUE:
+            return True
+        if str(value).strip().lower() in _FALSE:
+            return False
+        raise UserError(f"{name} expects true/false, got {value!r}")
+    if kind is int:
+        if isinstance(value, bool):
+            raise UserError(f"{name} expects an integer, got {value!r}")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{name} expects an integer, got {value!r}") from None
+        if not number.is_integer():
+            raise UserError(f"{name} expects an integer, got {value!r}")
+        return int(number)
+    if kind is float:
+        if isinstance(value, bool):
+            raise UserError(f"{name} expects a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{name} expects a number, got {value!r}") from None
+    if kind is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise UserError(f"{name} expects a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"no coercion for {name}: {kind}")
+
+
+def _parse_value(text: str):
+    """A --set value read as YAML (numbers, booleans, lists, mappings); plain text stays a string."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+# --------------------------------------------------------------------------------------------
+# layers: YAML, options, --set
+
+
+def check_keys(keys, where: str) -> None:
+    """UserError for the first key that is not an option, with the valid keys and a suggestion."""
+    valid = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in keys:
+        if key not in valid:
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"unknown option {key!r} in {where}{hint}; valid: {', '.join(valid)}")
+
+
+def load_yaml(path: str | Path) -> dict:
+    """The mapping in a YAML config file (UserError if missing or not a mapping)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise UserError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"config file {path} must hold a mapping of option: value")
+    check_keys(loaded, str(path))
+    return loaded
+
+
+def parse_sets(assignments) -> dict:
+    """`["lr=1e-5", "algorithm.eps_high=2.0"]` as a layer: {"lr": "1e-5", "algorithm_overrides": {...}}."""
+    layer: dict = {}
+    for item in assignments or ():
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--set expects key=value, got {item!r}")
+        if key.startswith(ALGORITHM_PREFIX):
+            layer.setdefault("algorithm_overrides", {})[key[len(ALGORITHM_PREFIX):]] = _parse_value(text)
+            continue
+        check_keys([key], "--set")
+        layer[key] = text if _field_types()[key] is str else _parse_value(text)
+    return layer
+
+
+def merge_layers(*layers: dict) -> dict:
+    """Later layers win; algorithm_overrides mappings are merged key by key."""
+    merged: dict = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key == "algorithm_overrides" and isinstance(value, dict):
+                merged[key] = {**merged.get(key, {}), **value}
+            else:
+                merged[key] = value
+    return merged
+
+
+def build_config(config_file: str | Path | None = None, options: dict | None = None, sets=()) -> TrainConfig:
+    """The TrainConfig from the layers: defaults, YAML file, named options, --set overrides.
+
+    `options` holds only the options actually given (None values are ignored). With
+    `resume: true` and an existing RUN/config.yaml, the saved config is the base instead of
+    the defaults, and the layers may change only RESUMABLE_CHANGES keys (UserError otherwise).
+    """
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    check_keys(options, "the command line")
+    file_layer = load_yaml(config_file) if config_file else {}
+    layers = [file_layer, options, parse_sets(sets)]
+    merged = merge_layers(*layers)
+    saved_path = Path(merged["out"]) / "config.yaml" if merged.get("out") else None
+    if merged.get("resume") and saved_path is not None and saved_path.is_file():
+        saved = load_yaml(saved_path)
+        config = TrainConfig(**merge_layers(saved, merged))
+        before = TrainConfig(**{**saved, "resume": True}).to_dict()
+        changed = sorted(k for k, v in config.to_dict().items() if before[k] != v and k not in RESUMABLE_CHANGES)
+        if changed:
+            raise UserError(
+                f"--resume cannot change {', '.join(changed)} of the run in {merged['out']} "
+                f"(saved in {saved_path}); start a new run with another --out"
+            )
+        return config
+    return TrainConfig(**merged)
+
+
+def config_to_yaml(config: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None)
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    """The resolved config as YAML (written atomically); `--config` on it reproduces the run."""
+    from offline_rec.files import atomic_write_text
+    atomic_write_text(path, config_to_yaml(config))

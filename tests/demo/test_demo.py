@@ -1,0 +1,259 @@
+"""`offline-rec demo` and the paper-in-miniature benchmark, end to end at toy sizes.
+
+The behavior policy is a random tiny char-level Llama (no warm-up), so accuracies are near 0: these
+tests check that every stage runs and leaves the outputs it promises, not that learning happens
+(docs/paper.md and the demo's own run report that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from cli_support import run_cli
+from paths import REPO
+
+from offline_rec.errors import UserError
+
+# 8 train prompts, 4 per step, 1 epoch: 8 / 4 = 2 optimizer steps; a checkpoint every epoch = every 2 steps.
+TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, prompts_per_step=4, batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tmp_path_factory) -> str:
+    from offline_rec.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("policy") / "model")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory, tiny_policy):
+    from offline_rec.demo.pipeline import run_demo
+
+    out = tmp_path_factory.mktemp("demo") / "out"
+    summary = run_demo(out, model=tiny_policy, progress=False, **TOY)
+    return out, summary
+
+
+@pytest.mark.slow  # the module-scoped demo run takes ~20 s on a 2-core machine
+def test_every_stage_leaves_its_output(demo):
+    from transformers import AutoModelForCausalLM
+
+    from offline_rec.data.validate import validate_dataset
+
+    out, summary = demo
+    assert validate_dataset(summary["paths"]["dataset"]).ok
+    manifest = json.loads((Path(summary["paths"]["dataset"]) / "manifest.json").read_text())
+    assert manifest["totals"]["groups"] == 8 and manifest["totals"]["rows"] == 8 * 4
+
+    run = Path(summary["paths"]["run"])
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    model = AutoModelForCausalLM.from_pretrained(summary["paths"]["final_model"])
+    assert model.config.vocab_size > 0
+
+    # step 0 is the "before" evaluation; then one point per saved checkpoint (every epoch = 2 steps)
+    assert [point["step"] for point in summary["curve"]] == [0, 2]
+    assert summary["curve"][0]["greedy_accuracy"] == summary["before"]["greedy_accuracy"]
+
+    for name in ("heldout.png", "training.png", "evals.png", "summary.md"):
+        assert (Path(summary["paths"]["report"]) / name).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_summary_json_has_the_promised_keys(demo):
+    out, returned = demo
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary == json.loads(json.dumps(returned))
+    assert summary["algorithm"] == "rec-oneside-nois" and summary["algorithm_overrides"] == {}
+    for side in ("before", "after"):
+        assert set(summary[side]) == {"greedy_accuracy", "accuracy", "pass@4"}
+        assert all(0.0 <= value <= 1.0 for value in summary[side].values())
+        # pass@K >= accuracy: a prompt whose K samples include a correct one counts 1 in pass@K
+        assert summary[side]["pass@4"] >= summary[side]["accuracy"]
+    assert summary["seconds"] > 0
+    assert set(summary["stage_seconds"]) == {"policy", "collect", "validate", "before", "train", "after", "report"}
+    assert summary["steps"] == 2
+
+
+@pytest.mark.slow
+def test_an_existing_output_is_refused_unless_it_is_a_demo_and_overwrite_is_given(demo, tmp_path, tiny_policy):
+    from offline_rec.demo.pipeline import run_demo
+
+    out, _ = demo
+    with pytest.raises(UserError, match="already exists"):
+        run_demo(out, model=tiny_policy, progress=False, **TOY)
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(UserError, match="not a folder an earlier demo wrote"):
+        run_demo(foreign, model=tiny_policy, overwrite=True, progress=False, **TOY)
+    assert (foreign / "notes.txt").read_text() == "keep me"
+
+
+def test_bad_settings_fail_before_anything_is_written(tmp_path):
+    from offline_rec.demo.pipeline import run_demo
+
+    for bad in (dict(epochs=0), dict(num_samples=1), dict(backend="tpu"), dict(algorithm="ppo")):
+        with pytest.raises(UserError):
+            run_demo(tmp_path / "out", model="unused", progress=False, **bad)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    import offline_rec.demo.pipeline.policy as demo_policy
+    from offline_rec.demo.pipeline import demo_policy_cache, ensure_demo_policy
+
+    def missing():
+        raise UserError("the demo policy is missing")
+
+    monkeypatch.setattr(demo_policy, "demo_policy_path", missing)
+    monkeypatch.setenv("OFFLINE_REC_CACHE", str(tmp_path / "cache"))
+    tiny_recipe = dict(steps=1, batch_size=4, eval_prompts=4, eval_samples=2, hidden_size=64, num_heads=2,
+                       num_layers=1, intermediate_size=64)
+    path = ensure_demo_policy(progress=False, **tiny_recipe)
+    assert path == str(tmp_path / "cache" / "demo-policy") == str(demo_policy_cache())
+    assert (Path(path) / "config.json").is_file() and (Path(path) / "build_info.json").is_file()
+    assert not (tmp_path / "cache" / "demo-policy.partial").exists()
+
+    def no_second_build(*args, **kwargs):
+        raise AssertionError("the cached policy must be reused")
+
+    monkeypatch.setattr(demo_policy, "build_demo_policy", no_second_build)
+    assert ensure_demo_policy(progress=False) == path
+
+
+def run_demo_cli(capsys, *argv) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of `offline-rec ARGV` run in this process through the entry point."""
+    code, out, err = run_cli(capsys, *argv)
+    return code, out + err
+
+
+@pytest.mark.slow
+def test_demo_command_runs_a_quick_demo(tmp_path, tiny_policy, capsys):
+    out = tmp_path / "cli-demo"
+    # --quick takes 4 samples per prompt; 8 prompts, 1 epoch of 32-prompt steps: a single step.
+    args = ["demo", "--out", str(out), "--model", tiny_policy, "--quick", "--num-prompts", "8", "--epochs", "1",
+            "--eval-prompts", "8", "--wide-clip"]
+    code, output = run_demo_cli(capsys, *args)
+    assert code == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["settings"]["num_samples"] == 4
+    assert summary["algorithm_overrides"] == {"eps_low": 0.6, "eps_high": 2.0}
+    assert "pass@4" in summary["after"]
+    code, output = run_demo_cli(capsys, *args)
+    assert code == 2 and "--overwrite" in output
+    assert run_demo_cli(capsys, *args, "--overwrite")[0] == 0
+
+
+def test_demo_command_is_listed():
+    from typer.testing import CliRunner
+
+    from offline_rec.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--help"])
+    assert result.exit_code == 0
+    for option in ("--out", "--backend", "--algorithm", "--wide-clip", "--quick", "--epochs"):
+        assert option in result.output
+
+
+# --------------------------------------------------------------------------------------------
+# benchmarks/paper.py
+
+
+def _paper():
+    spec = importlib.util.spec_from_file_location("paper_benchmark", REPO / "benchmarks" / "paper.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_regimes_follow_the_scale():
+    paper = _paper()
+    scale = paper.Scale()  # 640 prompts / 32 per step = a pass of 20 steps
+    assert scale.pass_steps == 20
+    assert paper.make_regime("stale", scale).interval == 20
+    assert (paper.make_regime("lagged", scale).interval, paper.make_regime("lagged", scale).offset) == (1, 10)
+    assert paper.make_regime("offline", scale).interval is None
+    assert paper.VARIANTS[paper.WIDE] == ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 2.0})
+
+
+def test_aggregate_worked_by_hand():
+    paper = _paper()
+
+    def curve(*values):
+        return [{"step": 10 * i, "greedy_accuracy": v, "accuracy": v / 2} for i, v in enumerate(values)]
+
+    results = [
+        {
+            "variant": "reinforce",
+            "regime": "offline",
+            "seed": 0,
+            "curve": curve(0.4, 0.7, 0.5),
+            "train": {},
+            "seconds": 60,
+        },
+        {
+            "variant": "reinforce",
+            "regime": "offline",
+            "seed": 1,
+            "curve": curve(0.4, 0.5, 0.5),
+            "train": {},
+            "seconds": 60,
+        },
+    ]
+    (row,) = paper.aggregate(results, threshold=0.6)
+    assert row["final"] == pytest.approx(0.5)  # (0.5 + 0.5) / 2
+    assert row["best"] == pytest.approx(0.6)  # (0.7 + 0.5) / 2
+    assert row["drop"] == pytest.approx(0.1)  # ((0.7 - 0.5) + (0.5 - 0.5)) / 2
+    assert (row["reached"], row["steps_to_threshold"]) == (1, 10)  # only seed 0 reaches 0.6, at step 10
+    assert row["final_t1"] == pytest.approx(0.25)
+    assert row["minutes"] == pytest.approx(2.0)
+
+
+@pytest.mark.slow  # 5-15 s: 6 short trainings, 6 collections, 5 evaluations of a random tiny model
+def test_paper_grid_smoke(tmp_path, tiny_policy):
+    paper = _paper()
+    # 8 prompts / 4 per step: a pass is 2 steps; 4 steps = 2 passes; lag 1 for the lagged regime.
+    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1)
+    outcome = paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale", "lagged"], [0], scale,
+                             policy=tiny_policy, log=lambda message: None)
+    results = [json.loads(line) for line in (tmp_path / "paper" / "results.jsonl").read_text().splitlines()]
+    assert [(r["regime"], [p["step"] for p in r["curve"]]) for r in results] == [("stale", [0, 2, 4]),
+                                                                                ("lagged", [0, 2, 4])]
+    stale, lagged = results
+    assert stale["train"]["steps"] == lagged["train"]["steps"] == 4
+    # stale (k=2, d=0): data re-collected at steps 0 and 2 from the current policy: ages 0,1,0,1
+    assert stale["train"]["staleness_mean"] == pytest.approx(0.5)
+    # lagged (k=1, d=1): step t trains on data of the policy after step max(0, t-1): ages 0,1,1,1
+    assert lagged["train"]["staleness_mean"] == pytest.approx(0.75)
+    assert "| stale | reinforce | 1 |" in outcome["table"]
+    assert (tmp_path / "paper" / "curves.png").stat().st_size > 0
+    # a rerun finds both runs done and runs nothing
+    again = paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale", "lagged"], [0], scale, policy=tiny_policy,
+                           log=lambda message: None)
+    assert again["results"] == 2
+    assert len((tmp_path / "paper" / "results.jsonl").read_text().splitlines()) == 2
+    # The restarted segments of a run each began as version 0.
+    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
+    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [0, 1]
+
+
+@pytest.mark.slow
+def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_policy):
+    paper = _paper()
+    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1,
+                        optimizer="continue")
+    paper.run_grid(
+        tmp_path / "paper", ["reinforce"], ["stale"], [0], scale, policy=tiny_policy, log=lambda message: None
+    )
+    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
+    # The second segment continued the first one's run (init_from): its policy is 2 updates old.
+    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [2, 3]
+    restart = paper.Scale(**{**paper.asdict(scale), "optimizer": "restart"})
+    assert paper.read_results(tmp_path / "paper", restart) == []  # results of one choice never stand for the other
+    assert len(paper.read_results(tmp_path / "paper", scale)) == 1

