@@ -392,9 +392,10 @@ def train(
         holdout=holdout,
     )
     resolved = build_config(config, options, set_ or ())
+    from offline_rec.eval.hooks import training_hooks
     from offline_rec.training.loop import train as run_training
 
-    summary = run_training(resolved)
+    summary = run_training(resolved, training_hooks(resolved))
     if summary.get("already_finished"):
         return
     final = summary.get("final_metrics", {})

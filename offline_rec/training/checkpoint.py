@@ -33,8 +33,10 @@ import re
 import shutil
 from pathlib import Path
 
-from offline_rec.data.dataset import atomic_write_json
 from offline_rec.errors import UserError
+from offline_rec.files import atomic_write_json
+from offline_rec.training.batching import epoch_seed
+from offline_rec.training.config import save_config
 
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
@@ -232,3 +234,59 @@ def _copy(source: Path, destination: Path) -> None:
         shutil.copytree(source, destination)
     else:
         shutil.copy2(source, destination)
+
+
+def finished_summary(run_dir: Path) -> dict:
+    """A finished run resumed: nothing to do, nothing changed."""
+    path = run_dir / SUMMARY_FILE
+    summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"run_dir": str(run_dir)}
+    print(f"{run_dir} is finished ({run_dir / FINAL_DIR}); nothing to do")
+    return {**summary, "already_finished": True}
+
+
+def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: int = 0,
+                       init_from: str | None = None) -> dict:
+    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`),
+    and the policy version of the weights: `version_start` (that of `init_from`, the checkpoint this
+    run continued, if any) + steps_done."""
+    epoch, step_in_epoch = divmod(steps_done, schedule.steps_per_epoch)
+    return {
+        "step": steps_done,
+        "epoch": epoch,
+        "position": step_in_epoch * schedule.prompts_per_step,
+        "shuffle_seed": epoch_seed(schedule.seed, epoch),
+        "steps_per_epoch": schedule.steps_per_epoch,
+        "total_steps": schedule.total_steps,
+        "finished": steps_done >= schedule.total_steps,
+        "data_fingerprint": schedule.data_fingerprint,
+        "policy_version_start": version_start,
+        "policy_version": version_start + steps_done,
+        "init_from": init_from,
+        "metrics": metrics,
+    }
+
+
+def start_run_dir(run_dir: Path, config, datasets, index, schedule) -> None:
+    """Create RUN/ (main process): its config.yaml and holdout.json; leftovers of a killed save removed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_partial(run_dir)
+    save_config(config, run_dir / CONFIG_FILE)
+    atomic_write_json(run_dir / HOLDOUT_FILE, {
+        "fraction": config.holdout,
+        "rule": "sha256(group_id) read as a big-endian 64-bit fraction < fraction",
+        "data": list(config.data),  # as given (hf://datasets/... or local paths)
+        "datasets": [str(Path(d.path).resolve()) for d in datasets],
+        "group_ids": [index.group_ids[g] for g in schedule.holdout_groups],
+    })
+
+
+def policy_lineage(state: dict | None, init_from: Path | None) -> tuple[int, str | None]:
+    """(policy version the run started at, the checkpoint it continued) along a line of init_from runs.
+
+    Versions count updates (0 = the base model); a resumed run reads both from its own trainer state.
+    """
+    if state:
+        return state.get("policy_version_start", 0), state.get("init_from")
+    if init_from:
+        return policy_version(read_trainer_state(init_from)), str(init_from.resolve())
+    return 0, None
