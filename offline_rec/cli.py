@@ -121,6 +121,8 @@ def inspect(
     from offline_rec.data.inspect import describe_dataset
 
     stats = describe_dataset(dataset)
+    for warning in stats["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
     if as_json:
         _print_json(stats)
     else:

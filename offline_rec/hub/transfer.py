@@ -10,7 +10,8 @@ huggingface_hub (tests replace that class, nothing else). Around it:
   so a push retried after an interruption uploads only what is missing and completes.
 - `pull_dataset` downloads a snapshot into the Hub cache (or reads it from there, offline too),
   copies it into a hidden folder next to `--out`, validates the copy (schema and the sha256 of
-  every shard) and renames it into place: `--out` is either absent or a valid dataset.
+  every shard), makes its card pin the shards for `datasets` (`refresh_dataset_card`) and
+  renames it into place: `--out` is either absent or a valid dataset.
 - `resolve_dataset_path` turns `hf://datasets/ORG/NAME[@REVISION]` into a validated snapshot
   folder of the cache, so the trainer reads Hub datasets like local ones.
 - `push_model` publishes a `save_pretrained` checkpoint with a generated model card.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.card import render_dataset_card, render_model_card
+from offline_rec.data.card import refresh_dataset_card, render_dataset_card, render_model_card
 from offline_rec.data.dataset import read_manifest
 from offline_rec.data.locations import HF_DATASET_PREFIX, check_repo_id, parse_hub_dataset_path
 from offline_rec.errors import DataError, UserError
@@ -430,7 +431,10 @@ def pull_dataset(
     try:
         _copy_dataset_files(snapshot, partial)
         where = repo_id + (f"@{revision}" if revision else "")
-        _require_valid(partial, f"pulled {where}", f"nothing was kept; {_cache_fix(repo_id)}")
+        manifest = _require_valid(partial, f"pulled {where}", f"nothing was kept; {_cache_fix(repo_id)}")
+        # A card pushed by an older offline-rec (or edited on the Hub) would let `datasets` serve
+        # the local copy from another same-named folder's cache entry: it is made to pin the shards.
+        refresh_dataset_card(partial, manifest, repo_id)
         os.replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
