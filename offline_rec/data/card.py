@@ -42,7 +42,8 @@ CONTENT_ID_HEX_DIGITS = 16  # 64 bits: a collision between two datasets of one f
 
 LOGPROBS_MEANING = {
     S.LOGPROBS_SAMPLED: "the processed distribution actually sampled from (temperature, top-k and top-p applied)",
-    S.LOGPROBS_RAW: "the model's raw softmax, before temperature and truncation (the sampled distribution only at temperature 1 without top-k/top-p)",
+    S.LOGPROBS_RAW: "the model's raw softmax, before temperature and truncation "
+                    "(the sampled distribution only at temperature 1 without top-k/top-p)",
     S.LOGPROBS_RECOMPUTED: "recomputed after sampling by teacher-forcing a scoring model",
     "unknown": "not recorded: importance ratios computed from them may be biased",
 }
@@ -168,13 +169,15 @@ def _behavior_section(behavior: dict) -> str:
     sampling = behavior.get("sampling") or {}
     source = behavior.get("logprobs_source") or "unknown"
     lines = [
-        f"- model: {_show(behavior.get('model'))}, revision {_show(behavior.get('revision'))}, dtype {_show(behavior.get('dtype'))}",
+        f"- model: {_show(behavior.get('model'))}, revision {_show(behavior.get('revision'))}, "
+        f"dtype {_show(behavior.get('dtype'))}",
         f"- engine: {_show(behavior.get('engine'))}, version {_show(behavior.get('engine_version'))}",
         "- sampling: "
         + ", ".join(
             f"{k} {_show(sampling.get(k))}" for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
         ),
-        f"- `behavior_logprobs` are log-probabilities of: `{source}`, {LOGPROBS_MEANING.get(source, 'see the producer of the data')}",
+        f"- `behavior_logprobs` are log-probabilities of: `{source}`, "
+        f"{LOGPROBS_MEANING.get(source, 'see the producer of the data')}",
         f"- tokenizer hash: {_show(behavior.get('tokenizer_hash'))}",
     ]
     known = {"model", "revision", "dtype", "engine", "engine_version", "sampling", "logprobs_source", "tokenizer_hash"}
@@ -198,6 +201,8 @@ def render_dataset_card(manifest: dict, license: str | None = None, repo_id: str
         f"| `{n}` | {_feature_text(t)} | {'yes' if nullable else 'no'} | {meaning} |"
         for n, t, nullable, meaning in S.COLUMNS
     )
+    totals_row = " | ".join(str(n) for n in (totals.get("rows", 0), totals.get("groups", 0),
+                                             totals.get("completion_tokens", 0), len(manifest.get(S.M_SHARDS) or [])))
     stats = manifest.get(S.M_STATS) or {}
     stats_lines = "\n".join(f"- {key}: {_show(value)}" for key, value in stats.items()) or "- none recorded"
     body = f"""# Offline RL trajectories with behavior log-probabilities
@@ -216,7 +221,7 @@ this format). One row is one response; rows sharing `group_id` answer the same p
 
 | rows | groups | completion tokens | shards |
 |---|---|---|---|
-| {totals.get("rows", 0)} | {totals.get("groups", 0)} | {totals.get("completion_tokens", 0)} | {len(manifest.get(S.M_SHARDS) or [])} |
+| {totals_row} |
 
 Counters kept while producing it:
 {stats_lines}

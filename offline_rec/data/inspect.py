@@ -25,7 +25,7 @@ _FINITE_REWARD = "_finite_reward"
 
 
 def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD_BINS) -> list[dict]:
-    """Equal-width bins over [lo, hi] of the finite rewards, counted by a lazy query; a constant reward gives one bin."""
+    """Equal-width bins over [lo, hi] of the finite rewards, counted by a lazy query; a constant reward: one bin."""
     import polars as pl
 
     r = pl.col(_FINITE_REWARD)
@@ -58,7 +58,8 @@ def describe_dataset(path: str | Path) -> dict:
         # dataset and the command that locates the damage instead of a polars traceback.
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(
-            f"{path}: cannot read the dataset's shards ({first_line}); run `offline-rec validate {path}` to locate the damage"
+            f"{path}: cannot read the dataset's shards ({first_line}); "
+            f"run `offline-rec validate {path}` to locate the damage"
         ) from None
 
 
