@@ -18,6 +18,7 @@ from offline_rec import __version__
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.config import cli_options as eval_cli_options
+from offline_rec.preemption import Preempted
 
 app = typer.Typer(
     name="offline-rec",
@@ -677,6 +678,9 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, prog_name="offline-rec")
     except UserError as e:
         typer.echo(f"error: {e.message}", err=True)
+        sys.exit(e.exit_code)
+    except Preempted as e:
+        typer.echo(f"preempted: {e.message}", err=True)
         sys.exit(e.exit_code)
     except OSError as e:  # a full disk, wherever it strikes (checkpoints, rejects, summaries): one line too
         full = disk_full(e, e.filename or "the output")
