@@ -31,6 +31,7 @@ import typing
 from collections.abc import Hashable, Sequence
 
 from offline_rec import errors
+from offline_rec.coerce import coerce_scalar
 
 if typing.TYPE_CHECKING:
     import torch
@@ -167,38 +168,11 @@ def get_algorithm(name: str, **overrides) -> AlgorithmSpec:
     for field, value in overrides.items():
         if field not in field_types:
             raise errors.one_of("algorithm field", field, field_types)
-        coerced[field] = _coerce(field, field_types[field], value)
+        coerced[field] = coerce_scalar(f"algorithm field {field}", field_types[field], value)
     try:
         return dataclasses.replace(ALGORITHMS[name], **coerced)
     except ValueError as exc:
         raise errors.UserError(f"algorithm {name!r}: {exc}") from None
-
-
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-
-
-def _coerce(field: str, kind: type, value):
-    """`value` as a `kind` (str, float or bool), accepting the strings a CLI or YAML file gives."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise errors.UserError(f"algorithm field {field} expects true/false, got {value!r}")
-    if kind is float:
-        if isinstance(value, bool):
-            raise errors.UserError(f"algorithm field {field} expects a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise errors.UserError(f"algorithm field {field} expects a number, got {value!r}") from None
-    if not isinstance(value, str):
-        raise errors.UserError(f"algorithm field {field} expects a string, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------

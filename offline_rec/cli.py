@@ -130,9 +130,6 @@ def inspect(
 
 
 # --------------------------------------------------------------------------------------------
-
-
-# --------------------------------------------------------------------------------------------
 # import, filter, reward
 
 
@@ -392,9 +389,10 @@ def train(
         holdout=holdout,
     )
     resolved = build_config(config, options, set_ or ())
+    from offline_rec.eval.hooks import training_hooks
     from offline_rec.training.loop import train as run_training
 
-    summary = run_training(resolved)
+    summary = run_training(resolved, training_hooks(resolved))
     if summary.get("already_finished"):
         return
     final = summary.get("final_metrics", {})
@@ -403,8 +401,6 @@ def train(
 
 
 # --------------------------------------------------------------------------------------------
-
-
 # Hugging Face Hub: push, pull  (owned by offline_rec/hub/transfer.py)
 
 
@@ -537,9 +533,6 @@ def merge(
     typer.echo(
         f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups -> {summary['out']}"
     )
-
-
-# --------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------

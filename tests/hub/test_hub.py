@@ -26,7 +26,7 @@ from offline_rec import cli
 from offline_rec import schema as S
 from offline_rec.data.card import split_front_matter
 from offline_rec.errors import UserError
-from offline_rec.hub.transfer import transfer as hub
+from offline_rec.hub import transfer as hub
 
 REPO = "org/name"
 COMMIT = "c" * 40
