@@ -89,14 +89,13 @@ def _stop(process: subprocess.Popen) -> None:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory) -> VLLMServer:
     """A vLLM OpenAI-compatible server over the tiny chat model, for the whole session (see module docstring)."""
+    from conftest import require_vllm
+
     from offline_rec.rollout.backends import vllm_import_error
 
     reason = vllm_import_error()
     if reason is not None:
-        message = f"vLLM cannot be imported: {reason}"
-        if os.environ.get("CI"):
-            pytest.fail(message + " (CI must run the vLLM tests)")
-        pytest.skip(message)
+        require_vllm(reason)
     from offline_rec.models.tiny import make_chat_checkpoint
 
     folder = tmp_path_factory.mktemp("vllm-server")

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offline_rec import schema as S
-from offline_rec.data.importers import IMPORT_FORMATS, ImportOptions, import_dataset
+from offline_rec.data.importers import IMPORT_FORMATS, ImportConfig, import_dataset
 from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.tiny import build_char_tokenizer
@@ -66,7 +66,8 @@ choice_records = st.builds(
 def _parse_all(path: Path) -> None:
     for name, spec in IMPORT_FORMATS.items():
         for need_logprobs in (True, False):
-            options = ImportOptions(need_logprobs=need_logprobs)
+            # a --score-with model (never loaded by a parser) is what makes source log-probs optional
+            options = ImportConfig(path, name, path.parent / "out", score_with=None if need_logprobs else "model")
             try:
                 result = spec.parse([path], TOKENIZER, options)
             except UserError:
@@ -99,7 +100,7 @@ def test_random_bytes_never_crash(data):
         parquet.write_bytes(data)
         for spec in IMPORT_FORMATS.values():
             try:
-                spec.parse([parquet], TOKENIZER, ImportOptions())
+                spec.parse([parquet], TOKENIZER, ImportConfig(parquet, "rows", Path(d) / "out"))
             except UserError:
                 pass
 
@@ -135,7 +136,7 @@ def test_whatever_rows_import_writes_is_valid(damages):
         src = _write_lines(d, lines)
         out = Path(d) / "ds"
         try:
-            import_dataset(src, "rows", out, skip_bad=True)
+            import_dataset(ImportConfig(src, "rows", out, skip_bad=True))
         except UserError:
             assert not out.exists()
             return
