@@ -176,6 +176,10 @@ def import_(
     group_by_prompt: Annotated[
         bool, _import_option("group_by_prompt", "--group-by-prompt")
     ] = _IMPORT_DEFAULT["group_by_prompt"],
+    split_episodes: Annotated[
+        bool, _import_option("split_episodes", "--split-episodes")
+    ] = _IMPORT_DEFAULT["split_episodes"],
+    rewards: Annotated[Path | None, _import_option("rewards", "--rewards")] = _IMPORT_DEFAULT["rewards"],
     batch_size: Annotated[int, _import_option("batch_size", "--batch-size")] = _IMPORT_DEFAULT["batch_size"],
     dtype: Annotated[str, _import_option("dtype", "--dtype")] = _IMPORT_DEFAULT["dtype"],
     score_temperature: Annotated[
@@ -192,7 +196,8 @@ def import_(
         reward_column=reward_column, group_column=group_column, append_eos=append_eos,
         reward_columns=tuple(c.strip() for c in reward_columns.split(",") if c.strip()) if reward_columns else None,
         behavior=behavior, task=task, policy_version=policy_version, group_by_prompt=group_by_prompt,
-        batch_size=batch_size, dtype=dtype, score_temperature=score_temperature,
+        split_episodes=split_episodes, rewards=rewards, batch_size=batch_size, dtype=dtype,
+        score_temperature=score_temperature,
     )
     try:
         summary = import_dataset(config)
@@ -206,9 +211,12 @@ def import_(
         _print_json(summary)
         return
     typer.echo(
-        f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['source_records']} records "
-        f"into {summary['out']} (log-probs: {summary['logprobs_source']})"
+        f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['imported_lines']} of "
+        f"{summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})"
     )
+    if summary.get("rewards_file"):
+        typer.echo(f"rewards from {summary['rewards_file']}: {summary['rewards_matched']} matched a line, "
+                   f"{summary['rewards_unmatched']} matched none")
     if summary["rejected_lines"]:
         reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
         typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")

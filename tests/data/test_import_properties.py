@@ -119,6 +119,48 @@ def test_damaged_openai_choices_never_crash(lines):
         _parse_all(_write_lines(d, [json.dumps(line) for line in lines]))
 
 
+def _episode_call(tokens):
+    return {"request": {"messages": [{"role": "user", "content": "1+1="}]},
+            "response": {"id": "r", "choices": [_good_choice(tokens)]}}
+
+
+episode_records = st.builds(
+    lambda tokens, call, damage, value, top: {"calls": [_episode_call(tokens), _episode_call(tokens)],
+                                              "episode_id": "e", **({top: value} if top else {}),
+                                              "_damage": (call, damage, value)},
+    st.lists(st.sampled_from(["2", "3", "</s>", "Q", "", "\ufffd", "token_id:9"]), max_size=3),
+    st.integers(0, 1),
+    st.sampled_from(["request", "response", "choices", "prompt_token_ids", "token_ids", "messages"]),
+    field_values,
+    st.sampled_from([None, "calls", "reward", "group_id", "episode_id", "meta"]),
+)
+
+
+def _damaged_episode(line: dict) -> dict:
+    call, damage, value = line.pop("_damage")
+    value = json.loads(json.dumps(value))  # a copy: hypothesis may hand the same object to the top-level key
+    calls = line.get("calls")
+    if isinstance(calls, list) and len(calls) == 2 and all(
+            isinstance(c, dict) and isinstance(c.get("response"), dict) for c in calls):
+        target = calls[call]  # a top-level damage may have replaced the calls already: then leave them
+        if damage in ("request", "response"):
+            target[damage] = value
+        elif damage == "messages":
+            target["request"]["messages"] = value
+        elif damage == "choices":
+            target["response"]["choices"] = value
+        else:
+            target["response"][damage] = value
+    return line
+
+
+@SETTINGS
+@given(st.lists(episode_records, min_size=1, max_size=3))
+def test_damaged_episodes_never_crash(lines):
+    with tempfile.TemporaryDirectory() as d:
+        _parse_all(_write_lines(d, [json.dumps(_damaged_episode(line)) for line in lines]))
+
+
 good_row = {
     S.GROUP_ID: "g", S.SAMPLE_INDEX: 0, S.PROMPT: "1+1=", S.PROMPT_IDS: [5, 43, 5, 47],
     S.COMPLETION: "2", S.COMPLETION_IDS: [6, 2], S.BEHAVIOR_LOGPROBS: [-0.5, -0.25],

@@ -7,7 +7,9 @@ docstring says exactly what a line may hold:
 - ``text`` (text.py): prompt, completion, optional reward and group id, tokenized here; needs
   --score-with.
 - ``openai`` (openai.py): chat-completion (or completion) logs of an OpenAI-compatible server,
-  vLLM's included.
+  vLLM's included, single calls and multi-turn tool episodes (episodes.py); token ids recovered
+  exactly even from lossy token strings (calls.py, tokens.py); rewards that arrive later
+  (--rewards, rewards.py).
 - ``trl`` (trl.py): TRL GRPO completion logs; needs --score-with.
 
 Each format's parser reads the source files and returns rows (grouped, with token ids) plus one
@@ -119,6 +121,9 @@ def import_dataset(config: ImportConfig) -> dict:
             f"the {fmt} format has no log-probs and offline training needs them: pass --score-with MODEL "
             "to compute them teacher-forced (ideally the model that sampled the data)"
         )
+    for given, flag in ((config.rewards is not None, "--rewards"), (config.split_episodes, "--split-episodes")):
+        if given and fmt != "openai":
+            raise UserError(f"{flag} applies to the openai format only")
     logprobs_source = resolve_logprobs_source(config.logprobs_source, score_with)
     if config.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {config.batch_size}")
@@ -185,6 +190,7 @@ def import_dataset(config: ImportConfig) -> dict:
     )
     behavior = behavior_block(groups, parsed.sampling, config, tok_hash, logprobs_source, recomputed)
     by_code = Counter(r.code for r in rejects)
+    imported_lines = len({(p.file, p.line) for p in good})
     with DatasetWriter(out, behavior=behavior, task=task_block(groups, config),
                        source=source_block(config, files, tokenizer_path),
                        groups_per_shard=config.groups_per_shard, atomic=True) as writer:
@@ -192,8 +198,10 @@ def import_dataset(config: ImportConfig) -> dict:
         writer.stats.update(
             {
                 "source_records": parsed.records,
+                "imported_lines": imported_lines,
                 "rejected_lines": len(rejects),
                 "rejects_by_reason": dict(sorted(by_code.items())),
+                **parsed.stats,
             }
         )
         if rejects:  # inside the hidden directory: it appears together with the dataset
@@ -205,8 +213,10 @@ def import_dataset(config: ImportConfig) -> dict:
         "rows": sum(len(g) for g in groups),
         "groups": len(groups),
         "source_records": parsed.records,
+        "imported_lines": imported_lines,
         "rejected_lines": len(rejects),
         "rejects_by_reason": dict(by_code),
+        **parsed.stats,
         "rejects_file": str(out / REJECTS_FILE) if rejects else None,
         "logprobs_source": logprobs_source,
     }

@@ -43,6 +43,7 @@ TOKEN_OUT_OF_RANGE = "token-out-of-range"
 DUPLICATE = "duplicate"
 NO_LOGPROBS = "no-logprobs"
 CHAT_TEMPLATE = "chat-template"
+BAD_EPISODE = "bad-episode"
 
 
 # --------------------------------------------------------------------------------------------
@@ -86,6 +87,7 @@ class ParseResult:
     rejects: list[Reject] = field(default_factory=list)
     records: int = 0  # source lines (non-blank) or Parquet rows read
     sampling: dict = field(default_factory=dict)  # what the source says about how it sampled (openai)
+    stats: dict = field(default_factory=dict)  # format-specific counts for the manifest and the summary
 
 
 class BadLine(Exception):
@@ -452,6 +454,8 @@ def source_block(config: ImportConfig, files: list[Path], tokenizer_path: str | 
         } if fmt == "text" else None,
         "reward_columns": list(config.reward_columns) if config.reward_columns is not None else None,
         "group_by_prompt": config.group_by_prompt if fmt == "openai" else None,
+        "split_episodes": config.split_episodes if fmt == "openai" else None,
+        "rewards": str(config.rewards) if config.rewards is not None else None,
     }
     return block
 

@@ -51,6 +51,12 @@ class ImportConfig:
     policy_version: int = _option(0, "policy_version where the source has none.")
     group_by_prompt: bool = _option(
         False, "openai: group lines with identical prompt text (default: the choices of one line).")
+    split_episodes: bool = _option(
+        False, "openai: import each call of a multi-turn episode as a row of its own (its own context as the "
+               "prompt), also where a later call's context does not extend the earlier one token for token.")
+    rewards: Path | None = _option(
+        None, "openai: JSONL file of {\"id\": response or episode id, \"reward\": number or list} applied at "
+              "import (it overrides the lines' own rewards).")
     batch_size: int = _option(8, "--score-with: sequences per forward pass.")
     dtype: str = _option("float32", "--score-with: model dtype (float32, bfloat16, float16, auto).")
     score_temperature: float = _option(
