@@ -130,7 +130,8 @@ class TrainConfig:
     progress: bool = _option(True, "show a progress bar")
     eval_every: int = _option(0, "evaluate a checkpoint every this many steps (0 = off); needs eval_task")
     eval_task: str | None = _option(None, "task evaluated with eval_every")
-    # The eval_* settings below are passed to offline_rec.eval.rollouts; null = its default.
+    # The eval_* settings below become an EvalConfig in offline_rec.eval.rollouts.training_eval_config;
+    # null = its TRAINING_EVAL_* value.
     eval_prompts: str | None = _option(None, "evaluation prompts file (null: the task's own prompts)")
     eval_split: str | None = _option(None, "split of the task's prompts to evaluate on")
     eval_num_prompts: int | None = _option(None, "number of evaluation prompts")
