@@ -10,6 +10,25 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """offline-rec's caches (row stores, a built demo policy) go to a folder of this session, never ~/.cache.
+
+    Set in os.environ, so the processes tests start (kill -9 children, DDP ranks) use it too.
+    """
+    import os
+
+    from offline_rec.files import CACHE_ENV
+
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("offline-rec-cache"))
+    yield os.environ[CACHE_ENV]
+    if previous is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = previous
+
+
 @pytest.fixture(scope="session")
 def vllm_tiny_model(tmp_path_factory) -> str:
     """The sampling-test checkpoint (tests/sampling_support.py) that the session's vLLM engine serves."""

@@ -230,12 +230,6 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         rows.append(("kl_to_initial", f"{config.kl_to_initial:g}"))
     for key, value in rows:
         console.print(f"[bold]{key:>10}[/bold]  {value}")
-    if index.rows is not None and index.rows.in_memory:
-        console.print(
-            f"[yellow]warning:[/yellow] the decoded copy of the data steps read from ({index.rows.nbytes / 2**20:.0f} MB) "
-            f"is in {index.rows.directory}, a filesystem held in memory; set reader_cache_dir (or TMPDIR) to a "
-            "disk folder to keep it out of RAM"
-        )
     if index.truncated_rows:
         console.print(
             f"[yellow]warning:[/yellow] {index.truncated_rows} rows longer than max_length={config.max_length} "
