@@ -541,6 +541,48 @@ def merge(
 
 
 # --------------------------------------------------------------------------------------------
+# cache: the trainer's row stores (offline_rec/data/rowcache.py)
+
+cache_app = typer.Typer(help="List or clear the trainer's row stores (the decoded token columns train reuses).",
+                        no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+CacheDir = Annotated[
+    Path | None,
+    typer.Option("--dir", help="The row-store cache (default: rows/ in $OFFLINE_REC_CACHE or ~/.cache/offline-rec)."),
+]
+
+
+@cache_app.command("list")
+def cache_list(cache_dir: CacheDir = None, as_json: SummaryJson = False) -> None:
+    """The row stores in the cache: name, size, rows, the datasets they were built from, last use."""
+    from offline_rec.data import rowcache
+    from offline_rec.display import print_row_stores
+
+    stores = rowcache.list_stores(cache_dir)
+    where = str(cache_dir if cache_dir is not None else rowcache.default_dir())
+    if as_json:
+        _print_json({"dir": where, "stores": stores})
+        return
+    print_row_stores(_console(), where, stores)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    names: list[str] = typer.Argument(
+        None, help="Stores to remove (default: all, and unfinished builds whose process is gone)."
+    ),
+    cache_dir: CacheDir = None,
+) -> None:
+    """Remove row stores; a later train on their data builds them again."""
+    from offline_rec.data import rowcache
+
+    removed = rowcache.clear_stores(cache_dir, names or ())
+    for entry in removed:
+        typer.echo(f"removed {entry['name']} ({entry['bytes'] / 2**20:.1f} MB)")
+    typer.echo(f"{len(removed)} removed, {sum(e['bytes'] for e in removed) / 2**20:.1f} MB freed")
+
+
+# --------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
