@@ -525,18 +525,29 @@ def collect(
 def merge(
     datasets: list[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
     out: NewDatasetOut = ...,
-    groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Groups per output shard."),
+    groups_per_shard: int = typer.Option(
+        256, "--groups-per-shard", help="Groups per output shard, for the shards that are rewritten."
+    ),
+    no_row_checks: bool = typer.Option(
+        False, "--no-row-checks",
+        help="Do not validate the rows of shards linked as they are (train and validate still check the output).",
+    ),
     as_json: SummaryJson = False,
 ) -> None:
-    """Combine datasets with the same tokenizer and disjoint group ids into one, re-sharded."""
+    """Combine datasets with the same tokenizer and disjoint group ids into one.
+
+    Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
+    others are rewritten and re-sharded.
+    """
     from offline_rec.data.merge import merge_datasets
 
-    summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard)
+    summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard, check_rows=not no_row_checks)
     if as_json:
         _print_json(summary)
         return
     typer.echo(
-        f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups -> {summary['out']}"
+        f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
+        f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> {summary['out']}"
     )
 
 

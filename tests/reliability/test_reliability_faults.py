@@ -595,18 +595,18 @@ def enospc(*args, **kwargs):
 
 
 def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch):
-    """Where no tmpfs can be mounted: the shard write raises ENOSPC as a full disk would."""
+    """Where no tmpfs can be mounted: linking the second shard raises ENOSPC as a full disk would."""
     import offline_rec.data.dataset as dataset_module
 
     source = write_dataset(tmp_path / "input", make_rows([2] * 300, seed=23), groups_per_shard=50)
     before = tree_digest(source)
-    real_write, calls = dataset_module.pq.write_table, []
+    real_link, calls = dataset_module.os.link, []
 
     def fills_up_on_the_second_shard(*args, **kwargs):
         calls.append(1)
-        return enospc() if len(calls) == 2 else real_write(*args, **kwargs)
+        return enospc() if len(calls) == 2 else real_link(*args, **kwargs)
 
-    monkeypatch.setattr(dataset_module.pq, "write_table", fills_up_on_the_second_shard)
+    monkeypatch.setattr(dataset_module.os, "link", fills_up_on_the_second_shard)
     out = tmp_path / "outputs" / "merged"
     out.parent.mkdir()
     line = assert_disk_full_refusal(*run_cli(["merge", source, "--out", out, "--groups-per-shard", 100]))
