@@ -349,7 +349,8 @@ class DatasetWriter:
             raise
         self.manifest[S.M_SHARDS].append({"path": f"{S.DATA_DIR}/{name}",
                                           **{k: entry[k] for k in ("rows", "groups", "completion_tokens", "sha256")}})
-        self._write_manifest()
+        if not self.atomic:  # an atomic writer's manifest is read only once `close` has renamed the folder
+            self._write_manifest()
 
     def _next_shard_index(self) -> int:
         used = [int(Path(s["path"]).stem.split("-")[-1]) for s in self.manifest[S.M_SHARDS]]

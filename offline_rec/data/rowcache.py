@@ -314,6 +314,7 @@ def _build(datasets, build, fingerprint, root: Path, folder: Path, validate: boo
     try:
         if validate:
             _validate(datasets, notes)
+        validated = time.time()
         writer = RowStoreWriter(partial)
         try:
             with ProgressBar("row store", rows, unit="rows", enabled=progress) as bar:
@@ -322,8 +323,8 @@ def _build(datasets, build, fingerprint, root: Path, folder: Path, validate: boo
             writer.close()
             raise
         description = writer.finish({"created_at": now_iso(), "datasets": [str(d.path) for d in datasets],
-                                     "fingerprint": fingerprint, "build_seconds": round(time.time() - started, 1),
-                                     **meta})
+                                     "fingerprint": fingerprint, "validate_seconds": round(validated - started, 2),
+                                     "build_seconds": round(time.time() - validated, 2), **meta})
         atomic_write_json(partial / VERIFIED_FILE, {"shards": shard_stats(datasets) if validate else {}})
         try:
             os.rename(partial, folder)
