@@ -178,7 +178,12 @@ def _build_lock(path: Path, waiting: str, notes: Callable[[str], None]) -> Itera
     except ImportError:  # no flock (Windows): the atomic rename alone keeps stores whole
         yield
         return
-    with open(path, "a") as handle:
+    try:
+        handle = open(path, "a")  # noqa: SIM115 (closed below)
+    except OSError:  # a read-only cache: nothing can be built or recorded there, so nothing to exclude
+        yield
+        return
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -200,7 +200,8 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         (
             "data",
             f"{index.num_groups} groups, {len(index.reward)} rows; training on {len(schedule.train_groups)} groups, "
-            f"holding out {len(schedule.holdout_groups)}",
+            f"holding out {len(schedule.holdout_groups)}"
+            + (f"; row store {index.rows.directory}" if index.rows is not None else ""),
         ),
         (
             "steps",
