@@ -62,35 +62,38 @@ INDEX_FORMAT = 1
 
 
 class GroupIds(Sequence[str]):
-    """The group ids of a GroupIndex, decoded on access from the store's UTF-8 bytes (no list of G strings)."""
+    """The group ids of a GroupIndex, decoded on access from their UTF-8 bytes: one bytes object (a few
+    bytes per group, copied from the store on first use), not a list of G strings."""
 
     def __init__(self, ends: np.ndarray, data: np.ndarray):
         self._ends = ends  # [G] int64, end of id g in data
         self._data = data  # [sum of the ids' lengths] uint8
+        self._text: bytes | None = None
 
     def __len__(self) -> int:
         return len(self._ends)
 
+    def _bytes(self) -> bytes:
+        if self._text is None:
+            self._text = self._data.tobytes()
+        return self._text
+
     def __getitem__(self, position):
         if isinstance(position, slice):
             return [self[i] for i in range(*position.indices(len(self)))]
-        position = int(position)
         if position < 0:
             position += len(self)
         if not 0 <= position < len(self):
             raise IndexError(f"group {position} of {len(self)}")
         start = int(self._ends[position - 1]) if position else 0
-        return self._data[start:int(self._ends[position])].tobytes().decode("utf-8")
+        return self._bytes()[start:int(self._ends[position])].decode("utf-8")
 
     def __iter__(self):
-        chunk = 1 << 16
-        for first in range(0, len(self), chunk):
-            ends = self._ends[first:first + chunk].tolist()
-            start = int(self._ends[first - 1]) if first else 0
-            text = self._data[start:ends[-1]].tobytes()
-            for end in ends:
-                yield text[:end - start].decode("utf-8")
-                text, start = text[end - start:], end
+        text, start = self._bytes(), 0
+        for first in range(0, len(self), 1 << 16):
+            for end in self._ends[first:first + (1 << 16)].tolist():
+                yield text[start:end].decode("utf-8")
+                start = end
 
 
 @dataclass
