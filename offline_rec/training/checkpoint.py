@@ -35,18 +35,23 @@ from pathlib import Path
 
 from offline_rec.errors import UserError
 from offline_rec.files import atomic_write_json
+from offline_rec.models.versions import (  # noqa: F401  (the run layout names, re-read by callers as ckpt.*)
+    FINAL_DIR,
+    SUMMARY_FILE,
+    TRAINER_STATE_FILE,
+    model_policy_version,
+    policy_version,
+    read_trainer_state,
+)
 from offline_rec.training.batching import epoch_seed
 from offline_rec.training.config import save_config
 
 CHECKPOINTS_DIR = "checkpoints"
-FINAL_DIR = "final"
 ADAPTER_DIR = "adapter"
-TRAINER_STATE_FILE = "trainer_state.json"
 ACCELERATE_STATE_DIR = "trainer"
 CONFIG_FILE = "config.yaml"
 HOLDOUT_FILE = "holdout.json"
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tb"
 
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
@@ -89,30 +94,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise UserError(f"{path} is neither a training run with checkpoints nor a {CHECKPOINTS_DIR}/step-N folder "
                         f"(a {FINAL_DIR}/ folder has no optimizer state: start from it with --model instead)")
     return latest
-
-
-def policy_version(trainer_state: dict) -> int:
-    """Updates the checkpoint's weights have had since the first run of their line (older checkpoints: their step)."""
-    return int(trainer_state.get("policy_version", trainer_state["step"]))
-
-
-def model_policy_version(model: str | os.PathLike) -> int:
-    """The policy version of a model folder: a checkpoint's trainer_state.json, or for RUN/final its
-    run's summary.json; 0 (the base policy) for anything else, a Hub id included."""
-    path = Path(model)
-    try:
-        if (path / TRAINER_STATE_FILE).is_file():
-            return policy_version(read_trainer_state(path))
-        if path.name == FINAL_DIR and (path.parent / SUMMARY_FILE).is_file():
-            summary = json.loads((path.parent / SUMMARY_FILE).read_text(encoding="utf-8"))
-            return int(summary.get("policy_version", summary.get("steps")) or 0)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
-    return 0
-
-
-def read_trainer_state(checkpoint_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(checkpoint_dir) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
 
 
 def remove_partial(run_dir: str | os.PathLike) -> None:

@@ -12,7 +12,9 @@
 3. `step.run_step` runs the passes: the loss is the token-mean over ALL completion tokens of the
    step, whatever the micro-batching and the number of ranks (see training/step.py).
 4. Checkpoints hold the HF model, the tokenizer, the optimizer, scheduler and RNG states, and
-   the data cursor; they are written atomically, and --resume continues bit for bit.
+   the data cursor; they are written atomically, and --resume continues bit for bit. A stop
+   signal (SIGTERM, SIGINT, SIGUSR1) on any rank ends the run after the step in progress, with a
+   checkpoint of that step and `Preempted` (exit code 75 from the CLI): see offline_rec/preemption.py.
 5. Evaluation and publishing sit above training: the caller passes them in as `TrainHooks`
    (`offline_rec.eval.hooks.training_hooks(config)` builds the ones the CLI uses).
 """
@@ -27,13 +29,14 @@ from pathlib import Path
 import torch
 
 from offline_rec.algorithms import get_algorithm
+from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.training import batching, checks
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import MetricsLog, print_settings, step_metrics
 from offline_rec.training.policy import PolicyScorer, build_optimizer, load_policy, load_reference
-from offline_rec.training.step import run_step
+from offline_rec.training.step import any_rank, run_step
 
 
 @dataclass
@@ -110,9 +113,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
                            enabled=config.progress and accelerator.is_main_process)
 
-    # ---- 4. The loop: one iteration = one optimizer step.
-    last_saved, metrics, last_eval = None, {}, {}
-    with progress:
+    # ---- 4. The loop: one iteration = one optimizer step. A stop signal (preemption) ends it after the
+    # step in progress, with that step checkpointed like a periodic save.
+    last_saved, metrics, last_eval, preempted = None, {}, {}, False
+    with progress, StopRequest() as stop:
         for step in range(start_step, schedule.total_steps):
             step_started = time.time()
             drops = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
@@ -121,11 +125,12 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
                               tokenizer.pad_token_id)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)
+            preempted = any_rank(stop.requested, accelerator)  # every rank saves, whichever got the signal
 
             # Checkpoint (also when an evaluation needs one), evaluation, logs.
             done = step + 1 == schedule.total_steps
-            evaluate_now = config.eval_every and (step + 1) % config.eval_every == 0
-            if done or evaluate_now or (config.save_every and (step + 1) % config.save_every == 0):
+            evaluate_now = config.eval_every and (step + 1) % config.eval_every == 0 and not preempted
+            if done or evaluate_now or preempted or (config.save_every and (step + 1) % config.save_every == 0):
                 trainer_state = ckpt.make_trainer_state(schedule, step + 1, metrics, version_start, continued_from)
                 last_saved = ckpt.save_checkpoint(accelerator, scorer, tokenizer, run_dir, step + 1, trainer_state,
                                                   config.keep_last)
@@ -137,6 +142,16 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             metrics_log.write(metrics)
             progress.advance(1, f"loss {metrics['loss']:.4f}  reward {metrics['reward_mean']:.3f}  "
                                 f"{metrics['tokens_per_s']:.0f} tok/s")
+            if preempted and not done:
+                break
+    if preempted and not done:
+        metrics_log.close()
+        index.close()
+        accelerator.wait_for_everyone()
+        if not foreign_process_group:
+            accelerator.end_training()
+        raise Preempted(f"{stop.signal_name or 'a stop signal on another rank'} after step {step + 1} of "
+                        f"{schedule.total_steps}: {last_saved} is saved; run the same command with --resume")
 
     # ---- 5. The end: final model, summary, optional publishing.
     if last_saved is None:  # resumed at the very end: the checkpoint of the last step is already there

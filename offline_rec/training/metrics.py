@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec
+from offline_rec.algorithms import AlgorithmSpec, advantage_stats
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.config import TrainConfig
 
@@ -237,9 +237,8 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
             "had their completions truncated (truncate: true)"
         )
     # Groups whose advantages are all 0 (see advantage_stats): one response, or all rewards equal.
-    low = np.minimum.reduceat(index.reward, index.row_start)  # [G]
-    high = np.maximum.reduceat(index.reward, index.row_start)  # [G]
-    singletons, all_equal = int((index.size == 1).sum()), int(((index.size > 1) & (low == high)).sum())
+    groups = advantage_stats(torch.from_numpy(index.reward), np.repeat(np.arange(index.num_groups), index.size))
+    singletons, all_equal = groups["singleton_groups"], groups["zero_variance_groups"]
     if singletons or all_equal:
         console.print(f"[yellow]warning:[/yellow] {singletons} groups of one response and {all_equal} groups whose "
                       "rewards are all equal carry no learning signal (advantage 0; metrics.jsonl counts them per step "

@@ -37,6 +37,14 @@ def step_counts(accelerator, plan: batching.StepPlan) -> tuple[int, int, int]:
     return int(everyone[:, 0].sum()), int(everyone[:, 1].sum()), max(int(everyone[:, 2].max()), 1)
 
 
+def any_rank(flag: bool, accelerator) -> bool:
+    """True on every rank when `flag` is true on any of them (one tiny all-reduce; none with one process)."""
+    if accelerator.num_processes == 1:
+        return flag
+    value = torch.tensor([int(flag)], device=accelerator.device)
+    return bool(accelerator.reduce(value, reduction="sum").item())
+
+
 def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, config: TrainConfig, num_tokens: int,
                      num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The policy loss of one micro-batch (its share of the step's token-mean), plus beta * k3 if asked."""
