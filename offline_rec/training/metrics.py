@@ -237,7 +237,9 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
             "had their completions truncated (truncate: true)"
         )
     # Groups whose advantages are all 0 (see advantage_stats): one response, or all rewards equal.
-    groups = advantage_stats(torch.from_numpy(index.reward), np.repeat(np.arange(index.num_groups), index.size))
+    # np.array: a writable copy (the index's arrays are read-only mappings of its row store, which torch warns about)
+    groups = advantage_stats(torch.from_numpy(np.array(index.reward)),
+                             np.repeat(np.arange(index.num_groups), index.size))
     singletons, all_equal = groups["singleton_groups"], groups["zero_variance_groups"]
     if singletons or all_equal:
         console.print(f"[yellow]warning:[/yellow] {singletons} groups of one response and {all_equal} groups whose "
