@@ -13,23 +13,31 @@ import os
 import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
-def private_cache(tmp_path_factory):
+def pytest_configure(config):
     """offline-rec's caches (row stores, a built demo policy) go to a folder of this session, never ~/.cache.
 
-    Set in os.environ, so the processes tests start (kill -9 children, DDP ranks) use it too.
+    Set in os.environ before collection, so that the processes tests start (kill -9 children, DDP
+    ranks) use it too, including those whose environment a test module copies when it is imported.
     """
-    import os
+    import tempfile
 
     from offline_rec.files import CACHE_ENV
 
-    previous = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("offline-rec-cache"))
-    yield os.environ[CACHE_ENV]
+    config.offline_rec_cache = (os.environ.get(CACHE_ENV), tempfile.mkdtemp(prefix="offline-rec-test-cache-"))
+    os.environ[CACHE_ENV] = config.offline_rec_cache[1]
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    from offline_rec.files import CACHE_ENV
+
+    previous, folder = config.offline_rec_cache
     if previous is None:
         os.environ.pop(CACHE_ENV, None)
     else:
         os.environ[CACHE_ENV] = previous
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
