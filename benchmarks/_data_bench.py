@@ -7,9 +7,9 @@ default token budget; real prompt + completion tokens / rows x longest row, summ
 
 shard_scan_vs_pyarrow. The training data reader is what turns shards into step batches:
 `batching.index_datasets` (one pass over every shard, which also fills the memory-mapped row
-store), then per optimizer step `batching.read_step_rows` (the step's rows from the store) and
-`batching.pack_micro_batches`, with the trainer's seeded shuffle. Its rows/s = dataset rows /
-(index seconds + seconds of the steps of one epoch). The limit: a raw
+store, in a fresh cache each round), then per optimizer step `batching.read_step_rows` (the
+step's rows from the store) and `batching.pack_micro_batches`, with the trainer's seeded
+shuffle. Its rows/s = dataset rows / (index seconds + seconds of the steps of one epoch). The limit: a raw
 `pyarrow.parquet.ParquetFile.iter_batches` scan of the same shards and the same columns. Both
 run in one fresh process per dataset size, alternately: one warm-up round (it pays the
 process's one-time costs; its ratio is reported apart), then 3 measured rounds, whose median
@@ -28,6 +28,8 @@ completions 1-16 tokens, 8 per group, 256 groups per shard): wall seconds of the
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -64,8 +66,12 @@ def _reader_epoch(dataset, max_steps: int | None, prompts_per_step: int, micro_b
     """One timed epoch of the trainer's reader (index pass, then step reads and packing; collate timed apart)."""
     from offline_rec.training import batching
 
+    # A fresh row-store cache per round: every round pays the index pass (a reused store is measured
+    # by the "data scale" part).
+    cache = tempfile.mkdtemp(prefix="offline-rec-scan-")
     started = time.perf_counter()
-    index = batching.index_datasets([dataset], TRAINER_MAX_LENGTH, truncate=False)
+    index = batching.index_datasets([dataset], TRAINER_MAX_LENGTH, truncate=False, cache_dir=cache,
+                                    notes=lambda message: None)
     index_seconds = time.perf_counter() - started
     train_groups, _ = batching.split_holdout(index.group_ids, 0.0)
     per_epoch = batching.steps_per_epoch(len(train_groups), prompts_per_step)
@@ -90,7 +96,15 @@ def _reader_epoch(dataset, max_steps: int | None, prompts_per_step: int, micro_b
     return {"reader_rows_per_s": dataset.num_rows / epoch_seconds, "index_rows_per_s": dataset.num_rows / index_seconds,
             "step_rows_per_s": rows_read / step_seconds, "collate_rows_per_s": rows_read / collate_seconds,
             "steps_timed": steps, "steps_per_epoch": per_epoch, "extrapolated": steps < per_epoch,
-            "shards_touched_per_step": shards_touched / steps, "store_mb": index.rows.nbytes / 2**20}
+            "shards_touched_per_step": shards_touched / steps, "store_mb": _closed(index, cache)}
+
+
+def _closed(index, cache: str) -> float:
+    """The store's size in MB, once its cache folder is removed."""
+    size = index.rows.nbytes / 2**20
+    index.close()
+    shutil.rmtree(cache, ignore_errors=True)
+    return size
 
 
 def _raw_scan(dataset) -> float:

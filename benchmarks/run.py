@@ -14,9 +14,12 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   collect_hf_vs_bare_generate collect samples/s, hf backend / bare batched generate        >= 0.9
   ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
   validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
+  startup_resume_vs_first     data start-up (validate, build the row store / reuse it), 2nd run / 1st <= 0.1
+  store_copies_2_ranks        row-store bytes on disk, 2 local processes / 1                1.0
+  data_scale_rss_growth_*     peak RSS building / reusing the store, 4x rows / 1x           <= 1.2 (flat)
 
 How each is measured is in the docstrings of benchmarks/_train_bench.py, _data_bench.py,
-_collect_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
+_collect_bench.py, _scale_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
 fresh process with the same number of torch threads (--threads, default 1; DDP ranks always use 1). Noisy
 ratios are measured --repeats times (default 3, 1 with --quick) and the median is reported.
 A part that fails is reported as null with its error, and the exit code is then 1.
@@ -45,6 +48,7 @@ from benchmarks._common import (  # noqa: E402
     run_child,
     write_synthetic_dataset,
 )
+from offline_rec.files import CACHE_ENV  # noqa: E402
 
 # Fixed sizes. Full: models of tens of millions of parameters, so that Python overhead does not
 # dominate on a 2-core CPU. Quick (CI): the same measurements on small models and data.
@@ -70,6 +74,9 @@ SIZES = {
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
         "cli_rows": 1_000_000,
+        # ~256 tokens per row, 1M rows: 256M tokens (~1.2 GB of shards, a 2.4 GB row store); the small
+        # dataset is its first quarter of shards
+        "scale": {"rows": 1_000_000, "prompt_lengths": (32, 96), "completion_lengths": (96, 288)},
     },
     "quick": {
         "model": {"vocab_size": 2000, "hidden_size": 128, "num_layers": 2, "num_heads": 4},
@@ -92,9 +99,11 @@ SIZES = {
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
         "cli_rows": None,
+        "scale": {"rows": 32_768, "prompt_lengths": (8, 24), "completion_lengths": (24, 72)},
     },
 }
 SCAN_GROWTH = 10  # the RSS check's bigger dataset has this many times the rows
+SCALE_GROWTH = 4  # the data-scale part's big dataset has this many times the small one's rows
 GROUP_SIZE = 8
 
 # (key, goal as text, what it compares); the table's rows, in order.
@@ -123,6 +132,14 @@ KEYS = (
     ("validate_1m_rows_peak_rss_mb", "", "its peak RSS"),
     ("inspect_1m_rows_seconds", "", "offline-rec inspect --json, 1M narrow rows"),
     ("inspect_1m_rows_peak_rss_mb", "", "its peak RSS"),
+    ("startup_resume_vs_first", "<= 0.1", "data start-up (validate + build the row store / reuse it), 2nd run / 1st"),
+    ("data_startup_first_seconds", "", "data start-up of the first run: validate, build the store, schedule"),
+    ("data_startup_resume_seconds", "", "data start-up of a later run or --resume: the store reused"),
+    ("store_copies_2_ranks", "1.0", "row-store bytes on disk, 2 processes started at once / 1 process"),
+    ("data_scale_rss_growth_build", "<= 1.2", f"peak RSS of the process building the store, {SCALE_GROWTH}x rows / 1x"),
+    ("data_scale_rss_growth_reuse", "<= 1.2", f"peak RSS of a process reusing it, {SCALE_GROWTH}x rows / 1x"),
+    ("merge_link_seconds", "", "merge --no-row-checks of the big dataset's two halves (every shard linked)"),
+    ("merge_checked_seconds", "", "merge with row checks (the default), the small dataset's two halves"),
 )
 
 
@@ -280,6 +297,70 @@ def part_validate_inspect(context: dict) -> dict:
             "inspect_1m_rows_seconds": inspect["seconds"], "inspect_1m_rows_peak_rss_mb": inspect["peak_rss_mb"]}
 
 
+def part_data_scale(context: dict) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from benchmarks._scale_bench import folder_bytes, link_subset
+
+    sizes, workdir = context["sizes"]["scale"], context["workdir"] / "scale"
+    big = write_synthetic_dataset(workdir / "big", num_groups=sizes["rows"] // GROUP_SIZE, group_size=GROUP_SIZE,
+                                  prompt_lengths=sizes["prompt_lengths"],
+                                  completion_lengths=sizes["completion_lengths"],
+                                  vocab_size=context["model"]["vocab"], groups_per_shard=256, seed=3)
+    shards = len(list((Path(big["path"]) / "data").iterdir()))
+    small = str(link_subset(big["path"], workdir / "small", slice(0, shards // SCALE_GROWTH)))
+
+    def startup(data: str, cache: str) -> dict:
+        return run_child("_scale_bench", "startup", dict(data=data, cache=str(workdir / cache)),
+                         threads=context["threads"])
+
+    first, again = startup(big["path"], "cache-big"), startup(big["path"], "cache-big")
+    small_first, small_again = startup(small, "cache-small"), startup(small, "cache-small")
+    with ThreadPoolExecutor(2) as pool:  # as the local ranks of a DDP job: started together, same data
+        ranks = list(pool.map(lambda _: startup(small, "cache-2-ranks"), range(2)))
+    linked = run_child("_scale_bench", "merge_halves", dict(data=big["path"], out=str(workdir / "merged"),
+                                                            check_rows=False))
+    checked = run_child("_scale_bench", "merge_halves", dict(data=small, out=str(workdir / "merged"),
+                                                             check_rows=True))
+    assert first["built"] and not again["built"] and sum(r["built"] for r in ranks) == 1, (first, again, ranks)
+    one_copy, two_ranks = folder_bytes(workdir / "cache-small"), folder_bytes(workdir / "cache-2-ranks")
+    shard_mb = folder_bytes(big["path"]) / 2**20
+    shutil.rmtree(workdir, ignore_errors=True)
+    tokens = first["tokens"]
+    context["notes"].append(
+        f"data scale: {first['rows']} rows, {tokens / 1e6:.0f}M tokens, {shards} shards ({shard_mb:.0f} MB), row store "
+        f"{first['store_mb']:.0f} MB ({first['store_mb'] * 2**20 / tokens:.2f} bytes/token); first start-up "
+        f"{first['startup_seconds']:.1f} s = validate {first['validate_seconds']:.1f} s "
+        f"({tokens / first['validate_seconds'] / 1e6:.1f}M tokens/s) + build {first['build_seconds']:.1f} s "
+        f"({tokens / first['build_seconds'] / 1e6:.1f}M tokens/s) + schedule; resumed start-up "
+        f"{again['startup_seconds']:.2f} s; processes' wall {first['_seconds']:.1f} s vs {again['_seconds']:.1f} s "
+        f"(imports {again['import_seconds']:.1f} s); {STEPS_NOTE}; peak RSS build {small_first['_peak_rss_mb']:.0f} -> "
+        f"{first['_peak_rss_mb']:.0f} MB, reuse {small_again['_peak_rss_mb']:.0f} -> {again['_peak_rss_mb']:.0f} MB, "
+        f"anonymous peak build {small_first['peak_anonymous_mb']:.0f} -> {first['peak_anonymous_mb']:.0f} MB, reuse "
+        f"{small_again['peak_anonymous_mb']:.0f} -> {again['peak_anonymous_mb']:.0f} MB; 2 ranks: "
+        f"{two_ranks / 2**20:.0f} MB vs {one_copy / 2**20:.0f} MB, start-ups "
+        f"{[round(r['startup_seconds'], 1) for r in ranks]} s; merge: {linked['linked']} shards linked in "
+        f"{linked['seconds']:.2f} s ({linked['rows']} rows), with row checks {checked['seconds']:.1f} s for "
+        f"{checked['rows']} rows"
+    )
+    return {
+        "startup_resume_vs_first": again["startup_seconds"] / first["startup_seconds"],
+        "data_startup_first_seconds": first["startup_seconds"],
+        "data_startup_resume_seconds": again["startup_seconds"],
+        "store_copies_2_ranks": two_ranks / one_copy,
+        "data_scale_rss_growth_build": first["_peak_rss_mb"] / small_first["_peak_rss_mb"],
+        "data_scale_rss_growth_reuse": again["_peak_rss_mb"] / small_again["_peak_rss_mb"],
+        "data_scale_validate_tokens_per_s": tokens / first["validate_seconds"],
+        "data_scale_build_tokens_per_s": tokens / first["build_seconds"],
+        "data_scale_store_bytes_per_token": first["store_mb"] * 2**20 / tokens,
+        "merge_link_seconds": linked["seconds"],
+        "merge_checked_seconds": checked["seconds"],
+    }
+
+
+STEPS_NOTE = "20 steps of 32 groups after each start-up (plan_step + collate)"
+
+
 # Cheap parts first: a run cut short still reports them.
 PARTS = (
     ("log-prob memory", part_logprob_memory),
@@ -289,6 +370,7 @@ PARTS = (
     ("collect", part_collect),
     ("training", part_train),
     ("ddp", part_ddp),
+    ("data scale", part_data_scale),
 )
 
 
@@ -347,6 +429,7 @@ def main(argv=None) -> int:
 
     workdir = arguments.workdir or Path(tempfile.mkdtemp(prefix="offline-rec-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    os.environ[CACHE_ENV] = str(workdir / "cache")  # the parts' row stores stay in the workdir, not ~/.cache
     context = {
         "quick": arguments.quick,
         "sizes": SIZES["quick" if arguments.quick else "full"],

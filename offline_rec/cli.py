@@ -510,19 +510,72 @@ def collect(
 def merge(
     datasets: list[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
     out: NewDatasetOut = ...,
-    groups_per_shard: int = typer.Option(256, "--groups-per-shard", help="Groups per output shard."),
+    groups_per_shard: int = typer.Option(
+        256, "--groups-per-shard", help="Groups per output shard, for the shards that are rewritten."
+    ),
+    no_row_checks: bool = typer.Option(
+        False, "--no-row-checks",
+        help="Do not validate the rows of shards linked as they are (train and validate still check the output).",
+    ),
     as_json: SummaryJson = False,
 ) -> None:
-    """Combine datasets with the same tokenizer and disjoint group ids into one, re-sharded."""
+    """Combine datasets with the same tokenizer and disjoint group ids into one.
+
+    Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
+    others are rewritten and re-sharded.
+    """
     from offline_rec.data.merge import merge_datasets
 
-    summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard)
+    summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard, check_rows=not no_row_checks)
     if as_json:
         _print_json(summary)
         return
     typer.echo(
-        f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups -> {summary['out']}"
+        f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
+        f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> {summary['out']}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# cache: the trainer's row stores (offline_rec/data/rowcache.py)
+
+cache_app = typer.Typer(help="List or clear the trainer's row stores (the decoded token columns train reuses).",
+                        no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+CacheDir = Annotated[
+    Path | None,
+    typer.Option("--dir", help="The row-store cache (default: rows/ in $OFFLINE_REC_CACHE or ~/.cache/offline-rec)."),
+]
+
+
+@cache_app.command("list")
+def cache_list(cache_dir: CacheDir = None, as_json: SummaryJson = False) -> None:
+    """The row stores in the cache: name, size, rows, the datasets they were built from, last use."""
+    from offline_rec.data import rowcache
+    from offline_rec.display import print_row_stores
+
+    stores = rowcache.list_stores(cache_dir)
+    where = str(cache_dir if cache_dir is not None else rowcache.default_dir())
+    if as_json:
+        _print_json({"dir": where, "stores": stores})
+        return
+    print_row_stores(_console(), where, stores)
+
+
+@cache_app.command("clear")
+def cache_clear(
+    names: list[str] = typer.Argument(
+        None, help="Stores to remove (default: all, and unfinished builds whose process is gone)."
+    ),
+    cache_dir: CacheDir = None,
+) -> None:
+    """Remove row stores; a later train on their data builds them again."""
+    from offline_rec.data import rowcache
+
+    removed = rowcache.clear_stores(cache_dir, names or ())
+    for entry in removed:
+        typer.echo(f"removed {entry['name']} ({entry['bytes'] / 2**20:.1f} MB)")
+    typer.echo(f"{len(removed)} removed, {sum(e['bytes'] for e in removed) / 2**20:.1f} MB freed")
 
 
 # --------------------------------------------------------------------------------------------

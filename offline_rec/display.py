@@ -121,3 +121,15 @@ def eval_summary_table(summary: dict) -> Table:
             continue
         table.add_row(escape(key), str(value) if isinstance(value, int) else f"{value:.4f}")
     return table
+
+
+def print_row_stores(console: Console, where: str, stores: list[dict]) -> None:
+    """`offline-rec cache list`: one line per row store (`rowcache.list_stores`), then the total."""
+    for entry in stores:
+        rows = "" if entry["rows"] is None else f", {entry['rows']} rows"
+        built_from = f", built from {', '.join(entry['datasets'])}" if entry["datasets"] else ""
+        console.print(escape(f"{entry['name']}  {entry['state']}, {entry['bytes'] / 2**20:.1f} MB{rows}, last used "
+                             f"{entry['last_used'] or '?'}{built_from}"), soft_wrap=True)
+    total = sum(entry["bytes"] for entry in stores) / 2**20
+    console.print(escape(f"{len(stores)} row stores, {total:.1f} MB in {where} (`offline-rec cache clear` removes "
+                         "them)"), soft_wrap=True)

@@ -1,4 +1,4 @@
-"""Small file helpers shared by every layer: atomic writes, sha256, timestamps, one-shot writer folders.
+"""Small file helpers shared by every layer: atomic writes, sha256, timestamps, one-shot writer folders, the cache root.
 
 An atomic write goes to a hidden temporary file in the same folder, is fsynced and renamed over
 the target: a reader sees the old content or the new one, never a torn file, whatever kills the
@@ -19,6 +19,20 @@ from pathlib import Path
 from typing import Any
 
 from offline_rec.errors import disk_full
+
+CACHE_ENV = "OFFLINE_REC_CACHE"
+
+
+def cache_root() -> Path:
+    """The folder of offline-rec's caches (the demo policy, the trainer's row stores).
+
+    $OFFLINE_REC_CACHE when set, else offline-rec/ in the user's cache home ($XDG_CACHE_HOME or
+    ~/.cache), as the datasets library does: a disk folder that outlives the process, never $TMPDIR.
+    """
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "offline-rec"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -15,6 +15,33 @@ import pytest
 pytest_plugins = ["vllm_server"]  # the session's vLLM OpenAI-compatible server (tests/vllm_server.py)
 
 
+def pytest_configure(config):
+    """offline-rec's caches (row stores, a built demo policy) go to a folder of this session, never ~/.cache.
+
+    Set in os.environ before collection, so that the processes tests start (kill -9 children, DDP
+    ranks) use it too, including those whose environment a test module copies when it is imported.
+    """
+    import tempfile
+
+    from offline_rec.files import CACHE_ENV
+
+    config.offline_rec_cache = (os.environ.get(CACHE_ENV), tempfile.mkdtemp(prefix="offline-rec-test-cache-"))
+    os.environ[CACHE_ENV] = config.offline_rec_cache[1]
+
+
+def pytest_unconfigure(config):
+    import shutil
+
+    from offline_rec.files import CACHE_ENV
+
+    previous, folder = config.offline_rec_cache
+    if previous is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = previous
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def vllm_tiny_model(tmp_path_factory) -> str:
     """The sampling-test checkpoint (tests/sampling_support.py) that the session's vLLM engine serves."""

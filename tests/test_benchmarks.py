@@ -35,10 +35,15 @@ REQUIRED_KEYS = (
     "validate_1m_rows_peak_rss_mb",
     "inspect_1m_rows_seconds",
     "inspect_1m_rows_peak_rss_mb",
+    "startup_resume_vs_first",
+    "store_copies_2_ranks",
+    "data_scale_rss_growth_build",
+    "data_scale_rss_growth_reuse",
 )
 # Keys that need nothing optional, so a quick run always measures them.
 ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow",
-                   "shard_scan_rss_growth", "collect_hf_vs_bare_generate", "ddp_scaling")
+                   "shard_scan_rss_growth", "collect_hf_vs_bare_generate", "ddp_scaling", "startup_resume_vs_first",
+                   "store_copies_2_ranks", "data_scale_rss_growth_build", "data_scale_rss_growth_reuse")
 
 
 def test_median_of_odd_and_even_counts():

@@ -16,6 +16,7 @@ by one record batch plus one group, whatever the dataset size.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -319,6 +320,37 @@ class DatasetWriter:
             )
             self._buffer, self._buffer_groups = [], 0
         self._write_manifest()
+
+    def add_shard_file(self, source: Path, entry: dict) -> None:
+        """Commit the existing shard `source` as the next shard, as it is: hard-linked (no byte copied), or
+        copied byte for byte where a link is impossible (another filesystem). `entry` is its manifest
+        entry (rows, groups, completion_tokens, sha256), taken over unchecked: the caller vouches for it.
+
+        A link shares the file with its source; that is safe because no writer changes a shard in place
+        (shards are written under a temporary name and renamed). Buffered groups are committed first.
+        """
+        if self._buffer:
+            self.commit()
+        name = S.SHARD_PATTERN.format(index=self._next_shard_index())
+        target = self.path / S.DATA_DIR / name
+        try:
+            try:
+                os.link(source, target)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                    raise
+                shutil.copyfile(source, target)
+        except OSError as e:
+            target.unlink(missing_ok=True)
+            kept = "nothing was written" if self.atomic else "the shards committed before are kept"
+            full = disk_full(e, self.final_path / S.DATA_DIR / name, f"{kept}; free space and run the command again")
+            if full is not None:
+                raise full from None
+            raise
+        self.manifest[S.M_SHARDS].append({"path": f"{S.DATA_DIR}/{name}",
+                                          **{k: entry[k] for k in ("rows", "groups", "completion_tokens", "sha256")}})
+        if not self.atomic:  # an atomic writer's manifest is read only once `close` has renamed the folder
+            self._write_manifest()
 
     def _next_shard_index(self) -> int:
         used = [int(Path(s["path"]).stem.split("-")[-1]) for s in self.manifest[S.M_SHARDS]]

@@ -1,9 +1,23 @@
 """`offline-rec merge`: combine datasets (e.g. the slices of a scaled-out collect) into one.
 
-Groups are copied whole, in input order, and re-sharded; the new shards get fresh checksums and
-totals. The output is written atomically: it is either absent or complete. Refused, before
-anything is written: inputs that are incomplete, whose tokenizers differ (token ids would mean
-different things), or that share a group id (a group would be split or duplicated).
+Groups are kept whole, in input order. The rule for each input shard: a shard whose Parquet
+schema is exactly the dataset schema (`schema.ARROW_SCHEMA`: names, types, nullability) and whose
+manifest entry has its row, group and token counts and its sha256 is LINKED into the output as it
+is (`DatasetWriter.add_shard_file`: a hard link, no byte read or written; a byte copy where the
+output is on another filesystem), with its manifest entry; its groups_per_shard stays what it
+was. Any other shard (an accepted variant of the schema, such as large_string columns) is
+REWRITTEN: its groups are re-sharded by `groups_per_shard` with fresh checksums and totals. So
+merging the slices of a collect costs a few file-system operations per shard, whatever their size.
+
+Refused before anything is written: inputs that are incomplete, whose tokenizers differ (token ids
+would mean different things), that share a group id (a group would be split or duplicated; read
+from the group_id column alone), a linkable shard whose footer disagrees with its manifest entry
+on the row count, and, with `check_rows` (the default, as for every command that consumes a
+dataset), inputs that `validate` finds errors in. Without `check_rows` (`merge --no-row-checks`)
+the rows of linked shards are not read at all (those of an input with a shard to rewrite are):
+linked shards keep their sha256, so `validate` and every consumer of the output (train
+included) still find any defect, at its place in the output.
+The output is written atomically: it is either absent or complete.
 
 Manifest: the behavior and task blocks keep what all inputs agree on; a field on which they differ
 becomes null (logprobs_source "unknown"), and every input's own blocks are kept in source.inputs.
@@ -18,20 +32,32 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import Dataset, DatasetWriter, open_dataset
+from offline_rec.data.dataset import SHARD_READ_ERRORS, Dataset, DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
-from offline_rec.errors import UserError
+from offline_rec.errors import DataError, UserError
+
+ENTRY_KEYS = ("rows", "groups", "completion_tokens", "sha256")
 
 
-def merge_datasets(inputs: Sequence[str | Path], out: str | Path, groups_per_shard: int = 256) -> dict:
-    """Write the union of `inputs` to the new dataset `out`; returns {"out", "inputs", "rows", "groups"}."""
+def merge_datasets(inputs: Sequence[str | Path], out: str | Path, groups_per_shard: int = 256,
+                   check_rows: bool = True) -> dict:
+    """Write the union of `inputs` to the new dataset `out`.
+
+    Returns {"out", "inputs", "rows", "groups", "linked_shards", "rewritten_shards"}.
+    """
     if not inputs:
         raise UserError("merge needs at least one input dataset")
-    for path in inputs:
-        check_dataset_for_use(path)  # a bad row is refused with its place, not copied into OUT
+    if check_rows:
+        for path in inputs:
+            check_dataset_for_use(path)  # a bad row is refused with its place, not carried into OUT
     datasets = [open_dataset(path, require_complete=True) for path in inputs]
     _check_tokenizers(datasets)
     _check_disjoint(datasets)
+    plan = [(dataset, path, entry, _linkable(path, entry)) for dataset in datasets
+            for path, entry in zip(dataset.shard_paths, dataset.manifest[S.M_SHARDS])]
+    if not check_rows:  # rows that get rewritten are read anyway: they are checked first, whatever the option
+        for path in dict.fromkeys(dataset.path for dataset, *_, linkable in plan if not linkable):
+            check_dataset_for_use(path)
 
     behavior = _common([d.behavior for d in datasets])
     if behavior.get("logprobs_source") is None:
@@ -46,11 +72,35 @@ def merge_datasets(inputs: Sequence[str | Path], out: str | Path, groups_per_sha
     }
     with DatasetWriter(out, behavior=behavior, task=_common([d.task for d in datasets]), source=source,
                        groups_per_shard=groups_per_shard, atomic=True) as writer:
-        for dataset in datasets:
-            writer.add_groups(dataset.iter_groups())
+        for dataset, path, entry, linkable in plan:
+            if linkable:
+                writer.add_shard_file(path, entry)
+            else:
+                writer.add_groups(Dataset(dataset.path, dataset.manifest, [path]).iter_groups())
         writer.stats.update(_summed([d.manifest.get(S.M_STATS) or {} for d in datasets]))
-        rows, groups = sum(d.num_rows for d in datasets), len(writer.committed_group_ids)
-    return {"out": str(out), "inputs": [str(d.path) for d in datasets], "rows": rows, "groups": groups}
+        writer.commit()
+        totals = writer.manifest[S.M_TOTALS]
+    linked = sum(1 for *_, linkable in plan if linkable)
+    return {"out": str(out), "inputs": [str(d.path) for d in datasets], "rows": totals["rows"],
+            "groups": totals["groups"], "linked_shards": linked, "rewritten_shards": len(plan) - linked}
+
+
+def _linkable(path: Path, entry: dict) -> bool:
+    """True for a shard that can go into the output as it is (see the module docstring)."""
+    if any(entry.get(key) is None for key in ENTRY_KEYS):
+        return False
+    try:
+        metadata = pq.read_metadata(path)
+        schema = metadata.schema.to_arrow_schema()
+    except SHARD_READ_ERRORS as e:
+        raise DataError(f"{path}: cannot read Parquet shard ({e}); run `offline-rec validate {path.parent.parent}`") \
+            from None
+    if not schema.equals(S.ARROW_SCHEMA, check_metadata=False):
+        return False
+    if metadata.num_rows != entry["rows"]:
+        raise DataError(f"{path}: the shard has {metadata.num_rows} rows, its manifest entry says {entry['rows']}; "
+                        f"run `offline-rec validate {path.parent.parent}`")
+    return True
 
 
 def _check_tokenizers(datasets: list[Dataset]) -> None:
@@ -66,12 +116,16 @@ def _check_disjoint(datasets: list[Dataset]) -> None:
     owner: dict[str, Path] = {}
     for dataset in datasets:
         for shard in dataset.shard_paths:
-            for gid in pq.read_table(shard, columns=[S.GROUP_ID]).column(S.GROUP_ID).unique().to_pylist():
+            try:
+                ids = pq.read_table(shard, columns=[S.GROUP_ID]).column(S.GROUP_ID).unique().to_pylist()
+            except SHARD_READ_ERRORS as e:
+                raise DataError(f"{shard}: cannot read Parquet shard ({e}); "
+                                f"run `offline-rec validate {dataset.path}`") from None
+            for gid in ids:
                 if gid in owner:
                     where = "twice" if owner[gid] == dataset.path else f"in {owner[gid]} and {dataset.path}"
-                    raise UserError(
-                        f"group id {gid!r} appears {where}; merge takes disjoint datasets (e.g. the slices of one collect)"
-                    )
+                    raise UserError(f"group id {gid!r} appears {where}; merge takes disjoint datasets "
+                                    "(e.g. the slices of one collect)")
                 owner[gid] = dataset.path
 
 

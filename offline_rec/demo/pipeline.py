@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.files import cache_root
 
 DEMO_ALGORITHM = "rec-oneside-nois"
 DEMO_TASK = "arith"
@@ -50,7 +51,6 @@ CURVE_FILE = "curve.json"
 CURVE_PLOT = "heldout.png"
 # A sum of two 2-digit numbers is at most 3 digits, then eos: 8 tokens leave room for a wrong longer answer.
 MAX_NEW_TOKENS = 8
-CACHE_ENV = "OFFLINE_REC_CACHE"
 
 
 @dataclass(frozen=True)
@@ -209,9 +209,8 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, overwrit
 
 
 def demo_policy_cache() -> Path:
-    """Where a missing demo policy is built: $OFFLINE_REC_CACHE, else $XDG_CACHE_HOME or ~/.cache, /offline-rec/demo-policy."""
-    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offline-rec"
-    return Path(root) / "demo-policy"
+    """Where a missing demo policy is built: demo-policy/ in the cache root (`files.cache_root`)."""
+    return cache_root() / "demo-policy"
 
 
 def ensure_demo_policy(progress: bool = True, **recipe) -> str:

@@ -458,14 +458,16 @@ def _copy_dataset_files(snapshot: Path, target: Path) -> None:
         shutil.copytree(snapshot / S.DATA_DIR, target / S.DATA_DIR)
 
 
-def resolve_dataset_path(path: str, *, token: str | None = None) -> Path:
+def resolve_dataset_path(path: str, *, token: str | None = None, validate: bool = True) -> Path:
     """A local dataset folder for `path`: hf://datasets/ORG/NAME[@REVISION] is fetched into the Hub cache
-    (offline from the cache when it holds it) and validated; any other path is returned unchanged."""
+    (offline from the cache when it holds it) and, with `validate`, validated (a caller that validates
+    the data itself passes False); any other path is returned unchanged."""
     if not str(path).startswith(HF_DATASET_PREFIX):
         return Path(path)
     repo_id, revision = parse_hub_dataset_path(str(path))
     snapshot = _download(repo_id, revision, token)
-    _require_valid(snapshot, str(path), _cache_fix(repo_id))
+    if validate:
+        _require_valid(snapshot, str(path), _cache_fix(repo_id))
     return snapshot
 
 

@@ -10,7 +10,6 @@ import numpy as np
 
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
-from offline_rec.data.validate import check_dataset_for_use
 from offline_rec.errors import UserError
 from offline_rec.models.loading import check_tokenizers, load_tokenizer, model_context, tokenizer_hash
 from offline_rec.training import batching
@@ -96,24 +95,23 @@ def check_optional_features(config: TrainConfig, hooks) -> None:
 
 
 def open_training_data(config: TrainConfig) -> tuple[list, object]:
-    """The datasets of `config.data` (hf:// paths from the Hub cache), each checked row by row, and the
-    model's tokenizer, checked against the tokenizer every dataset was logged with."""
-    data_paths = [_local_path(path) for path in config.data]
-    for path in data_paths:
-        check_dataset_for_use(path)  # a bad row is refused with its shard and row before anything runs
-    datasets = [open_dataset(path) for path in data_paths]
+    """The datasets of `config.data` (hf:// paths read in the Hub cache) and the model's tokenizer, checked
+    against the tokenizer every dataset was logged with. Their rows are checked once per machine, when
+    their row store is built (`batching.index_datasets(..., validate=True)`)."""
+    datasets = [open_dataset(_local_path(path)) for path in config.data]
     tokenizer = load_tokenizer(config.model)
     check_tokenizers(datasets, tokenizer, config.model)
     return datasets, tokenizer
 
 
 def _local_path(path: str) -> str:
-    """A local folder for a --data value: hf://datasets/ORG/NAME[@REVISION] is fetched into the Hub cache."""
+    """A local folder for a --data value: hf://datasets/ORG/NAME[@REVISION] is fetched into the Hub cache and
+    read there (validated with the row store, not once more here)."""
     if not is_hub_path(path):
         return str(path)
     from offline_rec.hub.transfer import resolve_dataset_path
 
-    return str(resolve_dataset_path(path))
+    return str(resolve_dataset_path(path, validate=False))
 
 
 def check_run_dir(config: TrainConfig, run_dir: Path) -> None:

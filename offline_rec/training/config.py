@@ -92,8 +92,10 @@ class TrainConfig:
     )
     shuffle: bool = _option(True, "shuffle groups each epoch (seeded by seed and epoch)")
     seed: int = _option(0, "seed of the shuffle, RED-Drop's random drops and torch")
-    reader_cache_dir: str | None = _option(None, "directory of the decoded, memory-mapped copy of the token columns "
-                                                 "steps are read from (~9 bytes/token, deleted at exit; null: $TMPDIR)")
+    reader_cache_dir: str | None = _option(None, "cache folder of the data's row store (the decoded, memory-mapped "
+                                                 "token columns steps read, ~9 bytes/token), built once per machine "
+                                                 "and reused by later runs; null: rows/ in $OFFLINE_REC_CACHE or "
+                                                 "~/.cache/offline-rec (`offline-rec cache list|clear`)")
 
     # -- optimizer
     lr: float = _option(1e-6, "AdamW learning rate (peak, after warmup)")

@@ -70,7 +70,9 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     resume_from = ckpt.latest_checkpoint(run_dir) if config.resume else None
     # A resumed continuation starts from its own checkpoint: the run it continued may be gone by now.
     init_from = checks.check_init_from(config, tokenizer) if config.init_from and resume_from is None else None
-    index = batching.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir)
+    # Validates the data and builds its row store once per machine (the other ranks wait), or reuses the store.
+    index = batching.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir,
+                                    validate=True, progress=config.progress)
     checks.check_context(index, config.model)
     schedule = batching.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs,
                                     config.max_steps, config.seed, config.shuffle)

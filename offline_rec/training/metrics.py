@@ -200,7 +200,8 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         (
             "data",
             f"{index.num_groups} groups, {len(index.reward)} rows; training on {len(schedule.train_groups)} groups, "
-            f"holding out {len(schedule.holdout_groups)}",
+            f"holding out {len(schedule.holdout_groups)}"
+            + (f"; row store {index.rows.directory}" if index.rows is not None else ""),
         ),
         (
             "steps",
@@ -230,19 +231,15 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         rows.append(("kl_to_initial", f"{config.kl_to_initial:g}"))
     for key, value in rows:
         console.print(f"[bold]{key:>10}[/bold]  {value}")
-    if index.rows is not None and index.rows.in_memory:
-        console.print(
-            f"[yellow]warning:[/yellow] the decoded copy of the data steps read from ({index.rows.nbytes / 2**20:.0f} MB) "
-            f"is in {index.rows.directory}, a filesystem held in memory; set reader_cache_dir (or TMPDIR) to a "
-            "disk folder to keep it out of RAM"
-        )
     if index.truncated_rows:
         console.print(
             f"[yellow]warning:[/yellow] {index.truncated_rows} rows longer than max_length={config.max_length} "
             "had their completions truncated (truncate: true)"
         )
     # Groups whose advantages are all 0 (see advantage_stats): one response, or all rewards equal.
-    groups = advantage_stats(torch.from_numpy(index.reward), np.repeat(np.arange(index.num_groups), index.size))
+    # np.array: a writable copy (the index's arrays are read-only mappings of its row store, which torch warns about)
+    groups = advantage_stats(torch.from_numpy(np.array(index.reward)),
+                             np.repeat(np.arange(index.num_groups), index.size))
     singletons, all_equal = groups["singleton_groups"], groups["zero_variance_groups"]
     if singletons or all_equal:
         console.print(f"[yellow]warning:[/yellow] {singletons} groups of one response and {all_equal} groups whose "

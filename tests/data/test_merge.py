@@ -1,8 +1,9 @@
 """Scale-out: `collect --num-shards n --shard-index i` slices and `merge`, which unites datasets whole-group.
 
 The slices of a run, merged, must hold exactly the groups of the unsliced run. Merge refuses mixes
-of tokenizers, repeated group ids and incomplete inputs, writing nothing; its output is re-sharded
-with fresh totals and checksums (validate checks them) and records its inputs.
+of tokenizers, repeated group ids and incomplete inputs, writing nothing; shards in the dataset
+schema are hard-linked into the output as they are, others are re-sharded with fresh totals and
+checksums (validate checks both), and the output records its inputs.
 """
 
 from __future__ import annotations
@@ -54,10 +55,13 @@ def test_merged_slices_equal_the_unsliced_run(tmp_path, backend):
     summary = merge_datasets(slices, tmp_path / "merged", groups_per_shard=3)
     merged = tmp_path / "merged"
     assert (summary["rows"], summary["groups"]) == (14, 7)
-    assert validate_dataset(merged).ok  # checksums and totals recomputed
+    assert (summary["linked_shards"], summary["rewritten_shards"]) == (4, 0)
+    assert validate_dataset(merged).ok  # checksums and totals as the manifest says
     dataset = open_dataset(merged, require_complete=True)
-    # 7 groups re-sharded 3 per shard: 3 + 3 + 1.
-    assert [s["groups"] for s in dataset.manifest[S.M_SHARDS]] == [3, 3, 1]
+    # Every shard is in the dataset schema: linked as it is (slices of 3, 2, 2 groups in shards of 2).
+    assert [s["groups"] for s in dataset.manifest[S.M_SHARDS]] == [2, 1, 2, 2]
+    sources = [path for s in slices for path in open_dataset(s).shard_paths]
+    assert [p.stat().st_ino for p in dataset.shard_paths] == [p.stat().st_ino for p in sources]  # no byte copied
     assert rows_by_group(merged) == rows_by_group(whole)
 
     # What the slices agree on stays; the slice index, on which they differ, becomes null.
@@ -118,3 +122,62 @@ def test_merge_cli(tmp_path, capsys):
         main(["merge", str(a), str(a), "--out", str(tmp_path / "d")])
     assert exit_info.value.code == 2 and "appears twice" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+def _large_types_dataset(path, groups):
+    """A valid dataset whose shards use accepted variants of the schema (large_string, large_list)."""
+    import pyarrow as pa
+    from datagen import write_raw_dataset
+
+    table = pa.Table.from_pylist([row for rows in groups for row in rows], schema=S.ARROW_SCHEMA)
+    variant = pa.schema([pa.field(f.name, pa.large_string() if f.type == pa.string() else
+                                  pa.large_list(f.type.value_type) if pa.types.is_list(f.type) else f.type,
+                                  nullable=f.nullable) for f in S.ARROW_SCHEMA])
+    write_raw_dataset(path, [table.cast(variant)])
+    manifest = json.loads((path / S.MANIFEST_FILE).read_text())  # write_raw_dataset counts tokens of list<> only
+    tokens = sum(len(row[S.COMPLETION_IDS]) for rows in groups for row in rows)
+    manifest[S.M_SHARDS][0]["completion_tokens"] = manifest[S.M_TOTALS]["completion_tokens"] = tokens
+    (path / S.MANIFEST_FILE).write_text(json.dumps(manifest))
+    return path
+
+
+def test_shards_in_another_schema_variant_are_rewritten_in_order(tmp_path):
+    a = write_dataset(tmp_path / "a", make_rows([2, 3]))  # 1 shard, linked
+    b = _large_types_dataset(tmp_path / "b", make_rows([1, 2, 2], group_prefix="h", seed=1))  # rewritten
+    c = write_dataset(tmp_path / "c", make_rows([2], group_prefix="k", seed=2))
+    assert validate_dataset(b).ok
+    summary = merge_datasets([a, b, c], tmp_path / "out", groups_per_shard=2)
+    assert (summary["linked_shards"], summary["rewritten_shards"]) == (2, 1)
+    out = open_dataset(tmp_path / "out")
+    # a's shard, b's 3 groups re-sharded 2 per shard, c's shard
+    assert [s["groups"] for s in out.manifest[S.M_SHARDS]] == [2, 2, 1, 1]
+    assert validate_dataset(tmp_path / "out").ok
+    assert list(rows_by_group(tmp_path / "out")) == ["g0000", "g0001", "h0000", "h0001", "h0002", "k0000"]
+    assert rows_by_group(tmp_path / "out") == {**rows_by_group(a), **rows_by_group(b), **rows_by_group(c)}
+
+
+def test_no_row_checks_links_bad_rows_that_validate_then_finds_in_the_output(tmp_path):
+    groups = make_rows([2, 2, 2])
+    groups[2][1][S.BEHAVIOR_LOGPROBS][0] = 0.5  # a positive log-prob: shard part-00001, row 1
+    bad = write_dataset(tmp_path / "bad", groups, groups_per_shard=2)
+    with pytest.raises(DataError, match="part-00001.parquet, row 1"):
+        merge_datasets([bad], tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    summary = merge_datasets([bad], tmp_path / "out", check_rows=False)
+    assert summary["linked_shards"] == 2
+    problems = [(p.code, p.shard, p.row) for p in validate_dataset(tmp_path / "out").problems]
+    assert problems == [("positive-logprob", "data/part-00001.parquet", 1)]
+    # a shard to rewrite is read anyway, so it is checked whatever the option
+    variant = _large_types_dataset(tmp_path / "variant", groups)
+    with pytest.raises(DataError, match="row 5"):
+        merge_datasets([variant], tmp_path / "out2", check_rows=False)
+
+
+def test_a_linked_shard_whose_footer_disagrees_with_its_manifest_is_refused(tmp_path):
+    a = write_dataset(tmp_path / "a", make_rows([2, 2]), groups_per_shard=1)
+    manifest = json.loads((a / S.MANIFEST_FILE).read_text())
+    manifest[S.M_SHARDS][1]["rows"] = 3
+    (a / S.MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="part-00001.parquet: the shard has 2 rows, its manifest entry says 3"):
+        merge_datasets([a], tmp_path / "out", check_rows=False)
+    assert not (tmp_path / "out").exists()

@@ -1,6 +1,5 @@
-"""The trainer's row store: exact round trip, truncation, nulls, anonymity, bounded residency, errors."""
+"""The row store's files: exact round trip, truncation, nulls, named arrays, completeness, bounded residency, errors."""
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +8,7 @@ import pytest
 
 from offline_rec import schema as S
 from offline_rec.data import rowstore
-from offline_rec.data.rowstore import RowStoreWriter
+from offline_rec.data.rowstore import DamagedStore, RowStore, RowStoreWriter
 from offline_rec.errors import UserError
 
 
@@ -36,6 +35,11 @@ ROWS = [
 ]
 
 
+def _finish(writer: RowStoreWriter) -> RowStore:
+    writer.finish({})
+    return RowStore.open(writer.directory)
+
+
 def _as_lists(columns: dict, name: str) -> list:
     return [None if piece is None else piece.tolist() for piece in columns[name]]
 
@@ -45,7 +49,7 @@ def test_rows_come_back_exactly_in_the_order_asked(tmp_path):
     writer.append(_batch(ROWS[:2]))
     writer.append(_batch([ROWS[0]] + ROWS[2:]).slice(1, 2))  # a sliced batch: its offsets do not start at 0
     writer.append(_batch(ROWS[:0] + [ROWS[0]]).slice(1, 0))  # an empty batch
-    store = writer.finish()
+    store = _finish(writer)
     assert len(store) == 4
     order = [3, 0, 2, 1, 0]  # any order, repeats allowed
     columns = store.columns(order)
@@ -61,7 +65,7 @@ def test_rows_come_back_exactly_in_the_order_asked(tmp_path):
 def test_max_lengths_cut_only_the_named_columns(tmp_path):
     writer = RowStoreWriter(tmp_path)
     writer.append(_batch(ROWS))
-    store = writer.finish()
+    store = _finish(writer)
     limits = np.array([2, 5, 0, 1])  # row 0 cut to 2, row 1 longer than it is, row 3 cut to 1
     columns = store.columns([0, 1, 2, 3], {S.COMPLETION_IDS: limits, S.LOSS_MASK: limits})
     assert _as_lists(columns, S.COMPLETION_IDS) == [[3, 4], [6], [], [11]]
@@ -73,35 +77,46 @@ def test_max_lengths_cut_only_the_named_columns(tmp_path):
 def test_a_store_of_empty_lists_maps_nothing(tmp_path):
     writer = RowStoreWriter(tmp_path)
     writer.append(_batch([([], [], [], None)] * 3))
-    columns = writer.finish().columns([2, 0])
+    columns = _finish(writer).columns([2, 0])
     assert _as_lists(columns, S.COMPLETION_IDS) == [[], []] and columns[S.LOSS_MASK] == [None, None]
 
 
-def test_the_files_have_no_name_and_a_bad_directory_is_refused(tmp_path):
+def test_named_arrays_come_back_and_only_a_finished_folder_opens(tmp_path):
     writer = RowStoreWriter(tmp_path)
     writer.append(_batch(ROWS))
-    store = writer.finish()
-    assert os.listdir(tmp_path) == []  # nothing to clean up, whatever ends the process
-    assert store.nbytes > 0
+    writer.append_array("reward", np.array([1.0, 0.5]), np.float64)
+    writer.append_array("reward", [0.25, -1.0])  # later calls keep the first call's dtype
+    writer.append_array("empty", np.zeros(0, np.int32))
+    with pytest.raises(OSError):  # no store.json yet: not a store
+        RowStore.open(tmp_path)
+    store = _finish(writer)
+    assert store.array("reward").tolist() == [1.0, 0.5, 0.25, -1.0] and store.array("reward").dtype == np.float64
+    assert store.array("empty").tolist() == [] and not store.array("reward").flags.writeable
+    # 6 prompt ids, 6 completion ids and 6 log-probs x 4 bytes, 3 mask bytes (nulls hold none), 4 columns x 5
+    # offsets x 8, 4 validity bytes, 4 rewards x 8
+    assert store.nbytes == 6 * 4 + 6 * 4 + 6 * 4 + 3 * 1 + 4 * 5 * 8 + 4 + 4 * 8
+    assert store.meta["rows"] == 4
     with pytest.raises(IndexError):
         store.columns([4])
     with pytest.raises(IndexError):
         store.columns([-1])
-    with pytest.raises(UserError, match="reader_cache_dir .*missing is not a directory"):
-        RowStoreWriter(tmp_path / "missing")
+    (tmp_path / "completion_ids.values").write_bytes(b"\0" * 3)  # cut by hand
+    with pytest.raises(DamagedStore, match="completion_ids.values has 3 bytes, 24 expected"):
+        RowStore.open(tmp_path)
 
 
-def test_a_failing_write_is_one_clear_error(tmp_path, monkeypatch):
+def test_a_failing_write_is_one_clear_error(tmp_path):
     writer = RowStoreWriter(tmp_path)
 
     class FullDisk:
-        def __getattr__(self, name):
+        def write(self, data):
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rowstore.pc, "list_flatten", lambda column: FullDisk())
-    with pytest.raises(
-        UserError, match="cannot write the trainer's row cache in .*No space left on device.*reader_cache_dir"
-    ):
+        def close(self):
+            pass
+
+    writer._files["completion_ids.values"] = FullDisk()
+    with pytest.raises(UserError, match="no space left on device while writing .*reader_cache_dir"):
         writer.append(_batch(ROWS))
 
 
@@ -113,7 +128,7 @@ def test_resident_pages_stay_within_the_budget_and_released_views_stay_valid(tmp
     writer = RowStoreWriter(tmp_path)
     for start in range(0, len(rows), 500):
         writer.append(_batch(rows[start:start + 500]))
-    store = writer.finish()  # ~64 MB: 2000 rows x 4000 completion tokens x 8 bytes
+    store = _finish(writer)  # ~64 MB: 2000 rows x 4000 completion tokens x 8 bytes
     store.resident_budget = 4 << 20
     releases = []
     release = store.release_pages
@@ -141,7 +156,7 @@ def test_the_budget_counts_from_what_other_mappings_gave_back(tmp_path):
     rows = [([1], rng.integers(0, 1000, 4000).tolist(), [0.0] * 4000, None) for _ in range(1000)]
     writer = RowStoreWriter(tmp_path)
     writer.append(_batch(rows))
-    store = writer.finish()
+    store = _finish(writer)
     store.resident_budget = 4 << 20
     other = tmp_path / "other.bin"
     other.write_bytes(b"\1" * (48 << 20))

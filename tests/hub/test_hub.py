@@ -539,6 +539,26 @@ def test_resolve_dataset_path_validates_and_parses(fake_hub, dataset, tmp_path):
         hub.resolve_dataset_path("hf://datasets/only-a-name")
 
 
+def test_training_data_from_the_hub_is_validated_once_with_its_row_store(fake_hub, dataset, tmp_path, monkeypatch):
+    """train reads hf:// data in the Hub cache (no copy) and validates it once, when its row store is built."""
+    import offline_rec.data.validate as validate
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.training import batching, checks
+
+    FakeHub.snapshot = dataset
+    checked = []
+    real_check = validate.check_dataset_for_use
+    monkeypatch.setattr(validate, "check_dataset_for_use", lambda path, **k: (checked.append(Path(path)),
+                                                                              real_check(path, **k)))
+    local = checks._local_path(f"hf://datasets/{REPO}")
+    assert Path(local) == dataset and checked == []  # the snapshot folder itself, not validated yet
+    for _ in range(2):  # a first run, then a resumed one
+        index = batching.index_datasets([open_dataset(local)], 100, False, cache_dir=tmp_path / "cache",
+                                        validate=True, notes=lambda message: None)
+        assert index.num_groups == 3
+    assert checked == [dataset]
+
+
 def test_pull_refuses_an_existing_output_and_conflicting_revisions(fake_hub, dataset, tmp_path):
     FakeHub.snapshot = dataset
     with pytest.raises(UserError, match="already exists"):

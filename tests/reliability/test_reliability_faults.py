@@ -4,7 +4,10 @@
   equal to an uninterrupted run's.
 - train killed inside a checkpoint write (after the weights, before trainer_state.json, just before
   the rename) and inside the final export: the half-written checkpoint is never picked up, and
-  `--resume` ends with the uninterrupted run's weights.
+  `--resume` ends with the uninterrupted run's weights. The killed runs share one row store (one
+  builds it, the others wait); a run killed while building the row store leaves a store that is
+  never read, and the next run builds it and trains to the same weights; a run killed on a reused
+  store resumes without opening a shard.
 - import, filter, reward and merge killed mid-write (polled: once the hidden output holds a first and
   a third shard) and just before their final rename: the output is absent or complete and valid, the
   input is byte for byte unchanged, and running the command again gives the uninterrupted result.
@@ -40,6 +43,7 @@ import torch
 import yaml
 from cli_support import cli_exit_code
 from datagen import make_rows, tree_digest, write_dataset
+from file_watch import FileWatch
 from paths import TESTS
 from train_support import tiny_model
 from train_support import write_dataset as write_training_dataset
@@ -96,6 +100,17 @@ RUNNER = textwrap.dedent('''
             return real_write(path, obj)
 
         checkpoint.atomic_write_json = atomic_write_json
+    elif point == "store-build":  # the row store holds the token columns, the index only in part
+        from offline_rec.data.rowstore import RowStoreWriter
+
+        real_append = RowStoreWriter.append_array
+
+        def append_array(self, name, *args, **kwargs):
+            if name == "row_reward":
+                die()
+            return real_append(self, name, *args, **kwargs)
+
+        RowStoreWriter.append_array = append_array
     else:
         raise SystemExit(f"unknown KILL_AT {point}")
 
@@ -281,28 +296,42 @@ TRAIN_KILLS = {
 }
 
 
-def train_settings(model: str, data: str, out: Path) -> dict:
-    return dict(data=[data], model=model, algorithm="rec-oneside-is", out=str(out), prompts_per_step=2,
-                max_steps=TRAIN_STEPS, save_every=1, keep_last=2, lr=1e-2, micro_batch_tokens=64, progress=False,
-                report_to=[], cpu=True)
+def train_settings(model: str, data: str, out: Path, cache: Path | None = None) -> dict:
+    settings = dict(data=[data], model=model, algorithm="rec-oneside-is", out=str(out), prompts_per_step=2,
+                    max_steps=TRAIN_STEPS, save_every=1, keep_last=2, lr=1e-2, micro_batch_tokens=64, progress=False,
+                    report_to=[], cpu=True)
+    return settings if cache is None else {**settings, "reader_cache_dir": str(cache)}
+
+
+def store_folders(cache: Path) -> tuple[list[str], list[str]]:
+    """(complete row stores, hidden unfinished builds) in a row-store cache."""
+    folders = [p.name for p in cache.iterdir() if p.is_dir()]
+    return sorted(n for n in folders if not n.startswith(".")), sorted(n for n in folders if n.startswith("."))
+
+
+STORE_KILL = "while building the row store"
 
 
 @pytest.fixture(scope="module")
 def killed_runs(tmp_path_factory, runner):
-    """One training run per TRAIN_KILLS entry, killed there (all at once), and an uninterrupted one."""
+    """One training run per TRAIN_KILLS entry, killed there (all at once, sharing the row store one of them
+    builds), one killed while building its row store (in a cache of its own), and an uninterrupted one."""
     root = tmp_path_factory.mktemp("train-faults")
     model = tiny_model(root / "model")
     data = write_training_dataset(root / "data", model, num_groups=8)
     kills = []
-    for index, (name, (point, target)) in enumerate(TRAIN_KILLS.items()):
+    for index, (name, (point, target)) in enumerate([*TRAIN_KILLS.items(), (STORE_KILL, ("store-build", ""))]):
         config = root / f"killed-{index}.yaml"
-        config.write_text(yaml.safe_dump(train_settings(model, data, root / f"killed-{index}")))
+        cache = root / ("cache-half" if name == STORE_KILL else "cache")
+        config.write_text(yaml.safe_dump(train_settings(model, data, root / f"killed-{index}", cache)))
         kills.append(
             Kill(name, [runner, "train", "--config", config], env=child_env(KILL_AT=point, KILL_TARGET=target))
         )
     run_killed(kills)
+    assert store_folders(root / "cache")[1] == [], "a finished build left its partial folder"
+    assert len(store_folders(root / "cache")[0]) == 1  # four processes, one store
     reference = root / "reference.yaml"
-    reference.write_text(yaml.safe_dump(train_settings(model, data, root / "reference")))
+    reference.write_text(yaml.safe_dump(train_settings(model, data, root / "reference", root / "cache")))
     code, err = run_cli(["train", "--config", reference])
     assert code == 0, err
     return root, {kill.name: kill for kill in kills}
@@ -339,6 +368,50 @@ def test_train_killed_while_saving_resumes_to_the_uninterrupted_weights(killed_r
     steps = [json.loads(line)["step"] for line in (run / ckpt.METRICS_FILE).read_text().splitlines()]
     assert steps == list(range(1, TRAIN_STEPS + 1))  # no step lost, none logged twice
     assert not list(run.rglob(".*.tmp")), "a temporary survived the resume"
+
+
+def assert_reference_weights(root: Path, run: Path) -> None:
+    reference, trained = final_weights(root / "reference"), final_weights(run)
+    assert reference.keys() == trained.keys()
+    for key in reference:
+        torch.testing.assert_close(trained[key], reference[key], atol=1e-6, rtol=0)
+
+
+@pytest.mark.slow
+def test_train_killed_while_building_its_row_store_runs_again_to_the_uninterrupted_weights(killed_runs):
+    root, kills = killed_runs
+    assert_killed(kills[STORE_KILL])
+    run, cache = root / f"killed-{len(TRAIN_KILLS)}", root / "cache-half"
+    assert not run.exists()  # killed before RUN/ is written
+    complete, unfinished = store_folders(cache)
+    assert complete == [] and len(unfinished) == 1  # the half-built store is hidden: never read as a store
+    code, err = run_cli(["train", "--config", root / f"killed-{len(TRAIN_KILLS)}.yaml"])
+    assert code == 0, err
+    assert_reference_weights(root, run)
+    complete, unfinished = store_folders(cache)
+    assert len(complete) == 1 and unfinished == []  # built whole, the dead build's folder removed
+    assert complete == store_folders(root / "cache")[0]  # the same data: the same store name
+
+
+@pytest.mark.slow
+def test_train_killed_on_a_reused_row_store_resumes_without_opening_a_shard(killed_runs, runner):
+    if not FileWatch.available():
+        pytest.skip("inotify is Linux-only")
+    root, _ = killed_runs
+    cache = root / "cache"
+    files = sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if not p.name.endswith(".lock"))
+    config = root / "reused.yaml"
+    config.write_text(yaml.safe_dump(train_settings(str(root / "model"), str(root / "data"), root / "reused", cache)))
+    with FileWatch(root / "data" / S.DATA_DIR) as watch:
+        kill = Kill("reused", [runner, "train", "--config", config],
+                    env=child_env(KILL_AT="rename", KILL_TARGET="step-000003"))
+        run_killed([kill])
+        assert_killed(kill)
+        code, err = run_cli(["train", "--out", root / "reused", "--resume"])
+        assert code == 0, err
+        assert watch.opened() == []  # neither the killed run nor the resume opened a shard
+    assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if not p.name.endswith(".lock")) == files
+    assert_reference_weights(root, root / "reused")
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,18 +595,18 @@ def enospc(*args, **kwargs):
 
 
 def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch):
-    """Where no tmpfs can be mounted: the shard write raises ENOSPC as a full disk would."""
+    """Where no tmpfs can be mounted: linking the second shard raises ENOSPC as a full disk would."""
     import offline_rec.data.dataset as dataset_module
 
     source = write_dataset(tmp_path / "input", make_rows([2] * 300, seed=23), groups_per_shard=50)
     before = tree_digest(source)
-    real_write, calls = dataset_module.pq.write_table, []
+    real_link, calls = dataset_module.os.link, []
 
     def fills_up_on_the_second_shard(*args, **kwargs):
         calls.append(1)
-        return enospc() if len(calls) == 2 else real_write(*args, **kwargs)
+        return enospc() if len(calls) == 2 else real_link(*args, **kwargs)
 
-    monkeypatch.setattr(dataset_module.pq, "write_table", fills_up_on_the_second_shard)
+    monkeypatch.setattr(dataset_module.os, "link", fills_up_on_the_second_shard)
     out = tmp_path / "outputs" / "merged"
     out.parent.mkdir()
     line = assert_disk_full_refusal(*run_cli(["merge", source, "--out", out, "--groups-per-shard", 100]))

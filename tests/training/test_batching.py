@@ -86,7 +86,7 @@ def test_index_records_groups_shards_and_lengths(tmp_path):
         [_row("c", 0, [6, 6, 6], [9, 9]), _row("c", 1, [6, 6, 6], [9]), _row("c", 2, [6, 6, 6], [8])],
     ]
     index = batching.index_datasets([_dataset(tmp_path, groups)], max_length=100, truncate=False)
-    assert index.group_ids == ["a", "b", "c"]
+    assert list(index.group_ids) == ["a", "b", "c"]
     assert index.size.tolist() == [2, 1, 3]
     assert index.shard.tolist() == [0, 0, 1]  # two groups per shard
     assert index.shard_row.tolist() == [0, 2, 0]
@@ -107,7 +107,7 @@ def test_index_finds_groups_across_read_batches_and_reads_every_row_back(tmp_pat
         type(dataset), "iter_batches", lambda self, columns=None: iter_batches(self, columns, batch_rows=3)
     )
     index = batching.index_datasets([dataset], 100, False)
-    assert index.group_ids == [f"g{g}" for g in range(6)]
+    assert list(index.group_ids) == [f"g{g}" for g in range(6)]
     assert index.size.tolist() == sizes
     assert index.shard.tolist() == [0, 0, 0, 0, 1, 1] and index.shard_row.tolist() == [0, 5, 6, 13, 0, 3]
     assert index.rows_of_groups([3, 0]).tolist() == [13, 14, 0, 1, 2, 3, 4]  # group 3 starts after 5 + 1 + 7 rows
@@ -131,7 +131,7 @@ def test_rows_of_two_datasets_come_back_truncated_to_max_length(tmp_path):
     )
     second = _dataset(tmp_path, [[_row("b", 0, [], [12, 13, 14]), _row("b", 1, [4] * 6, [15, 16])]], "two")
     index = batching.index_datasets([first, second], max_length=5, truncate=True)
-    assert index.group_ids == ["a", "b"] and index.dataset.tolist() == [0, 1]
+    assert list(index.group_ids) == ["a", "b"] and index.dataset.tolist() == [0, 1]
     assert index.truncated_rows == 2  # a/0: 2 + 4 > 5; b/1: 6 + 2 > 5 (its prompt alone is too long)
     rows = batching.read_step_rows(index, index.rows_of_groups([1, 0]), [2.0, 3.0, 0.0, 1.0])
     assert [r.prompt_ids.tolist() for r in rows] == [[], [4] * 6, [5, 6], [5, 6]]

@@ -370,8 +370,9 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, d
         data, expected = "hf://datasets/org/name", "cannot pull org/name"
     elif case == "too-long":
         extra, expected = ["--set", "max_length=10"], "longer than max_length=10"
-    elif case == "reader-cache-dir":
-        extra, expected = ["--set", f"reader_cache_dir={tmp_path / 'nowhere'}"], "nowhere is not a directory"
+    elif case == "reader-cache-dir":  # a missing folder is created; a file cannot be one
+        (tmp_path / "a-file").write_text("")
+        extra, expected = ["--set", f"reader_cache_dir={tmp_path / 'a-file'}"], "a-file is not a directory"
     else:
         extra, expected = ["--set", "eval_every=2", "--set", "eval_task=nope"], "nope"
     capsys.readouterr()  # what building the case printed (a model's loading bar) is not the command's

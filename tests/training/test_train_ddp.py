@@ -1,4 +1,4 @@
-"""Two data-parallel CPU processes (accelerate launch, gloo) train to the weights of one process.
+"""Two data-parallel CPU processes (accelerate launch, gloo) train to the weights of one process, from one row store.
 
 The step's groups are split over the ranks, the token count N is summed over ranks, and DDP's
 gradient average is undone by scaling the loss by world_size: the global gradient, and so every
@@ -39,14 +39,18 @@ def test_two_processes_match_one(tmp_path):
     finally:
         torch.set_num_threads(threads)
 
-    two = tmp_path / "two"
+    two, cache = tmp_path / "two", tmp_path / "ddp-cache"  # a cache of their own: the ranks find no store there
     config_file = tmp_path / "two.yaml"
-    config_file.write_text(yaml.safe_dump(config(tmp_path, model, data, out=str(two), **settings).to_dict()))
+    config_file.write_text(yaml.safe_dump(config(tmp_path, model, data, out=str(two), reader_cache_dir=str(cache),
+                                                 **settings).to_dict()))
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "-m", "offline_rec", "train", "--config", str(config_file)]
     result = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the two local ranks share one row store: one of them built it, the other mapped the same files
+    assert result.stdout.count("row store: building") == 1 and result.stdout.count("validating") == 1
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
 
     one_metrics, two_metrics = (
         [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
