@@ -137,7 +137,7 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
 
 
 def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
-    vocab = policy.get_input_embeddings().weight.shape[0]
+    vocab = policy.get_input_embeddings().num_embeddings  # not weight.shape: a ZeRO-3 partition is empty
     if index.max_token_id >= vocab:
         raise UserError(f"the data holds token id {index.max_token_id} but {model} has {vocab} embeddings: "
                         "data and model do not match")
