@@ -137,7 +137,9 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
 
 
 def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
-    vocab = policy.get_input_embeddings().num_embeddings  # not weight.shape: a ZeRO-3 partition is empty
+    embeddings = policy.get_input_embeddings()
+    # num_embeddings, not weight.shape: under ZeRO-3 the weight is an empty partition here
+    vocab = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
     if index.max_token_id >= vocab:
         raise UserError(f"the data holds token id {index.max_token_id} but {model} has {vocab} embeddings: "
                         "data and model do not match")

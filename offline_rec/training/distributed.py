@@ -104,6 +104,8 @@ def settings_line(accelerator) -> str:
     label = {"NO": "single process", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP"}.get(kind, kind)
     if kind == "FSDP":
         label = f"FSDP{accelerator.state.fsdp_plugin.fsdp_version}"
+        if accelerator.state.fsdp_plugin.activation_checkpointing:
+            label += " with its activation checkpointing"
     elif kind == "DEEPSPEED":
         label = f"DeepSpeed ZeRO-{zero_stage(accelerator)}"
     group = accelerator.state.backend or "none"

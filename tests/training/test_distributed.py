@@ -3,8 +3,9 @@
 One process, then 2 processes under each `configs/accelerate/NAME.yaml` (DDP, FSDP2, DeepSpeed
 ZeRO-2 and ZeRO-3), launched as users launch them:
 `accelerate launch --config_file configs/accelerate/NAME.yaml --num_processes 2 -m offline_rec train ...`.
-Each trains 3 steps of 4, 4 and 1 group(s); the first two have several micro-batches on each rank
-(num_tokens > 2 x micro_batch_tokens), in the third one rank has no rows and runs zero-loss passes.
+Each trains 3 steps of 4, 4 and 1 group(s), with gradient checkpointing (under FSDP2 its own); the
+first two have several micro-batches on each rank (num_tokens > 2 x micro_batch_tokens), in the
+third one rank has no rows and runs zero-loss passes.
 Every run must end at the one-process weights (float rounding), record what ran ("distributed",
 "fsdp_version" / "zero_stage") and take exactly one optimizer step per training step
 ("optimizer_steps", read from the optimizer's own state). The model has a 2000-token byte-level BPE
@@ -82,7 +83,7 @@ def setup(tmp_path_factory):
     def settings(out: Path, **overrides) -> dict:
         chosen = dict(out=str(out), max_steps=STEPS, algorithm="rec-oneside-is", lr=1e-3, adam_eps=1e-4,
                       micro_batch_tokens=MICRO_BATCH_TOKENS, kl_to_initial=0.05, save_every=1, keep_last=STEPS,
-                      logprob_chunk_size=CHUNK)
+                      logprob_chunk_size=CHUNK, gradient_checkpointing=True)
         return config(root, model, data, **{**chosen, **overrides}).to_dict()
 
     threads = torch.get_num_threads()
@@ -129,6 +130,8 @@ def test_two_processes_under_each_config_match_one_process(setup, name):
     assert json.loads((one / ckpt.SUMMARY_FILE).read_text())["distributed"] == "NO"
     settings_block = " ".join(setup["runs"][name][1].split())  # the console wraps long lines
     assert f"(accelerate {RAN[name]['distributed']}), 2 process(es) on cpu, process group gloo" in settings_block
+    # gradient_checkpointing: FSDP's own activation checkpointing under FSDP, transformers' elsewhere
+    assert ("FSDP2 with its activation checkpointing" in settings_block) == (name == "fsdp2")
 
     one_metrics, metrics = _metrics(one), _metrics(run)
     assert [m["num_tokens"] for m in metrics] == [m["num_tokens"] for m in one_metrics]
