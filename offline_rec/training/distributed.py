@@ -56,6 +56,9 @@ def make_accelerator(cpu: bool, mixed_precision: str):
     AcceleratorState._reset_state(reset_partial_state=False)
     kwargs = dict(mixed_precision=mixed_precision, step_scheduler_with_optimizer=False)  # one scheduler step per step
     backend = launched_backend()
+    if backend == "DEEPSPEED" and cpu and _gpu_available():
+        raise UserError("cpu: true under DeepSpeed on a machine with GPUs is not supported (DeepSpeed would put the "
+                        "model on the GPU): drop cpu: true, or launch with configs/accelerate/ddp.yaml or fsdp2.yaml")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (cpu or not _gpu_available()):
         PartialState(cpu=True)  # the N processes joined over gloo (MULTI_CPU): DDP as it stands
         if backend == "FSDP":
