@@ -82,3 +82,48 @@ def state_dict_of(model_dir) -> dict:
     from transformers import AutoModelForCausalLM
 
     return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict().items()}
+
+
+def bpe_tiny_model(directory, vocab_size: int = 2000) -> str:
+    """A 2-layer, hidden-64 llama with a byte-level BPE tokenizer of about `vocab_size` tokens trained on
+    seeded random words (ASCII and non-ASCII). At 2000 tokens its embedding and lm_head have 128k
+    parameters each: above DeepSpeed's ZeRO-3 persistence threshold (1e5), so ZeRO-3 partitions them."""
+    from offline_rec.models.tiny import build_bpe_tokenizer, build_tiny_model, save_tiny
+
+    rng = np.random.default_rng(0)
+    letters = list("abcdefghijklmnopqrstuvwxyzéèüßçñøåæœ") + ["中", "文", "字", "日", "本", "語", "ä", "ö"]
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(6000)]
+    texts = [" ".join(words[i:i + 50]) for i in range(0, len(words), 50)]
+    tokenizer = build_bpe_tokenizer(texts, vocab_size=vocab_size)
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=128)
+    return save_tiny(model, tokenizer, Path(directory))
+
+
+class WidestVocabularyRows:
+    """A torch dispatch mode (use as a context manager) that records, over every op output whose last
+    dimension is `vocab` (views aside), how many rows the widest one had: the most logits held at once."""
+
+    def __init__(self, vocab: int):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        recorder = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.is_view:  # views (a transposed lm_head weight is [hidden, vocab]) hold no new numbers
+                    return out
+                for tensor in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 and tensor.shape[-1] == vocab:
+                        recorder.outputs += 1
+                        recorder.rows = max(recorder.rows, tensor.numel() // vocab)
+                return out
+
+        self.vocab, self.rows, self.outputs, self.mode = vocab, 0, 0, Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)

@@ -12,13 +12,22 @@ Precision: logits and the logsumexp are always float32 (float64 for float64 inpu
 hidden states and weight are bf16/fp16: low-precision inputs are upcast before the matmul, so
 the result equals the float32 computation on the same (rounded) values.
 
+Sharded parameters (FSDP2, DeepSpeed ZeRO-3): outside its module's forward the lm_head weight is a
+shard (a DTensor, or an empty ZeRO-3 partition). `token_logprobs_from_model` therefore runs the
+chunked computation AS the lm_head's forward (`_head_logprobs`): the backend's hooks gather the
+weight for it, gather it again for backward and reduce the weight's gradient, as for any Linear,
+and every rank calls the head once per forward whatever its number of rows (so the gathers,
+which are collectives, pair up across ranks).
+
 Not handled by the fast path (and so sent to the plain `model(...).logits` route by
-`token_logprobs_from_model`): models whose lm_head is not a plain `nn.Linear` (e.g. a LoRA-
-wrapped lm_head) and models that transform logits after the lm_head (Gemma-2 final-logit
-soft-capping, Cohere `logit_scale`, Granite `logits_scaling`).
+`token_logprobs_from_model`, which says so once per reason): models whose lm_head is not a plain
+`nn.Linear` (e.g. a LoRA-wrapped lm_head) and models that transform logits after the lm_head
+(Gemma-2 final-logit soft-capping, Cohere `logit_scale`, Granite `logits_scaling`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -197,8 +206,10 @@ def token_logprobs_from_model(
     model_inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
                         position_ids=position_ids, use_cache=False)
 
-    parts = _backbone_and_head(model)
+    parts, reason = _backbone_and_head(model)
     if parts is None:
+        _say_once(f"per-token log-probs of {type(model).__name__} go through its full logits [tokens, vocabulary] "
+                  f"({reason}): memory grows with tokens x vocabulary; the chunked lm_head path is not used")
         logits = model(**model_inputs).logits[:, :-1]  # [B, L-1, V]
         if positions_mask is None:
             return naive_token_logprobs(logits, targets, temperature)
@@ -208,11 +219,31 @@ def token_logprobs_from_model(
     backbone, head = parts
     hidden = backbone(**model_inputs).last_hidden_state[:, :-1]  # [B, L-1, H]
     if positions_mask is None:
-        return chunked_token_logprobs(hidden, head.weight, targets, head.bias, chunk_size, temperature)
-    scored = chunked_token_logprobs(
-        hidden[positions_mask], head.weight, targets[positions_mask], head.bias, chunk_size, temperature
-    )  # [n_scored]
-    return _spread(scored, positions_mask)
+        return _head_logprobs(head, hidden, targets, chunk_size, temperature)
+    scored = _head_logprobs(head, hidden[positions_mask], targets[positions_mask], chunk_size, temperature)
+    return _spread(scored, positions_mask)  # scored: [n_scored]
+
+
+def _head_logprobs(head: torch.nn.Module, hidden, targets, chunk_size: int, temperature: float) -> torch.Tensor:
+    """chunked_token_logprobs with the head's weight and bias, computed as `head`'s own forward.
+
+    Calling the module (rather than reading `head.weight` here) lets a sharding backend's forward
+    and backward hooks gather the full weight around the computation and reduce its gradient
+    (FSDP2 DTensor shards, ZeRO-3 partitions); without sharding it is the same computation.
+    """
+
+    def forward(rows):
+        return chunked_token_logprobs(rows, head.weight, targets, head.bias, chunk_size, temperature)
+
+    own = head.__dict__.get("forward")  # a forward already set on the instance (e.g. by a dispatch hook)
+    head.forward = forward  # an instance attribute, in front of the class's forward for this one call
+    try:
+        return head(hidden)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
 
 
 def _spread(scored: torch.Tensor, positions_mask: torch.Tensor) -> torch.Tensor:
@@ -222,16 +253,38 @@ def _spread(scored: torch.Tensor, positions_mask: torch.Tensor) -> torch.Tensor:
 
 
 def _backbone_and_head(model):
-    """(decoder module, plain nn.Linear lm_head) when the fast path is exact, else None."""
+    """((decoder module, plain nn.Linear lm_head), None) when the fast path is exact, else (None, why not)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    # Exactly nn.Linear: a subclass or a wrapper (LoRA on the lm_head) may compute something else.
-    if type(head) is not torch.nn.Linear:
-        return None
+    # Exactly nn.Linear (FSDP2's sharded subclass of it included): a subclass or a wrapper (LoRA on
+    # the lm_head) may compute something else.
+    if _unsharded_class(head) is not torch.nn.Linear:
+        kind = type(head)
+        return None, f"its lm_head is a {kind.__module__}.{kind.__qualname__}, not a plain torch.nn.Linear"
     config = getattr(model, "config", None)
     configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
-    if any(getattr(c, name, None) is not None for c in configs for name in _LOGIT_TRANSFORM_ATTRIBUTES):
-        return None
+    transforms = [name for c in configs for name in _LOGIT_TRANSFORM_ATTRIBUTES if getattr(c, name, None) is not None]
+    if transforms:
+        return None, f"its config sets {transforms[0]}, applied after the lm_head"
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else None
     if backbone is None or backbone is model:  # a bare backbone has no separate head to chunk
-        return None
-    return backbone, head
+        return None, "it has no separate decoder and lm_head"
+    return (backbone, head), None
+
+
+def _unsharded_class(module):
+    """The class `module` had before FSDP2's fully_shard made it an FSDP<class> (FSDPModule, class) subclass."""
+    cls = type(module)
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0].__name__ == "FSDPModule" and cls.__name__ == f"FSDP{bases[1].__name__}":
+        return bases[1]
+    return cls
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A RuntimeWarning the first time `message` comes up in this process."""
+    if message not in _SAID:
+        _SAID.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -21,8 +21,15 @@ A checkpoint is written into `checkpoints/.step-000010.tmp` and renamed when com
 crash (even kill -9) mid-write leaves only a hidden temporary directory, which `latest_checkpoint`
 never returns and `remove_partial` deletes. `final/` is built the same way.
 
-Model weights are saved once, in Hugging Face format: the accelerate state hooks drop them from
-`trainer/` and a resumed run loads them from the HF files (`load_policy` in train.py).
+Model weights are saved once per checkpoint. One process or DDP: in Hugging Face format; the
+accelerate state hooks drop them from `trainer/` and a resumed run loads them from the HF files.
+Sharded backends (FSDP2, DeepSpeed; see distributed.py): each rank writes its own shard of the
+weights and of the optimizer state into `trainer/` through accelerate (FSDP2: the sharded state
+dict through torch.distributed.checkpoint, `pytorch_model_fsdp_0/` and `optimizer_0/`; DeepSpeed:
+the engine's ZeRO checkpoint, `pytorch_model/`), nothing is gathered, and the checkpoint folder
+holds the model's config and tokenizer but no weights. The full model is gathered only for
+`final/` (`consolidate`, once, at the end) and for checkpoints an evaluation reads. A sharded
+checkpoint resumes only under the backend that wrote it (`check_backend`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from offline_rec.models.versions import (  # noqa: F401  (the run layout names, 
     policy_version,
     read_trainer_state,
 )
+from offline_rec.training import distributed
 from offline_rec.training.batching import epoch_seed
 from offline_rec.training.config import save_config
 
@@ -53,6 +61,9 @@ CONFIG_FILE = "config.yaml"
 HOLDOUT_FILE = "holdout.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
+CONSOLIDATED_DIR = ".consolidated.tmp"  # the gathered model of a sharded run, on its way into final/
+# Files whose presence means a folder holds model weights in Hugging Face form.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
 # Files of a checkpoint that are training state, not part of the model folder.
@@ -96,6 +107,23 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return latest
 
 
+def has_model_weights(path: str | os.PathLike) -> bool:
+    """Whether a checkpoint (or model folder) holds weights in Hugging Face form (a sharded run's do not)."""
+    return any((Path(path) / name).is_file() for name in WEIGHT_FILES)
+
+
+def check_backend(trainer_state: dict | None, backend: str, checkpoint) -> None:
+    """A checkpoint whose weights and optimizer are sharded (FSDP, DeepSpeed) continues only under the
+    backend that wrote it, and a one-process/DDP checkpoint not under a sharded one: their states differ in form."""
+    if trainer_state is None:
+        return
+    saved = trainer_state.get("distributed", "NO")  # checkpoints from before this key: one process or DDP
+    sharded = {name for name in (saved, backend) if name in distributed.SHARDED_BACKENDS}
+    if sharded and saved != backend:
+        raise UserError(f"{checkpoint} was written under {saved} and this run is {backend}: its weights and optimizer "
+                        f"state are in {saved}'s form; continue it with the accelerate config it was trained with")
+
+
 def remove_partial(run_dir: str | os.PathLike) -> None:
     """Delete the temporary directories an interrupted save left behind."""
     run_dir = Path(run_dir)
@@ -129,10 +157,13 @@ def load_optimizer_state(accelerator, optimizer, scheduler, checkpoint_dir: str 
     scheduler.load_state_dict(schedule)
 
 
-def save_checkpoint(accelerator, scorer, tokenizer, run_dir, step: int, trainer_state: dict, keep_last: int) -> Path:
+def save_checkpoint(accelerator, scorer, tokenizer, run_dir, step: int, trainer_state: dict, keep_last: int,
+                    with_model: bool = False) -> Path:
     """Write checkpoints/step-NNNNNN atomically (every rank calls this); prune to the newest keep_last.
 
-    `scorer` is the prepared module whose `.policy` is the transformers (or peft) model.
+    `scorer` is the prepared module whose `.policy` is the transformers (or peft) model. Under a
+    sharded backend the weights stay sharded in `trainer/` unless `with_model` (an evaluation will
+    load the checkpoint): then they are also gathered into Hugging Face files.
     """
     root = Path(run_dir) / CHECKPOINTS_DIR
     final = root / checkpoint_name(step)
@@ -141,27 +172,62 @@ def save_checkpoint(accelerator, scorer, tokenizer, run_dir, step: int, trainer_
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    # Gathering the weights is a collective under FSDP / ZeRO-3: every rank takes part.
-    state_dict = accelerator.get_state_dict(scorer)
-    if accelerator.is_main_process:
-        policy = accelerator.unwrap_model(scorer).policy
-        prefix = "policy."
-        policy.save_pretrained(
-            tmp, state_dict={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
-            safe_serialization=True,
-        )
-        tokenizer.save_pretrained(tmp)
+    if with_model or not distributed.is_sharded(accelerator):
+        write_model(accelerator, scorer, tokenizer, tmp)
+    elif accelerator.is_main_process:
+        _write_model_description(accelerator.unwrap_model(scorer).policy, tokenizer, tmp)
     accelerator.save_state(str(tmp / ACCELERATE_STATE_DIR))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         # Written last: its presence is what makes the directory a checkpoint.
-        atomic_write_json(tmp / TRAINER_STATE_FILE, trainer_state)
+        atomic_write_json(tmp / TRAINER_STATE_FILE, {**trainer_state, "distributed": distributed.name(accelerator)})
         if final.exists():  # a re-save of the same step (e.g. the end of a resumed, finished run)
             shutil.rmtree(final)
         os.replace(tmp, final)
         prune_checkpoints(run_dir, keep_last)
     accelerator.wait_for_everyone()
     return final
+
+
+def write_model(accelerator, scorer, tokenizer, directory: Path) -> None:
+    """The policy in Hugging Face form (LoRA: the adapter) and the tokenizer, into `directory` (existing).
+
+    Every rank calls this: under FSDP2 and ZeRO-3 gathering the weights is a collective; the main
+    process writes.
+    """
+    state_dict = accelerator.get_state_dict(scorer)
+    if accelerator.is_main_process:
+        policy = accelerator.unwrap_model(scorer).policy
+        prefix = "policy."
+        policy.save_pretrained(
+            directory, state_dict={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
+            safe_serialization=True,
+        )
+        tokenizer.save_pretrained(directory)
+
+
+def _write_model_description(policy, tokenizer, directory: Path) -> None:
+    """What a sharded checkpoint shows of its model: config (LoRA: adapter config) and tokenizer, no weights."""
+    if hasattr(policy, "peft_config"):
+        policy.peft_config["default"].save_pretrained(directory)
+    else:
+        policy.config.save_pretrained(directory)
+        if policy.generation_config is not None:
+            policy.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def consolidate(accelerator, scorer, tokenizer, run_dir) -> Path:
+    """RUN/.consolidated.tmp: the full model of a sharded run gathered from the live shards (every rank
+    calls this), for `export_final`; `remove_partial` deletes it if the run dies before."""
+    directory = Path(run_dir) / CONSOLIDATED_DIR
+    if accelerator.is_main_process:
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    write_model(accelerator, scorer, tokenizer, directory)
+    accelerator.wait_for_everyone()
+    return directory
 
 
 def prune_checkpoints(run_dir, keep_last: int) -> None:
@@ -174,8 +240,9 @@ def prune_checkpoints(run_dir, keep_last: int) -> None:
 
 def export_final(checkpoint_dir: str | os.PathLike, run_dir: str | os.PathLike, base_model: str, dtype: str,
                  summary: dict) -> Path:
-    """Build RUN/final from a checkpoint: the HF model folder (LoRA: merged into the base, with the
-    adapter in final/adapter), then summary.json; both appear atomically. Main process only."""
+    """Build RUN/final from a checkpoint (or a sharded run's `consolidate`d model, removed after): the HF
+    model folder (LoRA: merged into the base, with the adapter in final/adapter), then summary.json;
+    both appear atomically. Main process only."""
     checkpoint_dir, run_dir = Path(checkpoint_dir), Path(run_dir)
     final = run_dir / FINAL_DIR
     tmp = run_dir / f".{FINAL_DIR}.tmp"
@@ -197,6 +264,8 @@ def export_final(checkpoint_dir: str | os.PathLike, run_dir: str | os.PathLike, 
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    if checkpoint_dir.name == CONSOLIDATED_DIR:
+        shutil.rmtree(checkpoint_dir)
     return final
 
 
@@ -226,10 +295,12 @@ def finished_summary(run_dir: Path) -> dict:
 
 
 def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: int = 0,
-                       init_from: str | None = None) -> dict:
+                       init_from: str | None = None, optimizer_steps: int | None = None,
+                       optimizer_steps_at_start: int = 0) -> dict:
     """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`),
     and the policy version of the weights: `version_start` (that of `init_from`, the checkpoint this
-    run continued, if any) + steps_done."""
+    run continued, if any) + steps_done. `optimizer_steps`: the updates the optimizer's own state
+    counts (`optimizer_steps_at_start` of them came with init_from's AdamW state)."""
     epoch, step_in_epoch = divmod(steps_done, schedule.steps_per_epoch)
     return {
         "step": steps_done,
@@ -243,6 +314,8 @@ def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: 
         "policy_version_start": version_start,
         "policy_version": version_start + steps_done,
         "init_from": init_from,
+        "optimizer_steps": optimizer_steps,
+        "optimizer_steps_at_start": optimizer_steps_at_start,
         "metrics": metrics,
     }
 

@@ -135,7 +135,9 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
 
 
 def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
-    vocab = policy.get_input_embeddings().weight.shape[0]
+    embeddings = policy.get_input_embeddings()
+    # num_embeddings, not weight.shape: under ZeRO-3 the weight is an empty partition here
+    vocab = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
     if index.max_token_id >= vocab:
         raise UserError(f"the data holds token id {index.max_token_id} but {model} has {vocab} embeddings: "
                         "data and model do not match")

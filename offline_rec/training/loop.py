@@ -11,10 +11,12 @@
    rows into micro-batches.
 3. `step.run_step` runs the passes: the loss is the token-mean over ALL completion tokens of the
    step, whatever the micro-batching and the number of ranks (see training/step.py).
-4. Checkpoints hold the HF model, the tokenizer, the optimizer, scheduler and RNG states, and
-   the data cursor; they are written atomically, and --resume continues bit for bit. A stop
-   signal (SIGTERM, SIGINT, SIGUSR1) on any rank ends the run after the step in progress, with a
-   checkpoint of that step and `Preempted` (exit code 75 from the CLI): see offline_rec/preemption.py.
+4. Checkpoints hold the HF model (sharded backends: each rank's shards), the tokenizer, the
+   optimizer, scheduler and RNG states, and the data cursor; they are written atomically, and
+   --resume continues bit for bit. The backend (DDP, FSDP2, DeepSpeed ZeRO) is the launch's
+   (training/distributed.py), on GPUs or CPU processes alike. A stop signal (SIGTERM, SIGINT,
+   SIGUSR1) on any rank ends the run after the step in progress, with a checkpoint of that step
+   and `Preempted` (exit code 75 from the CLI): see offline_rec/preemption.py.
 5. Evaluation and publishing sit above training: the caller passes them in as `TrainHooks`
    (`offline_rec.eval.hooks.training_hooks(config)` builds the ones the CLI uses).
 """
@@ -31,11 +33,18 @@ import torch
 from offline_rec.algorithms import get_algorithm
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
-from offline_rec.training import batching, checks
+from offline_rec.training import batching, checks, distributed
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import MetricsLog, print_settings, step_metrics
-from offline_rec.training.policy import PolicyScorer, build_optimizer, load_policy, load_reference
+from offline_rec.training.policy import (
+    PolicyScorer,
+    build_optimizer,
+    check_update_precision,
+    load_policy,
+    load_reference,
+    optimizer_steps,
+)
 from offline_rec.training.step import any_rank, run_step
 
 
@@ -51,8 +60,6 @@ class TrainHooks:
 
 def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     """Train `config.model` on `config.data` with `config.algorithm`; returns a summary dict."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
     from accelerate.utils import set_seed
     from transformers.utils import logging as transformers_logging
 
@@ -80,22 +87,25 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     checks.check_resumable(state, schedule, resume_from)
 
     # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
-    # accelerate keeps its settings in a per-process singleton; train() may run several times in one
-    # process (tests, notebooks), and an earlier run's mixed precision must not stick to this one.
-    AcceleratorState._reset_state(reset_partial_state=False)
     # A process group that exists already belongs to someone else (an in-process vLLM engine, a
     # notebook's own setup): whoever made it tears it down, not the end of this run.
     foreign_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
-    accelerator = Accelerator(mixed_precision=config.mixed_precision, cpu=config.cpu,
-                              step_scheduler_with_optimizer=False)  # one scheduler step per optimizer step
+    accelerator = distributed.make_accelerator(config.cpu, config.mixed_precision)
+    continued = resume_from or init_from
+    ckpt.check_backend(ckpt.read_trainer_state(continued) if continued else None, distributed.name(accelerator),
+                       continued)
+    backend_checkpointing = distributed.configure(accelerator, config.gradient_checkpointing, config.max_grad_norm)
     version_start, continued_from = ckpt.policy_lineage(state, init_from)
     set_seed(config.seed)
-    policy = load_policy(config, resume_from or init_from)
+    # A sharded checkpoint has no HF weights: the backend loads its shards into the prepared model below.
+    policy = load_policy(config, continued if continued and ckpt.has_model_weights(continued) else None,
+                         backend_checkpointing)
     checks.check_vocabulary(index, policy, config.model)
-    reference = load_reference(config, accelerator.device)
+    check_update_precision(policy, config.lr, config.model_dtype)
     scorer = PolicyScorer(policy, config.logprob_chunk_size, config.temperature)
     optimizer, scheduler = build_optimizer(scorer, config, schedule.total_steps)
     scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
+    reference = load_reference(config, accelerator)
     ckpt.register_state_hooks(accelerator)
     if resume_from:
         accelerator.load_state(str(resume_from / ckpt.ACCELERATE_STATE_DIR))
@@ -103,11 +113,14 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         ckpt.load_optimizer_state(accelerator, optimizer, scheduler, init_from)
         set_seed(config.seed)  # the earlier run's saved RNG states must not decide this run's
     start_step = state["step"] if state else 0
+    # Updates counted by the optimizer's own state; init_from's AdamW state brings its earlier ones.
+    steps_at_start = state.get("optimizer_steps_at_start", 0) if state else optimizer_steps(optimizer)
 
     # ---- 3. The run directory.
     if accelerator.is_main_process:
         ckpt.start_run_dir(run_dir, config, datasets, index, schedule)
-        print_settings(config, spec, index, schedule, accelerator.num_processes, start_step)
+        print_settings(config, spec, index, schedule, accelerator.num_processes, start_step,
+                       backend=distributed.settings_line(accelerator))
     metrics_log = MetricsLog(run_dir, config, start_step, accelerator.is_main_process,
                              state["metrics"] if state else None)
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
@@ -131,9 +144,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             done = step + 1 == schedule.total_steps
             evaluate_now = config.eval_every and (step + 1) % config.eval_every == 0 and not preempted
             if done or evaluate_now or preempted or (config.save_every and (step + 1) % config.save_every == 0):
-                trainer_state = ckpt.make_trainer_state(schedule, step + 1, metrics, version_start, continued_from)
+                trainer_state = ckpt.make_trainer_state(schedule, step + 1, metrics, version_start, continued_from,
+                                                        optimizer_steps(optimizer), steps_at_start)
                 last_saved = ckpt.save_checkpoint(accelerator, scorer, tokenizer, run_dir, step + 1, trainer_state,
-                                                  config.keep_last)
+                                                  config.keep_last, with_model=bool(evaluate_now))
             if evaluate_now:
                 if accelerator.is_main_process:
                     last_eval = {f"eval/{k}": v for k, v in hooks.evaluate(last_saved).items()}
@@ -166,11 +180,16 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         "train_groups": len(schedule.train_groups),
         "holdout_groups": len(schedule.holdout_groups),
         "world_size": accelerator.num_processes,
+        **distributed.describe(accelerator),
+        "optimizer_steps": optimizer_steps(optimizer) - steps_at_start,
         "seconds": time.time() - started,
         "final_metrics": metrics,
     }
+    # A sharded run gathers its full model once, here (every rank takes part).
+    sharded = distributed.is_sharded(accelerator)
+    source = ckpt.consolidate(accelerator, scorer, tokenizer, run_dir) if sharded else last_saved
     if accelerator.is_main_process:
-        final = ckpt.export_final(last_saved, run_dir, config.model, config.model_dtype, summary)
+        final = ckpt.export_final(source, run_dir, config.model, config.model_dtype, summary)
         if config.push_to_hub:
             evals = {k.removeprefix("eval/"): v for k, v in last_eval.items()}
             summary["pushed_to"] = hooks.publish(final, summary, evals)

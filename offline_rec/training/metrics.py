@@ -187,8 +187,9 @@ def _line_step(line: str):
         return None  # a line cut by a crash
 
 
-def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int) -> None:
-    """The settings a reader of the log needs first (defaults included)."""
+def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int,
+                   backend: str = "") -> None:
+    """The settings a reader of the log needs first (defaults included); `backend`: what runs the processes."""
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -225,6 +226,8 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
             + f", keep_last {config.keep_last or 'all'}, to {config.out}",
         ),
     ]
+    if backend:
+        rows.insert(3, ("backend", backend))
     if config.lora_r:
         rows.append(("lora", f"r {config.lora_r}, alpha {config.lora_alpha:g}, targets {config.lora_target_modules}"))
     if config.kl_to_initial:

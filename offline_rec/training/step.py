@@ -2,16 +2,32 @@
 
 The loss is the token-mean over ALL completion tokens of the step: every micro-batch's loss is
 divided by N, the count summed over micro-batches and ranks (one all-gather before the first
-forward). Summing micro-batch gradients then gives the step's gradient whatever the packing; DDP
-averages gradients over ranks, so the loss is multiplied by world_size. Dropped rows (RED-Drop)
-are not forwarded and not counted in N. Ranks run the same number of passes (a rank with fewer
-micro-batches runs zero-loss ones), and gradients are synchronized on the last one only.
+forward). Summing micro-batch gradients then gives the step's gradient whatever the packing; every
+backend averages gradients over ranks, so the loss is multiplied by world_size. Dropped rows
+(RED-Drop) are not forwarded and not counted in N. Ranks run the same number of passes (a rank
+with fewer micro-batches runs zero-loss ones): under FSDP and ZeRO-3 every forward gathers
+parameters, a collective all ranks must join.
+
+One optimizer step per training step, whatever the number of micro-batches (it varies from step
+to step): accelerate's gradient state says "synchronize" on the last pass only. That is what
+makes DeepSpeed take its step there and only there (`accelerator.backward` marks the
+accumulation boundary and runs `engine.step()` when it is set), and what lets accelerate's
+optimizer and scheduler wrappers step after the loop. Gradient reduction per backend:
+  DDP        gradients accumulate locally (`no_sync`) and are all-reduced in the last backward.
+  FSDP2      gradients are reduce-scattered after EVERY micro-batch and accumulate sharded. The
+             alternative (`no_sync`) keeps the full unsharded gradient on every rank until the
+             last micro-batch (+4 bytes per parameter: +28 GB per GPU at 7B); per-micro-batch
+             reduce-scatter costs one gradient's worth of communication per micro-batch instead
+             (each micro-batch already all-gathers the parameters twice).
+  DeepSpeed  ZeRO reduces (stage 2, 3: per micro-batch, into partitions) as DeepSpeed decides;
+             clipping and the update are DeepSpeed's, at the boundary.
 
 Optional KL penalty to the initial policy (`kl_to_initial` = beta): per completion token
     k3 = exp(ref - logp) - (ref - logp) - 1      (ref: log-prob under the initial policy)
 is added as beta * sum(k3 * m) / N, evaluated on the logged tokens (the data is not sampled from
 the current policy, so this is a regularizer, not an unbiased KL estimate). The reference is the
-initial model run under no_grad; with LoRA it is the same model with its adapters disabled.
+initial model run under no_grad, prepared like the policy (sharded under FSDP2 and ZeRO-3); with
+LoRA it is the same model with its adapters disabled.
 """
 
 from __future__ import annotations
@@ -22,8 +38,7 @@ import math
 import torch
 
 from offline_rec.algorithms import AlgorithmSpec, policy_loss
-from offline_rec.models.logprobs import token_logprobs_from_model
-from offline_rec.training import batching
+from offline_rec.training import batching, distributed
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums
 from offline_rec.training.policy import k3_penalty
@@ -57,9 +72,7 @@ def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, config
             if reference is None:  # LoRA: the initial policy is the model with its adapters off
                 ref = scorer(batch["input_ids"], batch["attention_mask"], batch["positions_mask"], adapters=False)
             else:
-                ref = token_logprobs_from_model(reference, batch["input_ids"], batch["attention_mask"],
-                                                positions_mask=batch["positions_mask"],
-                                                chunk_size=config.logprob_chunk_size, temperature=config.temperature)
+                ref = reference(batch["input_ids"], batch["attention_mask"], batch["positions_mask"])
         kl_initial = k3_penalty(logprobs, ref, batch["loss_mask"], num_tokens)  # ref: [B, L-1]
         loss = loss + config.kl_to_initial * kl_initial
     return loss, stats, kl_initial
@@ -71,7 +84,9 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
 
     Returns the step's pass metrics (combined over ranks), grad_norm (before clipping), lr and num_tokens.
     """
+    lr = scheduler.get_last_lr()[0]  # this step's: DeepSpeed steps the scheduler inside the last backward
     num_tokens, num_sequences, num_passes = step_counts(accelerator, plan)
+    defer_reduction = distributed.name(accelerator) != "FSDP"  # see the module docstring
     sums = PassSums()
     for i in range(num_passes):
         if i < len(plan.micro_batches):
@@ -79,16 +94,19 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
         else:  # this rank has run out of rows: a zero-loss pass keeps the collectives in step
             batch = batching.zero_loss_batch(pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-        synchronize = i == num_passes - 1  # gradients are all-reduced on the last pass only
-        with contextlib.nullcontext() if synchronize else accelerator.no_sync(scorer):
+        last = i == num_passes - 1
+        accelerator.gradient_state._set_sync_gradients(last)  # accelerate's own switch (what accumulate() sets)
+        with accelerator.no_sync(scorer) if defer_reduction and not last else contextlib.nullcontext():
             loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config, max(num_tokens, 1),
                                                        max(num_sequences, 1), accelerator)
             accelerator.backward(loss * accelerator.num_processes)
         sums.add(stats, kl_initial, batch)
 
+    # DeepSpeed clipped and stepped in the last backward; then this returns its norm and the
+    # optimizer and scheduler calls below are accelerate's no-ops.
     grad_norm = accelerator.clip_grad_norm_(scorer.parameters(), config.max_grad_norm or math.inf)
-    lr = scheduler.get_last_lr()[0]
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {**sums.combine(accelerator), "grad_norm": float(grad_norm), "lr": lr, "num_tokens": num_tokens}
+    return {**sums.combine(accelerator), "grad_norm": math.nan if grad_norm is None else float(grad_norm), "lr": lr,
+            "num_tokens": num_tokens}

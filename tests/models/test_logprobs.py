@@ -277,3 +277,52 @@ def test_logit_softcapping_model_takes_the_logits_route(monkeypatch):
     with torch.no_grad():
         token_logprobs_from_model(model, input_ids, attention_mask)
     assert calls == [1]
+
+
+def test_full_logits_route_is_announced_once(monkeypatch):
+    from offline_rec.models import logprobs
+
+    monkeypatch.setattr(logprobs, "_SAID", set())
+    model = _tiny_llama()
+    monkeypatch.setattr(model.config, "logit_scale", 2.0, raising=False)
+    input_ids, attention_mask = _padded_batch("right")
+    with pytest.warns(RuntimeWarning, match="full logits .* logit_scale") as said, torch.no_grad():
+        token_logprobs_from_model(model, input_ids, attention_mask)
+        token_logprobs_from_model(model, input_ids, attention_mask)
+    assert len([w for w in said if "full logits" in str(w.message)]) == 1
+
+
+def test_head_runs_as_a_module_call_so_sharding_hooks_gather_its_weight():
+    # ZeRO-3 in miniature: the lm_head weight is an empty partition outside the head's forward; a
+    # forward pre-hook gathers it, a forward hook releases it and hooks the output so that backward
+    # gathers it again. Log-probs and gradients must equal those of the unsharded model.
+    input_ids, attention_mask = _padded_batch("right")
+    completion = _real_pair_mask(attention_mask)
+    coefficients = torch.randn(completion.shape, generator=torch.Generator().manual_seed(5))
+    plain, sharded = _tiny_llama(), _tiny_llama()
+    head = sharded.lm_head
+    full = head.weight.data.clone()
+    calls = []
+
+    def gather(*_):
+        head.weight.data = full
+        calls.append("gather")
+
+    def release(module, inputs, output):
+        head.weight.data = torch.empty(0)
+        calls.append("release")
+        output.register_hook(lambda grad: gather())
+
+    head.weight.data = torch.empty(0)
+    head.register_forward_pre_hook(gather)
+    head.register_forward_hook(release)
+    results = []
+    for model in (plain, sharded):
+        scored = token_logprobs_from_model(model, input_ids, attention_mask, positions_mask=completion, chunk_size=3)
+        (scored * coefficients).sum().backward()
+        results.append(scored.detach())
+    assert calls == ["gather", "release", "gather"]  # one call for all 24 scored rows (8 chunks)
+    torch.testing.assert_close(results[1], results[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(head.weight.grad, plain.lm_head.weight.grad, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sharded.model.embed_tokens.weight.grad, plain.model.embed_tokens.weight.grad,
+                               atol=1e-6, rtol=0)
