@@ -164,11 +164,12 @@ def _float_at_least_32(tensor: torch.Tensor) -> torch.Tensor:
 def token_logprobs_from_model(
     model,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     position_ids: torch.Tensor | None = None,
     positions_mask: torch.Tensor | None = None,
     chunk_size: int = 1024,
     temperature: float = 1.0,
+    output_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of each next token under a transformers causal LM: [B, L-1] float32.
 
@@ -179,23 +180,38 @@ def token_logprobs_from_model(
     the prompt never goes through the lm_head); the others are 0. Padding positions are not
     masked for you: pass positions_mask to exclude them.
 
+    Padding-free rows (`offline_rec.models.packing`): attention_mask None and position_ids that
+    restart at 0 at the first token of every sequence laid end to end in a row; the model then
+    keeps attention inside each sequence. output_mask [B', L'] bool, with as many True as
+    positions_mask: the scored values are placed there (row-major order) instead of at
+    positions_mask, and the result is [B', L'], e.g. the padded layout of the packed sequences.
+
     The backbone (`model.get_decoder()`) gives the final hidden states and the lm_head
     (`model.get_output_embeddings()`, which is the input embedding when tied) is applied by
     chunked_token_logprobs. Models outside that shape run `model(...).logits` instead.
     """
     batch, length = input_ids.shape
-    if attention_mask.shape != input_ids.shape:
+    if attention_mask is None:
+        if position_ids is None or position_ids.shape != input_ids.shape:
+            raise ValueError(f"padding-free rows (attention_mask None) need position_ids [{batch}, {length}]")
+    elif attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} is not {(batch, length)}")
     if positions_mask is not None and (
         positions_mask.shape != (batch, length - 1) or positions_mask.dtype != torch.bool
     ):
         raise ValueError(f"positions_mask must be bool [{batch}, {length - 1}], got "
                          f"{positions_mask.dtype} {tuple(positions_mask.shape)}")
+    # (Counting output_mask's True against positions_mask's would wait for the device: not checked.)
+    if output_mask is not None and (positions_mask is None or output_mask.dtype != torch.bool):
+        raise ValueError("output_mask needs positions_mask and must be bool")
     if position_ids is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [B, L]
     targets = input_ids[:, 1:]  # [B, L-1]
-    model_inputs = dict(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids, use_cache=False)
+    # No cache: with one, transformers would not look for packed sequences in position_ids.
+    model_inputs = dict(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    if attention_mask is not None:
+        model_inputs["attention_mask"] = attention_mask
+    placed = positions_mask if output_mask is None else output_mask
 
     parts = _backbone_and_head(model)
     if parts is None:
@@ -203,7 +219,7 @@ def token_logprobs_from_model(
         if positions_mask is None:
             return naive_token_logprobs(logits, targets, temperature)
         scored = naive_token_logprobs(logits[positions_mask], targets[positions_mask], temperature)
-        return _spread(scored, positions_mask)
+        return _spread(scored, placed)
 
     backbone, head = parts
     hidden = backbone(**model_inputs).last_hidden_state[:, :-1]  # [B, L-1, H]
@@ -212,7 +228,7 @@ def token_logprobs_from_model(
     scored = chunked_token_logprobs(
         hidden[positions_mask], head.weight, targets[positions_mask], head.bias, chunk_size, temperature
     )  # [n_scored]
-    return _spread(scored, positions_mask)
+    return _spread(scored, placed)
 
 
 def _spread(scored: torch.Tensor, positions_mask: torch.Tensor) -> torch.Tensor:
