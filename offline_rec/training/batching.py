@@ -11,11 +11,16 @@ same pass appends them, decoded, to a memory-mapped temporary file (`offline_rec
 
 Batching rules:
   * an optimizer step takes `prompts_per_step` whole groups (the last step of an epoch takes
-    what is left: it is trained, not dropped); a group is never split, not across steps and
-    not across data-parallel ranks (`assign_to_ranks`);
-  * within a rank, rows are sorted by length and packed into micro-batches whose padded size
-    (rows x longest row) stays within a token budget (`pack_micro_batches`), so that little
-    of what runs through the model is padding (`padding_efficiency`);
+    what is left: it is trained, not dropped); a group is never split across steps;
+  * the step's advantages are computed from the rewards of all its rows first, the same on every
+    rank; then its rows are dealt to the data-parallel ranks by length so that every rank gets
+    about the same number of tokens (`assign_to_ranks`: a group's rows may land on several
+    ranks, which changes nothing, since the loss is normalized by the step's global token count);
+  * within a rank, rows are packed into micro-batches under a token budget
+    (`pack_micro_batches`). Padding-free (`padding_free`): a micro-batch is ONE row of its
+    sequences laid end to end, position ids restarting at each (`offline_rec.models.packing`),
+    and the budget is the sum of their lengths: nothing is padding. Padded: rows sorted by
+    length, rows x longest row within the budget (`padding_efficiency` says how much is real);
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
@@ -23,6 +28,7 @@ Batching rules:
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +42,7 @@ from offline_rec.algorithms import advantage_stats, group_advantages
 from offline_rec.data.dataset import Dataset
 from offline_rec.data.rowstore import RowStore, RowStoreWriter
 from offline_rec.errors import DataError, UserError
+from offline_rec.models.packing import packed_position_ids
 
 # Columns the index pass reads (each step reads the RowStore's COLUMNS of its rows from the store).
 INDEX_COLUMNS = [
@@ -258,17 +265,18 @@ def step_groups(order: np.ndarray, step_in_epoch: int, prompts_per_step: int) ->
     return order[step_in_epoch * prompts_per_step:(step_in_epoch + 1) * prompts_per_step]
 
 
-def assign_to_ranks(group_tokens, world_size: int) -> list[list[int]]:
-    """Split a step's groups (given by their token counts) over ranks: disjoint, deterministic, balanced.
+def assign_to_ranks(tokens, world_size: int) -> list[list[int]]:
+    """Split items (a step's rows, given by their token counts) over ranks: disjoint, deterministic, balanced.
 
-    Longest groups first, each to the rank with the fewest tokens so far (ties: lowest rank).
-    Returns, per rank, the positions of its groups in the input, in increasing order.
+    Longest first, each to the rank with the fewest tokens so far (ties: lowest rank): with many
+    items per rank, the most loaded rank exceeds the mean by less than one of the last, shortest
+    items. Returns, per rank, the positions of its items in the input, in increasing order.
     """
-    loads = [0] * world_size
+    loads = [(0, rank) for rank in range(world_size)]  # a heap of (tokens so far, rank)
     shares: list[list[int]] = [[] for _ in range(world_size)]
-    for position in sorted(range(len(group_tokens)), key=lambda i: (-int(group_tokens[i]), i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[rank] += int(group_tokens[position])
+    for position in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
+        load, rank = heapq.heappop(loads)
+        heapq.heappush(loads, (load + int(tokens[position]), rank))
         shares[rank].append(position)
     return [sorted(share) for share in shares]
 
@@ -277,14 +285,28 @@ def assign_to_ranks(group_tokens, world_size: int) -> list[list[int]]:
 # micro-batches
 
 
-def pack_micro_batches(lengths, token_budget: int) -> list[list[int]]:
-    """Indices of `lengths` grouped into micro-batches of padded size (rows x longest) <= token_budget.
+def pack_micro_batches(lengths, token_budget: int, padding_free: bool = False) -> list[list[int]]:
+    """Indices of `lengths` grouped into micro-batches of at most `token_budget` model tokens (`model_tokens`).
 
-    Rows are taken longest first, so each micro-batch holds rows of similar length; a row
-    longer than the budget gets a micro-batch of its own. Deterministic (ties by index).
+    Rows are taken longest first. Padded: each micro-batch holds rows of similar length, added
+    while rows x longest <= budget. Padding-free: first fit, each row into the first micro-batch
+    it fits in (sum of lengths <= budget), so that few passes remain. A row longer than the
+    budget gets a micro-batch of its own. Deterministic (ties by index).
     """
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     batches: list[list[int]] = []
+    if padding_free:
+        room: list[int] = []  # tokens left in each micro-batch
+        for i in order:
+            length = int(lengths[i])
+            fits = next((b for b, left in enumerate(room) if left >= length), None)
+            if fits is None:
+                batches.append([i])
+                room.append(token_budget - length)
+            else:
+                batches[fits].append(i)
+                room[fits] -= length
+        return batches
     for i in order:
         # Descending order: the first row of the current micro-batch is its longest.
         if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= token_budget:
@@ -294,11 +316,18 @@ def pack_micro_batches(lengths, token_budget: int) -> list[list[int]]:
     return batches
 
 
-def padding_efficiency(lengths, micro_batches: list[list[int]]) -> float:
-    """Real tokens / tokens run through the model (each micro-batch is rows x its longest row)."""
+def model_tokens(lengths, batch: list[int], padding_free: bool = False) -> int:
+    """Tokens one micro-batch runs through the model: rows x longest row, or (padding-free) their sum."""
+    if padding_free:
+        return sum(int(lengths[i]) for i in batch)
+    return len(batch) * max((int(lengths[i]) for i in batch), default=0)
+
+
+def padding_efficiency(lengths, micro_batches: list[list[int]], padding_free: bool = False) -> float:
+    """Real tokens / tokens run through the model (`model_tokens` of each micro-batch)."""
     real = sum(int(lengths[i]) for batch in micro_batches for i in batch)
-    padded = sum(len(batch) * max(int(lengths[i]) for i in batch) for batch in micro_batches if batch)
-    return real / padded if padded else 1.0
+    run = sum(model_tokens(lengths, batch, padding_free) for batch in micro_batches)
+    return real / run if run else 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,20 +379,26 @@ def read_step_rows(index: GroupIndex, rows, advantages) -> list[Row]:
     ]
 
 
-def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for a micro-batch of rows.
+def collate(rows: list[Row], pad_id: int, padding_free: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a micro-batch of rows: what the model reads, and the loss's padded layout.
 
-    input_ids, attention_mask [B, L]; and, over the L-1 next-token positions (position t
-    predicts token t+1): positions_mask [B, L-1] (True where a completion token with
-    loss_mask 1 is predicted), loss_mask (the same positions), behavior_logprobs [B, L-1]
-    (0 elsewhere); advantages [B].
+    Loss layout, over the L-1 next-token positions of rows right-padded to the longest L
+    (position t predicts token t+1): loss_mask [B, L-1] (True where a completion token with
+    loss_mask 1 is predicted), behavior_logprobs [B, L-1] (0 elsewhere), advantages [B].
+
+    Padded: input_ids, attention_mask [B, L]; positions_mask [B, L-1], the positions scored, is
+    the loss_mask. Padding-free: input_ids, position_ids [1, T] (the rows end to end, T their
+    total length, positions restarting at 0 for each row; no attention_mask: see
+    `offline_rec.models.packing`); positions_mask [1, T-1] marks the same scored tokens in that
+    row and output_mask [B, L-1] where their log-probs go in the loss layout (both hold them in
+    the same order: row after row). `model_inputs` gives the model's arguments either way.
     """
     length = max(row.length for row in rows)
     batch = len(rows)
     # Filled in numpy (one copy per row, the store's read-only views are never handed to torch).
     input_ids = np.full((batch, length), pad_id, dtype=np.int64)
     attention_mask = np.zeros((batch, length), dtype=np.int64)
-    positions_mask = np.zeros((batch, max(length - 1, 1)), dtype=bool)
+    loss_mask = np.zeros((batch, max(length - 1, 1)), dtype=bool)
     behavior = np.zeros((batch, max(length - 1, 1)), dtype=np.float32)
     for i, row in enumerate(rows):
         p, c = len(row.prompt_ids), len(row.completion_ids)
@@ -374,17 +409,37 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         # token of an empty prompt has no context and is not scored.
         first = 1 if p == 0 else 0
         if c > first:
-            positions_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
+            loss_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
             behavior[i, p - 1 + first:p - 1 + c] = row.behavior_logprobs[first:]
+    loss = dict(loss_mask=torch.from_numpy(loss_mask), behavior_logprobs=torch.from_numpy(behavior),
+                advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32))
+    if padding_free:
+        lengths = [row.length for row in rows]
+        real = attention_mask.astype(bool)  # [B, L]
+        # The scored positions of the loss layout, shifted to where each row sits in the packed row.
+        scored = np.zeros((batch, length), dtype=bool)
+        scored[:, :length - 1] = loss_mask[:, :length - 1]
+        packed_scored = scored[real][:-1]  # [T-1]; the last token of the last row predicts nothing
+        tokens = input_ids[real]  # [T]
+        if len(tokens) == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
+            tokens, lengths, packed_scored = np.append(tokens, pad_id), [*lengths, 1], np.zeros(1, dtype=bool)
+        return dict(input_ids=torch.from_numpy(tokens).unsqueeze(0),
+                    position_ids=torch.from_numpy(packed_position_ids(lengths)).unsqueeze(0),
+                    positions_mask=torch.from_numpy(np.ascontiguousarray(packed_scored)).unsqueeze(0),
+                    output_mask=loss["loss_mask"].clone(), **loss)
     input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
-    positions_mask, behavior = torch.from_numpy(positions_mask), torch.from_numpy(behavior)
-    advantages = torch.tensor([row.advantage for row in rows], dtype=torch.float32)
     if length == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
         input_ids = torch.cat([input_ids, torch.full((batch, 1), pad_id)], dim=1)
         attention_mask = torch.cat([attention_mask, torch.zeros((batch, 1), dtype=torch.long)], dim=1)
     # The loss covers exactly the scored positions (the trainer's zero-loss pass is the exception).
-    return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=positions_mask,
-                loss_mask=positions_mask.clone(), behavior_logprobs=behavior, advantages=advantages)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=loss["loss_mask"].clone(), **loss)
+
+
+def model_inputs(batch: dict) -> dict:
+    """The keyword arguments of `token_logprobs_from_model` (and the trainer's scorer) for a collated batch."""
+    return dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"), positions_mask=batch["positions_mask"],
+                output_mask=batch.get("output_mask"))
 
 
 def zero_loss_batch(pad_id: int) -> dict[str, torch.Tensor]:
@@ -446,7 +501,7 @@ class StepPlan:
     """Everything one optimizer step needs before its first forward pass.
 
     Advantages come from the rewards of the WHOLE step (every rank computes the same ones, RED-Drop's
-    random drops included: same generator); the rank then keeps its own share of the groups.
+    random drops included: same generator); the rank then keeps its own share of the rows.
     """
 
     groups: np.ndarray  # [G_step] index positions of the step's groups
@@ -457,6 +512,7 @@ class StepPlan:
     group_stats: dict  # advantage_stats of the step: num_groups, singleton_groups, zero_variance_groups
     rows_here: list[Row]  # this rank's kept rows that carry at least one trainable token
     micro_batches: list[list[int]]  # positions into rows_here, one list per forward/backward pass
+    padding_free: bool = False  # how the micro-batches were packed and are to be collated
 
     @property
     def trainable_tokens(self) -> int:
@@ -464,8 +520,8 @@ class StepPlan:
 
 
 def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Generator, rank: int, world_size: int,
-              micro_batch_tokens: int) -> StepPlan:
-    """Advantages of the step's groups, this rank's share of them, its rows read and packed into micro-batches."""
+              micro_batch_tokens: int, padding_free: bool = False) -> StepPlan:
+    """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed."""
     rows = index.rows_of_groups(groups)  # [N]
     rewards = index.reward[rows]  # [N]
     row_groups = np.repeat(groups, index.size[groups]).tolist()  # [N] group keys, unique within the step
@@ -473,8 +529,10 @@ def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Gene
     advantages, keep = advantages.double().numpy(), keep.numpy()
     stats = advantage_stats(torch.from_numpy(rewards), row_groups)
 
-    share = assign_to_ranks(index.group_tokens(groups), world_size)[rank]  # positions into `groups`
-    mine = np.isin(rows, index.rows_of_groups(groups[share])) & keep  # [N]
+    kept = np.flatnonzero(keep)  # [K] positions into `rows`
+    lengths = index.prompt_length[rows[kept]].astype(np.int64) + index.completion_length[rows[kept]]  # [K]
+    mine = kept[assign_to_ranks(lengths, world_size)[rank]]  # this rank's positions into `rows`, increasing
     rows_here = [row for row in read_step_rows(index, rows[mine], advantages[mine]) if row.trainable_tokens > 0]
-    micro_batches = pack_micro_batches([row.length for row in rows_here], micro_batch_tokens)
-    return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches)
+    micro_batches = pack_micro_batches([row.length for row in rows_here], micro_batch_tokens, padding_free)
+    return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches,
+                    padding_free)

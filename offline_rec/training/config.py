@@ -82,7 +82,11 @@ class TrainConfig:
     epochs: int = _option(1, "passes over the training groups (ignored when max_steps > 0)")
     max_steps: int = _option(0, "if > 0: train exactly this many optimizer steps, cycling epochs as needed")
     micro_batch_tokens: int = _option(
-        8192, "token budget of one forward/backward, padding included (sequences x longest)"
+        8192, "token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum)"
+    )
+    padding_free: bool | None = _option(
+        None, "pack a micro-batch's sequences into one row without padding, position ids restarting at each; "
+              "null: on where the model keeps packed sequences apart (probed at start), true: required, false: off"
     )
     max_length: int = _option(2048, "longest prompt+completion in tokens; longer rows are refused unless truncate")
     truncate: bool = _option(False, "cut rows longer than max_length (completion tail dropped, with a warning)")

@@ -41,8 +41,10 @@ class PassSums:
             "kl_behavior_sum": stats["kl_behavior"] * n,
             "weight_sum": stats["weight_mean"] * n,
             "tokens": n,
-            "model_tokens": int(batch["attention_mask"].sum()) if n else 0,
-            "padded_tokens": batch["attention_mask"].numel() if n else 0,
+            # A padding-free batch has no attention_mask: every token of its one row is real.
+            "model_tokens": (int(batch["attention_mask"].sum()) if "attention_mask" in batch
+                             else batch["input_ids"].numel()) if n else 0,
+            "padded_tokens": batch["input_ids"].numel() if n else 0,
         }
         for key, value in added.items():
             self.values[self.KEYS.index(key)] += value
@@ -187,7 +189,8 @@ def _line_step(line: str):
         return None  # a line cut by a crash
 
 
-def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int) -> None:
+def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int,
+                   packing: str = "") -> None:
     """The settings a reader of the log needs first (defaults included)."""
     from rich.console import Console
 
@@ -216,7 +219,8 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         (
             "batching",
             f"micro_batch_tokens {config.micro_batch_tokens}, max_length {config.max_length}, "
-            f"mixed_precision {config.mixed_precision}, model_dtype {config.model_dtype}",
+            f"mixed_precision {config.mixed_precision}, model_dtype {config.model_dtype}"
+            + (f"; padding_free {packing}" if packing else ""),
         ),
         (
             "saving",

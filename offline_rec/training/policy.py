@@ -26,12 +26,14 @@ class PolicyScorer(torch.nn.Module):
         self.chunk_size = chunk_size
         self.temperature = temperature
 
-    def forward(self, input_ids, attention_mask, positions_mask, adapters: bool = True):
+    def forward(self, input_ids, attention_mask, positions_mask, position_ids=None, output_mask=None,
+                adapters: bool = True):
         # adapters=False scores with the LoRA adapters switched off: the initial policy.
         context = contextlib.nullcontext() if adapters else self.policy.disable_adapter()
         with context:
-            return token_logprobs_from_model(self.policy, input_ids, attention_mask, positions_mask=positions_mask,
-                                             chunk_size=self.chunk_size, temperature=self.temperature)
+            return token_logprobs_from_model(self.policy, input_ids, attention_mask, position_ids=position_ids,
+                                             positions_mask=positions_mask, chunk_size=self.chunk_size,
+                                             temperature=self.temperature, output_mask=output_mask)
 
 
 def load_policy(config: TrainConfig, resume_from: Path | None):

@@ -57,6 +57,36 @@ def test_pack_micro_batches_by_hand():
     assert batching.pack_micro_batches([50, 3], 10) == [[0], [1]]  # a row over budget goes alone
 
 
+def test_padding_free_micro_batches_by_hand():
+    # longest first into the first micro-batch with room (budget 10): 8 (i2) -> [8]; 5 (i0) -> new [5];
+    # 3 (i1) -> [5, 3]; 2 (i3) -> [8, 2] (the first with room)
+    batches = batching.pack_micro_batches([5, 3, 8, 2], 10, padding_free=True)
+    assert batches == [[2, 3], [0, 1]]
+    assert [batching.model_tokens([5, 3, 8, 2], b, padding_free=True) for b in batches] == [10, 8]
+    assert batching.padding_efficiency([5, 3, 8, 2], batches, padding_free=True) == 1.0
+    assert batching.pack_micro_batches([50, 3, 7], 10, padding_free=True) == [[0], [2, 1]]  # over budget: alone
+
+
+def test_padding_free_micro_batches_waste_almost_nothing_on_a_paper_sized_step():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(60, 1500, size=768)  # a 96 x 8 step
+    batches = batching.pack_micro_batches(lengths, 65536, padding_free=True)
+    assert sorted(sum(batches, [])) == list(range(768))
+    loads = [batching.model_tokens(lengths, b, padding_free=True) for b in batches]
+    assert max(loads) <= 65536
+    assert len(batches) == -(-int(lengths.sum()) // 65536)  # as few passes as the budget allows
+
+
+def test_ranks_get_token_balanced_shares_of_a_paper_sized_step():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(60, 1500, size=768)
+    for world in (8, 64):
+        shares = batching.assign_to_ranks(lengths, world)
+        assert sorted(sum(shares, [])) == list(range(768))
+        loads = [int(lengths[share].sum()) for share in shares]
+        assert max(loads) / np.mean(loads) <= 1.02, world
+
+
 def test_padding_efficiency_is_high_for_realistic_lengths():
     rng = np.random.default_rng(0)
     lengths = rng.integers(60, 1200, size=768)  # a 96 x 8 step of GSM8K-like lengths
@@ -169,3 +199,54 @@ def test_read_and_collate_place_tokens_by_hand(tmp_path):
     assert batch["advantages"].tolist() == [0.5, -0.5]
     # only the rows asked for are read (RED-Drop's dropped rows are not)
     assert [r.completion_ids.tolist() for r in batching.read_step_rows(index, [1], [0.0])] == [[10]]
+
+
+def test_padding_free_collate_places_tokens_by_hand(tmp_path):
+    groups = [[_row("a", 0, [5, 6], [7, 8, 9], loss_mask=[1, 0, 1]), _row("a", 1, [5, 6], [10]),
+               _row("a", 2, [], [11, 12])]]
+    index = batching.index_datasets([_dataset(tmp_path, groups)], 100, False)
+    rows = batching.read_step_rows(index, [0, 1, 2], [0.5, -0.5, 1.0])
+    batch = batching.collate(rows, pad_id=0, padding_free=True)
+    assert "attention_mask" not in batch
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 5, 6, 10, 11, 12]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    # packed row: 7 predicted at 1, 9 at 3 (8 masked out); 10 at 6; 12 at 8 (11 opens an empty prompt: not scored)
+    assert batch["positions_mask"].tolist() == [[False, True, False, True, False, False, True, False, True]]
+    # the loss layout is the padded one, and the scored tokens come in the same order in both
+    padded = batching.collate(rows, pad_id=0)
+    assert torch.equal(batch["output_mask"], padded["positions_mask"])
+    for key in ("loss_mask", "behavior_logprobs", "advantages"):
+        assert torch.equal(batch[key], padded[key]), key
+    scored = sum(r.trainable_tokens for r in rows)
+    assert int(batch["positions_mask"].sum()) == int(batch["output_mask"].sum()) == scored
+    # the model's arguments: no attention mask, position ids and the mask that places the scores
+    inputs = batching.model_inputs(batch)
+    assert inputs["attention_mask"] is None and inputs["output_mask"] is batch["output_mask"]
+    assert batching.model_inputs(padded)["position_ids"] is None
+    lone = batching.collate(batching.read_step_rows(index, [2], [1.0])[:1], pad_id=0, padding_free=True)
+    assert lone["input_ids"].shape == (1, 2) and lone["positions_mask"].tolist() == [[True]]
+
+
+def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
+    from offline_rec.algorithms import get_algorithm
+
+    rng = np.random.default_rng(2)
+    groups = [[_row(f"g{g}", k, [4] * int(rng.integers(1, 30)), [5] * int(rng.integers(1, 60)),
+                    reward=float(k % 2)) for k in range(4)] for g in range(6)]
+    index = batching.index_datasets([_dataset(tmp_path, groups)], 1000, False)
+    spec = get_algorithm("rec-oneside-nois")
+
+    def plan(rank, world):
+        return batching.plan_step(index, np.arange(6), spec, torch.Generator().manual_seed(0), rank, world, 64,
+                                  padding_free=True)
+
+    alone = plan(0, 1)
+    shares = [plan(rank, 3) for rank in range(3)]
+    seen = [(r.prompt_ids.tobytes(), r.completion_ids.tobytes(), r.advantage) for p in shares for r in p.rows_here]
+    assert sorted(seen) == sorted((r.prompt_ids.tobytes(), r.completion_ids.tobytes(), r.advantage)
+                                  for r in alone.rows_here)  # every row once, with the step's own advantage
+    loads = [sum(r.length for r in p.rows_here) for p in shares]
+    assert max(loads) - min(loads) <= max(r.length for r in alone.rows_here)
+    for p in shares:
+        assert p.padding_free and all(sum(p.rows_here[i].length for i in b) <= 64 or len(b) == 1
+                                      for b in p.micro_batches)

@@ -135,7 +135,8 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
     torch.testing.assert_close(twos, full, atol=1e-6, rtol=1e-5)
 
 
-def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, data_dir):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, data_dir, padding_free):
     """The loop itself: one step with budgets giving 1 row per micro-batch, a few, or all rows at once.
 
     With adam_eps = 1 the first AdamW update is lr * g / (|g| + 1), an elementwise increasing
@@ -147,17 +148,47 @@ def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, dat
     for budget in (1, 40, 100_000):
         out = tmp_path / f"b{budget}"
         train(config(tmp_path, model_dir, data_dir, out=str(out), micro_batch_tokens=budget, max_steps=1,
-                     lr=1.0, adam_eps=1.0, weight_decay=0.0, max_grad_norm=0.0, algorithm="rec-oneside-is"))
+                     lr=1.0, adam_eps=1.0, weight_decay=0.0, max_grad_norm=0.0, algorithm="rec-oneside-is",
+                     padding_free=padding_free))
         after = state_dict_of(out / "final")
         deltas.append(torch.cat([(after[k] - before[k]).flatten() for k in before]))
         (step,) = metrics_of(out)
         norms.append(step["grad_norm"])
         efficiencies.append(step["padding_efficiency"])
-    assert efficiencies[0] == 1.0 and efficiencies[2] < 1.0  # the packings really differed
+    # the packings really differed; padding-free runs no padding whatever the budget
+    assert efficiencies[0] == 1.0 and (efficiencies[2] == 1.0 if padding_free else efficiencies[2] < 1.0)
     assert deltas[0].abs().max() > 1e-4
     for delta, norm in zip(deltas[1:], norms[1:]):
         torch.testing.assert_close(delta, deltas[0], atol=1e-6, rtol=1e-4)
         assert norm == pytest.approx(norms[0], rel=1e-5)
+
+
+def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, capsys):
+    """`--set padding_free=true` and `=false` on mixed lengths (1-40 prompt, 1-60 completion tokens, loss masks,
+    a KL penalty through the reference model): the same weights after 3 steps of several micro-batches."""
+    data = write_dataset(tmp_path / "mixed", model_dir, num_groups=6, prompt_lengths=(1, 40),
+                         completion_lengths=(1, 60), loss_masks=True)
+    finals, metrics = {}, {}
+    for flag in ("true", "false"):
+        out = tmp_path / f"padding-free-{flag}"
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["train", "--data", data, "--model", model_dir, "--algorithm", "rec-oneside-is", "--out", str(out),
+                      "--max-steps", "3", "--set", "prompts_per_step=3", "--set", "micro_batch_tokens=120",
+                      "--set", "lr=1e-3", "--set", "kl_to_initial=0.1", "--set", f"padding_free={flag}",
+                      "--set", "progress=false", "--set", "report_to=[]", "--set", "cpu=true"])
+        assert exit_info.value.code == 0
+        finals[flag], metrics[flag] = state_dict_of(out / "final"), metrics_of(out)
+        assert json.loads((out / "summary.json").read_text())["padding_free"] is (flag == "true")
+    assert "padding_free on (a packed sequence's log-probs moved by" in capsys.readouterr().out
+    before = state_dict_of(model_dir)
+    assert max(float((finals["true"][k] - before[k]).abs().max()) for k in before) > 1e-3  # it trained
+    for key, value in finals["true"].items():
+        torch.testing.assert_close(value, finals["false"][key], atol=1e-5, rtol=0, msg=key)
+    for packed, padded in zip(metrics["true"], metrics["false"]):
+        assert packed["padding_efficiency"] == 1.0 and padded["padding_efficiency"] < 1.0
+        assert packed["num_tokens"] == padded["num_tokens"]
+        assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+        assert packed["kl_initial"] == pytest.approx(padded["kl_initial"], abs=1e-7)
 
 
 def test_holdout_groups_stay_out_of_training(tmp_path, model_dir, data_dir):
