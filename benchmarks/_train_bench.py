@@ -91,10 +91,9 @@ def step_batches(config, num_steps: int) -> list[dict]:
     for step in range(num_steps):
         generator = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))
         plan = batching.plan_step(index, schedule.groups_of(step), spec, generator, 0, 1, config.micro_batch_tokens)
-        step_rows, packed = plan.rows_here, plan.micro_batches
-        batches = [batching.collate([step_rows[j] for j in micro], pad_id) for micro in packed]
-        steps.append({"batches": batches, "num_tokens": sum(r.trainable_tokens for r in step_rows),
-                      "num_sequences": len(step_rows), "tokens": sum(int(b["attention_mask"].sum()) for b in batches)})
+        batches = [plan.collate(i, pad_id) for i in range(len(plan.micro_batches))]
+        steps.append({"batches": batches, "num_tokens": plan.trainable_tokens, "num_sequences": len(plan.rows_here),
+                      "tokens": sum(r.length for r in plan.rows_here)})
     return steps
 
 

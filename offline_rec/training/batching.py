@@ -16,11 +16,14 @@ Batching rules:
     rank; then its rows are dealt to the data-parallel ranks by length so that every rank gets
     about the same number of tokens (`assign_to_ranks`: a group's rows may land on several
     ranks, which changes nothing, since the loss is normalized by the step's global token count);
-  * within a rank, rows are packed into micro-batches under a token budget
-    (`pack_micro_batches`). Padding-free (`padding_free`): a micro-batch is ONE row of its
-    sequences laid end to end, position ids restarting at each (`offline_rec.models.packing`),
-    and the budget is the sum of their lengths: nothing is padding. Padded: rows sorted by
-    length, rows x longest row within the budget (`padding_efficiency` says how much is real);
+  * within a rank, rows are packed into micro-batches of at most a token budget of model
+    tokens (`model_tokens`: rows x longest row). Padded (`pack_micro_batches`): one sequence
+    per row, rows of similar length together. Padding-free (`pack_padding_free`): sequences
+    laid end to end in packed rows, position ids restarting at each (`offline_rec.models.packing`),
+    either ONE row per micro-batch (flash/flex attention: the budget is then the sum of the
+    lengths and nothing is padding) or rows no longer than the rank's longest sequence (SDPA and
+    eager attention cost rows^2; only row tails are padding). `padding_efficiency` says how much
+    of what runs through the model is real;
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
@@ -285,28 +288,14 @@ def assign_to_ranks(tokens, world_size: int) -> list[list[int]]:
 # micro-batches
 
 
-def pack_micro_batches(lengths, token_budget: int, padding_free: bool = False) -> list[list[int]]:
-    """Indices of `lengths` grouped into micro-batches of at most `token_budget` model tokens (`model_tokens`).
+def pack_micro_batches(lengths, token_budget: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into micro-batches of padded size (rows x longest) <= token_budget.
 
-    Rows are taken longest first. Padded: each micro-batch holds rows of similar length, added
-    while rows x longest <= budget. Padding-free: first fit, each row into the first micro-batch
-    it fits in (sum of lengths <= budget), so that few passes remain. A row longer than the
-    budget gets a micro-batch of its own. Deterministic (ties by index).
+    Rows are taken longest first, so each micro-batch holds rows of similar length; a row
+    longer than the budget gets a micro-batch of its own. Deterministic (ties by index).
     """
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     batches: list[list[int]] = []
-    if padding_free:
-        room: list[int] = []  # tokens left in each micro-batch
-        for i in order:
-            length = int(lengths[i])
-            fits = next((b for b, left in enumerate(room) if left >= length), None)
-            if fits is None:
-                batches.append([i])
-                room.append(token_budget - length)
-            else:
-                batches[fits].append(i)
-                room[fits] -= length
-        return batches
     for i in order:
         # Descending order: the first row of the current micro-batch is its longest.
         if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= token_budget:
@@ -316,17 +305,43 @@ def pack_micro_batches(lengths, token_budget: int, padding_free: bool = False) -
     return batches
 
 
-def model_tokens(lengths, batch: list[int], padding_free: bool = False) -> int:
-    """Tokens one micro-batch runs through the model: rows x longest row, or (padding-free) their sum."""
-    if padding_free:
-        return sum(int(lengths[i]) for i in batch)
-    return len(batch) * max((int(lengths[i]) for i in batch), default=0)
+def pack_padding_free(lengths, token_budget: int, row_tokens: int | None = None) -> list[list[list[int]]]:
+    """Sequences (indices of `lengths`) laid end to end in packed rows, the rows grouped into micro-batches.
+
+    Packed rows hold at most `row_tokens` tokens (None: the budget, i.e. one row per micro-batch):
+    first fit, longest first, each sequence into the first row with room. Then the rows, like
+    padded rows, longest first while rows x longest row <= token_budget. A sequence longer than
+    the row size gets a row of its own. Returns micro-batches of rows of sequence indices, each
+    row in the order its sequences were placed. Deterministic (ties by index).
+    """
+    capacity = token_budget if row_tokens is None else row_tokens
+    rows: list[list[int]] = []
+    room: list[int] = []  # tokens left in each row
+    for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
+        length = int(lengths[i])
+        fits = next((r for r, left in enumerate(room) if left >= length), None)
+        if fits is None:
+            rows.append([i])
+            room.append(capacity - length)
+        else:
+            rows[fits].append(i)
+            room[fits] -= length
+    fills = [capacity - left for left in room]
+    return [[rows[r] for r in batch] for batch in pack_micro_batches(fills, token_budget)]
 
 
-def padding_efficiency(lengths, micro_batches: list[list[int]], padding_free: bool = False) -> float:
-    """Real tokens / tokens run through the model (`model_tokens` of each micro-batch)."""
-    real = sum(int(lengths[i]) for batch in micro_batches for i in batch)
-    run = sum(model_tokens(lengths, batch, padding_free) for batch in micro_batches)
+def model_tokens(lengths, micro_batch: list) -> int:
+    """Tokens one micro-batch runs through the model: its rows x its longest row. A row is one
+    sequence (an index, padded micro-batches) or a list of sequences laid end to end (packed)."""
+    fills = [sum(int(lengths[i]) for i in row) if isinstance(row, list) else int(lengths[row]) for row in micro_batch]
+    return len(fills) * max(fills, default=0)
+
+
+def padding_efficiency(lengths, micro_batches: list[list]) -> float:
+    """Real tokens / tokens run through the model (`model_tokens` of each micro-batch, padded or packed)."""
+    real = sum(int(lengths[i]) for batch in micro_batches for row in batch
+               for i in (row if isinstance(row, list) else [row]))
+    run = sum(model_tokens(lengths, batch) for batch in micro_batches)
     return real / run if run else 1.0
 
 
@@ -379,20 +394,10 @@ def read_step_rows(index: GroupIndex, rows, advantages) -> list[Row]:
     ]
 
 
-def collate(rows: list[Row], pad_id: int, padding_free: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of a micro-batch of rows: what the model reads, and the loss's padded layout.
-
-    Loss layout, over the L-1 next-token positions of rows right-padded to the longest L
-    (position t predicts token t+1): loss_mask [B, L-1] (True where a completion token with
-    loss_mask 1 is predicted), behavior_logprobs [B, L-1] (0 elsewhere), advantages [B].
-
-    Padded: input_ids, attention_mask [B, L]; positions_mask [B, L-1], the positions scored, is
-    the loss_mask. Padding-free: input_ids, position_ids [1, T] (the rows end to end, T their
-    total length, positions restarting at 0 for each row; no attention_mask: see
-    `offline_rec.models.packing`); positions_mask [1, T-1] marks the same scored tokens in that
-    row and output_mask [B, L-1] where their log-probs go in the loss layout (both hold them in
-    the same order: row after row). `model_inputs` gives the model's arguments either way.
-    """
+def _padded_arrays(rows: list[Row], pad_id: int):
+    """input_ids, attention_mask [B, L] of the rows right-padded to the longest L, and over the L-1
+    next-token positions (position t predicts token t+1): loss_mask [B, L-1] (True where a
+    completion token with loss_mask 1 is predicted), behavior_logprobs [B, L-1] (0 elsewhere)."""
     length = max(row.length for row in rows)
     batch = len(rows)
     # Filled in numpy (one copy per row, the store's read-only views are never handed to torch).
@@ -411,28 +416,65 @@ def collate(rows: list[Row], pad_id: int, padding_free: bool = False) -> dict[st
         if c > first:
             loss_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
             behavior[i, p - 1 + first:p - 1 + c] = row.behavior_logprobs[first:]
-    loss = dict(loss_mask=torch.from_numpy(loss_mask), behavior_logprobs=torch.from_numpy(behavior),
-                advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32))
-    if padding_free:
-        lengths = [row.length for row in rows]
-        real = attention_mask.astype(bool)  # [B, L]
-        # The scored positions of the loss layout, shifted to where each row sits in the packed row.
-        scored = np.zeros((batch, length), dtype=bool)
-        scored[:, :length - 1] = loss_mask[:, :length - 1]
-        packed_scored = scored[real][:-1]  # [T-1]; the last token of the last row predicts nothing
-        tokens = input_ids[real]  # [T]
-        if len(tokens) == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
-            tokens, lengths, packed_scored = np.append(tokens, pad_id), [*lengths, 1], np.zeros(1, dtype=bool)
-        return dict(input_ids=torch.from_numpy(tokens).unsqueeze(0),
-                    position_ids=torch.from_numpy(packed_position_ids(lengths)).unsqueeze(0),
-                    positions_mask=torch.from_numpy(np.ascontiguousarray(packed_scored)).unsqueeze(0),
-                    output_mask=loss["loss_mask"].clone(), **loss)
+    return input_ids, attention_mask, loss_mask, behavior
+
+
+def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for a micro-batch of rows.
+
+    input_ids, attention_mask [B, L]; and, over the L-1 next-token positions (position t
+    predicts token t+1): positions_mask [B, L-1] (True where a completion token with
+    loss_mask 1 is predicted), loss_mask (the same positions), behavior_logprobs [B, L-1]
+    (0 elsewhere); advantages [B].
+    """
+    input_ids, attention_mask, positions_mask, behavior = _padded_arrays(rows, pad_id)
     input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
-    if length == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
-        input_ids = torch.cat([input_ids, torch.full((batch, 1), pad_id)], dim=1)
-        attention_mask = torch.cat([attention_mask, torch.zeros((batch, 1), dtype=torch.long)], dim=1)
+    positions_mask, behavior = torch.from_numpy(positions_mask), torch.from_numpy(behavior)
+    advantages = torch.tensor([row.advantage for row in rows], dtype=torch.float32)
+    if input_ids.shape[1] == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
+        input_ids = torch.cat([input_ids, torch.full((len(rows), 1), pad_id)], dim=1)
+        attention_mask = torch.cat([attention_mask, torch.zeros((len(rows), 1), dtype=torch.long)], dim=1)
     # The loss covers exactly the scored positions (the trainer's zero-loss pass is the exception).
-    return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=loss["loss_mask"].clone(), **loss)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=positions_mask,
+                loss_mask=positions_mask.clone(), behavior_logprobs=behavior, advantages=advantages)
+
+
+def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Padding-free tensors for a micro-batch of packed rows (each a list of rows laid end to end).
+
+    What the model reads: input_ids, position_ids [R, W] (W the longest packed row; positions
+    restart at 0 at every sequence, and the padded tail of a shorter row restarts as a sequence
+    of its own; no attention_mask: see `offline_rec.models.packing`) and positions_mask
+    [R, W-1], the scored positions. What the loss reads, in the padded layout of the sequences
+    (packed row after packed row; B sequences, L the longest): loss_mask, behavior_logprobs
+    [B, L-1], advantages [B] as in `collate`, and output_mask [B, L-1], where the scored
+    log-probs go (they come in the same order in both layouts). `model_inputs` gives the model's
+    arguments.
+    """
+    rows = [row for packed in packed_rows for row in packed]
+    input_ids, attention_mask, loss_mask, behavior = _padded_arrays(rows, pad_id)
+    real = attention_mask.astype(bool)  # [B, L]
+    # Per sequence, position t scores token t+1 (its last position scores nothing): the loss
+    # mask with a False column, then every sequence's own positions, end to end.
+    scored = np.zeros(real.shape, dtype=bool)
+    scored[:, :real.shape[1] - 1] = loss_mask[:, :real.shape[1] - 1]
+    flat_tokens, flat_scored = input_ids[real], scored[real]  # [sum of lengths]
+    fills = [sum(row.length for row in packed) for packed in packed_rows]  # [R]
+    width = max(max(fills), 2)  # a lone token predicts nothing: keep shapes valid
+    tokens = np.full((len(fills), width), pad_id, dtype=np.int64)
+    positions = np.zeros((len(fills), width), dtype=np.int64)
+    positions_mask = np.zeros((len(fills), width), dtype=bool)
+    start = 0
+    for r, (packed, fill) in enumerate(zip(packed_rows, fills)):
+        tokens[r, :fill] = flat_tokens[start:start + fill]
+        positions_mask[r, :fill] = flat_scored[start:start + fill]
+        positions[r] = packed_position_ids([row.length for row in packed] + [width - fill])
+        start += fill
+    loss_mask = torch.from_numpy(loss_mask)
+    return dict(input_ids=torch.from_numpy(tokens), position_ids=torch.from_numpy(positions),
+                positions_mask=torch.from_numpy(np.ascontiguousarray(positions_mask[:, :-1])),
+                output_mask=loss_mask.clone(), loss_mask=loss_mask, behavior_logprobs=torch.from_numpy(behavior),
+                advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32))
 
 
 def model_inputs(batch: dict) -> dict:
@@ -511,17 +553,28 @@ class StepPlan:
     keep: np.ndarray  # [N] bool, False for rows RED-Drop removed
     group_stats: dict  # advantage_stats of the step: num_groups, singleton_groups, zero_variance_groups
     rows_here: list[Row]  # this rank's kept rows that carry at least one trainable token
-    micro_batches: list[list[int]]  # positions into rows_here, one list per forward/backward pass
-    padding_free: bool = False  # how the micro-batches were packed and are to be collated
+    # One entry per forward/backward pass: its model rows, each a list of positions into rows_here
+    # (one position per row when padded; the sequences laid end to end in it when padding-free).
+    micro_batches: list[list[list[int]]]
+    padding_free: bool = False
 
     @property
     def trainable_tokens(self) -> int:
         return sum(row.trainable_tokens for row in self.rows_here)
 
+    def collate(self, i: int, pad_id: int) -> dict[str, torch.Tensor]:
+        """The tensors of micro-batch `i` (`collate` or `collate_packed`)."""
+        rows = [[self.rows_here[j] for j in row] for row in self.micro_batches[i]]
+        return collate_packed(rows, pad_id) if self.padding_free else collate([row for (row,) in rows], pad_id)
+
 
 def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Generator, rank: int, world_size: int,
-              micro_batch_tokens: int, padding_free: bool = False) -> StepPlan:
-    """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed."""
+              micro_batch_tokens: int, padding_free: bool = False, one_row: bool = True) -> StepPlan:
+    """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed.
+
+    Padding-free micro-batches are one packed row each with `one_row`, else packed rows no
+    longer than this rank's longest sequence of the step (see the module docstring).
+    """
     rows = index.rows_of_groups(groups)  # [N]
     rewards = index.reward[rows]  # [N]
     row_groups = np.repeat(groups, index.size[groups]).tolist()  # [N] group keys, unique within the step
@@ -533,6 +586,11 @@ def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Gene
     lengths = index.prompt_length[rows[kept]].astype(np.int64) + index.completion_length[rows[kept]]  # [K]
     mine = kept[assign_to_ranks(lengths, world_size)[rank]]  # this rank's positions into `rows`, increasing
     rows_here = [row for row in read_step_rows(index, rows[mine], advantages[mine]) if row.trainable_tokens > 0]
-    micro_batches = pack_micro_batches([row.length for row in rows_here], micro_batch_tokens, padding_free)
+    lengths_here = [row.length for row in rows_here]
+    if padding_free:
+        row_tokens = None if one_row else max(lengths_here, default=1)
+        micro_batches = pack_padding_free(lengths_here, micro_batch_tokens, row_tokens)
+    else:
+        micro_batches = [[[i] for i in batch] for batch in pack_micro_batches(lengths_here, micro_batch_tokens)]
     return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches,
                     padding_free)

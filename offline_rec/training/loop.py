@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from offline_rec.algorithms import get_algorithm
-from offline_rec.models.packing import decide_padding_free, probe_packing
+from offline_rec.models.packing import choose_layout, probe_packing
 from offline_rec.progress import ProgressBar
 from offline_rec.training import batching, checks
 from offline_rec.training import checkpoint as ckpt
@@ -100,14 +100,14 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         set_seed(config.seed)  # the earlier run's saved RNG states must not decide this run's
     start_step = state["step"] if state else 0
     # Padding-free micro-batches where the model keeps packed sequences apart (offline_rec.models.packing).
-    padding_free, packing_note = decide_padding_free(config.padding_free, lambda: probe_packing(
+    layout = choose_layout(config.padding_free, policy, lambda one_row: probe_packing(
         lambda ids, mask, positions, scored: scorer(ids, mask, scored, position_ids=positions),
-        len(tokenizer), accelerator.device, module=scorer), config.model)
+        len(tokenizer), accelerator.device, module=scorer, one_row=one_row), config.model)
 
     # ---- 3. The run directory.
     if accelerator.is_main_process:
         ckpt.start_run_dir(run_dir, config, datasets, index, schedule)
-        print_settings(config, spec, index, schedule, accelerator.num_processes, start_step, packing_note)
+        print_settings(config, spec, index, schedule, accelerator.num_processes, start_step, layout.note)
     metrics_log = MetricsLog(run_dir, config, start_step, accelerator.is_main_process,
                              state["metrics"] if state else None)
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
@@ -120,7 +120,8 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             step_started = time.time()
             drops = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
             plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
-                                      accelerator.num_processes, config.micro_batch_tokens, padding_free)
+                                      accelerator.num_processes, config.micro_batch_tokens,
+                                      layout.padding_free, layout.one_row)
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
                               tokenizer.pad_token_id)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)
@@ -154,7 +155,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         "train_groups": len(schedule.train_groups),
         "holdout_groups": len(schedule.holdout_groups),
         "world_size": accelerator.num_processes,
-        "padding_free": padding_free,
+        "padding_free": layout.padding_free,
         "seconds": time.time() - started,
         "final_metrics": metrics,
     }

@@ -67,7 +67,7 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
     sums = PassSums()
     for i in range(num_passes):
         if i < len(plan.micro_batches):
-            batch = batching.collate([plan.rows_here[j] for j in plan.micro_batches[i]], pad_id, plan.padding_free)
+            batch = plan.collate(i, pad_id)
         else:  # this rank has run out of rows: a zero-loss pass keeps the collectives in step
             batch = batching.zero_loss_batch(pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}

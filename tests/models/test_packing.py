@@ -5,7 +5,13 @@ import torch
 
 from offline_rec.errors import UserError
 from offline_rec.models.logprobs import token_logprobs_from_model
-from offline_rec.models.packing import PackingProbe, decide_padding_free, packed_position_ids, probe_packing
+from offline_rec.models.packing import (
+    PackingProbe,
+    choose_layout,
+    one_row_attention,
+    packed_position_ids,
+    probe_packing,
+)
 from offline_rec.models.tiny import build_bpe_tokenizer
 
 
@@ -114,29 +120,45 @@ def _scorer(model, cross=False):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_probe_passes_models_that_keep_packed_sequences_apart(arch):
+@pytest.mark.parametrize("one_row", [True, False])
+def test_probe_passes_models_that_keep_packed_sequences_apart(arch, one_row):
     model = _model(arch).train()
-    probe = probe_packing(_scorer(model), 100, "cpu", module=model)
+    probe = probe_packing(_scorer(model), 100, "cpu", module=model, one_row=one_row)
     assert model.training  # put back in training mode
     assert probe.keeps_apart and probe.packed_error < 1e-5 and probe.crossed_error > 0.1, probe
-    assert decide_padding_free(None, lambda: probe, "tiny")[0] is True
-    assert decide_padding_free(True, lambda: probe, "tiny")[0] is True
+    layout = choose_layout(None, model, lambda one: probe, "tiny")
+    assert layout.padding_free and not layout.one_row  # SDPA: rows no longer than the longest sequence
+    assert layout.note.startswith("on, rows no longer than the longest sequence (a packed sequence's log-probs")
+    assert choose_layout(True, model, lambda one: probe, "tiny").padding_free
+
+
+def test_one_row_for_flash_and_flex_attention_only():
+    model = _model("llama")
+    assert not one_row_attention(model)  # sdpa
+    for implementation, one_row in (("flash_attention_2", True), ("flex_attention", True),
+                                    ("kernels-community/flash-attn3", True), ("eager", False)):
+        model.config._attn_implementation_internal = implementation
+        assert one_row_attention(model) is one_row, implementation
+        asked = []
+        choose_layout(None, model, lambda one, asked=asked: asked.append(one) or PackingProbe(0.0, 1.0), "tiny")
+        assert asked == [one_row]  # the probe runs in the layout training will use
 
 
 def test_probe_refuses_a_model_whose_attention_crosses_sequences():
-    probe = probe_packing(_scorer(_model("llama"), cross=True), 100, "cpu")
+    model = _model("llama")
+    probe = probe_packing(_scorer(model, cross=True), 100, "cpu")
     assert not probe.keeps_apart and probe.packed_error > 0.1, probe
     with pytest.raises(UserError, match="padding_free: true, but tiny lets packed sequences attend to each other"):
-        decide_padding_free(True, lambda: probe, "tiny")
-    on, note = decide_padding_free(None, lambda: probe, "tiny")
-    assert not on and note.startswith("off: tiny does not keep packed sequences apart")
+        choose_layout(True, model, lambda one: probe, "tiny")
+    layout = choose_layout(None, model, lambda one: probe, "tiny")
+    assert not layout.padding_free and layout.note.startswith("off: tiny does not keep packed sequences apart")
 
 
 def test_padding_free_false_runs_no_probe():
-    def never():
+    def never(one_row):
         raise AssertionError("probed")
 
-    assert decide_padding_free(False, never, "tiny") == (False, "off (padding_free: false)")
+    assert choose_layout(False, _model("llama"), never, "tiny").note == "off (padding_free: false)"
     assert PackingProbe(1e-7, 0.0).keeps_apart  # no context effect at all: nothing to tell apart, nothing crosses
     assert not PackingProbe(0.2, 0.5).keeps_apart and PackingProbe(0.01, 0.5).keeps_apart
 

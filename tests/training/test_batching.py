@@ -58,23 +58,34 @@ def test_pack_micro_batches_by_hand():
 
 
 def test_padding_free_micro_batches_by_hand():
-    # longest first into the first micro-batch with room (budget 10): 8 (i2) -> [8]; 5 (i0) -> new [5];
-    # 3 (i1) -> [5, 3]; 2 (i3) -> [8, 2] (the first with room)
-    batches = batching.pack_micro_batches([5, 3, 8, 2], 10, padding_free=True)
-    assert batches == [[2, 3], [0, 1]]
-    assert [batching.model_tokens([5, 3, 8, 2], b, padding_free=True) for b in batches] == [10, 8]
-    assert batching.padding_efficiency([5, 3, 8, 2], batches, padding_free=True) == 1.0
-    assert batching.pack_micro_batches([50, 3, 7], 10, padding_free=True) == [[0], [2, 1]]  # over budget: alone
+    lengths = [5, 3, 8, 2]
+    # One row per micro-batch (budget 10): longest first into the first row with room: 8 (i2) -> [8];
+    # 5 (i0) -> new [5]; 3 (i1) -> [5, 3]; 2 (i3) -> [8, 2]. Rows of 10 and 8 tokens: one per micro-batch.
+    batches = batching.pack_padding_free(lengths, 10)
+    assert batches == [[[2, 3]], [[0, 1]]]
+    assert [batching.model_tokens(lengths, b) for b in batches] == [10, 8]
+    assert batching.padding_efficiency(lengths, batches) == 1.0
+    # Rows of at most 8 tokens (the longest sequence): [8], [5, 3], [2]; a 16-token budget holds 2 x 8 tokens.
+    bounded = batching.pack_padding_free(lengths, 16, row_tokens=8)
+    assert bounded == [[[2], [0, 1]], [[3]]]
+    assert [batching.model_tokens(lengths, b) for b in bounded] == [16, 2]
+    assert batching.pack_padding_free([50, 3, 7], 10) == [[[0]], [[2, 1]]]  # over budget: alone
+    # padded micro-batches are rows of one sequence: [[2], [0, 1], [3]] runs 8 + 2 x 5 + 2 = 20 tokens
+    assert batching.model_tokens(lengths, [0, 1]) == batching.model_tokens(lengths, [[0], [1]]) == 10
 
 
 def test_padding_free_micro_batches_waste_almost_nothing_on_a_paper_sized_step():
     rng = np.random.default_rng(0)
     lengths = rng.integers(60, 1500, size=768)  # a 96 x 8 step
-    batches = batching.pack_micro_batches(lengths, 65536, padding_free=True)
-    assert sorted(sum(batches, [])) == list(range(768))
-    loads = [batching.model_tokens(lengths, b, padding_free=True) for b in batches]
-    assert max(loads) <= 65536
-    assert len(batches) == -(-int(lengths.sum()) // 65536)  # as few passes as the budget allows
+    for row_tokens in (None, int(lengths.max())):
+        batches = batching.pack_padding_free(lengths, 65536, row_tokens)
+        assert sorted(i for b in batches for row in b for i in row) == list(range(768))
+        assert max(batching.model_tokens(lengths, b) for b in batches) <= 65536
+        efficiency = batching.padding_efficiency(lengths, batches)
+        if row_tokens is None:  # one row per micro-batch: no padding, and as few passes as the budget allows
+            assert efficiency == 1.0 and len(batches) == -(-int(lengths.sum()) // 65536)
+        else:  # only the tails of rows bounded by the longest sequence
+            assert efficiency >= 0.98, efficiency
 
 
 def test_ranks_get_token_balanced_shares_of_a_paper_sized_step():
@@ -206,7 +217,7 @@ def test_padding_free_collate_places_tokens_by_hand(tmp_path):
                _row("a", 2, [], [11, 12])]]
     index = batching.index_datasets([_dataset(tmp_path, groups)], 100, False)
     rows = batching.read_step_rows(index, [0, 1, 2], [0.5, -0.5, 1.0])
-    batch = batching.collate(rows, pad_id=0, padding_free=True)
+    batch = batching.collate_packed([rows], pad_id=0)  # one packed row
     assert "attention_mask" not in batch
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 5, 6, 10, 11, 12]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
@@ -223,8 +234,17 @@ def test_padding_free_collate_places_tokens_by_hand(tmp_path):
     inputs = batching.model_inputs(batch)
     assert inputs["attention_mask"] is None and inputs["output_mask"] is batch["output_mask"]
     assert batching.model_inputs(padded)["position_ids"] is None
-    lone = batching.collate(batching.read_step_rows(index, [2], [1.0])[:1], pad_id=0, padding_free=True)
-    assert lone["input_ids"].shape == (1, 2) and lone["positions_mask"].tolist() == [[True]]
+    # two packed rows, [row 1, row 2] and [row 0]: the shorter row's padded tail restarts as a sequence of its own
+    two = batching.collate_packed([[rows[1], rows[2]], [rows[0]]], pad_id=0)
+    assert two["input_ids"].tolist() == [[5, 6, 10, 11, 12], [5, 6, 7, 8, 9]]
+    assert two["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
+    assert two["positions_mask"].tolist() == [[False, True, False, True], [False, True, False, True]]
+    assert two["advantages"].tolist() == [-0.5, 1.0, 0.5]  # the loss layout follows the packed rows
+    assert torch.equal(two["output_mask"], batching.collate([rows[1], rows[2], rows[0]], pad_id=0)["loss_mask"])
+    three = batching.collate_packed([[rows[2]], [rows[1]]], pad_id=0)  # 2 and 3 tokens: a tail of 1
+    assert three["input_ids"].tolist() == [[11, 12, 0], [5, 6, 10]] and three["position_ids"][0].tolist() == [0, 1, 0]
+    lone = batching.collate_packed([[batching.read_step_rows(index, [1], [1.0])[0]]], pad_id=0)
+    assert lone["input_ids"].shape == (1, 3)
 
 
 def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
@@ -236,9 +256,9 @@ def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
     index = batching.index_datasets([_dataset(tmp_path, groups)], 1000, False)
     spec = get_algorithm("rec-oneside-nois")
 
-    def plan(rank, world):
+    def plan(rank, world, one_row=True):
         return batching.plan_step(index, np.arange(6), spec, torch.Generator().manual_seed(0), rank, world, 64,
-                                  padding_free=True)
+                                  padding_free=True, one_row=one_row)
 
     alone = plan(0, 1)
     shares = [plan(rank, 3) for rank in range(3)]
@@ -247,6 +267,15 @@ def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
                                   for r in alone.rows_here)  # every row once, with the step's own advantage
     loads = [sum(r.length for r in p.rows_here) for p in shares]
     assert max(loads) - min(loads) <= max(r.length for r in alone.rows_here)
-    for p in shares:
-        assert p.padding_free and all(sum(p.rows_here[i].length for i in b) <= 64 or len(b) == 1
-                                      for b in p.micro_batches)
+    for p in shares + [plan(1, 3, one_row=False)]:
+        lengths = [r.length for r in p.rows_here]
+        assert p.padding_free and all(batching.model_tokens(lengths, b) <= 64 or len(b) == 1 for b in p.micro_batches)
+        for i, micro_batch in enumerate(p.micro_batches):
+            batch = p.collate(i, pad_id=0)
+            assert batch["input_ids"].shape[0] == len(micro_batch)
+            assert int(batch["positions_mask"].sum()) == sum(p.rows_here[j].trainable_tokens for row in micro_batch
+                                                             for j in row)
+    assert all(len(b) == 1 for b in shares[0].micro_batches)  # one packed row per micro-batch
+    bounded = plan(1, 3, one_row=False)
+    longest = max(r.length for r in bounded.rows_here)
+    assert all(sum(bounded.rows_here[j].length for j in row) <= longest for b in bounded.micro_batches for row in b)

@@ -163,32 +163,40 @@ def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, dat
         assert norm == pytest.approx(norms[0], rel=1e-5)
 
 
-def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, capsys):
+def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, capsys, monkeypatch):
     """`--set padding_free=true` and `=false` on mixed lengths (1-40 prompt, 1-60 completion tokens, loss masks,
-    a KL penalty through the reference model): the same weights after 3 steps of several micro-batches."""
+    a KL penalty through the reference model): the same weights after 3 steps of several micro-batches, in both
+    padding-free layouts (SDPA here packs rows no longer than the longest sequence; one row is forced)."""
+    from offline_rec.models import packing
+
     data = write_dataset(tmp_path / "mixed", model_dir, num_groups=6, prompt_lengths=(1, 40),
                          completion_lengths=(1, 60), loss_masks=True)
     finals, metrics = {}, {}
-    for flag in ("true", "false"):
-        out = tmp_path / f"padding-free-{flag}"
+    for run, flag in (("bounded", "true"), ("one-row", "true"), ("padded", "false")):
+        out = tmp_path / run
+        monkeypatch.setattr(packing, "one_row_attention", lambda model, run=run: run == "one-row")
         with pytest.raises(SystemExit) as exit_info:
             cli_main(["train", "--data", data, "--model", model_dir, "--algorithm", "rec-oneside-is", "--out", str(out),
                       "--max-steps", "3", "--set", "prompts_per_step=3", "--set", "micro_batch_tokens=120",
                       "--set", "lr=1e-3", "--set", "kl_to_initial=0.1", "--set", f"padding_free={flag}",
                       "--set", "progress=false", "--set", "report_to=[]", "--set", "cpu=true"])
         assert exit_info.value.code == 0
-        finals[flag], metrics[flag] = state_dict_of(out / "final"), metrics_of(out)
+        finals[run], metrics[run] = state_dict_of(out / "final"), metrics_of(out)
         assert json.loads((out / "summary.json").read_text())["padding_free"] is (flag == "true")
-    assert "padding_free on (a packed sequence's log-probs moved by" in capsys.readouterr().out
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "padding_free on, rows no longer than the longest sequence (a packed sequence's log-probs" in printed
+    assert "padding_free on, one row per micro-batch" in printed and "padding_free off (padding_free: false)" in printed
     before = state_dict_of(model_dir)
-    assert max(float((finals["true"][k] - before[k]).abs().max()) for k in before) > 1e-3  # it trained
-    for key, value in finals["true"].items():
-        torch.testing.assert_close(value, finals["false"][key], atol=1e-5, rtol=0, msg=key)
-    for packed, padded in zip(metrics["true"], metrics["false"]):
-        assert packed["padding_efficiency"] == 1.0 and padded["padding_efficiency"] < 1.0
-        assert packed["num_tokens"] == padded["num_tokens"]
-        assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
-        assert packed["kl_initial"] == pytest.approx(padded["kl_initial"], abs=1e-7)
+    assert max(float((finals["padded"][k] - before[k]).abs().max()) for k in before) > 1e-3  # it trained
+    for run in ("bounded", "one-row"):
+        for key, value in finals[run].items():
+            torch.testing.assert_close(value, finals["padded"][key], atol=1e-5, rtol=0, msg=f"{run} {key}")
+        for packed, padded in zip(metrics[run], metrics["padded"], strict=True):
+            assert padded["padding_efficiency"] < packed["padding_efficiency"]
+            assert packed["num_tokens"] == padded["num_tokens"]
+            assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+            assert packed["kl_initial"] == pytest.approx(padded["kl_initial"], abs=1e-7)
+    assert all(m["padding_efficiency"] == 1.0 for m in metrics["one-row"])
 
 
 def test_holdout_groups_stay_out_of_training(tmp_path, model_dir, data_dir):
