@@ -330,6 +330,17 @@ def pack_padding_free(lengths, token_budget: int, row_tokens: int | None = None)
     return [[rows[r] for r in batch] for batch in pack_micro_batches(fills, token_budget)]
 
 
+def micro_batches_of(lengths, token_budget: int, padding_free: bool = False, one_row: bool = True) -> list[list[list]]:
+    """A rank's micro-batches for its sequences of `lengths`, as lists of model rows of sequence indices.
+
+    Padded: one sequence per row (`pack_micro_batches`). Padding-free (`pack_padding_free`): one
+    packed row per micro-batch with `one_row`, else packed rows no longer than the longest sequence.
+    """
+    if not padding_free:
+        return [[[i] for i in batch] for batch in pack_micro_batches(lengths, token_budget)]
+    return pack_padding_free(lengths, token_budget, None if one_row else max((int(n) for n in lengths), default=1))
+
+
 def model_tokens(lengths, micro_batch: list) -> int:
     """Tokens one micro-batch runs through the model: its rows x its longest row. A row is one
     sequence (an index, padded micro-batches) or a list of sequences laid end to end (packed)."""
@@ -448,8 +459,8 @@ def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch
     [R, W-1], the scored positions. What the loss reads, in the padded layout of the sequences
     (packed row after packed row; B sequences, L the longest): loss_mask, behavior_logprobs
     [B, L-1], advantages [B] as in `collate`, and output_mask [B, L-1], where the scored
-    log-probs go (they come in the same order in both layouts). `model_inputs` gives the model's
-    arguments.
+    log-probs go (they come in the same order in both layouts); sequence_lengths [B] (the real
+    tokens, for the metrics). `model_inputs` gives the model's arguments.
     """
     rows = [row for packed in packed_rows for row in packed]
     input_ids, attention_mask, loss_mask, behavior = _padded_arrays(rows, pad_id)
@@ -474,7 +485,8 @@ def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch
     return dict(input_ids=torch.from_numpy(tokens), position_ids=torch.from_numpy(positions),
                 positions_mask=torch.from_numpy(np.ascontiguousarray(positions_mask[:, :-1])),
                 output_mask=loss_mask.clone(), loss_mask=loss_mask, behavior_logprobs=torch.from_numpy(behavior),
-                advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32))
+                advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
+                sequence_lengths=torch.tensor([row.length for row in rows], dtype=torch.long))
 
 
 def model_inputs(batch: dict) -> dict:
@@ -586,11 +598,6 @@ def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Gene
     lengths = index.prompt_length[rows[kept]].astype(np.int64) + index.completion_length[rows[kept]]  # [K]
     mine = kept[assign_to_ranks(lengths, world_size)[rank]]  # this rank's positions into `rows`, increasing
     rows_here = [row for row in read_step_rows(index, rows[mine], advantages[mine]) if row.trainable_tokens > 0]
-    lengths_here = [row.length for row in rows_here]
-    if padding_free:
-        row_tokens = None if one_row else max(lengths_here, default=1)
-        micro_batches = pack_padding_free(lengths_here, micro_batch_tokens, row_tokens)
-    else:
-        micro_batches = [[[i] for i in batch] for batch in pack_micro_batches(lengths_here, micro_batch_tokens)]
+    micro_batches = micro_batches_of([row.length for row in rows_here], micro_batch_tokens, padding_free, one_row)
     return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches,
                     padding_free)

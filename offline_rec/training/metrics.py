@@ -41,9 +41,9 @@ class PassSums:
             "kl_behavior_sum": stats["kl_behavior"] * n,
             "weight_sum": stats["weight_mean"] * n,
             "tokens": n,
-            # A padding-free batch has no attention_mask: every token of its one row is real.
-            "model_tokens": (int(batch["attention_mask"].sum()) if "attention_mask" in batch
-                             else batch["input_ids"].numel()) if n else 0,
+            # A padding-free batch has no attention_mask: its real tokens are its sequences' lengths.
+            "model_tokens": int(batch["attention_mask"].sum() if "attention_mask" in batch
+                                else batch["sequence_lengths"].sum()) if n else 0,
             "padded_tokens": batch["input_ids"].numel() if n else 0,
         }
         for key, value in added.items():

@@ -243,6 +243,7 @@ def test_padding_free_collate_places_tokens_by_hand(tmp_path):
     assert torch.equal(two["output_mask"], batching.collate([rows[1], rows[2], rows[0]], pad_id=0)["loss_mask"])
     three = batching.collate_packed([[rows[2]], [rows[1]]], pad_id=0)  # 2 and 3 tokens: a tail of 1
     assert three["input_ids"].tolist() == [[11, 12, 0], [5, 6, 10]] and three["position_ids"][0].tolist() == [0, 1, 0]
+    assert three["sequence_lengths"].tolist() == [2, 3]  # 5 real tokens of 6
     lone = batching.collate_packed([[batching.read_step_rows(index, [1], [1.0])[0]]], pad_id=0)
     assert lone["input_ids"].shape == (1, 3)
 

@@ -192,11 +192,11 @@ def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, 
         for key, value in finals[run].items():
             torch.testing.assert_close(value, finals["padded"][key], atol=1e-5, rtol=0, msg=f"{run} {key}")
         for packed, padded in zip(metrics[run], metrics["padded"], strict=True):
-            assert padded["padding_efficiency"] < packed["padding_efficiency"]
             assert packed["num_tokens"] == padded["num_tokens"]
             assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
             assert packed["kl_initial"] == pytest.approx(padded["kl_initial"], abs=1e-7)
-    assert all(m["padding_efficiency"] == 1.0 for m in metrics["one-row"])
+    assert all(m["padding_efficiency"] == 1.0 for m in metrics["one-row"])  # nothing but sequences in one row
+    assert all(0.9 < m["padding_efficiency"] < 1.0 for run in ("bounded", "padded") for m in metrics[run])  # tails
 
 
 def test_holdout_groups_stay_out_of_training(tmp_path, model_dir, data_dir):
