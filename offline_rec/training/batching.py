@@ -16,14 +16,14 @@ Batching rules:
     rank; then its rows are dealt to the data-parallel ranks by length so that every rank gets
     about the same number of tokens (`assign_to_ranks`: a group's rows may land on several
     ranks, which changes nothing, since the loss is normalized by the step's global token count);
-  * within a rank, rows are packed into micro-batches of at most a token budget of model
-    tokens (`model_tokens`: rows x longest row). Padded (`pack_micro_batches`): one sequence
-    per row, rows of similar length together. Padding-free (`pack_padding_free`): sequences
-    laid end to end in packed rows, position ids restarting at each (`offline_rec.models.packing`),
-    either ONE row per micro-batch (flash/flex attention: the budget is then the sum of the
-    lengths and nothing is padding) or rows no longer than the rank's longest sequence (SDPA and
-    eager attention cost rows^2; only row tails are padding). `padding_efficiency` says how much
-    of what runs through the model is real;
+  * within a rank, rows are packed into micro-batches under a token budget. Padded
+    (`pack_micro_batches`): one sequence per row, rows of similar length together, rows x
+    longest row <= budget. Padding-free (`pack_padding_free`): the budget is the sum of the
+    lengths, and the sequences are laid end to end in packed rows, position ids restarting at
+    each (`offline_rec.models.packing`): ONE row per micro-batch (flash/flex attention: nothing
+    is padding), or rows no longer than the micro-batch's longest sequence (SDPA and eager
+    attention cost row length^2; only the rows' tails are padding).
+    `padding_efficiency` says how much of what runs through the model is real (`model_tokens`);
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
@@ -305,16 +305,19 @@ def pack_micro_batches(lengths, token_budget: int) -> list[list[int]]:
     return batches
 
 
-def pack_padding_free(lengths, token_budget: int, row_tokens: int | None = None) -> list[list[list[int]]]:
+def pack_padding_free(lengths, token_budget: int, one_row: bool = True) -> list[list[list[int]]]:
     """Sequences (indices of `lengths`) laid end to end in packed rows, the rows grouped into micro-batches.
 
-    Packed rows hold at most `row_tokens` tokens (None: the budget, i.e. one row per micro-batch):
-    first fit, longest first, each sequence into the first row with room. Then the rows, like
-    padded rows, longest first while rows x longest row <= token_budget. A sequence longer than
-    the row size gets a row of its own. Returns micro-batches of rows of sequence indices, each
-    row in the order its sequences were placed. Deterministic (ties by index).
+    Packed rows hold at most token_budget tokens with `one_row` (then each micro-batch is one
+    row), else at most the longest sequence's length (or the budget, if smaller), so that
+    attention over a packed row never costs more than over a padded one: first fit, longest
+    first, each sequence into the first row with room (a sequence longer than the row size gets
+    a row of its own). The rows are then
+    grouped like padded rows: longest first while rows x longest row <= token_budget, so only
+    the rows' tails are padding. Returns micro-batches of rows of sequence indices, each row in
+    the order its sequences were placed. Deterministic (ties by index).
     """
-    capacity = token_budget if row_tokens is None else row_tokens
+    capacity = token_budget if one_row else min(max((int(n) for n in lengths), default=1), token_budget)
     rows: list[list[int]] = []
     room: list[int] = []  # tokens left in each row
     for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
@@ -338,7 +341,7 @@ def micro_batches_of(lengths, token_budget: int, padding_free: bool = False, one
     """
     if not padding_free:
         return [[[i] for i in batch] for batch in pack_micro_batches(lengths, token_budget)]
-    return pack_padding_free(lengths, token_budget, None if one_row else max((int(n) for n in lengths), default=1))
+    return pack_padding_free(lengths, token_budget, one_row)
 
 
 def model_tokens(lengths, micro_batch: list) -> int:
@@ -584,8 +587,8 @@ def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Gene
               micro_batch_tokens: int, padding_free: bool = False, one_row: bool = True) -> StepPlan:
     """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed.
 
-    Padding-free micro-batches are one packed row each with `one_row`, else packed rows no
-    longer than this rank's longest sequence of the step (see the module docstring).
+    Padding-free micro-batches are one packed row each with `one_row`, else packed rows no longer
+    than their longest sequence (see the module docstring).
     """
     rows = index.rows_of_groups(groups)  # [N]
     rewards = index.reward[rows]  # [N]
