@@ -112,6 +112,10 @@ class TrainConfig:
     model_dtype: str = _option("float32", "dtype the weights are loaded and kept in: float32 | bfloat16")
     mixed_precision: str = _option("no", "autocast for the forward/backward: no | bf16 (GPU)")
     gradient_checkpointing: bool = _option(False, "recompute activations in backward to save memory")
+    attn_implementation: str | None = _option(
+        None, "attention kernel (transformers' attn_implementation: sdpa, eager, flash_attention_2, flex_attention; "
+              "null: its default); padding-free micro-batches are one row with flash/flex, bounded rows otherwise"
+    )
     temperature: float = _option(
         1.0, "policy log-probs are of softmax(logits / temperature): use the sampling temperature"
     )

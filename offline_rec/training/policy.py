@@ -39,7 +39,7 @@ class PolicyScorer(torch.nn.Module):
 def load_policy(config: TrainConfig, resume_from: Path | None):
     """The trainable policy: the base model (or, on resume, the checkpoint's weights), LoRA if asked."""
     source = str(resume_from) if resume_from and not config.lora_r else config.model
-    policy = load_model(source, dtype=config.model_dtype)
+    policy = load_model(source, dtype=config.model_dtype, attn_implementation=config.attn_implementation)
     if config.lora_r:
         from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -82,7 +82,8 @@ def load_reference(config: TrainConfig, device) -> torch.nn.Module | None:
     """The frozen initial policy for `kl_to_initial` (None without the penalty, or with LoRA: adapters off is it)."""
     if config.kl_to_initial <= 0 or config.lora_r:
         return None
-    reference = load_model(config.model, dtype=config.model_dtype, device=str(device))
+    reference = load_model(config.model, dtype=config.model_dtype, device=str(device),
+                           attn_implementation=config.attn_implementation)
     reference.requires_grad_(False)
     return reference
 
