@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# GPU benchmark: vLLM collect and a few trainer steps of a ~0.4B Qwen2 built from a config (no download);
+# GPU benchmark: vLLM collect and a few trainer steps of a ~0.4B Qwen2 built from a config (no download),
+# and the paper config's step (Qwen2.5-1.5B's shape) with and without padding-free packing;
 # prints samples/s, tokens/s and model FLOP utilization (peak: 989 TFLOP/s dense bf16, H100/H200).
 # See benchmarks/_gpu_bench.py for what is measured. Needs CUDA torch, vllm and offline-rec installed
-# (pip install -e '.[vllm]'); about 3-5 minutes on an H100/H200.
+# (pip install -e '.[vllm]'; flash-attn for the one-row layout); about 8-10 minutes on an H100/H200.
 #   bash benchmarks/gpu.sh                 # on a GPU machine
+#   bash benchmarks/gpu.sh --only paper    # the paper step alone (collect, train, paper)
 #   bash benchmarks/gpu.sh --dry-run       # tiny sizes on the CPU: checks the code path only
 #   PYTHON=/path/to/python bash benchmarks/gpu.sh --peak-tflops 989
 set -euo pipefail

@@ -389,7 +389,7 @@ def _bad_hash_dataset(tmp_path, data_dir):
 
 @pytest.mark.parametrize("case", ["null-rewards", "missing-model", "unknown-algorithm", "config-typo",
                                   "tokenizer-mismatch", "hub-path", "too-long", "bad-eval-task",
-                                  "reader-cache-dir"])
+                                  "reader-cache-dir", "attention-not-installed", "padding-free-crosses"])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, data_dir, capsys, case, monkeypatch):
     run = tmp_path / "run"
     data, model, algorithm, extra = data_dir, model_dir, "grpo", []
@@ -411,6 +411,13 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, d
         extra, expected = ["--set", "max_length=10"], "longer than max_length=10"
     elif case == "reader-cache-dir":
         extra, expected = ["--set", f"reader_cache_dir={tmp_path / 'nowhere'}"], "nowhere is not a directory"
+    elif case == "attention-not-installed":
+        extra, expected = ["--set", "attn_implementation=flash_attention_2"], "FlashAttention2"
+    elif case == "padding-free-crosses":  # a probe that sees packed sequences attend to each other
+        from offline_rec.models import packing
+
+        monkeypatch.setattr(packing, "_probe", lambda *args: packing.PackingProbe(0.3, 0.5))
+        extra, expected = ["--set", "padding_free=true"], "lets packed sequences attend to each other"
     else:
         extra, expected = ["--set", "eval_every=2", "--set", "eval_task=nope"], "nope"
     capsys.readouterr()  # what building the case printed (a model's loading bar) is not the command's
