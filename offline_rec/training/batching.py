@@ -16,14 +16,14 @@ Batching rules:
     rank; then its rows are dealt to the data-parallel ranks by length so that every rank gets
     about the same number of tokens (`assign_to_ranks`: a group's rows may land on several
     ranks, which changes nothing, since the loss is normalized by the step's global token count);
-  * within a rank, rows are packed into micro-batches under a token budget. Padded
-    (`pack_micro_batches`): one sequence per row, rows of similar length together, rows x
-    longest row <= budget. Padding-free (`pack_padding_free`): the budget is the sum of the
-    lengths, and the sequences are laid end to end in packed rows, position ids restarting at
-    each (`offline_rec.models.packing`): ONE row per micro-batch (flash/flex attention: nothing
-    is padding), or rows no longer than the micro-batch's longest sequence (SDPA and eager
-    attention cost row length^2; only the rows' tails are padding).
-    `padding_efficiency` says how much of what runs through the model is real (`model_tokens`);
+  * within a rank, rows are packed into micro-batches of at most a token budget of model
+    tokens, rows x longest row (`model_tokens`). Padded (`pack_micro_batches`): one sequence
+    per row, rows of similar length together. Padding-free (`pack_padding_free`): sequences
+    laid end to end in packed rows, position ids restarting at each (`offline_rec.models.packing`):
+    ONE row per micro-batch (flash/flex attention: the budget is the sum of the lengths and
+    nothing is padding), or rows no longer than the rank's longest sequence (SDPA and eager
+    attention cost row length^2 whatever the sequences in it; only the rows' tails are padding).
+    `padding_efficiency` says how much of what runs through the model is real;
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
@@ -312,10 +312,10 @@ def pack_padding_free(lengths, token_budget: int, one_row: bool = True) -> list[
     row), else at most the longest sequence's length (or the budget, if smaller), so that
     attention over a packed row never costs more than over a padded one: first fit, longest
     first, each sequence into the first row with room (a sequence longer than the row size gets
-    a row of its own). The rows are then
-    grouped like padded rows: longest first while rows x longest row <= token_budget, so only
-    the rows' tails are padding. Returns micro-batches of rows of sequence indices, each row in
-    the order its sequences were placed. Deterministic (ties by index).
+    a row of its own). The rows are then grouped like padded rows, longest first while rows x
+    longest row <= token_budget, so only the rows' tails are padding. Returns micro-batches of
+    rows of sequence indices, each row in the order its sequences were placed. Deterministic
+    (ties by index).
     """
     capacity = token_budget if one_row else min(max((int(n) for n in lengths), default=1), token_budget)
     rows: list[list[int]] = []
