@@ -40,7 +40,7 @@ def step_counts(accelerator, plan: batching.StepPlan) -> tuple[int, int, int]:
 def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, config: TrainConfig, num_tokens: int,
                      num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The policy loss of one micro-batch (its share of the step's token-mean), plus beta * k3 if asked."""
-    inputs = batching.model_inputs(batch)  # padded rows, or one padding-free row scored into the padded layout
+    inputs = batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
     logprobs = scorer(**inputs)  # [B, L-1]
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
