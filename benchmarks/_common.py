@@ -185,8 +185,9 @@ def describe_model(size: dict, info: dict) -> str:
 
 def write_synthetic_dataset(path: str | Path, num_groups: int, group_size: int = 8, prompt_lengths=(10, 100),
                             completion_lengths=(10, 500), vocab_size: int = 8000, groups_per_shard: int = 256,
-                            seed: int = 0) -> dict:
-    """A complete dataset of `num_groups` groups of random tokens; lengths uniform in the given (inclusive) ranges.
+                            seed: int = 0, lengths=None) -> dict:
+    """A complete dataset of `num_groups` groups of random tokens; lengths uniform in the given (inclusive) ranges,
+    or exactly `lengths` = (prompt length per group [num_groups], completion length per row [num_groups * group_size]).
 
     Every response of a group shares its prompt (as collect writes them); rewards are 0/1,
     log-probs in [-5, 0), loss_mask null, token ids in [4, vocab_size) (0..3 are special).
@@ -207,11 +208,17 @@ def write_synthetic_dataset(path: str | Path, num_groups: int, group_size: int =
     for index, first in enumerate(range(0, num_groups, groups_per_shard)):
         groups = min(groups_per_shard, num_groups - first)
         rows = groups * group_size
-        group_prompt_lengths = rng.integers(prompt_lengths[0], prompt_lengths[1] + 1, size=groups)
+        if lengths is None:
+            group_prompt_lengths = rng.integers(prompt_lengths[0], prompt_lengths[1] + 1, size=groups)
+        else:
+            group_prompt_lengths = np.asarray(lengths[0][first:first + groups], dtype=np.int64)
         prompt_len = np.repeat(group_prompt_lengths, group_size)  # [rows]
         group_prompts = [rng.integers(4, vocab_size, size=n, dtype=np.int32) for n in group_prompt_lengths]
         prompt_values = np.concatenate([group_prompts[g] for g in range(groups) for _ in range(group_size)])
-        completion_len = rng.integers(completion_lengths[0], completion_lengths[1] + 1, size=rows)
+        if lengths is None:
+            completion_len = rng.integers(completion_lengths[0], completion_lengths[1] + 1, size=rows)
+        else:
+            completion_len = np.asarray(lengths[1][first * group_size:first * group_size + rows], dtype=np.int64)
         completion_values = rng.integers(4, vocab_size, size=int(completion_len.sum()), dtype=np.int32)
         logprob_values = -rng.uniform(0.0, 5.0, size=int(completion_len.sum())).astype(np.float32) - 1e-3
         group_numbers = np.repeat(np.arange(first, first + groups), group_size)

@@ -1,9 +1,25 @@
 """Data-side benchmarks: padding of the trainer's micro-batches, its shard reader against raw pyarrow, validate/inspect.
 
 padding_efficiency. Over one epoch of a dataset with prompts of 10-100 and completions of
-10-500 tokens (uniform), steps are formed as the trainer forms them (seeded group order,
-`prompts_per_step` whole groups) and packed by `batching.pack_micro_batches` at the trainer's
-default token budget; real prompt + completion tokens / rows x longest row, summed over the epoch.
+10-500 tokens (uniform), the trainer plans every step (`batching.plan_step`: seeded group
+order, `prompts_per_step` whole groups, one process) at its default token budget and collates
+every micro-batch; real prompt + completion tokens / the size of the input_ids tensors, summed
+over the epoch. Three layouts: padding-free in packed rows no longer than the longest sequence
+(what the trainer does with SDPA or eager attention, transformers' default on CPU and on GPUs
+without flash-attention: `padding_efficiency`), padding-free in one row per micro-batch (flash
+or flex attention: `padding_efficiency_one_row`), padded (`padding_free: false`:
+`padding_efficiency_padded`).
+
+padding_efficiency_paper, rank_balance_64. The paper's step (configs/gsm8k-qwen2.5-1.5b.yaml:
+96 prompts x 8 samples, responses up to 1,024 tokens, micro_batch_tokens 65536), simulated
+(`paper_step_lengths`: the length distribution is stated there) for 20 steps: the rows dealt to
+ranks and packed per rank by the trainer's own functions (`batching.assign_to_ranks`,
+`batching.micro_batches_of`). padding_efficiency_paper: 8 ranks, one packed row per
+micro-batch (a GPU with `attn_implementation: flash_attention_2`); `_sdpa`: rows no longer than
+the longest sequence (transformers' default SDPA attention). rank_balance_64: 64 ranks, the most
+loaded rank's tokens / the mean, worst of the 20 steps. For comparison, the trainer before
+padding-free packing: whole groups per rank, padded micro-batches (`*_before`: model tokens,
+padding included).
 
 shard_scan_vs_pyarrow. The training data reader is what turns shards into step batches:
 `batching.index_datasets` (one pass over every shard, which also fills the memory-mapped row
@@ -41,25 +57,111 @@ TRAINER_MICRO_BATCH_TOKENS = 8192
 TRAINER_MAX_LENGTH = 2048
 
 
+LAYOUTS = {  # key suffix: plan_step's (padding_free, one_row)
+    "": (True, False),  # what the trainer runs with SDPA or eager attention (here, and transformers' default)
+    "_one_row": (True, True),  # with flash-attention or flex attention
+    "_padded": (False, False),  # padding_free: false, the trainer before packing
+}
+
+
 def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_STEP,
                        micro_batch_tokens: int = TRAINER_MICRO_BATCH_TOKENS, seed: int = 0) -> dict:
-    """Real / padded tokens over one epoch of the trainer's micro-batches (see the module docstring)."""
+    """Real tokens / input_ids sizes over one epoch of the trainer's collated micro-batches, per layout."""
+    import torch
+
+    from offline_rec.algorithms import get_algorithm
     from offline_rec.data.dataset import open_dataset
     from offline_rec.training import batching
 
-    index = batching.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False, keep_rows=False)
-    train_groups, _ = batching.split_holdout(index.group_ids, 0.0)
-    order = batching.epoch_order(len(train_groups), seed, 0)
-    lengths = index.prompt_length.astype("int64") + index.completion_length
-    real = padded = micro_batches = 0
-    for step in range(batching.steps_per_epoch(len(train_groups), prompts_per_step)):
-        rows = index.rows_of_groups(train_groups[batching.step_groups(order, step, prompts_per_step)])
-        step_lengths = lengths[rows]
-        packed = batching.pack_micro_batches(step_lengths, micro_batch_tokens)
-        real += int(step_lengths.sum())
-        padded += sum(len(micro) * int(step_lengths[micro].max()) for micro in packed)
-        micro_batches += len(packed)
-    return {"padding_efficiency": real / padded, "padding_micro_batches": micro_batches, "padding_real_tokens": real}
+    index = batching.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False)
+    schedule = batching.Schedule.of(index, 0.0, prompts_per_step, 1, None, seed, True)
+    spec = get_algorithm("rec-oneside-nois")
+    result = {}
+    for suffix, (padding_free, one_row) in LAYOUTS.items():
+        real = run = micro_batches = 0
+        for step in range(schedule.total_steps):
+            drops = torch.Generator().manual_seed(batching.epoch_seed(seed, -1 - step))
+            plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, micro_batch_tokens,
+                                      padding_free, one_row)
+            real += sum(row.length for row in plan.rows_here)
+            run += sum(plan.collate(i, 0)["input_ids"].numel() for i in range(len(plan.micro_batches)))
+            micro_batches += len(plan.micro_batches)
+        result[f"padding_efficiency{suffix}"] = real / run
+        result[f"padding_micro_batches{suffix}"] = micro_batches
+    index.close()
+    return {**result, "padding_real_tokens": real}
+
+
+# The paper's step (configs/gsm8k-qwen2.5-1.5b.yaml).
+PAPER_PROMPTS, PAPER_SAMPLES, PAPER_MAX_RESPONSE, PAPER_MICRO_BATCH_TOKENS = 96, 8, 1024, 65536
+
+
+def paper_step_lengths(rng) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, response lengths) of one simulated step of the paper's setting, 768 rows, group after group.
+
+    GSM8K through Qwen2.5's chat template: a 50-token template (system prompt, role markers, the
+    "think step by step, answer after ####" instruction) + a question of lognormal length
+    (median 55 tokens, sigma 0.4, clipped to 15-400). Responses of Qwen2.5-1.5B-Instruct
+    sampled at temperature 1: lognormal around a per-prompt median of 230 tokens x a difficulty
+    factor (lognormal, sigma 0.3), sigma 0.35 between the 8 samples, clipped to 10-1,024; 3% of
+    responses run on to the 1,024-token cap. Means: prompt ~110, response ~280 tokens.
+    """
+    question = np.clip(rng.lognormal(np.log(55), 0.4, PAPER_PROMPTS), 15, 400).astype(np.int64)
+    difficulty = rng.lognormal(0.0, 0.3, PAPER_PROMPTS)  # [96]
+    response = rng.lognormal(np.log(230 * difficulty)[:, None], 0.35, (PAPER_PROMPTS, PAPER_SAMPLES))  # [96, 8]
+    capped = rng.random(response.shape) < 0.03
+    response = np.where(capped, PAPER_MAX_RESPONSE, np.clip(response, 10, PAPER_MAX_RESPONSE))
+    return np.repeat(50 + question, PAPER_SAMPLES), response.astype(np.int64).reshape(-1)
+
+
+def paper_packing(steps: int = 20, seed: int = 0) -> dict:
+    """Padding efficiency and rank balance of simulated paper steps (see the module docstring)."""
+    from offline_rec.training import batching
+
+    rng = np.random.default_rng(seed)
+    real = {8: 0, 64: 0}
+    run = {(world, layout): 0 for world in (8, 64) for layout in ("bounded", "one_row", "before")}
+    balance = {(world, layout): [] for world in (8, 64) for layout in ("tokens", "before")}
+    tokens_per_step, responses = [], []
+    for _ in range(steps):
+        prompt, response = paper_step_lengths(rng)
+        lengths = prompt + response  # [768]
+        tokens_per_step.append(int(lengths.sum()))
+        responses.append(response)
+        groups = lengths.reshape(PAPER_PROMPTS, PAPER_SAMPLES)
+        for world in (8, 64):
+            # Now: rows dealt by tokens, packed padding-free per rank.
+            shares = batching.assign_to_ranks(lengths, world)
+            loads = [int(lengths[share].sum()) for share in shares]
+            balance[(world, "tokens")].append(max(loads) / np.mean(loads))
+            real[world] += int(lengths.sum())
+            for layout, one_row in (("bounded", False), ("one_row", True)):
+                for share in shares:
+                    mine = lengths[share]
+                    batches = batching.micro_batches_of(mine, PAPER_MICRO_BATCH_TOKENS, True, one_row)
+                    run[(world, layout)] += sum(batching.model_tokens(mine, batch) for batch in batches)
+            # Before: whole groups per rank, padded micro-batches.
+            before = []
+            for share in batching.assign_to_ranks(groups.sum(axis=1), world):
+                mine = groups[share].reshape(-1)
+                before.append(sum(batching.model_tokens(mine, batch) for batch in
+                                  batching.micro_batches_of(mine, PAPER_MICRO_BATCH_TOKENS, False)))
+            run[(world, "before")] += sum(before)
+            balance[(world, "before")].append(max(before) / np.mean(before))
+    responses = np.concatenate(responses)
+    return {
+        "padding_efficiency_paper": real[8] / run[(8, "one_row")],
+        "padding_efficiency_paper_sdpa": real[8] / run[(8, "bounded")],
+        "padding_efficiency_paper_before": real[8] / run[(8, "before")],
+        "rank_balance_64": max(balance[(64, "tokens")]),
+        "rank_balance_8": max(balance[(8, "tokens")]),
+        "rank_balance_64_before": max(balance[(64, "before")]),
+        "rank_balance_8_before": max(balance[(8, "before")]),
+        "paper_tokens_per_step": float(np.mean(tokens_per_step)),
+        "paper_response_tokens_per_step": float(responses.sum() / steps),
+        "paper_response_mean": float(responses.mean()),
+        "paper_response_at_cap": float((responses == PAPER_MAX_RESPONSE).mean()),
+    }
 
 
 def _reader_epoch(dataset, max_steps: int | None, prompts_per_step: int, micro_batch_tokens: int, seed: int) -> dict:

@@ -5,7 +5,7 @@ Nothing is downloaded. The tokenizer is a byte-level BPE trained here on seeded 
 4864, tied embeddings) with random weights, saved in bfloat16: Qwen2.5-0.5B's shape with a 32k
 instead of a 152k vocabulary, N = 0.39B parameters.
 
-Two stages, each in a fresh process (vLLM reserves most of the GPU memory):
+Stages, each in a fresh process (vLLM reserves most of the GPU memory; --only picks some):
   collect  `offline_rec.rollout.collect.collect` with the vLLM backend (bf16): arith prompts x 8 samples,
            temperature 1, up to 256 new tokens (a random model rarely stops early), all prompts in
            one batch. Engine start-up is not timed. Prints samples/s, generated tokens/s and the
@@ -14,9 +14,19 @@ Two stages, each in a fresh process (vLLM reserves most of the GPU memory):
            dataset (prompts 50-200, completions 100-700 tokens, 16 groups of 8 per step, 16k-token
            micro-batches); steps timed by the wall clock between consecutive steps after 2 warm-up
            steps, as in _train_bench. Prints tokens/s and MFU = 6 * N * tokens/s / peak.
+  paper    the paper config's step (configs/gsm8k-qwen2.5-1.5b.yaml: bf16 autocast, fp32 master
+           weights and AdamW, gradient checkpointing, 96 prompts x 8 samples, micro_batch_tokens
+           65536) on a model of Qwen2.5-1.5B's shape built from its config (hidden 1536, 28 layers,
+           12 heads, 2 KV heads, MLP 8960, vocabulary 151936, tied embeddings: N = 1.54B), random
+           weights, over data with the paper's simulated lengths (benchmarks/_data_bench.py,
+           paper_step_lengths: ~295k tokens per step), once per layout: padding-free with the
+           default attention (SDPA: packed rows no longer than the longest sequence), padding-free
+           with flash-attention 2 (one packed row per micro-batch; only where flash_attn is
+           installed), and padded (padding_free: false). 1 warm-up + 2 timed steps each. Prints
+           tokens/s (real tokens), seconds per step, MFU and peak GPU memory.
 Peak: 989e12 FLOP/s, the dense bf16 peak of an H100/H200 SXM (--peak-tflops to change). N counts
-every parameter once (the tied embedding is the lm_head's matmul); attention's own FLOPs are left
-out, so MFU is slightly understated.
+every parameter once (the tied embedding is the lm_head's matmul); attention's own FLOPs and the
+recomputation of gradient checkpointing are left out, so MFU is slightly understated (model FLOPs).
 
 --dry-run: tiny sizes (hidden 64, 2 layers, 500-token vocabulary, a few samples and steps), on
 the CPU when there is no GPU, fp32, vLLM if importable else the hf backend: it checks the code
@@ -44,6 +54,10 @@ SIZES = {
         "collect": dict(num_prompts=256, num_samples=8, max_new_tokens=256),
         "data": dict(num_groups=128, prompt_lengths=(50, 200), completion_lengths=(100, 700), groups_per_shard=64),
         "train": dict(prompts_per_step=16, micro_batch_tokens=16384, warmup=2, steps=4),
+        "paper": dict(model=dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                                 intermediate_size=8960, max_position_embeddings=32768, rope_theta=1e6,
+                                 tie_word_embeddings=True),
+                      vocab=151936, prompts=96, length_scale=1, micro_batch_tokens=65536, warmup=1, steps=2),
     },
     "dry-run": {
         "model": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -52,6 +66,9 @@ SIZES = {
         "collect": dict(num_prompts=4, num_samples=2, max_new_tokens=8),
         "data": dict(num_groups=8, prompt_lengths=(5, 20), completion_lengths=(5, 40), groups_per_shard=4),
         "train": dict(prompts_per_step=2, micro_batch_tokens=512, warmup=1, steps=1),
+        "paper": dict(model=dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                 intermediate_size=128, max_position_embeddings=2048, tie_word_embeddings=True),
+                      vocab=500, prompts=4, length_scale=16, micro_batch_tokens=1024, warmup=1, steps=1),
     },
 }
 
@@ -125,11 +142,96 @@ def train_stage(model: str, data: str, out: str, size: str, gpu: bool) -> dict:
     return {"tokens": sum(s["tokens"] for s in timed), "seconds": sum(s["seconds"] for s in timed), "steps": len(timed)}
 
 
+PAPER_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gsm8k-qwen2.5-1.5b.yaml"
+LAYOUTS = {  # name: (padding_free, attn_implementation)
+    "padding-free, SDPA (bounded rows)": (None, None),
+    "padding-free, flash-attention 2 (one row)": (None, "flash_attention_2"),
+    "padded": (False, None),
+}
+
+
+def build_paper_model(path: str, data: str, size: str) -> dict:
+    """Qwen2.5-1.5B's shape with random weights (bf16 on disk) and a dataset of the paper's simulated lengths."""
+    import numpy as np
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks._data_bench import PAPER_SAMPLES, paper_step_lengths
+    from offline_rec.models.tiny import build_bpe_tokenizer, save_tiny
+
+    settings = SIZES[size]["paper"]
+    tokenizer = build_bpe_tokenizer([" ".join(random_words(4000))], vocab_size=min(settings["vocab"], 400))
+    config = Qwen2Config(vocab_size=settings["vocab"], bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings["model"])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if size == "gpu" else torch.float32)
+    save_tiny(model.cpu(), tokenizer, path)
+    rng = np.random.default_rng(0)
+    steps = settings["warmup"] + settings["steps"] + 1
+    prompts, responses = zip(*(paper_step_lengths(rng) for _ in range(steps)))
+    prompts = np.concatenate(prompts)[::PAPER_SAMPLES] // settings["length_scale"]  # one per group
+    responses = np.maximum(np.concatenate(responses) // settings["length_scale"], 1)
+    groups = settings["prompts"] * steps
+    # the first `groups` groups of the simulated steps (all of them at full size)
+    write_synthetic_dataset(data, num_groups=groups, group_size=PAPER_SAMPLES, vocab_size=settings["vocab"],
+                            groups_per_shard=settings["prompts"],
+                            lengths=(prompts[:groups], responses[:groups * PAPER_SAMPLES]))
+    return {"parameters": sum(p.numel() for p in model.parameters())}
+
+
+def paper_stage(model: str, data: str, out: str, size: str, gpu: bool, padding_free, attn_implementation) -> dict:
+    """The paper config's steps in one layout: real tokens/s, seconds per step, peak GPU memory."""
+    import torch
+
+    from benchmarks._train_bench import time_trainer
+    from offline_rec.training.config import build_config
+
+    settings = SIZES[size]["paper"]
+    options = dict(model=model, data=[data], out=out)
+    sets = [f"max_steps={settings['warmup'] + settings['steps'] + 1}", "progress=false", "report_to=[]",
+            "save_every=0", "keep_last=1", f"prompts_per_step={settings['prompts']}",
+            f"micro_batch_tokens={settings['micro_batch_tokens']}", f"padding_free={padding_free}"]
+    if attn_implementation:
+        sets.append(f"attn_implementation={attn_implementation}")
+    if not gpu:
+        sets += ["cpu=true", "mixed_precision=no"]
+    timed = time_trainer(build_config(PAPER_CONFIG, options, sets))[settings["warmup"] - 1:][:settings["steps"]]
+    return {"tokens": sum(s["tokens"] for s in timed), "seconds": sum(s["seconds"] for s in timed),
+            "steps": len(timed), "padding_efficiency": min(s["padding_efficiency"] for s in timed),
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if gpu else None}
+
+
+def run_paper(workdir: Path, size: str, gpu: bool, peak: float) -> dict:
+    """The paper stage in every layout that can run here; prints one line per layout."""
+    import importlib.util
+
+    model, data = str(workdir / "paper-model"), str(workdir / "paper-data")
+    n = run_child("_gpu_bench", "build_paper_model", dict(path=model, data=data, size=size))["parameters"]
+    print(f"paper step: Qwen2 {SIZES[size]['paper']['model']['hidden_size']}x"
+          f"{SIZES[size]['paper']['model']['num_hidden_layers']}, N = {n / 1e9:.2f}B parameters")
+    results = {}
+    for name, (padding_free, attention) in LAYOUTS.items():
+        if attention == "flash_attention_2" and not (gpu and importlib.util.find_spec("flash_attn")):
+            print(f"  {name}: skipped (needs a GPU and the flash_attn package)")
+            continue
+        out = workdir / f"paper-run-{len(results)}"
+        done = run_child("_gpu_bench", "paper_stage", dict(model=model, data=data, out=str(out), size=size, gpu=gpu,
+                                                          padding_free=padding_free, attn_implementation=attention))
+        rate = done["tokens"] / done["seconds"]
+        memory = f", peak memory {done['peak_memory_gb']:.1f} GiB" if done["peak_memory_gb"] is not None else ""
+        print(f"  {name}: {rate:.0f} tokens/s, {done['seconds'] / done['steps']:.2f} s/step, "
+              f"MFU {6 * n * rate / peak:.1%}, padding efficiency {done['padding_efficiency']:.3f}{memory}")
+        results[name] = {**done, "tokens_per_s": rate, "mfu": 6 * n * rate / peak}
+    return {"paper_parameters": n, "paper": results}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes, CPU allowed: checks the code path only")
     parser.add_argument("--workdir", default="/tmp/offline-rec-gpu-bench", help="model, datasets and runs go here")
     parser.add_argument("--peak-tflops", type=float, default=PEAK_TFLOPS, help="the GPU's dense bf16 peak, TFLOP/s")
+    parser.add_argument("--only", nargs="*", choices=("collect", "train", "paper"), help="run only these stages")
     arguments = parser.parse_args(argv)
     import torch
 
@@ -140,40 +242,45 @@ def main(argv=None) -> int:
         return 2
     workdir = Path(arguments.workdir) / f"{size}-{int(time.time())}"
     workdir.mkdir(parents=True)
-    model = str(workdir / "model")
-    info = build_model(model, size)
-    dtype = SIZES[size]["dtype"]
-    data = write_synthetic_dataset(workdir / "data", group_size=8, vocab_size=info["vocab"], **SIZES[size]["data"])[
-        "path"
-    ]
+    stages = arguments.only or ["collect", "train", "paper"]
     device = torch.cuda.get_device_name(0) if gpu else "CPU"
     peak = arguments.peak_tflops * 1e12
-    n = info["parameters"]
-    print(
-        f"device: {device}; model: Qwen2 {SIZES[size]['model']['hidden_size']}x{SIZES[size]['model']['num_hidden_layers']}, "
-        f"vocab {info['vocab']}, N = {n / 1e6:.1f}M parameters; peak used: {arguments.peak_tflops:g} TFLOP/s (dense bf16)"
-    )
-
-    sampled = run_child(
-        "_gpu_bench", "collect_stage", dict(model=model, out=str(workdir / "collected"), size=size, dtype=dtype)
-    )
-    sample_rate, token_rate = sampled["samples"] / sampled["seconds"], sampled["generated_tokens"] / sampled["seconds"]
-    print(
-        f"collect ({sampled['engine']}, {dtype}): {sampled['samples']} samples, {sampled['generated_tokens']} tokens in "
-        f"{sampled['seconds']:.1f} s: {sample_rate:.1f} samples/s, {token_rate:.0f} tokens/s, "
-        f"generation MFU {2 * n * token_rate / peak:.2%}"
-    )
-
-    trained = run_child(
-        "_gpu_bench", "train_stage", dict(model=model, data=data, out=str(workdir / "run"), size=size, gpu=gpu)
-    )
-    train_rate = trained["tokens"] / trained["seconds"]
-    print(f"train ({'bf16 autocast' if gpu else 'fp32'}): {trained['steps']} steps, {trained['tokens']} tokens in "
-          f"{trained['seconds']:.1f} s: {train_rate:.0f} tokens/s, MFU {6 * n * train_rate / peak:.2%}")
-    print(json.dumps({"device": device, "parameters": n, "collect_samples_per_s": sample_rate,
-                      "collect_tokens_per_s": token_rate, "generation_mfu": 2 * n * token_rate / peak,
-                      "train_tokens_per_s": train_rate, "train_mfu": 6 * n * train_rate / peak,
-                      "peak_tflops": arguments.peak_tflops, "dry_run": arguments.dry_run}))
+    summary = {"device": device, "peak_tflops": arguments.peak_tflops, "dry_run": arguments.dry_run}
+    print(f"device: {device}; peak used: {arguments.peak_tflops:g} TFLOP/s (dense bf16)")
+    if "collect" in stages or "train" in stages:
+        model = str(workdir / "model")
+        info = build_model(model, size)
+        dtype = SIZES[size]["dtype"]
+        n = info["parameters"]
+        summary["parameters"] = n
+        print(f"model: Qwen2 {SIZES[size]['model']['hidden_size']}x{SIZES[size]['model']['num_hidden_layers']}, "
+              f"vocab {info['vocab']}, N = {n / 1e6:.1f}M parameters")
+    if "collect" in stages:
+        sampled = run_child(
+            "_gpu_bench", "collect_stage", dict(model=model, out=str(workdir / "collected"), size=size, dtype=dtype)
+        )
+        sample_rate = sampled["samples"] / sampled["seconds"]
+        token_rate = sampled["generated_tokens"] / sampled["seconds"]
+        print(
+            f"collect ({sampled['engine']}, {dtype}): {sampled['samples']} samples, {sampled['generated_tokens']} "
+            f"tokens in {sampled['seconds']:.1f} s: {sample_rate:.1f} samples/s, {token_rate:.0f} tokens/s, "
+            f"generation MFU {2 * n * token_rate / peak:.2%}"
+        )
+        summary.update(collect_samples_per_s=sample_rate, collect_tokens_per_s=token_rate,
+                       generation_mfu=2 * n * token_rate / peak)
+    if "train" in stages:
+        data = write_synthetic_dataset(workdir / "data", group_size=8, vocab_size=info["vocab"],
+                                       **SIZES[size]["data"])["path"]
+        trained = run_child(
+            "_gpu_bench", "train_stage", dict(model=model, data=data, out=str(workdir / "run"), size=size, gpu=gpu)
+        )
+        train_rate = trained["tokens"] / trained["seconds"]
+        print(f"train ({'bf16 autocast' if gpu else 'fp32'}): {trained['steps']} steps, {trained['tokens']} tokens "
+              f"in {trained['seconds']:.1f} s: {train_rate:.0f} tokens/s, MFU {6 * n * train_rate / peak:.2%}")
+        summary.update(train_tokens_per_s=train_rate, train_mfu=6 * n * train_rate / peak)
+    if "paper" in stages:
+        summary.update(run_paper(workdir, size, gpu, peak))
+    print(json.dumps(summary))
     return 0
 
 

@@ -2,7 +2,9 @@
 
 train_vs_bare. One fresh process (same torch threads for every side) runs, `repeats` times in
 turn:
-  trainer  `offline_rec.training.loop.train(config)` for warmup + steps + 1 optimizer steps. Its step
+  trainer  `offline_rec.training.loop.train(config)` for warmup + steps + 1 optimizer steps, with
+           its defaults: padding-free packing where the model keeps packed sequences apart (here,
+           SDPA: packed rows no longer than the longest sequence; see training/batching.py). Its step
            times are read off the wall clock between consecutive `MetricsLog.write` calls (one
            per step, wrapped here to take a timestamp), so they cover everything the loop does
            per step: reading the step's rows, packing, collating, forward/backward, clipping,
@@ -16,6 +18,8 @@ turn:
   bare_chunked  the same bare loop with the trainer's log-prob path (`token_logprobs_from_model`,
            chunked lm_head over completion positions only): trainer / bare_chunked isolates the
            trainer's own overhead from the choice of log-prob kernel.
+  trainer_padded  the trainer with `padding_free: false` (padded micro-batches, the bare loop's
+           own tensors): train_padded_vs_bare.
 Both count the same tokens per step: real (unpadded) prompt + completion tokens, the trainer's
 `model_tokens`. The first `warmup` steps of each side are not timed. Ratios are per repeat
 (adjacent runs see similar machine load), and the median over repeats is reported.
@@ -39,13 +43,14 @@ from benchmarks._common import child_environment, median, run_command, set_threa
 ALGORITHM = "rec-oneside-nois"
 
 
-def trainer_config(model: str, data: str, out: str, prompts_per_step: int, micro_batch_tokens: int, max_steps: int):
+def trainer_config(model: str, data: str, out: str, prompts_per_step: int, micro_batch_tokens: int, max_steps: int,
+                   padding_free: bool | None = None):
     """The trainer settings both sides share: fp32, no progress bar, checkpoint only at the end."""
     from offline_rec.training.config import TrainConfig
 
     return TrainConfig(data=[data], model=model, algorithm=ALGORITHM, out=out, prompts_per_step=prompts_per_step,
                        micro_batch_tokens=micro_batch_tokens, max_steps=max_steps, lr=1e-6, progress=False,
-                       save_every=0, keep_last=1, cpu=True, seed=0)
+                       save_every=0, keep_last=1, cpu=True, seed=0, padding_free=padding_free)
 
 
 def time_trainer(config) -> list[dict]:
@@ -91,10 +96,9 @@ def step_batches(config, num_steps: int) -> list[dict]:
     for step in range(num_steps):
         generator = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))
         plan = batching.plan_step(index, schedule.groups_of(step), spec, generator, 0, 1, config.micro_batch_tokens)
-        step_rows, packed = plan.rows_here, plan.micro_batches
-        batches = [batching.collate([step_rows[j] for j in micro], pad_id) for micro in packed]
-        steps.append({"batches": batches, "num_tokens": sum(r.trainable_tokens for r in step_rows),
-                      "num_sequences": len(step_rows), "tokens": sum(int(b["attention_mask"].sum()) for b in batches)})
+        batches = [plan.collate(i, pad_id) for i in range(len(plan.micro_batches))]
+        steps.append({"batches": batches, "num_tokens": plan.trainable_tokens, "num_sequences": len(plan.rows_here),
+                      "tokens": sum(r.length for r in plan.rows_here)})
     return steps
 
 
@@ -147,31 +151,40 @@ def train_vs_bare_child(model: str, data: str, workdir: str, prompts_per_step: i
     expected_tokens = [s["tokens"] for s in batches[warmup:]]
     rounds = []
     for repeat in range(repeats):
-        run = trainer_config(
-            model, data, str(Path(workdir) / f"run-{repeat}"), prompts_per_step, micro_batch_tokens, max_steps
-        )
-        trainer_steps = time_trainer(run)[warmup - 1:warmup - 1 + steps]  # optimizer steps warmup+1 .. warmup+steps
-        measured_tokens = [s["tokens"] for s in trainer_steps]
-        if measured_tokens != expected_tokens:
-            raise RuntimeError(
-                f"trainer and bare loop disagree on tokens per step: {measured_tokens} vs {expected_tokens}"
-            )
+        timed = {}
+        for side, padding_free in (("trainer", None), ("trainer_padded", False)):
+            run = trainer_config(model, data, str(Path(workdir) / f"{side}-{repeat}"), prompts_per_step,
+                                 micro_batch_tokens, max_steps, padding_free)
+            timed[side] = time_trainer(run)[warmup - 1:warmup - 1 + steps]  # optimizer steps warmup+1 .. +steps
+            measured_tokens = [s["tokens"] for s in timed[side]]
+            if measured_tokens != expected_tokens:
+                raise RuntimeError(
+                    f"{side} and bare loop disagree on tokens per step: {measured_tokens} vs {expected_tokens}"
+                )
+        trainer_steps = timed["trainer"]
         bare = time_bare(config, batches, warmup, chunked=False)
         bare_chunked = time_bare(config, batches, warmup, chunked=True)
         rounds.append({
             "trainer_tokens_per_s": _tokens_per_s(trainer_steps),
+            "trainer_padded_tokens_per_s": _tokens_per_s(timed["trainer_padded"]),
             "trainer_reported_tokens_per_s": median(s["trainer_tokens_per_s"] for s in trainer_steps),
             "bare_tokens_per_s": _tokens_per_s(bare),
             "bare_chunked_tokens_per_s": _tokens_per_s(bare_chunked),
             "padding_efficiency": median(s["padding_efficiency"] for s in trainer_steps),
+            "padded_padding_efficiency": median(s["padding_efficiency"] for s in timed["trainer_padded"]),
         })
     ratios = [r["trainer_tokens_per_s"] / r["bare_tokens_per_s"] for r in rounds]
     ratios_chunked = [r["trainer_tokens_per_s"] / r["bare_chunked_tokens_per_s"] for r in rounds]
+    ratios_padded = [r["trainer_padded_tokens_per_s"] / r["bare_tokens_per_s"] for r in rounds]
     return {
         "train_vs_bare": median(ratios),
         "train_vs_bare_chunked": median(ratios_chunked),
+        "train_padded_vs_bare": median(ratios_padded),
         "train_vs_bare_all": ratios,
+        "train_padded_vs_bare_all": ratios_padded,
         "trainer_tokens_per_s": median(r["trainer_tokens_per_s"] for r in rounds),
+        "trainer_padded_tokens_per_s": median(r["trainer_padded_tokens_per_s"] for r in rounds),
+        "train_padded_padding_efficiency": median(r["padded_padding_efficiency"] for r in rounds),
         "trainer_reported_tokens_per_s": median(r["trainer_reported_tokens_per_s"] for r in rounds),
         "bare_tokens_per_s": median(r["bare_tokens_per_s"] for r in rounds),
         "bare_chunked_tokens_per_s": median(r["bare_chunked_tokens_per_s"] for r in rounds),

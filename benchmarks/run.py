@@ -6,7 +6,9 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
 (null where a part cannot run, e.g. no vLLM). The keys and their goals:
 
   train_vs_bare               trainer tokens/s / bare forward+loss+backward+AdamW loop    >= 0.9
-  padding_efficiency          real tokens / tokens run through the model (trainer packing) >= 0.9
+  padding_efficiency          real tokens / tokens run through the model (trainer packing) >= 0.98
+  padding_efficiency_paper    the same on the paper config's lengths, simulated            >= 0.98
+  rank_balance_64             paper step on 64 ranks: most loaded rank's tokens / mean      <= 1.05
   logprob_peak_memory_ratio   chunked log-prob peak memory / full-logits peak              <= 0.25
   shard_scan_vs_pyarrow       training data reader rows/s / raw pyarrow scan rows/s        >= 0.5
   shard_scan_rss_growth       reader peak RSS on a 10x dataset / on the 1x dataset         <= 1.2 (flat)
@@ -110,10 +112,19 @@ GROUP_SIZE = 8
 KEYS = (
     ("train_vs_bare", ">= 0.9", "trainer tokens/s / bare fwd+loss+bwd+AdamW loop (same model, batches, loss, threads)"),
     ("train_vs_bare_chunked", "", "same, bare loop using the trainer's chunked log-prob path"),
+    ("train_padded_vs_bare", "", "same, the trainer with padding_free: false"),
     ("trainer_tokens_per_s", "", "trainer steady-state tokens/s (wall clock between steps)"),
+    ("trainer_padded_tokens_per_s", "", "same, padding_free: false"),
     ("bare_tokens_per_s", "", "bare loop tokens/s (full logits)"),
     ("bare_chunked_tokens_per_s", "", "bare loop tokens/s (chunked log-probs)"),
-    ("padding_efficiency", ">= 0.9", "real / padded tokens, trainer packing, lengths 20..600, 1 epoch"),
+    ("padding_efficiency", ">= 0.98", "real / model tokens, trainer packing (SDPA: bounded rows), lengths 20..600"),
+    ("padding_efficiency_one_row", "", "same, one packed row per micro-batch (flash/flex attention)"),
+    ("padding_efficiency_padded", "", "same, padding_free: false"),
+    ("padding_efficiency_paper", ">= 0.98", "paper step simulated, 8 ranks, one packed row (flash-attention)"),
+    ("padding_efficiency_paper_sdpa", "", "same, bounded rows (SDPA)"),
+    ("padding_efficiency_paper_before", "", "same, whole groups per rank, padded (the trainer before)"),
+    ("rank_balance_64", "<= 1.05", "paper step, 64 ranks: most loaded rank's tokens / mean, worst of 20"),
+    ("rank_balance_64_before", "", "same, whole groups per rank, padded model tokens"),
     ("logprob_peak_memory_ratio", "<= 0.25", "chunked / full-logits peak memory, fwd+bwd"),
     ("shard_scan_vs_pyarrow", ">= 0.5", "reader rows/s (index + read_step_rows + pack) / raw pyarrow scan"),
     ("shard_reader_rows_per_s", "", "training data reader rows/s, 1x dataset"),
@@ -160,13 +171,17 @@ def part_train(context: dict) -> dict:
     result = run_child("_train_bench", "train_vs_bare_child", kwargs, threads=context["threads"])
     context["notes"].append(
         f"train: {result['tokens_per_step']:.0f} tokens/step in {result['micro_batches_per_step']:.0f} "
-        f"micro-batches; per-repeat train_vs_bare {[round(r, 3) for r in result['train_vs_bare_all']]}; "
+        f"micro-batches; per-repeat train_vs_bare {[round(r, 3) for r in result['train_vs_bare_all']]}, "
+        f"train_padded_vs_bare {[round(r, 3) for r in result['train_padded_vs_bare_all']]}; "
         f"trainer's own tokens_per_s metric {result['trainer_reported_tokens_per_s']:.0f}"
     )
     keys = (
         "train_vs_bare",
         "train_vs_bare_chunked",
+        "train_padded_vs_bare",
         "trainer_tokens_per_s",
+        "trainer_padded_tokens_per_s",
+        "train_padded_padding_efficiency",
         "bare_tokens_per_s",
         "bare_chunked_tokens_per_s",
         "trainer_reported_tokens_per_s",
@@ -200,9 +215,15 @@ def part_ddp(context: dict) -> dict:
 
 
 def part_padding(context: dict) -> dict:
-    from benchmarks._data_bench import padding_efficiency
+    from benchmarks._data_bench import padding_efficiency, paper_packing
 
-    return padding_efficiency(context["scan_data"]["path"])
+    paper = paper_packing()
+    context["notes"].append(
+        f"paper step (simulated, 20 steps): {paper['paper_tokens_per_step']:.0f} tokens/step, responses "
+        f"{paper['paper_response_mean']:.0f} tokens on average ({paper['paper_response_at_cap']:.1%} at the cap); "
+        f"rank balance 8 ranks {paper['rank_balance_8']:.3f} (before {paper['rank_balance_8_before']:.3f})"
+    )
+    return {**padding_efficiency(context["scan_data"]["path"]), **paper}
 
 
 def part_scan(context: dict) -> dict:

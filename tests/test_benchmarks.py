@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from paths import REPO
 
@@ -19,12 +20,14 @@ sys.path.insert(0, str(REPO))
 from datagen import make_rows, write_dataset  # noqa: E402
 
 from benchmarks._common import median, write_synthetic_dataset  # noqa: E402
-from benchmarks._data_bench import padding_efficiency  # noqa: E402
+from benchmarks._data_bench import padding_efficiency, paper_packing, paper_step_lengths  # noqa: E402
 
 # The keys the benchmark promises (docs/benchmarks.md describes each).
 REQUIRED_KEYS = (
     "train_vs_bare",
     "padding_efficiency",
+    "padding_efficiency_paper",
+    "rank_balance_64",
     "logprob_peak_memory_ratio",
     "shard_scan_vs_pyarrow",
     "shard_scan_rss_growth",
@@ -41,9 +44,10 @@ REQUIRED_KEYS = (
     "data_scale_rss_growth_reuse",
 )
 # Keys that need nothing optional, so a quick run always measures them.
-ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow",
-                   "shard_scan_rss_growth", "collect_hf_vs_bare_generate", "ddp_scaling", "startup_resume_vs_first",
-                   "store_copies_2_ranks", "data_scale_rss_growth_build", "data_scale_rss_growth_reuse")
+ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "padding_efficiency_paper", "rank_balance_64",
+                   "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow", "shard_scan_rss_growth",
+                   "collect_hf_vs_bare_generate", "ddp_scaling", "startup_resume_vs_first", "store_copies_2_ranks",
+                   "data_scale_rss_growth_build", "data_scale_rss_growth_reuse")
 
 
 def test_median_of_odd_and_even_counts():
@@ -75,15 +79,29 @@ def test_synthetic_dataset_has_the_asked_shape_and_validates(tmp_path):
 def test_padding_efficiency_is_one_for_equal_lengths_and_exact_for_two(tmp_path):
     equal = write_synthetic_dataset(tmp_path / "equal", num_groups=6, group_size=4, prompt_lengths=(5, 5),
                                     completion_lengths=(7, 7), vocab_size=50, groups_per_shard=3)
-    assert padding_efficiency(equal["path"], prompts_per_step=4, micro_batch_tokens=48)["padding_efficiency"] == 1.0
-    # One group of 2 rows of 2 + 3 = 5 and 2 + 9 = 11 tokens. A 22-token budget packs both rows
-    # (2 x 11 = 22 <= 22): 16 real tokens of 22 run. An 11-token budget gives each row its own
-    # micro-batch: 16 / 16.
+    result = padding_efficiency(equal["path"], prompts_per_step=4, micro_batch_tokens=48)
+    assert result["padding_efficiency"] == result["padding_efficiency_one_row"] == 1.0
+    assert result["padding_efficiency_padded"] == 1.0
+    # One group of 2 rows of 2 + 3 = 5 and 2 + 9 = 11 tokens. A 22-token budget: padded, both rows (2 x 11 = 22
+    # <= 22): 16 real tokens of 22 run; packed rows no longer than 11 tokens: the same two rows; one packed row:
+    # 16 of 16. An 11-token budget gives each row its own micro-batch: 16 / 16.
     two = write_dataset(tmp_path / "two", make_rows([2], prompt_lengths=[[2, 2]], completion_lengths=[[3, 9]]))
-    assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=22)[
-        "padding_efficiency"
-    ] == pytest.approx(16 / 22)
-    assert padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=11)["padding_efficiency"] == 1.0
+    result = padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=22)
+    assert result["padding_efficiency"] == result["padding_efficiency_padded"] == pytest.approx(16 / 22)
+    assert result["padding_efficiency_one_row"] == 1.0 and result["padding_micro_batches_one_row"] == 1
+    result = padding_efficiency(str(two), prompts_per_step=1, micro_batch_tokens=11)
+    assert result["padding_efficiency"] == result["padding_efficiency_padded"] == 1.0
+
+
+def test_paper_step_lengths_and_packing():
+    prompt, response = paper_step_lengths(np.random.default_rng(0))
+    assert prompt.shape == response.shape == (768,)
+    assert (prompt.reshape(96, 8) == prompt.reshape(96, 8)[:, :1]).all()  # a group shares its prompt
+    assert prompt.min() >= 50 + 15 and 10 <= response.min() and response.max() == 1024
+    result = paper_packing(steps=3)
+    assert result["padding_efficiency_paper"] == 1.0  # one packed row: nothing is padding
+    assert 0.9 < result["padding_efficiency_paper_sdpa"] < 1.0 and result["padding_efficiency_paper_before"] < 0.7
+    assert 1.0 <= result["rank_balance_64"] <= 1.05 < result["rank_balance_64_before"]
 
 
 def test_gpu_script_is_valid_bash():

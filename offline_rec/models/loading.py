@@ -79,14 +79,17 @@ def torch_dtype(name: str | None, model_path: str | None = None):
     return getattr(torch, name)
 
 
-def load_model(name_or_path: str, dtype: str | None = "auto", device: str | None = None):
-    """AutoModelForCausalLM in `dtype` (default: the saved dtype), in eval mode."""
+def load_model(name_or_path: str, dtype: str | None = "auto", device: str | None = None,
+               attn_implementation: str | None = None):
+    """AutoModelForCausalLM in `dtype` (default: the saved dtype), in eval mode; `attn_implementation`
+    (e.g. "flash_attention_2", "sdpa") as transformers takes it, None for its default."""
     from transformers import AutoModelForCausalLM
 
     _check_model_path(name_or_path)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype, name_or_path))
-    except (OSError, ValueError) as e:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype, name_or_path), **extra)
+    except (OSError, ValueError, ImportError) as e:  # ImportError: an attention kernel that is not installed
         raise UserError(f"cannot load a causal LM from {name_or_path}: {str(e).splitlines()[0]}") from None
     if device:
         model.to(device)

@@ -12,11 +12,19 @@ its own groups (`read_step_rows`) without decoding anything. Shuffling permutes 
 
 Batching rules:
   * an optimizer step takes `prompts_per_step` whole groups (the last step of an epoch takes
-    what is left: it is trained, not dropped); a group is never split, not across steps and
-    not across data-parallel ranks (`assign_to_ranks`);
-  * within a rank, rows are sorted by length and packed into micro-batches whose padded size
-    (rows x longest row) stays within a token budget (`pack_micro_batches`), so that little
-    of what runs through the model is padding (`padding_efficiency`);
+    what is left: it is trained, not dropped); a group is never split across steps;
+  * the step's advantages are computed from the rewards of all its rows first, the same on every
+    rank; then its rows are dealt to the data-parallel ranks by length so that every rank gets
+    about the same number of tokens (`assign_to_ranks`: a group's rows may land on several
+    ranks, which changes nothing, since the loss is normalized by the step's global token count);
+  * within a rank, rows are packed into micro-batches of at most a token budget of model
+    tokens, rows x longest row (`model_tokens`). Padded (`pack_micro_batches`): one sequence
+    per row, rows of similar length together. Padding-free (`pack_padding_free`): sequences
+    laid end to end in packed rows, position ids restarting at each (`offline_rec.models.packing`):
+    ONE row per micro-batch (flash/flex attention: the budget is the sum of the lengths and
+    nothing is padding), or rows no longer than the rank's longest sequence (SDPA and eager
+    attention cost row length^2 whatever the sequences in it; only the rows' tails are padding).
+    `padding_efficiency` says how much of what runs through the model is real;
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
@@ -24,6 +32,7 @@ Batching rules:
 from __future__ import annotations
 
 import hashlib
+import heapq
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +49,7 @@ from offline_rec.data import rowcache
 from offline_rec.data.dataset import Dataset
 from offline_rec.data.rowstore import RowStore, RowStoreWriter
 from offline_rec.errors import DataError, UserError
+from offline_rec.models.packing import packed_position_ids
 
 # Columns the index pass reads (each step reads the RowStore's COLUMNS of its rows from the store).
 INDEX_COLUMNS = [
@@ -361,17 +371,18 @@ def step_groups(order: np.ndarray, step_in_epoch: int, prompts_per_step: int) ->
     return order[step_in_epoch * prompts_per_step:(step_in_epoch + 1) * prompts_per_step]
 
 
-def assign_to_ranks(group_tokens, world_size: int) -> list[list[int]]:
-    """Split a step's groups (given by their token counts) over ranks: disjoint, deterministic, balanced.
+def assign_to_ranks(tokens, world_size: int) -> list[list[int]]:
+    """Split items (a step's rows, given by their token counts) over ranks: disjoint, deterministic, balanced.
 
-    Longest groups first, each to the rank with the fewest tokens so far (ties: lowest rank).
-    Returns, per rank, the positions of its groups in the input, in increasing order.
+    Longest first, each to the rank with the fewest tokens so far (ties: lowest rank): with many
+    items per rank, the most loaded rank exceeds the mean by less than one of the last, shortest
+    items. Returns, per rank, the positions of its items in the input, in increasing order.
     """
-    loads = [0] * world_size
+    loads = [(0, rank) for rank in range(world_size)]  # a heap of (tokens so far, rank)
     shares: list[list[int]] = [[] for _ in range(world_size)]
-    for position in sorted(range(len(group_tokens)), key=lambda i: (-int(group_tokens[i]), i)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        loads[rank] += int(group_tokens[position])
+    for position in sorted(range(len(tokens)), key=lambda i: (-int(tokens[i]), i)):
+        load, rank = heapq.heappop(loads)
+        heapq.heappush(loads, (load + int(tokens[position]), rank))
         shares[rank].append(position)
     return [sorted(share) for share in shares]
 
@@ -397,11 +408,58 @@ def pack_micro_batches(lengths, token_budget: int) -> list[list[int]]:
     return batches
 
 
-def padding_efficiency(lengths, micro_batches: list[list[int]]) -> float:
-    """Real tokens / tokens run through the model (each micro-batch is rows x its longest row)."""
-    real = sum(int(lengths[i]) for batch in micro_batches for i in batch)
-    padded = sum(len(batch) * max(int(lengths[i]) for i in batch) for batch in micro_batches if batch)
-    return real / padded if padded else 1.0
+def pack_padding_free(lengths, token_budget: int, one_row: bool = True) -> list[list[list[int]]]:
+    """Sequences (indices of `lengths`) laid end to end in packed rows, the rows grouped into micro-batches.
+
+    Packed rows hold at most token_budget tokens with `one_row` (then each micro-batch is one
+    row), else at most the longest sequence's length (or the budget, if smaller), so that
+    attention over a packed row never costs more than over a padded one: first fit, longest
+    first, each sequence into the first row with room (a sequence longer than the row size gets
+    a row of its own). The rows are then grouped like padded rows, longest first while rows x
+    longest row <= token_budget, so only the rows' tails are padding. Returns micro-batches of
+    rows of sequence indices, each row in the order its sequences were placed. Deterministic
+    (ties by index).
+    """
+    capacity = token_budget if one_row else min(max((int(n) for n in lengths), default=1), token_budget)
+    rows: list[list[int]] = []
+    room: list[int] = []  # tokens left in each row
+    for i in sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i)):
+        length = int(lengths[i])
+        fits = next((r for r, left in enumerate(room) if left >= length), None)
+        if fits is None:
+            rows.append([i])
+            room.append(capacity - length)
+        else:
+            rows[fits].append(i)
+            room[fits] -= length
+    fills = [capacity - left for left in room]
+    return [[rows[r] for r in batch] for batch in pack_micro_batches(fills, token_budget)]
+
+
+def micro_batches_of(lengths, token_budget: int, padding_free: bool = False, one_row: bool = True) -> list[list[list]]:
+    """A rank's micro-batches for its sequences of `lengths`, as lists of model rows of sequence indices.
+
+    Padded: one sequence per row (`pack_micro_batches`). Padding-free (`pack_padding_free`): one
+    packed row per micro-batch with `one_row`, else packed rows no longer than the longest sequence.
+    """
+    if not padding_free:
+        return [[[i] for i in batch] for batch in pack_micro_batches(lengths, token_budget)]
+    return pack_padding_free(lengths, token_budget, one_row)
+
+
+def model_tokens(lengths, micro_batch: list) -> int:
+    """Tokens one micro-batch runs through the model: its rows x its longest row. A row is one
+    sequence (an index, padded micro-batches) or a list of sequences laid end to end (packed)."""
+    fills = [sum(int(lengths[i]) for i in row) if isinstance(row, list) else int(lengths[row]) for row in micro_batch]
+    return len(fills) * max(fills, default=0)
+
+
+def padding_efficiency(lengths, micro_batches: list[list]) -> float:
+    """Real tokens / tokens run through the model (`model_tokens` of each micro-batch, padded or packed)."""
+    real = sum(int(lengths[i]) for batch in micro_batches for row in batch
+               for i in (row if isinstance(row, list) else [row]))
+    run = sum(model_tokens(lengths, batch) for batch in micro_batches)
+    return real / run if run else 1.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,20 +511,16 @@ def read_step_rows(index: GroupIndex, rows, advantages) -> list[Row]:
     ]
 
 
-def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for a micro-batch of rows.
-
-    input_ids, attention_mask [B, L]; and, over the L-1 next-token positions (position t
-    predicts token t+1): positions_mask [B, L-1] (True where a completion token with
-    loss_mask 1 is predicted), loss_mask (the same positions), behavior_logprobs [B, L-1]
-    (0 elsewhere); advantages [B].
-    """
+def _padded_arrays(rows: list[Row], pad_id: int):
+    """input_ids, attention_mask [B, L] of the rows right-padded to the longest L, and over the L-1
+    next-token positions (position t predicts token t+1): loss_mask [B, L-1] (True where a
+    completion token with loss_mask 1 is predicted), behavior_logprobs [B, L-1] (0 elsewhere)."""
     length = max(row.length for row in rows)
     batch = len(rows)
     # Filled in numpy (one copy per row, the store's read-only views are never handed to torch).
     input_ids = np.full((batch, length), pad_id, dtype=np.int64)
     attention_mask = np.zeros((batch, length), dtype=np.int64)
-    positions_mask = np.zeros((batch, max(length - 1, 1)), dtype=bool)
+    loss_mask = np.zeros((batch, max(length - 1, 1)), dtype=bool)
     behavior = np.zeros((batch, max(length - 1, 1)), dtype=np.float32)
     for i, row in enumerate(rows):
         p, c = len(row.prompt_ids), len(row.completion_ids)
@@ -477,17 +531,75 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         # token of an empty prompt has no context and is not scored.
         first = 1 if p == 0 else 0
         if c > first:
-            positions_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
+            loss_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
             behavior[i, p - 1 + first:p - 1 + c] = row.behavior_logprobs[first:]
+    return input_ids, attention_mask, loss_mask, behavior
+
+
+def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for a micro-batch of rows.
+
+    input_ids, attention_mask [B, L]; and, over the L-1 next-token positions (position t
+    predicts token t+1): positions_mask [B, L-1] (True where a completion token with
+    loss_mask 1 is predicted), loss_mask (the same positions), behavior_logprobs [B, L-1]
+    (0 elsewhere); advantages [B].
+    """
+    input_ids, attention_mask, positions_mask, behavior = _padded_arrays(rows, pad_id)
     input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
     positions_mask, behavior = torch.from_numpy(positions_mask), torch.from_numpy(behavior)
     advantages = torch.tensor([row.advantage for row in rows], dtype=torch.float32)
-    if length == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
-        input_ids = torch.cat([input_ids, torch.full((batch, 1), pad_id)], dim=1)
-        attention_mask = torch.cat([attention_mask, torch.zeros((batch, 1), dtype=torch.long)], dim=1)
+    if input_ids.shape[1] == 1:  # a lone token predicts nothing: keep shapes valid, nothing is scored
+        input_ids = torch.cat([input_ids, torch.full((len(rows), 1), pad_id)], dim=1)
+        attention_mask = torch.cat([attention_mask, torch.zeros((len(rows), 1), dtype=torch.long)], dim=1)
     # The loss covers exactly the scored positions (the trainer's zero-loss pass is the exception).
     return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=positions_mask,
                 loss_mask=positions_mask.clone(), behavior_logprobs=behavior, advantages=advantages)
+
+
+def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Padding-free tensors for a micro-batch of packed rows (each a list of rows laid end to end).
+
+    What the model reads: input_ids, position_ids [R, W] (W the longest packed row; positions
+    restart at 0 at every sequence, and the padded tail of a shorter row restarts as a sequence
+    of its own; no attention_mask: see `offline_rec.models.packing`) and positions_mask
+    [R, W-1], the scored positions. What the loss reads, in the padded layout of the sequences
+    (packed row after packed row; B sequences, L the longest): loss_mask, behavior_logprobs
+    [B, L-1], advantages [B] as in `collate`, and output_mask [B, L-1], where the scored
+    log-probs go (they come in the same order in both layouts); sequence_lengths [B] (the real
+    tokens, for the metrics). `model_inputs` gives the model's arguments.
+    """
+    rows = [row for packed in packed_rows for row in packed]
+    input_ids, attention_mask, loss_mask, behavior = _padded_arrays(rows, pad_id)
+    real = attention_mask.astype(bool)  # [B, L]
+    # Per sequence, position t scores token t+1 (its last position scores nothing): the loss
+    # mask with a False column, then every sequence's own positions, end to end.
+    scored = np.zeros(real.shape, dtype=bool)
+    scored[:, :real.shape[1] - 1] = loss_mask[:, :real.shape[1] - 1]
+    flat_tokens, flat_scored = input_ids[real], scored[real]  # [sum of lengths]
+    fills = [sum(row.length for row in packed) for packed in packed_rows]  # [R]
+    width = max(max(fills), 2)  # a lone token predicts nothing: keep shapes valid
+    tokens = np.full((len(fills), width), pad_id, dtype=np.int64)
+    positions = np.zeros((len(fills), width), dtype=np.int64)
+    positions_mask = np.zeros((len(fills), width), dtype=bool)
+    start = 0
+    for r, (packed, fill) in enumerate(zip(packed_rows, fills)):
+        tokens[r, :fill] = flat_tokens[start:start + fill]
+        positions_mask[r, :fill] = flat_scored[start:start + fill]
+        positions[r] = packed_position_ids([row.length for row in packed] + [width - fill])
+        start += fill
+    loss_mask = torch.from_numpy(loss_mask)
+    return dict(input_ids=torch.from_numpy(tokens), position_ids=torch.from_numpy(positions),
+                positions_mask=torch.from_numpy(np.ascontiguousarray(positions_mask[:, :-1])),
+                output_mask=loss_mask.clone(), loss_mask=loss_mask, behavior_logprobs=torch.from_numpy(behavior),
+                advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
+                sequence_lengths=torch.tensor([row.length for row in rows], dtype=torch.long))
+
+
+def model_inputs(batch: dict) -> dict:
+    """The keyword arguments of `token_logprobs_from_model` (and the trainer's scorer) for a collated batch."""
+    return dict(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                position_ids=batch.get("position_ids"), positions_mask=batch["positions_mask"],
+                output_mask=batch.get("output_mask"))
 
 
 def zero_loss_batch(pad_id: int) -> dict[str, torch.Tensor]:
@@ -549,7 +661,7 @@ class StepPlan:
     """Everything one optimizer step needs before its first forward pass.
 
     Advantages come from the rewards of the WHOLE step (every rank computes the same ones, RED-Drop's
-    random drops included: same generator); the rank then keeps its own share of the groups.
+    random drops included: same generator); the rank then keeps its own share of the rows.
     """
 
     groups: np.ndarray  # [G_step] index positions of the step's groups
@@ -559,16 +671,28 @@ class StepPlan:
     keep: np.ndarray  # [N] bool, False for rows RED-Drop removed
     group_stats: dict  # advantage_stats of the step: num_groups, singleton_groups, zero_variance_groups
     rows_here: list[Row]  # this rank's kept rows that carry at least one trainable token
-    micro_batches: list[list[int]]  # positions into rows_here, one list per forward/backward pass
+    # One entry per forward/backward pass: its model rows, each a list of positions into rows_here
+    # (one position per row when padded; the sequences laid end to end in it when padding-free).
+    micro_batches: list[list[list[int]]]
+    padding_free: bool = False
 
     @property
     def trainable_tokens(self) -> int:
         return sum(row.trainable_tokens for row in self.rows_here)
 
+    def collate(self, i: int, pad_id: int) -> dict[str, torch.Tensor]:
+        """The tensors of micro-batch `i` (`collate` or `collate_packed`)."""
+        rows = [[self.rows_here[j] for j in row] for row in self.micro_batches[i]]
+        return collate_packed(rows, pad_id) if self.padding_free else collate([row for (row,) in rows], pad_id)
+
 
 def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Generator, rank: int, world_size: int,
-              micro_batch_tokens: int) -> StepPlan:
-    """Advantages of the step's groups, this rank's share of them, its rows read and packed into micro-batches."""
+              micro_batch_tokens: int, padding_free: bool = False, one_row: bool = True) -> StepPlan:
+    """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed.
+
+    Padding-free micro-batches are one packed row each with `one_row`, else packed rows no longer
+    than their longest sequence (see the module docstring).
+    """
     rows = index.rows_of_groups(groups)  # [N]
     rewards = index.reward[rows]  # [N]
     row_groups = np.repeat(groups, index.size[groups]).tolist()  # [N] group keys, unique within the step
@@ -576,8 +700,10 @@ def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Gene
     advantages, keep = advantages.double().numpy(), keep.numpy()
     stats = advantage_stats(torch.from_numpy(rewards), row_groups)
 
-    share = assign_to_ranks(index.group_tokens(groups), world_size)[rank]  # positions into `groups`
-    mine = np.isin(rows, index.rows_of_groups(groups[share])) & keep  # [N]
+    kept = np.flatnonzero(keep)  # [K] positions into `rows`
+    lengths = index.prompt_length[rows[kept]].astype(np.int64) + index.completion_length[rows[kept]]  # [K]
+    mine = kept[assign_to_ranks(lengths, world_size)[rank]]  # this rank's positions into `rows`, increasing
     rows_here = [row for row in read_step_rows(index, rows[mine], advantages[mine]) if row.trainable_tokens > 0]
-    micro_batches = pack_micro_batches([row.length for row in rows_here], micro_batch_tokens)
-    return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches)
+    micro_batches = micro_batches_of([row.length for row in rows_here], micro_batch_tokens, padding_free, one_row)
+    return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches,
+                    padding_free)

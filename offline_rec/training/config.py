@@ -83,7 +83,11 @@ class TrainConfig:
     epochs: int = _option(1, "passes over the training groups (ignored when max_steps > 0)")
     max_steps: int = _option(0, "if > 0: train exactly this many optimizer steps, cycling epochs as needed")
     micro_batch_tokens: int = _option(
-        8192, "token budget of one forward/backward, padding included (sequences x longest)"
+        8192, "token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum)"
+    )
+    padding_free: bool | None = _option(
+        None, "pack a micro-batch's sequences into one row without padding, position ids restarting at each; "
+              "null: on where the model keeps packed sequences apart (probed at start), true: required, false: off"
     )
     max_length: int = _option(2048, "longest prompt+completion in tokens; longer rows are refused unless truncate")
     truncate: bool = _option(False, "cut rows longer than max_length (completion tail dropped, with a warning)")
@@ -111,6 +115,10 @@ class TrainConfig:
     model_dtype: str = _option("float32", "dtype the weights are loaded and kept in: float32 | bfloat16")
     mixed_precision: str = _option("no", "autocast for the forward/backward: no | bf16 (GPU)")
     gradient_checkpointing: bool = _option(False, "recompute activations in backward to save memory")
+    attn_implementation: str | None = _option(
+        None, "attention kernel (transformers' attn_implementation: sdpa, eager, flash_attention_2, flex_attention; "
+              "null: its default); padding-free micro-batches are one row with flash/flex, bounded rows otherwise"
+    )
     temperature: float = _option(
         1.0, "policy log-probs are of softmax(logits / temperature): use the sampling temperature"
     )

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from offline_rec.algorithms import get_algorithm
+from offline_rec.models.packing import choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.training import batching, checks, distributed
@@ -115,12 +116,16 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     start_step = state["step"] if state else 0
     # Updates counted by the optimizer's own state; init_from's AdamW state brings its earlier ones.
     steps_at_start = state.get("optimizer_steps_at_start", 0) if state else optimizer_steps(optimizer)
+    # Padding-free micro-batches where the model keeps packed sequences apart (offline_rec.models.packing).
+    layout = choose_layout(config.padding_free, policy, lambda one_row: probe_packing(
+        lambda ids, mask, positions, scored: scorer(ids, mask, scored, position_ids=positions),
+        len(tokenizer), accelerator.device, module=scorer, one_row=one_row), config.model)
 
     # ---- 3. The run directory.
     if accelerator.is_main_process:
         ckpt.start_run_dir(run_dir, config, datasets, index, schedule)
         print_settings(config, spec, index, schedule, accelerator.num_processes, start_step,
-                       backend=distributed.settings_line(accelerator))
+                       backend=distributed.settings_line(accelerator), packing=layout.note)
     metrics_log = MetricsLog(run_dir, config, start_step, accelerator.is_main_process,
                              state["metrics"] if state else None)
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
@@ -134,7 +139,8 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             step_started = time.time()
             drops = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
             plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
-                                      accelerator.num_processes, config.micro_batch_tokens)
+                                      accelerator.num_processes, config.micro_batch_tokens,
+                                      layout.padding_free, layout.one_row)
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
                               tokenizer.pad_token_id)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)
@@ -182,6 +188,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         "world_size": accelerator.num_processes,
         **distributed.describe(accelerator),
         "optimizer_steps": optimizer_steps(optimizer) - steps_at_start,
+        "padding_free": layout.padding_free,
         "seconds": time.time() - started,
         "final_metrics": metrics,
     }

@@ -41,8 +41,10 @@ class PassSums:
             "kl_behavior_sum": stats["kl_behavior"] * n,
             "weight_sum": stats["weight_mean"] * n,
             "tokens": n,
-            "model_tokens": int(batch["attention_mask"].sum()) if n else 0,
-            "padded_tokens": batch["attention_mask"].numel() if n else 0,
+            # A padding-free batch has no attention_mask: its real tokens are its sequences' lengths.
+            "model_tokens": int(batch["attention_mask"].sum() if "attention_mask" in batch
+                                else batch["sequence_lengths"].sum()) if n else 0,
+            "padded_tokens": batch["input_ids"].numel() if n else 0,
         }
         for key, value in added.items():
             self.values[self.KEYS.index(key)] += value
@@ -188,8 +190,9 @@ def _line_step(line: str):
 
 
 def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int,
-                   backend: str = "") -> None:
-    """The settings a reader of the log needs first (defaults included); `backend`: what runs the processes."""
+                   backend: str = "", packing: str = "") -> None:
+    """The settings a reader of the log needs first (defaults included); `backend`: what runs the processes,
+    `packing`: the padding-free layout's note."""
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -218,7 +221,8 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         (
             "batching",
             f"micro_batch_tokens {config.micro_batch_tokens}, max_length {config.max_length}, "
-            f"mixed_precision {config.mixed_precision}, model_dtype {config.model_dtype}",
+            f"mixed_precision {config.mixed_precision}, model_dtype {config.model_dtype}"
+            + (f"; padding_free {packing}" if packing else ""),
         ),
         (
             "saving",

@@ -35,12 +35,14 @@ class PolicyScorer(torch.nn.Module):
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy  # peft: the wrapped model
         self._no_split_modules = list(getattr(base, "_no_split_modules", None) or [])
 
-    def forward(self, input_ids, attention_mask, positions_mask, adapters: bool = True):
+    def forward(self, input_ids, attention_mask, positions_mask, position_ids=None, output_mask=None,
+                adapters: bool = True):
         # adapters=False scores with the LoRA adapters switched off: the initial policy.
         context = contextlib.nullcontext() if adapters else self.policy.disable_adapter()
         with context:
-            return token_logprobs_from_model(self.policy, input_ids, attention_mask, positions_mask=positions_mask,
-                                             chunk_size=self.chunk_size, temperature=self.temperature)
+            return token_logprobs_from_model(self.policy, input_ids, attention_mask, position_ids=position_ids,
+                                             positions_mask=positions_mask, chunk_size=self.chunk_size,
+                                             temperature=self.temperature, output_mask=output_mask)
 
 
 def load_policy(config: TrainConfig, weights_from: Path | None, backend_checkpointing: bool = False):
@@ -51,7 +53,7 @@ def load_policy(config: TrainConfig, weights_from: Path | None, backend_checkpoi
     (FSDP) does the activation checkpointing, transformers' own is not switched on.
     """
     source = str(weights_from) if weights_from and not config.lora_r else config.model
-    policy = load_model(source, dtype=config.model_dtype)
+    policy = load_model(source, dtype=config.model_dtype, attn_implementation=config.attn_implementation)
     if config.lora_r:
         from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -96,7 +98,7 @@ def load_reference(config: TrainConfig, accelerator) -> PolicyScorer | None:
     its adapters off is the initial policy). Call after the policy was prepared (FSDP2 reuses its wrapping)."""
     if config.kl_to_initial <= 0 or config.lora_r:
         return None
-    model = load_model(config.model, dtype=config.model_dtype)
+    model = load_model(config.model, dtype=config.model_dtype, attn_implementation=config.attn_implementation)
     model.requires_grad_(False)
     model.config.use_cache = False
     model.eval()

@@ -63,16 +63,17 @@ def any_rank(flag: bool, accelerator) -> bool:
 def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, config: TrainConfig, num_tokens: int,
                      num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The policy loss of one micro-batch (its share of the step's token-mean), plus beta * k3 if asked."""
-    logprobs = scorer(batch["input_ids"], batch["attention_mask"], batch["positions_mask"])  # [B, L-1]
+    inputs = batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
+    logprobs = scorer(**inputs)  # [B, L-1]
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
     kl_initial = torch.zeros((), device=accelerator.device)
     if config.kl_to_initial > 0:
         with torch.no_grad(), accelerator.autocast():
             if reference is None:  # LoRA: the initial policy is the model with its adapters off
-                ref = scorer(batch["input_ids"], batch["attention_mask"], batch["positions_mask"], adapters=False)
+                ref = scorer(**inputs, adapters=False)
             else:
-                ref = reference(batch["input_ids"], batch["attention_mask"], batch["positions_mask"])
+                ref = reference(**inputs)
         kl_initial = k3_penalty(logprobs, ref, batch["loss_mask"], num_tokens)  # ref: [B, L-1]
         loss = loss + config.kl_to_initial * kl_initial
     return loss, stats, kl_initial
@@ -90,7 +91,7 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
     sums = PassSums()
     for i in range(num_passes):
         if i < len(plan.micro_batches):
-            batch = batching.collate([plan.rows_here[j] for j in plan.micro_batches[i]], pad_id)
+            batch = plan.collate(i, pad_id)
         else:  # this rank has run out of rows: a zero-loss pass keeps the collectives in step
             batch = batching.zero_loss_batch(pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}

@@ -57,6 +57,48 @@ def test_pack_micro_batches_by_hand():
     assert batching.pack_micro_batches([50, 3], 10) == [[0], [1]]  # a row over budget goes alone
 
 
+def test_padding_free_micro_batches_by_hand():
+    lengths = [5, 3, 8, 2]
+    # One row per micro-batch (budget 10): longest first into the first row with room: 8 (i2) -> [8];
+    # 5 (i0) -> new [5]; 3 (i1) -> [5, 3]; 2 (i3) -> [8, 2]. Rows of 10 and 8 tokens: one per micro-batch.
+    batches = batching.pack_padding_free(lengths, 10)
+    assert batches == [[[2, 3]], [[0, 1]]]
+    assert [batching.model_tokens(lengths, b) for b in batches] == [10, 8]
+    assert batching.padding_efficiency(lengths, batches) == 1.0
+    assert batching.pack_padding_free([50, 3, 7], 10) == [[[0]], [[2, 1]]]  # over budget: alone
+    # Rows of at most 8 tokens (the longest sequence): [8], [5, 3], [2]; a 16-token budget holds 2 x 8 tokens.
+    bounded = batching.pack_padding_free(lengths, 16, one_row=False)
+    assert bounded == [[[2], [0, 1]], [[3]]]
+    assert [batching.model_tokens(lengths, b) for b in bounded] == [16, 2]
+    # padded micro-batches are rows of one sequence
+    assert batching.model_tokens(lengths, [0, 1]) == batching.model_tokens(lengths, [[0], [1]]) == 10
+
+
+def test_padding_free_micro_batches_waste_almost_nothing_on_a_paper_sized_step():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(60, 1500, size=768)  # a 96 x 8 step
+    for one_row in (True, False):
+        batches = batching.pack_padding_free(lengths, 65536, one_row)
+        assert sorted(i for b in batches for row in b for i in row) == list(range(768))
+        assert max(batching.model_tokens(lengths, b) for b in batches) <= 65536
+        efficiency = batching.padding_efficiency(lengths, batches)
+        if one_row:  # no padding, and as few passes as the budget allows
+            assert efficiency == 1.0 and len(batches) == -(-int(lengths.sum()) // 65536)
+        else:  # only the tails of rows no longer than the longest sequence
+            assert efficiency >= 0.95, efficiency
+            assert all(sum(int(lengths[i]) for i in row) <= lengths.max() for b in batches for row in b)
+
+
+def test_ranks_get_token_balanced_shares_of_a_paper_sized_step():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(60, 1500, size=768)
+    for world in (8, 64):
+        shares = batching.assign_to_ranks(lengths, world)
+        assert sorted(sum(shares, [])) == list(range(768))
+        loads = [int(lengths[share].sum()) for share in shares]
+        assert max(loads) / np.mean(loads) <= 1.02, world
+
+
 def test_padding_efficiency_is_high_for_realistic_lengths():
     rng = np.random.default_rng(0)
     lengths = rng.integers(60, 1200, size=768)  # a 96 x 8 step of GSM8K-like lengths
@@ -169,3 +211,76 @@ def test_read_and_collate_place_tokens_by_hand(tmp_path):
     assert batch["advantages"].tolist() == [0.5, -0.5]
     # only the rows asked for are read (RED-Drop's dropped rows are not)
     assert [r.completion_ids.tolist() for r in batching.read_step_rows(index, [1], [0.0])] == [[10]]
+
+
+def test_padding_free_collate_places_tokens_by_hand(tmp_path):
+    groups = [[_row("a", 0, [5, 6], [7, 8, 9], loss_mask=[1, 0, 1]), _row("a", 1, [5, 6], [10]),
+               _row("a", 2, [], [11, 12])]]
+    index = batching.index_datasets([_dataset(tmp_path, groups)], 100, False)
+    rows = batching.read_step_rows(index, [0, 1, 2], [0.5, -0.5, 1.0])
+    batch = batching.collate_packed([rows], pad_id=0)  # one packed row
+    assert "attention_mask" not in batch
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 5, 6, 10, 11, 12]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 0, 1]]
+    # packed row: 7 predicted at 1, 9 at 3 (8 masked out); 10 at 6; 12 at 8 (11 opens an empty prompt: not scored)
+    assert batch["positions_mask"].tolist() == [[False, True, False, True, False, False, True, False, True]]
+    # the loss layout is the padded one, and the scored tokens come in the same order in both
+    padded = batching.collate(rows, pad_id=0)
+    assert torch.equal(batch["output_mask"], padded["positions_mask"])
+    for key in ("loss_mask", "behavior_logprobs", "advantages"):
+        assert torch.equal(batch[key], padded[key]), key
+    scored = sum(r.trainable_tokens for r in rows)
+    assert int(batch["positions_mask"].sum()) == int(batch["output_mask"].sum()) == scored
+    # the model's arguments: no attention mask, position ids and the mask that places the scores
+    inputs = batching.model_inputs(batch)
+    assert inputs["attention_mask"] is None and inputs["output_mask"] is batch["output_mask"]
+    assert batching.model_inputs(padded)["position_ids"] is None
+    # two packed rows, [row 1, row 2] and [row 0]: the shorter row's padded tail restarts as a sequence of its own
+    two = batching.collate_packed([[rows[1], rows[2]], [rows[0]]], pad_id=0)
+    assert two["input_ids"].tolist() == [[5, 6, 10, 11, 12], [5, 6, 7, 8, 9]]
+    assert two["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
+    assert two["positions_mask"].tolist() == [[False, True, False, True], [False, True, False, True]]
+    assert two["advantages"].tolist() == [-0.5, 1.0, 0.5]  # the loss layout follows the packed rows
+    assert torch.equal(two["output_mask"], batching.collate([rows[1], rows[2], rows[0]], pad_id=0)["loss_mask"])
+    three = batching.collate_packed([[rows[2]], [rows[1]]], pad_id=0)  # 2 and 3 tokens: a tail of 1
+    assert three["input_ids"].tolist() == [[11, 12, 0], [5, 6, 10]] and three["position_ids"][0].tolist() == [0, 1, 0]
+    assert three["sequence_lengths"].tolist() == [2, 3]  # 5 real tokens of 6
+    lone = batching.collate_packed([[batching.read_step_rows(index, [1], [1.0])[0]]], pad_id=0)
+    assert lone["input_ids"].shape == (1, 3)
+
+
+def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
+    from offline_rec.algorithms import get_algorithm
+
+    rng = np.random.default_rng(2)
+    groups = [[_row(f"g{g}", k, [4] * int(rng.integers(1, 30)), [5] * int(rng.integers(1, 60)),
+                    reward=float(k % 2)) for k in range(4)] for g in range(6)]
+    index = batching.index_datasets([_dataset(tmp_path, groups)], 1000, False)
+    spec = get_algorithm("rec-oneside-nois")
+
+    def plan(rank, world, one_row=True, budget=64):
+        return batching.plan_step(index, np.arange(6), spec, torch.Generator().manual_seed(0), rank, world, budget,
+                                  padding_free=True, one_row=one_row)
+
+    alone = plan(0, 1)
+    shares = [plan(rank, 3) for rank in range(3)]
+    seen = [(r.prompt_ids.tobytes(), r.completion_ids.tobytes(), r.advantage) for p in shares for r in p.rows_here]
+    assert sorted(seen) == sorted((r.prompt_ids.tobytes(), r.completion_ids.tobytes(), r.advantage)
+                                  for r in alone.rows_here)  # every row once, with the step's own advantage
+    loads = [sum(r.length for r in p.rows_here) for p in shares]
+    assert max(loads) - min(loads) <= max(r.length for r in alone.rows_here)
+    for p in shares + [plan(1, 3, one_row=False)]:
+        lengths = [r.length for r in p.rows_here]
+        assert p.padding_free and all(batching.model_tokens(lengths, b) <= 64 or b == [[b[0][0]]]
+                                      for b in p.micro_batches)  # within the budget, or one sequence over it
+        for i, micro_batch in enumerate(p.micro_batches):
+            batch = p.collate(i, pad_id=0)
+            assert batch["input_ids"].shape[0] == len(micro_batch)
+            assert int(batch["positions_mask"].sum()) == sum(p.rows_here[j].trainable_tokens for row in micro_batch
+                                                             for j in row)
+    assert all(len(b) == 1 for b in shares[0].micro_batches)  # one packed row per micro-batch
+    bounded = plan(1, 3, one_row=False, budget=400)
+    assert any(len(b) > 1 for b in bounded.micro_batches)  # several packed rows in a micro-batch
+    longest = max(r.length for r in bounded.rows_here)
+    assert all(sum(bounded.rows_here[j].length for j in row) <= longest for b in bounded.micro_batches for row in b)
+    assert any(len(row) > 1 for b in bounded.micro_batches for row in b)  # several sequences in a row

@@ -135,7 +135,8 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
     torch.testing.assert_close(twos, full, atol=1e-6, rtol=1e-5)
 
 
-def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, data_dir):
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, data_dir, padding_free):
     """The loop itself: one step with budgets giving 1 row per micro-batch, a few, or all rows at once.
 
     With adam_eps = 1 the first AdamW update is lr * g / (|g| + 1), an elementwise increasing
@@ -147,17 +148,55 @@ def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, dat
     for budget in (1, 40, 100_000):
         out = tmp_path / f"b{budget}"
         train(config(tmp_path, model_dir, data_dir, out=str(out), micro_batch_tokens=budget, max_steps=1,
-                     lr=1.0, adam_eps=1.0, weight_decay=0.0, max_grad_norm=0.0, algorithm="rec-oneside-is"))
+                     lr=1.0, adam_eps=1.0, weight_decay=0.0, max_grad_norm=0.0, algorithm="rec-oneside-is",
+                     padding_free=padding_free))
         after = state_dict_of(out / "final")
         deltas.append(torch.cat([(after[k] - before[k]).flatten() for k in before]))
         (step,) = metrics_of(out)
         norms.append(step["grad_norm"])
         efficiencies.append(step["padding_efficiency"])
-    assert efficiencies[0] == 1.0 and efficiencies[2] < 1.0  # the packings really differed
+    # the packings really differed (padding-free here packs rows no longer than the longest sequence: their tails)
+    assert efficiencies[0] == 1.0 and efficiencies[2] < 1.0
     assert deltas[0].abs().max() > 1e-4
     for delta, norm in zip(deltas[1:], norms[1:]):
         torch.testing.assert_close(delta, deltas[0], atol=1e-6, rtol=1e-4)
         assert norm == pytest.approx(norms[0], rel=1e-5)
+
+
+def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, capsys, monkeypatch):
+    """`--set padding_free=true` and `=false` on mixed lengths (1-40 prompt, 1-60 completion tokens, loss masks,
+    a KL penalty through the reference model): the same weights after 3 steps of several micro-batches, in both
+    padding-free layouts (SDPA here packs rows no longer than the longest sequence; one row is forced)."""
+    from offline_rec.models import packing
+
+    data = write_dataset(tmp_path / "mixed", model_dir, num_groups=6, prompt_lengths=(1, 40),
+                         completion_lengths=(1, 60), loss_masks=True)
+    finals, metrics = {}, {}
+    for run, flag in (("bounded", "true"), ("one-row", "true"), ("padded", "false")):
+        out = tmp_path / run
+        monkeypatch.setattr(packing, "one_row_attention", lambda model, run=run: run == "one-row")
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["train", "--data", data, "--model", model_dir, "--algorithm", "rec-oneside-is", "--out", str(out),
+                      "--max-steps", "3", "--set", "prompts_per_step=3", "--set", "micro_batch_tokens=120",
+                      "--set", "lr=1e-3", "--set", "kl_to_initial=0.1", "--set", f"padding_free={flag}",
+                      "--set", "progress=false", "--set", "report_to=[]", "--set", "cpu=true"])
+        assert exit_info.value.code == 0
+        finals[run], metrics[run] = state_dict_of(out / "final"), metrics_of(out)
+        assert json.loads((out / "summary.json").read_text())["padding_free"] is (flag == "true")
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "padding_free on, rows no longer than the longest sequence (a packed sequence's log-probs" in printed
+    assert "padding_free on, one row per micro-batch" in printed and "padding_free off (padding_free: false)" in printed
+    before = state_dict_of(model_dir)
+    assert max(float((finals["padded"][k] - before[k]).abs().max()) for k in before) > 1e-3  # it trained
+    for run in ("bounded", "one-row"):
+        for key, value in finals[run].items():
+            torch.testing.assert_close(value, finals["padded"][key], atol=1e-5, rtol=0, msg=f"{run} {key}")
+        for packed, padded in zip(metrics[run], metrics["padded"], strict=True):
+            assert packed["num_tokens"] == padded["num_tokens"]
+            assert packed["loss"] == pytest.approx(padded["loss"], abs=1e-6)
+            assert packed["kl_initial"] == pytest.approx(padded["kl_initial"], abs=1e-7)
+    assert all(m["padding_efficiency"] == 1.0 for m in metrics["one-row"])  # nothing but sequences in one row
+    assert all(0.9 < m["padding_efficiency"] < 1.0 for run in ("bounded", "padded") for m in metrics[run])  # tails
 
 
 def test_holdout_groups_stay_out_of_training(tmp_path, model_dir, data_dir):
@@ -350,7 +389,7 @@ def _bad_hash_dataset(tmp_path, data_dir):
 
 @pytest.mark.parametrize("case", ["null-rewards", "missing-model", "unknown-algorithm", "config-typo",
                                   "tokenizer-mismatch", "hub-path", "too-long", "bad-eval-task",
-                                  "reader-cache-dir"])
+                                  "reader-cache-dir", "attention-not-installed", "padding-free-crosses"])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, data_dir, capsys, case, monkeypatch):
     run = tmp_path / "run"
     data, model, algorithm, extra = data_dir, model_dir, "grpo", []
@@ -373,6 +412,13 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, d
     elif case == "reader-cache-dir":  # a missing folder is created; a file cannot be one
         (tmp_path / "a-file").write_text("")
         extra, expected = ["--set", f"reader_cache_dir={tmp_path / 'a-file'}"], "a-file is not a directory"
+    elif case == "attention-not-installed":
+        extra, expected = ["--set", "attn_implementation=flash_attention_2"], "FlashAttention2"
+    elif case == "padding-free-crosses":  # a probe that sees packed sequences attend to each other
+        from offline_rec.models import packing
+
+        monkeypatch.setattr(packing, "_probe", lambda *args: packing.PackingProbe(0.3, 0.5))
+        extra, expected = ["--set", "padding_free=true"], "lets packed sequences attend to each other"
     else:
         extra, expected = ["--set", "eval_every=2", "--set", "eval_task=nope"], "nope"
     capsys.readouterr()  # what building the case printed (a model's loading bar) is not the command's
