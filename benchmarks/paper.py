@@ -27,8 +27,9 @@ How a run is built from the library (collect / train / evaluate), and what that 
   as in the paper.
 - Evaluation: every `eval_every` steps the current model decodes `eval_prompts` held-out TEST prompts
   greedily (greedy accuracy) and samples one answer each at T=1 (accuracy), via `evaluate`.
-- Everything else is the demo recipe: K=8 samples at T=1, AdamW lr 1e-4 without weight decay,
-  32 whole groups per step, token-mean loss, gradient norm clipped at 1.
+- Everything else is the demo's recipe before issue 19 (the demo now decays a larger lr by a cosine):
+  K=8 samples at T=1, AdamW lr 1e-4 constant without weight decay, 32 whole groups per step,
+  token-mean loss, gradient norm clipped at 1.
 
 Output in --out (default runs/paper): results.jsonl (one line per finished run: its curve and
 timings; a rerun skips finished runs, so an interrupted grid continues), table.md (per variant and
@@ -149,11 +150,11 @@ class Grid:
     def pool_file(self, seed: int) -> Path:
         """The seed's prompt pool as a prompts file (prompt + a, b, answer fields), written once."""
         from offline_rec.tasks.builtin import arith_prompts
+        from offline_rec.tasks.prompts import write_prompts
 
         path = self.shared / f"pool-seed{seed}.jsonl"
         if not path.is_file():
-            items = arith_prompts(self.scale.pool, seed=seed, split="train")
-            path.write_text("".join(json.dumps({"prompt": i.prompt, **i.fields}) + "\n" for i in items))
+            write_prompts(arith_prompts(self.scale.pool, seed=seed, split="train"), path)
         return path
 
     def initial_data(self, seed: int) -> Path:
@@ -344,7 +345,8 @@ def markdown_table(rows: list[dict], threshold: float) -> str:
     for row in rows:
         steps = "-" if row["steps_to_threshold"] is None else f"{row['steps_to_threshold']:.0f}"
         lines.append(
-            f"| {row['regime']} | {row['variant']} | {row['seeds']} | {100 * row['final']:.1f} ± {100 * row['final_sd']:.1f} | "
+            f"| {row['regime']} | {row['variant']} | {row['seeds']} | "
+            f"{100 * row['final']:.1f} ± {100 * row['final_sd']:.1f} | "
             f"{100 * row['best']:.1f} | {100 * row['drop']:.1f} | {100 * row['final_t1']:.1f} | "
             f"{steps} ({row['reached']}/{row['seeds']}) | {row['clip_fraction']:.3f} | {row['kl_behavior']:.4f} |"
         )
@@ -435,7 +437,8 @@ def run_grid(out: Path, variants, regimes, seeds, scale: Scale, policy: str | No
             file.write(json.dumps(result) + "\n")
         curve = result["curve"]
         log(
-            f"[{number}/{len(todo)}] {variant:<22} {regime:<9} seed {seed}: greedy {curve[0]['greedy_accuracy']:.3f} -> "
+            f"[{number}/{len(todo)}] {variant:<22} {regime:<9} seed {seed}: "
+            f"greedy {curve[0]['greedy_accuracy']:.3f} -> "
             f"best {max(p['greedy_accuracy'] for p in curve):.3f} -> final {curve[-1]['greedy_accuracy']:.3f} "
             f"({result['seconds']:.0f} s: {result['timing']})"
         )
@@ -507,7 +510,8 @@ def main(argv: list[str] | None = None) -> dict:
                        threshold=args.threshold, log=lambda message: print(message, file=sys.stderr, flush=True))
     print(outcome["table"])
     print(
-        f"{outcome['results']} runs in {outcome['out']}; this invocation took {(time.monotonic() - started) / 60:.1f} min "
+        f"{outcome['results']} runs in {outcome['out']}; "
+        f"this invocation took {(time.monotonic() - started) / 60:.1f} min "
         f"on {platform.node()} ({__import__('os').cpu_count()} CPUs)",
         file=sys.stderr,
     )

@@ -666,20 +666,26 @@ def demo(
         Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json."
     ),
     algorithm: str = typer.Option("rec-oneside-nois", "--algorithm", help="Loss preset to train with."),
-    wide_clip: bool = typer.Option(False, "--wide-clip", help="The paper's wide clip: eps_low 0.6, eps_high 2.0."),
+    wide_clip: bool = typer.Option(
+        True, "--wide-clip/--default-clip", help="The paper's wide clip eps_low 0.6, eps_high 2.0, or the preset's."
+    ),
     backend: str = typer.Option(
         "hf", "--backend", help="Sampling backend: hf (fastest for this tiny model on a CPU) or vllm."
     ),
     num_prompts: int | None = typer.Option(
-        None, "--num-prompts", help="Train prompts sampled (default 2048; 64 with --quick)."
+        None, "--num-prompts", help="Train prompts sampled (default 4096; 64 with --quick)."
     ),
     epochs: int | None = typer.Option(
-        None, "--epochs", help="Passes over the fixed dataset (default 3; 2 with --quick)."
+        None, "--epochs", help="Passes over the fixed dataset (default 2; 2 with --quick)."
     ),
     eval_prompts: int | None = typer.Option(
         None, "--eval-prompts", help="Held-out test prompts (default 512; 64 with --quick)."
     ),
     seed: int = typer.Option(0, "--seed", help="Seeds the train prompts, the sampling and the shuffle."),
+    select: str = typer.Option(
+        "best-validation", "--select",
+        help="The result: best-validation (the checkpoint best on train-split prompts not trained on) or final.",
+    ),
     model: str | None = typer.Option(
         None, "--model", help="Behavior policy folder (default: the shipped demo policy)."
     ),
@@ -705,6 +711,7 @@ def demo(
         wide_clip=wide_clip,
         backend=backend,
         seed=seed,
+        select=select,
         **{k: v for k, v in given.items() if v is not None},
     )
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")

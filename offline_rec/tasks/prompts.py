@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offline_rec.errors import UserError
+from offline_rec.files import atomic_write_text
 
 Messages = list[dict[str, Any]]
 
@@ -65,6 +66,20 @@ def load_prompts(path: str | Path, prompt_column: str = "prompt") -> list[Prompt
     if not items:
         raise UserError(f"{path}: no prompts in the file")
     return items
+
+
+def write_prompts(items: list[PromptItem], path: str | Path, prompt_column: str = "prompt") -> Path:
+    """Write `items` as a JSONL prompts file that `load_prompts` reads back (the prompt, then its fields).
+
+    A field named like `prompt_column` would be lost on reading, so it is refused.
+    """
+    lines = []
+    for item in items:
+        if prompt_column in item.fields:
+            raise UserError(f"prompt {item.id or item.prompt!r}: a field is named {prompt_column!r}, like the prompt")
+        lines.append(json.dumps({prompt_column: item.prompt, **item.fields}, ensure_ascii=False) + "\n")
+    atomic_write_text(path, "".join(lines))
+    return Path(path)
 
 
 def render_prompt(item: PromptItem, tokenizer=None, chat_template: bool = True) -> str:

@@ -19,7 +19,8 @@ from paths import REPO
 from offline_rec.errors import UserError
 
 # 8 train prompts, 4 per step, 1 epoch: 8 / 4 = 2 optimizer steps; a checkpoint every epoch = every 2 steps.
-TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, prompts_per_step=4, batch_size=8)
+TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, validation_prompts=8, prompts_per_step=4,
+           batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,10 @@ def test_summary_json_has_the_promised_keys(demo):
     out, returned = demo
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(json.dumps(returned))
-    assert summary["algorithm"] == "rec-oneside-nois" and summary["algorithm_overrides"] == {}
+    # the default recipe is the paper's wide clip
+    assert summary["algorithm"] == "rec-oneside-nois" and summary["algorithm_overrides"] == {"eps_low": 0.6,
+                                                                                          "eps_high": 2.0}
+    assert summary["seed"] == 0 == summary["settings"]["seed"]
     for side in ("before", "after"):
         assert set(summary[side]) == {"greedy_accuracy", "accuracy", "pass@4"}
         assert all(0.0 <= value <= 1.0 for value in summary[side].values())
@@ -77,6 +81,62 @@ def test_summary_json_has_the_promised_keys(demo):
     assert summary["seconds"] > 0
     assert set(summary["stage_seconds"]) == {"policy", "collect", "validate", "before", "train", "after", "report"}
     assert summary["steps"] == 2
+    checkpoint = summary["checkpoint"]
+    assert set(checkpoint) == {"select", "step", "final_step", "model", "validation_greedy_accuracy", "why"}
+    assert checkpoint["select"] == "best-validation" and checkpoint["final_step"] == 2
+    assert "validation prompts" in checkpoint["why"] and "test prompts played no part" in checkpoint["why"]
+    # the chosen point: highest validation score, the later step on a tie; "after" is that model on the test prompts
+    scores = [(p["validation_greedy_accuracy"], p["step"]) for p in summary["curve"]]
+    assert (checkpoint["validation_greedy_accuracy"], checkpoint["step"]) == max(scores)
+    assert summary["paths"]["chosen_model"] == checkpoint["model"]
+    chosen = next(p for p in summary["curve"] if p["step"] == checkpoint["step"])
+    assert summary["after"]["greedy_accuracy"] == chosen["greedy_accuracy"]  # greedy: the same prompts, same answers
+
+
+@pytest.mark.slow
+def test_validation_prompts_are_train_split_and_never_trained_on(demo):
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.tasks.builtin import arith_split
+    from offline_rec.tasks.prompts import load_prompts
+
+    out, summary = demo
+    validation = load_prompts(summary["paths"]["validation_prompts"])
+    assert len(validation) == TOY["validation_prompts"] == len({item.prompt for item in validation})
+    assert all(arith_split(item.fields["a"], item.fields["b"]) == "train" for item in validation)  # not test
+    assert all(item.prompt == f"What is {item.fields['a']}+{item.fields['b']}? " for item in validation)
+    trained = set(open_dataset(summary["paths"]["dataset"]).to_table(columns=["prompt"]).column("prompt").to_pylist())
+    assert len(trained) == TOY["num_prompts"]
+    assert not trained & {item.prompt for item in validation}
+    # every point of the curve, step 0 (the behavior policy) included, has a validation evaluation on disk
+    for point in summary["curve"]:
+        folder = out / "run" / "eval-validation" / f"step-{point['step']:06d}"
+        written = json.loads((folder / "summary.json").read_text())
+        assert written["metrics"]["greedy_accuracy"] == point["validation_greedy_accuracy"]
+        assert written["metrics"]["num_prompts"] == TOY["validation_prompts"]
+
+
+def test_choose_checkpoint_reads_only_validation_scores():
+    from offline_rec.demo.pipeline import DemoSettings, choose_checkpoint
+
+    curve = [
+        {"step": 0, "model": "policy", "greedy_accuracy": 0.50, "validation_greedy_accuracy": 0.40},
+        {"step": 16, "model": "c16", "greedy_accuracy": 0.90, "validation_greedy_accuracy": 0.60},
+        {"step": 32, "model": "c32", "greedy_accuracy": 0.70, "validation_greedy_accuracy": 0.70},
+        {"step": 48, "model": "c48", "greedy_accuracy": 0.60, "validation_greedy_accuracy": 0.70},
+        {"step": 64, "model": "c64", "greedy_accuracy": 0.65, "validation_greedy_accuracy": 0.55},
+    ]
+    config = DemoSettings(validation_prompts=100)
+    # step 16 is best on test, which is never read; 32 and 48 tie on validation: the later one wins
+    chosen = choose_checkpoint(curve, config, final_model="run/final")
+    assert (chosen["step"], chosen["model"], chosen["final_step"]) == (48, "c48", 64)
+    assert chosen["validation_greedy_accuracy"] == 0.70
+    assert "100 validation prompts (0.700) among 5 points" in chosen["why"]
+    # the last point chosen: the exported final model stands for its checkpoint
+    assert choose_checkpoint(curve[:2], config, final_model="run/final")["model"] == "run/final"
+    # the behavior policy can win
+    assert choose_checkpoint([curve[0], {**curve[4], "validation_greedy_accuracy": 0.3}], config, "f")["step"] == 0
+    final = choose_checkpoint(curve, DemoSettings(select="final"), final_model="run/final")
+    assert (final["step"], final["model"], final["select"]) == (64, "run/final", "final")
 
 
 @pytest.mark.slow
@@ -97,8 +157,13 @@ def test_an_existing_output_is_refused_unless_it_is_a_demo_and_overwrite_is_give
 def test_bad_settings_fail_before_anything_is_written(tmp_path):
     from offline_rec.demo.pipeline import run_demo
 
-    for bad in (dict(epochs=0), dict(num_samples=1), dict(backend="tpu"), dict(algorithm="ppo")):
-        with pytest.raises(UserError):
+    for bad, message in ((dict(epochs=0), "epochs"), (dict(num_samples=1), "num-samples"), (dict(backend="tpu"), "tpu"),
+                         (dict(algorithm="ppo"), "ppo"), (dict(select="best-test"), "select must be one of"),
+                         (dict(validation_prompts=0), "needs validation prompts"),
+                         (dict(validation_prompts=-1, select="final"), "validation-prompts must be >= 0"),
+                         (dict(num_prompts=6500, validation_prompts=51), "must be <= 6550"),
+                         (dict(lr_schedule="linear"), "lr-schedule")):
+        with pytest.raises(UserError, match=message):
             run_demo(tmp_path / "out", model="unused", progress=False, **bad)
     assert not (tmp_path / "out").exists()
 
@@ -137,12 +202,15 @@ def test_demo_command_runs_a_quick_demo(tmp_path, tiny_policy, capsys):
     out = tmp_path / "cli-demo"
     # --quick takes 4 samples per prompt; 8 prompts, 1 epoch of 32-prompt steps: a single step.
     args = ["demo", "--out", str(out), "--model", tiny_policy, "--quick", "--num-prompts", "8", "--epochs", "1",
-            "--eval-prompts", "8", "--wide-clip"]
+            "--eval-prompts", "8", "--default-clip", "--select", "final", "--seed", "3"]
     code, output = run_demo_cli(capsys, *args)
     assert code == 0, output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["settings"]["num_samples"] == 4
-    assert summary["algorithm_overrides"] == {"eps_low": 0.6, "eps_high": 2.0}
+    assert summary["algorithm_overrides"] == {} and summary["seed"] == 3
+    assert summary["checkpoint"]["select"] == "final" and summary["checkpoint"]["step"] == 1
+    assert summary["checkpoint"]["model"] == summary["paths"]["final_model"]
+    assert "after = step 1 of 1: the last step (select=final)" in output
     assert "pass@4" in summary["after"]
     code, output = run_demo_cli(capsys, *args)
     assert code == 2 and "--overwrite" in output
@@ -156,7 +224,8 @@ def test_demo_command_is_listed():
 
     result = CliRunner().invoke(app, ["demo", "--help"])
     assert result.exit_code == 0
-    for option in ("--out", "--backend", "--algorithm", "--wide-clip", "--quick", "--epochs"):
+    for option in ("--out", "--backend", "--algorithm", "--wide-clip", "--default-clip", "--quick", "--epochs",
+                   "--select", "--seed"):
         assert option in result.output
 
 

@@ -33,7 +33,7 @@ from offline_rec.tasks.builtin import (
     score,
     score_many,
 )
-from offline_rec.tasks.prompts import PromptItem, load_prompts, messages_as_plain_text, render_prompt
+from offline_rec.tasks.prompts import PromptItem, load_prompts, messages_as_plain_text, render_prompt, write_prompts
 
 # ---------------------------------------------------------------------------------------------
 # arith
@@ -301,6 +301,17 @@ def test_load_prompts_jsonl(tmp_path):
     assert [item.fields for item in items] == [{"answer": 3}, {"x": [1]}]
     assert [item.id[:7] for item in items] == ["000000-", "000001-"]
     assert [item.id for item in load_prompts(path)] == [item.id for item in items]  # stable
+
+
+def test_write_prompts_is_read_back_by_load_prompts(tmp_path):
+    items = [PromptItem(prompt="Wie viel ist 12+30? ", fields={"a": 12, "b": 30, "answer": 42}),
+             PromptItem(prompt=[{"role": "user", "content": "héllo ✓"}], fields={"answer": "x"})]
+    back = load_prompts(write_prompts(items, tmp_path / "p.jsonl"))
+    assert [(item.prompt, item.fields) for item in back] == [(item.prompt, item.fields) for item in items]
+    back = load_prompts(write_prompts(items, tmp_path / "q.jsonl", prompt_column="question"), prompt_column="question")
+    assert [item.fields for item in back] == [item.fields for item in items]
+    with pytest.raises(UserError, match="named 'prompt'"):
+        write_prompts([PromptItem(prompt="q", fields={"prompt": "shadowed"})], tmp_path / "bad.jsonl")
 
 
 def test_load_prompts_id_changes_with_row_content(tmp_path):
