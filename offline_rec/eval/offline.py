@@ -117,14 +117,14 @@ def policy_log_weights(policy, tokenizer, prompt_ids, completion_ids, behavior_l
                        batch_size: int = 8, temperature: float = 1.0):
     """Per sequence: (sum over policy tokens of log pi - log mu in float64, number of those tokens).
 
-    log pi is teacher-forced by `scoring.score_logprobs` at `temperature`; a loss_mask of None means
+    log pi is teacher-forced by `models.teacher_forced.teacher_forced_logprobs` at `temperature`; a loss_mask of None means
     every completion token is the policy's. Returns two lists aligned with the inputs.
     """
     import numpy as np
 
-    from offline_rec.models.teacher_forced import score_logprobs
+    from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
-    policy_logprobs = score_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
+    policy_logprobs = teacher_forced_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
                                      temperature=temperature)
     log_weights, token_counts = [], []
     for pi, mu, mask in zip(policy_logprobs, behavior_logprobs, loss_masks):

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from offline_rec.models.logprobs import token_logprobs_from_model
+from offline_rec.models.padding import right_padded
 
 
-def score_logprobs(
+def teacher_forced_logprobs(
     model,
     tokenizer,
     prompt_ids_list: list[list[int]],
@@ -40,20 +41,12 @@ def score_logprobs(
     with torch.inference_mode():
         for start in range(0, len(order), batch_size):
             rows = order[start:start + batch_size]
-            sequences = [list(prompt_ids_list[i]) + list(completion_ids_list[i]) for i in rows]
-            length = max(len(s) for s in sequences)
-            input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)  # [B, L]
-            attention_mask = torch.zeros((len(rows), length), dtype=torch.long)  # [B, L]
-            positions_mask = torch.zeros((len(rows), length - 1), dtype=torch.bool)  # [B, L-1]
-            for b, (i, sequence) in enumerate(zip(rows, sequences)):
-                input_ids[b, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-                attention_mask[b, : len(sequence)] = 1
-                # out[:, t] predicts token t+1: completion token j (at P+j) is scored at P+j-1.
-                prompt_length = len(prompt_ids_list[i])
-                positions_mask[b, prompt_length - 1 : len(sequence) - 1] = True
+            input_ids, attention_mask, positions_mask, _ = right_padded(
+                [prompt_ids_list[i] for i in rows], [completion_ids_list[i] for i in rows], pad_id)
             logprobs = token_logprobs_from_model(
-                model, input_ids.to(device), attention_mask.to(device),
-                positions_mask=positions_mask.to(device), temperature=temperature,
+                model, torch.from_numpy(input_ids).to(device), torch.from_numpy(attention_mask).to(device),
+                positions_mask=torch.from_numpy(positions_mask[:, :input_ids.shape[1] - 1]).to(device),
+                temperature=temperature,
             )  # [B, L-1]
             logprobs = logprobs.float().cpu()
             for b, i in enumerate(rows):

@@ -50,6 +50,7 @@ from offline_rec.data.dataset import Dataset
 from offline_rec.data.rowstore import RowStore, RowStoreWriter
 from offline_rec.errors import DataError, UserError
 from offline_rec.models.packing import packed_position_ids
+from offline_rec.models.padding import right_padded
 
 # Columns the index pass reads (each step reads the RowStore's COLUMNS of its rows from the store).
 INDEX_COLUMNS = [
@@ -512,28 +513,10 @@ def read_step_rows(index: GroupIndex, rows, advantages) -> list[Row]:
 
 
 def _padded_arrays(rows: list[Row], pad_id: int):
-    """input_ids, attention_mask [B, L] of the rows right-padded to the longest L, and over the L-1
-    next-token positions (position t predicts token t+1): loss_mask [B, L-1] (True where a
-    completion token with loss_mask 1 is predicted), behavior_logprobs [B, L-1] (0 elsewhere)."""
-    length = max(row.length for row in rows)
-    batch = len(rows)
-    # Filled in numpy (one copy per row, the store's read-only views are never handed to torch).
-    input_ids = np.full((batch, length), pad_id, dtype=np.int64)
-    attention_mask = np.zeros((batch, length), dtype=np.int64)
-    loss_mask = np.zeros((batch, max(length - 1, 1)), dtype=bool)
-    behavior = np.zeros((batch, max(length - 1, 1)), dtype=np.float32)
-    for i, row in enumerate(rows):
-        p, c = len(row.prompt_ids), len(row.completion_ids)
-        input_ids[i, :p] = row.prompt_ids
-        input_ids[i, p:p + c] = row.completion_ids
-        attention_mask[i, :p + c] = 1
-        # Completion token j sits at p + j and is predicted from position p + j - 1; the first
-        # token of an empty prompt has no context and is not scored.
-        first = 1 if p == 0 else 0
-        if c > first:
-            loss_mask[i, p - 1 + first:p - 1 + c] = True if row.loss_mask is None else row.loss_mask[first:]
-            behavior[i, p - 1 + first:p - 1 + c] = row.behavior_logprobs[first:]
-    return input_ids, attention_mask, loss_mask, behavior
+    """input_ids, attention_mask [B, L], loss_mask [B, L-1] (True where a completion token with loss_mask 1
+    is predicted) and behavior_logprobs [B, L-1] (0 elsewhere): `models.padding.right_padded` of the rows."""
+    return right_padded([row.prompt_ids for row in rows], [row.completion_ids for row in rows], pad_id,
+                        loss_masks=[row.loss_mask for row in rows], values=[row.behavior_logprobs for row in rows])
 
 
 def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:

@@ -26,7 +26,7 @@ from offline_rec.data.importers.openai import token_string_mapper
 from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_model, load_tokenizer
-from offline_rec.models.teacher_forced import score_logprobs
+from offline_rec.models.teacher_forced import teacher_forced_logprobs
 from offline_rec.models.tiny import build_bpe_tokenizer, make_tiny_checkpoint
 
 FIXTURES = _FIXTURES / "import"
@@ -262,14 +262,14 @@ def test_score_logprobs_is_batch_invariant(tiny):
     model, tokenizer = load_model(tiny, dtype="float32"), load_tokenizer(tiny)
     prompts = [[5, 43, 5, 47], [40, 21, 14, 33, 41, 22, 32, 41, 6, 43, 6, 48], [7]]
     completions = [[6, EOS], [8, 9, 10, 11, EOS], [EOS]]
-    one = score_logprobs(model, tokenizer, prompts, completions, batch_size=1)
-    three = score_logprobs(model, tokenizer, prompts, completions, batch_size=3)
+    one = teacher_forced_logprobs(model, tokenizer, prompts, completions, batch_size=1)
+    three = teacher_forced_logprobs(model, tokenizer, prompts, completions, batch_size=3)
     assert [len(x) for x in three] == [2, 5, 1]
     for a, b, p, c in zip(one, three, prompts, completions):
         assert a == pytest.approx(b, abs=1e-5)
         assert b == pytest.approx(direct_logprobs(model, p, c), abs=1e-5)
     # At temperature T the log-probs are those of softmax(logits / T).
-    hot = score_logprobs(model, tokenizer, prompts[:1], completions[:1], temperature=2.0)[0]
+    hot = teacher_forced_logprobs(model, tokenizer, prompts[:1], completions[:1], temperature=2.0)[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompts[0] + completions[0]])).logits[0] / 2.0
     expected = [logits.log_softmax(-1)[3 + j, t].item() for j, t in enumerate(completions[0])]

@@ -20,7 +20,7 @@ from offline_rec.data.dataset import open_dataset
 from offline_rec.data.importers import ImportConfig, import_dataset
 from offline_rec.data.validate import validate_dataset
 from offline_rec.models.loading import load_model, load_tokenizer
-from offline_rec.models.teacher_forced import score_logprobs
+from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
 pytestmark = pytest.mark.vllm
 
@@ -40,7 +40,7 @@ def _rows(path) -> list[dict]:
 
 def _teacher_forced(model_dir: str, rows: list[dict]) -> list[list[float]]:
     model, tokenizer = load_model(model_dir, dtype="float32"), load_tokenizer(model_dir)
-    return score_logprobs(model, tokenizer, [r[S.PROMPT_IDS] for r in rows], [r[S.COMPLETION_IDS] for r in rows])
+    return teacher_forced_logprobs(model, tokenizer, [r[S.PROMPT_IDS] for r in rows], [r[S.COMPLETION_IDS] for r in rows])
 
 
 def test_lossy_token_strings_import_to_the_exact_ids_and_logprobs(logs, vllm_server, tmp_path):

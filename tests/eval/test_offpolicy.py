@@ -151,10 +151,10 @@ def logged_dataset(path, model_path, groups, batch_size=8):
     from datagen import write_dataset
 
     from offline_rec.models.loading import load_model, load_tokenizer
-    from offline_rec.models.teacher_forced import score_logprobs
+    from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
     rows = [row for group in groups for row in group]
-    scored = score_logprobs(load_model(model_path), load_tokenizer(model_path), [r[S.PROMPT_IDS] for r in rows],
+    scored = teacher_forced_logprobs(load_model(model_path), load_tokenizer(model_path), [r[S.PROMPT_IDS] for r in rows],
                             [r[S.COMPLETION_IDS] for r in rows], batch_size=batch_size)
     for row, logprobs in zip(rows, scored):
         row[S.BEHAVIOR_LOGPROBS] = logprobs

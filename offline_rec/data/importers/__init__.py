@@ -173,10 +173,10 @@ def import_dataset(config: ImportConfig) -> dict:
             f"no good rows in {src} ({len(rejects)} bad line(s)), nothing written; first: {rejects[0]}", rejects
         )
     if model is not None:
-        from offline_rec.models.teacher_forced import score_logprobs
+        from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
         rows = [p.row for p in good]
-        scored = score_logprobs(model, tok, [r[S.PROMPT_IDS] for r in rows], [r[S.COMPLETION_IDS] for r in rows],
+        scored = teacher_forced_logprobs(model, tok, [r[S.PROMPT_IDS] for r in rows], [r[S.COMPLETION_IDS] for r in rows],
                                 batch_size=config.batch_size, temperature=config.score_temperature)
         for row, logprobs in zip(rows, scored):
             row[S.BEHAVIOR_LOGPROBS] = logprobs
