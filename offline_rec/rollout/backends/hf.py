@@ -25,7 +25,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from offline_rec.models.loading import load_model, load_tokenizer
-from offline_rec.rollout.backends import (
+from offline_rec.rollout.backends.base import (
     Prompt,
     Sample,
     SamplingSettings,

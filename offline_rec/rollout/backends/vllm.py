@@ -44,7 +44,7 @@ from collections.abc import Hashable, Sequence
 
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_tokenizer, model_context
-from offline_rec.rollout.backends import (
+from offline_rec.rollout.backends.base import (
     Prompt,
     Sample,
     SamplingSettings,
