@@ -596,6 +596,8 @@ def eval_(
     chat_template: bool = EVAL["chat_template"],
     success_threshold: float = EVAL["success_threshold"],
     gpu_memory_utilization: float | None = EVAL["gpu_memory_utilization"],
+    data_parallel_size: int = EVAL["data_parallel_size"],
+    ray_address: str | None = EVAL["ray_address"],
     reward_timeout_s: float = EVAL["reward_timeout_s"],
     offline: bool = EVAL["offline"],
     data: list[str] | None = EVAL["data"],
@@ -614,8 +616,13 @@ def eval_(
         summary = offline_evaluate(config)
     else:
         from offline_rec.eval.rollouts import evaluate
+        from offline_rec.rollout.engines import EngineError
 
-        summary = evaluate(config)
+        try:
+            summary = evaluate(config)
+        except EngineError as error:  # an engine died or failed
+            typer.echo(f"error: {error}", err=True)
+            sys.exit(1)
     if as_json:
         _print_json(summary)
         return

@@ -33,6 +33,7 @@ ones is refused.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -204,19 +205,25 @@ class _Plan:
     """Prompt indices sampled and written together: one prompt (vLLM) or one --batch-size batch (hf)."""
 
 
-def collect(config: CollectConfig, backend: Backend | None = None) -> Path:
+def collect(config: CollectConfig, backend: Backend | None = None, engines=None) -> Path:
     """Sample, reward and write the dataset `config.out`; returns its path.
 
-    `backend` reuses a loaded backend (its model must be `config.model`; one engine); by default
-    the engines are built from the config. Everything a user can get wrong is checked before any
-    file is written.
+    `backend` reuses a loaded backend (its model must be `config.model`; one engine), `engines`
+    running engines (`open_engines`; left running); by default the engines are built from the
+    config and stopped at the end. Everything a user can get wrong is checked before any file is
+    written.
     """
+    if backend is not None:
+        if engines is not None:
+            raise ValueError("pass a backend or engines, not both")
+        engines = open_engines(config, backend)
     task = get_task(config.task, config.reward)
     tokenizer = backend.tokenizer if backend is not None else load_tokenizer(config.model)
-    backend_name = _backend_name(backend) if backend is not None else check_backend_name(config.backend)
-    dtype = backend.dtype if backend is not None else resolved_dtype(config.dtype, config.model)
-    if backend is not None and (config.data_parallel_size > 1 or config.ray_address):
-        raise UserError("a loaded backend is one engine: --data-parallel-size and --ray-address build their own")
+    if engines is not None:
+        backend_name, dtype = _backend_name(engines.info["engine"]), engines.info["dtype"]
+    else:
+        backend_name = check_backend_name(config.backend)
+        dtype = resolved_dtype(config.dtype, config.model)
     identity = {
         **{name: _plain(getattr(config, name)) for name in IDENTITY_FIELDS},
         "dtype": dtype,
@@ -233,7 +240,7 @@ def collect(config: CollectConfig, backend: Backend | None = None) -> Path:
             return config.out
 
     plan = _plan(config, task, tokenizer, backend_name)
-    with _engines(config, backend, backend_name, dtype) as engines:
+    with contextlib.nullcontext(engines) if engines is not None else open_engines(config) as engines:
         info = engines.info
         if config.seed_per_prompt and not info["per_request_seeds"]:
             raise UserError(
@@ -266,20 +273,40 @@ def collect(config: CollectConfig, backend: Backend | None = None) -> Path:
     return writer.close()
 
 
-def _engines(config: CollectConfig, backend: Backend | None, backend_name: str, dtype: str):
-    """The engines of a run: the given backend, one built here, N child processes or N Ray actors."""
+def open_engines(config: CollectConfig, backend: Backend | None = None, engine_kwargs: dict | None = None):
+    """The engines of a run, to use as a context manager: the given backend, else one built here, or
+    --data-parallel-size child processes, or Ray actors with --ray-address. `engine_kwargs` go to `vllm.LLM`."""
     if backend is not None:
+        if config.data_parallel_size > 1 or config.ray_address:
+            raise UserError("a loaded backend is one engine: --data-parallel-size and --ray-address build their own")
         return LocalEngines(backend)
-    spec = EngineSpec(backend=backend_name, model=config.model, dtype=dtype,
-                      tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
-                      per_request_seeds=config.seed_per_prompt)
+    backend_name = check_backend_name(config.backend)
     if backend_name == "hf" and config.tensor_parallel_size != 1:
         raise UserError("--tensor-parallel-size needs --backend vllm (the hf backend runs on one device)")
+    spec = EngineSpec(backend=backend_name, model=config.model, dtype=resolved_dtype(config.dtype, config.model),
+                      tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+                      per_request_seeds=config.seed_per_prompt, engine_kwargs=dict(engine_kwargs or {}))
     if config.ray_address:
         return RayEngines(spec, config.data_parallel_size, config.ray_address)
     if config.data_parallel_size > 1:
         return ProcessEngines(spec, config.data_parallel_size)
     return LocalEngines(spec.build(0))
+
+
+def sample_greedy(engines, config: CollectConfig, prompts: list[tuple[str, list[int], dict]],
+                  unit_size: int = 1) -> list[PromptResult]:
+    """One greedy completion per (prompt text, prompt ids, task fields), rewarded with `config`'s task,
+    sampled on `engines` (`unit_size` prompts per hf batch); results in the prompts' order."""
+    job = Job(task=config.task, reward=config.reward, num_samples=1,
+              sampling=SamplingSettings(temperature=0.0, max_new_tokens=config.max_new_tokens), seed=config.seed,
+              reward_timeout_s=config.reward_timeout_s, reward_workers=config.reward_workers)
+    requests = [PromptRequest(index=i, unit=i // unit_size, prompt=text, prompt_ids=list(ids), fields=fields,
+                              seed=derive_seed(config.seed, i)) for i, (text, ids, fields) in enumerate(prompts)]
+    units = [requests[start:start + unit_size] for start in range(0, len(requests), unit_size)]
+    results: dict[int, PromptResult] = {}
+    run_on_engines(engines, job, units, unit_size,
+                   lambda finished: results.update((r.index, r) for unit in finished for r in unit))
+    return [results[i] for i in range(len(requests))]
 
 
 def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, engines) -> None:
@@ -451,8 +478,8 @@ def _units_to_sample(writer: DatasetWriter, plan: _Plan) -> list[list[int]]:
     return todo
 
 
-def _backend_name(backend: Backend) -> str:
-    return {"transformers": "hf", "vllm": "vllm"}.get(backend.engine, backend.engine)
+def _backend_name(engine: str) -> str:
+    return {"transformers": "hf", "vllm": "vllm"}.get(engine, engine)
 
 
 def _plain(value):
