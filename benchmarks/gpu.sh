@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU benchmark: vLLM collect and a few trainer steps of a ~0.4B Qwen2 built from a config (no download);
-# prints samples/s, tokens/s and model FLOP utilization (peak: 989 TFLOP/s dense bf16, H100/H200).
+# prints samples/s, tokens/s and model FLOP utilization (peak: 989 TFLOP/s dense bf16, H100/H200), the GPU
+# utilization while collect runs, collect vs one bare vLLM generate call, and (2+ GPUs) 2 engines vs 1.
 # See benchmarks/_gpu_bench.py for what is measured. Needs CUDA torch, vllm and offline-rec installed
 # (pip install -e '.[vllm]'); about 3-5 minutes on an H100/H200.
 #   bash benchmarks/gpu.sh                 # on a GPU machine

@@ -277,19 +277,22 @@ def _coordinate(engines, windows: list[int], units: Iterator[list[PromptRequest]
     backlog, busy, has_work = [0] * n, [False] * n, [False] * n
     exhausted = False
     while True:
-        for w in range(n):
-            if busy[w]:
-                continue
-            new = []
-            while not exhausted and backlog[w] < target[w]:
+        # Idle engines take units in turn, not one engine up to its target first: a run with fewer
+        # prompts than the engines' targets (or its tail) is still spread over all of them.
+        new: dict[int, list] = {w: [] for w in range(n) if not busy[w]}
+        hungry = [w for w in new if backlog[w] < target[w]]
+        while hungry and not exhausted:
+            for w in hungry:
                 unit = next(units, None)
                 if unit is None:
                     exhausted = True
                     break
-                new.append(unit)
+                new[w].append(unit)
                 backlog[w] += len(unit)
-            if new or has_work[w]:
-                engines.submit(w, new)
+            hungry = [w for w in hungry if backlog[w] < target[w]]
+        for w, fresh in new.items():
+            if fresh or has_work[w]:
+                engines.submit(w, fresh)
                 busy[w] = True
         if not any(busy):
             return
