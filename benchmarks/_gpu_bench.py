@@ -8,8 +8,15 @@ instead of a 152k vocabulary, N = 0.39B parameters.
 Stages, each in a fresh process (vLLM reserves most of the GPU memory; --only picks some):
   collect  `offline_rec.rollout.collect.collect` with the vLLM backend (bf16): arith prompts x 8 samples,
            temperature 1, up to 256 new tokens (a random model rarely stops early), all prompts in
-           one batch. Engine start-up is not timed. Prints samples/s, generated tokens/s and the
-           generation MFU 2 * N * tokens/s / peak.
+           flight at once (collect's default window), one seed for the run. Engine start-up is not
+           timed. Prints samples/s, generated tokens/s, the generation MFU 2 * N * tokens/s / peak,
+           and the GPU utilization nvidia-smi reports every 0.5 s while collect runs (mean and
+           minimum over the samples; null without nvidia-smi). Then, on the same engine, ONE bare
+           `LLM.generate` of the same prompt ids with the same SamplingParams (n=8, logprobs=0,
+           no detokenization; prefix cache reset first): collect_vllm_vs_bare_vllm = collect
+           samples/s / bare samples/s.
+  collect-dp  with 2 or more GPUs: collect --data-parallel-size 2 (one engine per GPU) against 1,
+           samples / the manifest's sampling seconds: collect_dp2_vs_dp1 (skipped on one GPU).
   train    `offline_rec.training.loop.train` (bf16 autocast, float32 master weights and AdamW) on a synthetic
            dataset (prompts 50-200, completions 100-700 tokens, 16 groups of 8 per step, 16k-token
            micro-batches); steps timed by the wall clock between consecutive steps after 2 warm-up
@@ -99,8 +106,47 @@ def build_model(path: str, size: str) -> dict:
     return {"parameters": sum(p.numel() for p in model.parameters()), "vocab": len(tokenizer)}
 
 
+class GpuUtilization:
+    """Samples `nvidia-smi`'s utilization.gpu (percent, every visible GPU averaged) every `period_s` in a thread."""
+
+    def __init__(self, period_s: float = 0.5):
+        import shutil
+        import threading
+
+        self.samples: list[float] = []
+        self._period = period_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True) if shutil.which("nvidia-smi") else None
+
+    def _run(self) -> None:
+        import subprocess
+
+        while not self._stop.wait(self._period):
+            done = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True)
+            values = [float(v) for v in done.stdout.split() if v.strip().replace(".", "", 1).isdigit()]
+            if done.returncode == 0 and values:
+                self.samples.append(sum(values) / len(values))
+
+    def __enter__(self):
+        if self._thread is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"gpu_utilization_mean": None, "gpu_utilization_min": None, "gpu_utilization_samples": 0}
+        return {"gpu_utilization_mean": sum(self.samples) / len(self.samples),
+                "gpu_utilization_min": min(self.samples), "gpu_utilization_samples": len(self.samples)}
+
+
 def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
-    """vLLM (or, without it, hf) collect throughput; engine start-up not timed."""
+    """vLLM (or, without it, hf) collect throughput and GPU utilization, then one bare vLLM call; start-up not timed."""
     from offline_rec.rollout.backends import SamplingSettings, vllm_import_error
     from offline_rec.rollout.collect import CollectConfig, collect
 
@@ -118,14 +164,42 @@ def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
     backend.generate([[5, 6, 7]], 1, SamplingSettings(max_new_tokens=2))  # warm-up
     config = CollectConfig(model=model, task="arith", out=Path(out), backend=engine, temperature=1.0, seed=0,
                            batch_size=settings["num_prompts"], dtype=dtype, show_progress=False, **settings)
-    started = time.perf_counter()
-    collect(config, backend=backend)
-    seconds = time.perf_counter() - started
+    with GpuUtilization() as utilization:
+        started = time.perf_counter()
+        collect(config, backend=backend)
+        seconds = time.perf_counter() - started
+    from offline_rec import schema as S
     from offline_rec.data.dataset import open_dataset
 
     dataset = open_dataset(out)
-    return {"engine": engine, "seconds": seconds, "samples": dataset.num_rows,
-            "generated_tokens": dataset.totals["completion_tokens"]}
+    result = {"engine": engine, "seconds": seconds, "samples": dataset.num_rows,
+              "generated_tokens": dataset.totals["completion_tokens"], **utilization.summary(),
+              "bare_vllm_seconds": None, "collect_vllm_vs_bare_vllm": None}
+    if engine == "vllm":
+        from benchmarks._collect_bench import bare_vllm_generate
+
+        table = dataset.to_table(columns=[S.SAMPLE_INDEX, S.PROMPT_IDS])
+        prompts = [ids for k, ids in zip(table.column(S.SAMPLE_INDEX).to_pylist(),
+                                         table.column(S.PROMPT_IDS).to_pylist()) if k == 0]
+        started = time.perf_counter()
+        produced = bare_vllm_generate(backend, prompts, settings["num_samples"], settings["max_new_tokens"])
+        bare = time.perf_counter() - started
+        result.update(bare_vllm_seconds=bare,
+                      collect_vllm_vs_bare_vllm=(dataset.num_rows / seconds) / (produced / bare))
+    return result
+
+
+def collect_dp_stage(model: str, out: str, size: str, dtype: str, data_parallel_size: int) -> dict:
+    """collect --data-parallel-size N with vLLM (one engine per GPU): samples / the manifest's sampling seconds."""
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.rollout.collect import CollectConfig, collect
+
+    settings = SIZES[size]["collect"]
+    config = CollectConfig(model=model, task="arith", out=Path(out), backend="vllm", temperature=1.0, seed=0,
+                           dtype=dtype, show_progress=False, data_parallel_size=data_parallel_size, **settings)
+    collect(config)
+    dataset = open_dataset(out)
+    return {"samples": dataset.num_rows, "seconds": dataset.manifest["stats"]["collect_seconds"]}
 
 
 def train_stage(model: str, data: str, out: str, size: str, gpu: bool) -> dict:
@@ -264,10 +338,30 @@ def main(argv=None) -> int:
         print(
             f"collect ({sampled['engine']}, {dtype}): {sampled['samples']} samples, {sampled['generated_tokens']} "
             f"tokens in {sampled['seconds']:.1f} s: {sample_rate:.1f} samples/s, {token_rate:.0f} tokens/s, "
-            f"generation MFU {2 * n * token_rate / peak:.2%}"
+            f"generation MFU {2 * n * token_rate / peak:.2%}; GPU utilization "
+            + (f"mean {sampled['gpu_utilization_mean']:.0f}%, min {sampled['gpu_utilization_min']:.0f}% "
+               f"({sampled['gpu_utilization_samples']} samples)" if sampled["gpu_utilization_samples"] else "n/a")
+            + (f"; vs one bare LLM.generate: {sampled['collect_vllm_vs_bare_vllm']:.3f}"
+               if sampled["collect_vllm_vs_bare_vllm"] is not None else "")
         )
+        dp_ratio = None
+        gpus = torch.cuda.device_count() if gpu else 0
+        if gpus >= 2 and sampled["engine"] == "vllm":
+            rates = {}
+            for dp in (1, 2):
+                run = run_child("_gpu_bench", "collect_dp_stage",
+                                dict(model=model, out=str(workdir / f"collected-dp{dp}"), size=size, dtype=dtype,
+                                     data_parallel_size=dp))
+                rates[dp] = run["samples"] / run["seconds"]
+            dp_ratio = rates[2] / rates[1]
+            print(f"collect --data-parallel-size 2 vs 1: {rates[2]:.1f} / {rates[1]:.1f} samples/s = {dp_ratio:.2f}")
+        else:
+            print(f"collect --data-parallel-size 2 vs 1: skipped ({gpus} GPU(s) visible, needs 2)")
         summary.update(collect_samples_per_s=sample_rate, collect_tokens_per_s=token_rate,
-                       generation_mfu=2 * n * token_rate / peak)
+                       generation_mfu=2 * n * token_rate / peak,
+                       gpu_utilization_mean=sampled["gpu_utilization_mean"],
+                       gpu_utilization_min=sampled["gpu_utilization_min"],
+                       collect_vllm_vs_bare_vllm=sampled["collect_vllm_vs_bare_vllm"], collect_dp2_vs_dp1=dp_ratio)
     if "train" in stages:
         data = write_synthetic_dataset(workdir / "data", group_size=8, vocab_size=info["vocab"],
                                        **SIZES[size]["data"])["path"]

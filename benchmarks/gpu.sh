@@ -2,7 +2,8 @@
 # GPU benchmark, three parts (nothing is downloaded; models are built from configs):
 #  1. benchmarks/_gpu_bench.py: vLLM collect and a few trainer steps of a ~0.4B Qwen2 on one GPU, and
 #     the paper config's step (Qwen2.5-1.5B's shape) with and without padding-free packing; prints
-#     samples/s, tokens/s and model FLOP utilization (peak: 989 TFLOP/s dense bf16, H100/H200).
+#     samples/s, tokens/s and model FLOP utilization (peak: 989 TFLOP/s dense bf16, H100/H200), the GPU
+#     utilization while collect runs, collect vs one bare vLLM generate call, and (2+ GPUs) 2 engines vs 1.
 #  2. benchmarks/_dist_bench.py: the backend matrix (configs/accelerate/ddp, fsdp2, zero2, zero3) on
 #     every visible GPU (or GPUS=N), launched with accelerate like users launch it, plus the paper
 #     config (configs/gsm8k-qwen2.5-1.5b.yaml) for a few steps under fsdp2; prints tokens/s, MFU and

@@ -14,6 +14,8 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   shard_scan_rss_growth       reader peak RSS on a 10x dataset / on the 1x dataset         <= 1.2 (flat)
   collect_vllm_vs_hf          collect samples/s, vLLM backend / hf backend                 >= 2
   collect_hf_vs_bare_generate collect samples/s, hf backend / bare batched generate        >= 0.9
+  collect_vllm_vs_bare_vllm   collect samples/s, vLLM backend / one bare LLM.generate call  >= 0.9
+  collect_dp2_vs_dp1          collect samples/s, 2 vLLM engine processes / 1 engine         (2.0 = linear)
   ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
   validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
   startup_resume_vs_first     data start-up (validate, build the row store / reuse it), 2nd run / 1st <= 0.1
@@ -75,6 +77,7 @@ SIZES = {
         "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
+        "collect_dp": {"num_prompts": 64, "num_samples": 8, "max_new_tokens": 32, "repeats": 3},
         "cli_rows": 1_000_000,
         # ~256 tokens per row, 1M rows: 256M tokens (~1.2 GB of shards, a 2.4 GB row store); the small
         # dataset is its first quarter of shards
@@ -100,6 +103,7 @@ SIZES = {
         "scan_data": {"num_groups": 256, "groups_per_shard": 64},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
+        "collect_dp": {"num_prompts": 8, "num_samples": 4, "max_new_tokens": 16, "repeats": 1},
         "cli_rows": None,
         "scale": {"rows": 32_768, "prompt_lengths": (8, 24), "completion_lengths": (24, 72)},
     },
@@ -134,6 +138,10 @@ KEYS = (
     ("shard_scan_rss_10x_mb", "", f"reader process peak RSS, {SCAN_GROWTH}x dataset"),
     ("collect_vllm_vs_hf", ">= 2", "collect samples/s, vllm backend / hf backend (start-up excluded)"),
     ("collect_hf_vs_bare_generate", ">= 0.9", "collect samples/s, hf backend / bare batched generate with scores"),
+    ("collect_vllm_vs_bare_vllm", ">= 0.9", "collect samples/s, vllm backend / one bare LLM.generate, n=K, logprobs"),
+    ("collect_vllm_vs_bare_vllm_cpu", "", "same ratio from the process's CPU time (load-insensitive)"),
+    ("bare_vllm_samples_per_s", "", "bare LLM.generate samples/s"),
+    ("collect_dp2_vs_dp1", "(2 = linear)", "collect samples/s, --data-parallel-size 2 / 1 (vllm, 1 thread each)"),
     ("collect_vllm_samples_per_s", "", "collect samples/s, vllm backend"),
     ("collect_hf_samples_per_s", "", "collect samples/s, hf backend"),
     ("bare_generate_samples_per_s", "", "bare generate samples/s"),
@@ -243,9 +251,11 @@ def part_scan(context: dict) -> dict:
                     threads=context["threads"])
     shutil.rmtree(big["path"], ignore_errors=True)
     context["notes"].append(
-        f"shard reader: 1x {one['rows']} rows in {one['shards']} shards, {one['steps_timed']}/{one['steps_per_epoch']} steps timed, "
+        f"shard reader: 1x {one['rows']} rows in {one['shards']} shards, "
+        f"{one['steps_timed']}/{one['steps_per_epoch']} steps timed, "
         f"{one['shards_touched_per_step']:.1f} shards touched per step, row store {one['store_mb']:.0f} MB; "
-        f"per-round ratio {[round(r, 3) for r in one['ratios']]} after a warm-up round at {one['first_round_ratio']:.3f}; "
+        f"per-round ratio {[round(r, 3) for r in one['ratios']]} "
+        f"after a warm-up round at {one['first_round_ratio']:.3f}; "
         f"index pass {one['index_rows_per_s']:.0f} rows/s, step reads {one['step_rows_per_s']:.0f} rows/s, "
         f"collate {one['collate_rows_per_s']:.0f} rows/s; "
         f"10x: {ten['rows']} rows, reader {ten['reader_rows_per_s']:.0f} rows/s (extrapolated: {ten['extrapolated']}), "
@@ -287,12 +297,48 @@ def part_collect(context: dict) -> dict:
     keys = (
         "collect_vllm_vs_hf",
         "collect_hf_vs_bare_generate",
+        "collect_vllm_vs_bare_vllm",
+        "collect_vllm_vs_bare_vllm_cpu",
         "collect_vllm_samples_per_s",
         "collect_hf_samples_per_s",
         "bare_generate_samples_per_s",
+        "bare_vllm_samples_per_s",
         "vllm_engine_start_seconds",
     )
+    if result["collect_vllm_vs_bare_vllm_all"]:
+        context["notes"].append(
+            f"collect: per-round vllm/bare_vllm {[round(r, 3) for r in result['collect_vllm_vs_bare_vllm_all']]}, "
+            f"from CPU time {[round(r, 3) for r in result['collect_vllm_vs_bare_vllm_cpu_all']]}"
+        )
     return {key: result[key] for key in keys}
+
+
+def part_collect_dp(context: dict) -> dict:
+    """collect --data-parallel-size 2 vs 1 with vLLM, each run in a fresh process, the order alternating."""
+    from offline_rec.rollout.backends import vllm_import_error
+
+    reason = vllm_import_error()
+    if reason is not None:
+        context["notes"].append(f"collect dp: vLLM unavailable ({reason}): collect_dp2_vs_dp1 is null")
+        return {}
+    sizes = dict(context["sizes"]["collect_dp"])
+    repeats = min(sizes.pop("repeats"), context["repeats"])
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    for repeat in range(repeats):
+        for size in ((1, 2) if repeat % 2 == 0 else (2, 1)):
+            out = context["workdir"] / f"collect-dp{size}-{repeat}"
+            result = run_child("_collect_bench", "collect_dp_child",
+                               dict(model=context["model"]["path"], out=str(out), data_parallel_size=size,
+                                    threads=context["threads"], **sizes), threads=context["threads"])
+            rates[size].append(result["samples_per_s"])
+            for path in (out, out.with_name(out.name + "-warm-up")):
+                shutil.rmtree(path, ignore_errors=True)
+    context["notes"].append(
+        f"collect dp: samples/s per round, 1 engine {[round(r, 1) for r in rates[1]]}, "
+        f"2 engines {[round(r, 1) for r in rates[2]]} ({context['threads']} torch thread(s) per engine)"
+    )
+    return {"collect_dp2_vs_dp1": median(two / one for two, one in zip(rates[2], rates[1])),
+            "collect_dp1_samples_per_s": median(rates[1]), "collect_dp2_samples_per_s": median(rates[2])}
 
 
 def part_validate_inspect(context: dict) -> dict:
@@ -389,6 +435,7 @@ PARTS = (
     ("shard reader", part_scan),
     ("validate/inspect", part_validate_inspect),
     ("collect", part_collect),
+    ("collect dp", part_collect_dp),
     ("training", part_train),
     ("ddp", part_ddp),
     ("data scale", part_data_scale),
@@ -420,7 +467,8 @@ def print_table(results: dict, context: dict, errors: dict) -> None:
     print()
     print(f"offline-rec benchmark ({'quick' if context['quick'] else 'full'}), {time.strftime('%Y-%m-%d %H:%M')}")
     print(
-        f"machine: {info['cpu_model']}, {info['cores']} cores, {info['memory_gb']} GiB; torch threads {context['threads']}; "
+        f"machine: {info['cpu_model']}, {info['cores']} cores, {info['memory_gb']} GiB; "
+        f"torch threads {context['threads']}; "
         f"load average {context['load_before']:.2f} before, {os.getloadavg()[0]:.2f} after"
     )
     print("versions: python " + info["python"] + ", " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()))

@@ -466,13 +466,29 @@ def collect(
     top_p: TopP = 1.0,
     top_k: TopK = None,
     max_new_tokens: MaxNewTokens = 256,
-    seed: int = typer.Option(0, "--seed", help="Seeds sampling (per prompt) and picks built-in prompts."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Prompts per generate call."),
+    seed: int = typer.Option(0, "--seed", help="Seeds sampling (one seed per engine and run), picks built-in prompts."),
+    seed_per_prompt: bool = typer.Option(
+        False, "--seed-per-prompt", help="vLLM: seed each prompt's request (samples depend on seed and prompt only; "
+        "slower sampling)."
+    ),
+    batch_size: int = typer.Option(16, "--batch-size", help="hf: prompts per generate call."),
+    prompts_in_flight: int | None = typer.Option(
+        None, "--prompts-in-flight", help="vLLM: prompts kept in flight per engine (default: 4 x max_num_seqs / K)."
+    ),
+    data_parallel_size: int = typer.Option(
+        1, "--data-parallel-size", help="Engines writing into this one dataset (one per GPU set; on a CPU, processes)."
+    ),
+    ray_address: str | None = typer.Option(
+        None, "--ray-address", help="Run the engines as Ray actors on this Ray cluster ('auto': the running one)."
+    ),
+    reward_workers: int = typer.Option(
+        4, "--reward-workers", help="Threads per engine scoring rewards while it samples."
+    ),
     dtype: Dtype = None,
     chat_template: ChatTemplate = True,
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM: GPUs per model."),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM: GPUs per engine."),
     groups_per_shard: int = typer.Option(
-        256, "--groups-per-shard", help="Commit a Parquet shard every N groups (at batch boundaries)."
+        256, "--groups-per-shard", help="Commit a Parquet shard every N groups (whole prompts or hf batches)."
     ),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted collect into --out."),
     num_shards: int = typer.Option(
@@ -504,8 +520,16 @@ def collect(
         chat_template=chat_template, tensor_parallel_size=tensor_parallel_size, groups_per_shard=groups_per_shard,
         resume=resume, num_shards=num_shards, shard_index=shard_index, policy_version=policy_version,
         behavior=behavior, reward_timeout_s=reward_timeout or None, show_progress=not quiet,
+        seed_per_prompt=seed_per_prompt, prompts_in_flight=prompts_in_flight, data_parallel_size=data_parallel_size,
+        ray_address=ray_address, reward_workers=reward_workers,
     )
-    path = run_collect(config)
+    from offline_rec.rollout.engines import EngineError
+
+    try:
+        path = run_collect(config)
+    except EngineError as error:  # an engine died or failed: what finished is committed, --resume goes on
+        typer.echo(f"error: {error}", err=True)
+        sys.exit(1)
     manifest = read_manifest(path)
     totals, stats = manifest["totals"], manifest.get("stats") or {}
     finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
@@ -618,6 +642,8 @@ def eval_(
     chat_template: bool = EVAL["chat_template"],
     success_threshold: float = EVAL["success_threshold"],
     gpu_memory_utilization: float | None = EVAL["gpu_memory_utilization"],
+    data_parallel_size: int = EVAL["data_parallel_size"],
+    ray_address: str | None = EVAL["ray_address"],
     reward_timeout_s: float = EVAL["reward_timeout_s"],
     offline: bool = EVAL["offline"],
     data: list[str] | None = EVAL["data"],
@@ -636,8 +662,13 @@ def eval_(
         summary = offline_evaluate(config)
     else:
         from offline_rec.eval.rollouts import evaluate
+        from offline_rec.rollout.engines import EngineError
 
-        summary = evaluate(config)
+        try:
+            summary = evaluate(config)
+        except EngineError as error:  # an engine died or failed
+            typer.echo(f"error: {error}", err=True)
+            sys.exit(1)
     if as_json:
         _print_json(summary)
         return

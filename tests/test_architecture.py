@@ -69,8 +69,6 @@ def test_no_module_imports_a_higher_layer(graph):
     assert not upward, "\n".join(upward)
 
 
-@pytest.mark.xfail(strict=True, reason="rollout.backends' factory imports hf/vllm, which import it back: "
-                   "being split into backends/base.py with the collect-at-scale work")
 def test_no_import_circle(graph):
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -33,6 +34,8 @@ REQUIRED_KEYS = (
     "shard_scan_rss_growth",
     "collect_vllm_vs_hf",
     "collect_hf_vs_bare_generate",
+    "collect_vllm_vs_bare_vllm",
+    "collect_dp2_vs_dp1",
     "ddp_scaling",
     "validate_1m_rows_seconds",
     "validate_1m_rows_peak_rss_mb",
@@ -106,6 +109,28 @@ def test_paper_step_lengths_and_packing():
 
 def test_gpu_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(REPO / "benchmarks" / "gpu.sh")]).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_gpu_script_dry_run_reports_collect_utilization_and_ratios(tmp_path):
+    """`gpu.sh --dry-run --only collect train` (tiny sizes, on the CPU here) runs part 1's collect and train
+    stages and nothing else; without a GPU the utilization
+    is null, and the 2-engine comparison is skipped (it needs 2 GPUs)."""
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu.sh"), "--dry-run", "--only", "collect", "train",
+                           "--workdir", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["dry_run"] and result["collect_samples_per_s"] > 0 and result["train_tokens_per_s"] > 0
+    assert result["collect_dp2_vs_dp1"] is None and "skipped" in done.stdout
+    if result["device"] == "CPU":
+        assert result["gpu_utilization_mean"] is None
+    from offline_rec.rollout.backends import vllm_import_error
+
+    if vllm_import_error() is None:
+        assert result["collect_vllm_vs_bare_vllm"] > 0
 
 
 @pytest.mark.slow

@@ -93,6 +93,12 @@ class EvalConfig:
     gpu_memory_utilization: float | None = _option(
         None, ("--gpu-memory-utilization",), "vLLM: share of the GPU it may take (default: vLLM's)."
     )
+    data_parallel_size: int = _option(
+        1, ("--data-parallel-size",), "Engines sampling the rollouts (one per GPU set; on a CPU, processes)."
+    )
+    ray_address: str | None = _option(
+        None, ("--ray-address",), "Run the engines as Ray actors on this Ray cluster ('auto': the running one)."
+    )
     reward_timeout_s: float = _option(  # None is taken for 0
         REWARD_TIMEOUT_S,
         ("--reward-timeout",),
@@ -122,6 +128,8 @@ class EvalConfig:
         self.reward_timeout_s = float(self.reward_timeout_s or 0.0)
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.data_parallel_size < 1:
+            raise UserError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.offline:
             if not self.model and not self.run:
                 raise UserError("eval --offline needs --model (or --run, whose final model is used)")

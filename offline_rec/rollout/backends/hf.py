@@ -1,6 +1,9 @@
 """The transformers backend: batched `generate` with the log-probs of the processed distribution.
 
-Each call samples a left-padded batch of prompts, `num_samples` sequences each. The log-prob of a
+Each call samples a left-padded batch of prompts, `num_samples` sequences each, from a random
+stream seeded by all of the batch's prompt seeds (so a batch repeats exactly; a prompt's samples
+depend on its batch). `HFStream` offers the streaming interface of the vLLM backend: each `step`
+samples everything added since the previous one as one batch. The log-prob of a
 sampled token is log_softmax of the step's `scores`, which `generate` returns AFTER its logits
 processors (temperature, top-k, top-p): exactly the distribution `torch.multinomial` drew from.
 
@@ -17,12 +20,12 @@ prompts x samples x max_new_tokens x vocabulary x 4 bytes; keep --batch-size mod
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
 from offline_rec.models.loading import load_model, load_tokenizer
-from offline_rec.rollout.backends import (
+from offline_rec.rollout.backends.base import (
     Prompt,
     Sample,
     SamplingSettings,
@@ -100,6 +103,16 @@ class HFBackend:
             for p in range(len(prompt_ids))
         ]
 
+    def default_window(self, num_samples: int) -> int:
+        """One batch in flight: `generate` blocks until the whole batch is sampled."""
+        return 1
+
+    def stream(self, num_samples: int, sampling: SamplingSettings, *, seed: int | None = None,
+               per_request_seeds: bool = False) -> HFStream:
+        """An `HFStream`; batches are always seeded from their prompts' seeds (`seed` and
+        `per_request_seeds` do not change that: they matter for vLLM only)."""
+        return HFStream(self, num_samples, sampling)
+
     def _left_padded(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left padding keeps every prompt's last token at the same position, where generation continues."""
         length = max(len(ids) for ids in prompt_ids)
@@ -117,3 +130,34 @@ class HFBackend:
             return dict(do_sample=False, temperature=None, top_k=None, top_p=None, **_NEUTRAL_PROCESSING)
         return dict(do_sample=True, temperature=sampling.temperature, top_k=sampling.truncation_k,
                     top_p=sampling.top_p, **_NEUTRAL_PROCESSING)
+
+
+class HFStream:
+    """The streaming interface over `HFBackend.generate`: `step` samples all prompts added since the
+    last step as one batch, seeded by their seeds (None: unseeded)."""
+
+    def __init__(self, backend: HFBackend, num_samples: int, sampling: SamplingSettings):
+        self.backend, self.num_samples, self.sampling = backend, num_samples, sampling
+        self._queued: list[tuple[Hashable, list[int], int | None]] = []
+
+    @property
+    def pending(self) -> int:
+        return len(self._queued)
+
+    def __enter__(self) -> HFStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._queued.clear()
+
+    def add(self, key: Hashable, prompt_ids: Sequence[int], seed: int | None = None) -> None:
+        self._queued.append((key, list(prompt_ids), seed))
+
+    def step(self) -> dict[Hashable, list[Sample]]:
+        batch, self._queued = self._queued, []
+        if not batch:
+            return {}
+        seeds = [seed for _, _, seed in batch]
+        samples = self.backend.generate([ids for _, ids, _ in batch], self.num_samples, self.sampling,
+                                        seeds=None if None in seeds else seeds)
+        return {key: group for (key, _, _), group in zip(batch, samples)}

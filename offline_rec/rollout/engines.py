@@ -1,0 +1,639 @@
+"""Sampling engines for `collect`: one engine's loop; N engines in this process, child processes or Ray actors.
+
+One engine (`EngineWorker`): prompts go to the backend's stream (backends/__init__.py) as long as
+fewer than its window are in flight, so a vLLM engine always has requests waiting; after every
+engine step the prompts that finished are handed to a thread pool that scores their rewards
+(each call limited to the reward timeout) while the engine samples on. Prompts come in UNITS
+(collect: one prompt for vLLM, one batch for transformers, whose seed covers the batch); a unit
+is returned once all its prompts are scored, so a caller that writes whole units commits shards
+at unit boundaries.
+
+N engines (`run_on_engines`): a coordinator (the calling process) hands units to the engine that
+has the fewest waiting and gets their results back; only the coordinator writes, so the N engines
+fill ONE dataset with one manifest, each prompt exactly once. The engines live in
+- `LocalEngines`: this process (one engine, the `collect` default);
+- `ProcessEngines`: N child processes (spawned; on a GPU machine each sees its own
+  --tensor-parallel-size GPUs through CUDA_VISIBLE_DEVICES; on a CPU each gets cores / N threads).
+  A child dies with the coordinator (PR_SET_PDEATHSIG on Linux, and EOF on its pipe elsewhere);
+  a child that dies ends the run with an error after the finished groups are written;
+- `RayEngines`: N Ray actors on a running Ray cluster (`--ray-address`), one GPU set or a few
+  CPUs each; results travel back to the coordinator, which writes the dataset where it runs.
+An engine's sampler is seeded with derive_seed(run seed, engine index) (see backends/vllm.py for
+what that makes reproducible).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+from offline_rec.errors import UserError
+from offline_rec.rollout.backends import Sample, SamplingSettings, derive_seed
+
+WORK_BUDGET_S = 0.5
+"""How long one `work` call may run before it returns its finished units (and takes new ones)."""
+DEFAULT_REWARD_WORKERS = 4
+ENGINE_CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """One prompt to sample K completions for and reward."""
+
+    index: int
+    """The prompt's index in the run's plan (the caller's key)."""
+    unit: int
+    """Prompts of one unit are sampled in one stream step where the backend batches (hf) and returned together."""
+    prompt: str
+    """The rendered prompt text (what the reward sees)."""
+    prompt_ids: list[int]
+    fields: dict
+    seed: int
+
+
+@dataclass
+class PromptResult:
+    index: int
+    samples: list[Sample]
+    rewards: list[float | None]
+    reward_stats: dict
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every engine of a run samples and how it scores it."""
+
+    task: str
+    reward: str | None
+    num_samples: int
+    sampling: SamplingSettings
+    seed: int
+    """The run's seed; engine w seeds its sampler with derive_seed(seed, w)."""
+    per_request_seeds: bool = False
+    window: int | None = None
+    """Prompts in flight per engine (None: the backend's default_window)."""
+    reward_timeout_s: float | None = None
+    reward_workers: int = DEFAULT_REWARD_WORKERS
+
+    def for_engine(self, rank: int) -> Job:
+        return replace(self, seed=derive_seed(self.seed, rank))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How an engine is built in another process (`make_backend`'s arguments)."""
+
+    backend: str
+    model: str
+    dtype: str | None = None
+    tensor_parallel_size: int = 1
+    seed: int = 0
+    per_request_seeds: bool = False
+    engine_kwargs: dict = field(default_factory=dict)
+
+    def build(self, rank: int):
+        from offline_rec.rollout.backends import make_backend
+
+        return make_backend(self.backend, self.model, dtype=self.dtype, tensor_parallel_size=self.tensor_parallel_size,
+                            seed=derive_seed(self.seed, rank), per_request_seeds=self.per_request_seeds,
+                            **self.engine_kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# one engine
+
+
+class EngineWorker:
+    """One engine's loop for a job (see the module docstring). `begin`, then `work` until `has_work` is false, `end`."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self._stream = None
+
+    @property
+    def info(self) -> dict:
+        """What the manifest records about the engine."""
+        return {"engine": self.backend.engine, "engine_version": self.backend.engine_version,
+                "dtype": self.backend.dtype,
+                "per_request_seeds": getattr(self.backend, "per_request_seeds_supported", True)}
+
+    def begin(self, job: Job, rank: int = 0, source: Iterable[list[PromptRequest]] | None = None) -> int:
+        """Start `job` as engine `rank`; units come from `source` (lazily) and from `work`. Returns the window."""
+        from offline_rec.tasks.builtin import get_task
+
+        if self._stream is not None:
+            raise RuntimeError("a job is already running on this engine")
+        job = job.for_engine(rank)
+        self._task = get_task(job.task, job.reward)
+        self._job = job
+        self.window = job.window or self.backend.default_window(job.num_samples)
+        self._source = iter(source) if source is not None else None
+        self._queue: deque[list[PromptRequest]] = deque()
+        self._requests: dict[int, PromptRequest] = {}  # in the engine or being scored
+        self._in_engine = 0
+        self._unit_size: dict[int, int] = {}
+        self._unsampled: dict[int, int] = {}  # per unit: prompts the engine has not returned yet
+        self._sampled: deque[int] = deque()  # units in the order the engine finished them
+        self._scored: dict[int, list[PromptResult]] = {}
+        self._scoring: dict[Future, tuple[int, list[Sample]]] = {}
+        self._finished: list[list[PromptResult]] = []
+        self._pool = ThreadPoolExecutor(max(1, job.reward_workers), thread_name_prefix="reward")
+        stream = self.backend.stream(job.num_samples, job.sampling, seed=job.seed,
+                                     per_request_seeds=job.per_request_seeds)
+        stream.__enter__()
+        self._stream = stream
+        return self.window
+
+    @property
+    def backlog(self) -> int:
+        """Prompts given to this engine that it has not sampled yet (queued or in flight)."""
+        return sum(len(unit) for unit in self._queue) + self._stream.pending
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._queue or self._source is not None or self._requests or self._sampled or self._finished)
+
+    def work(self, units: Iterable[list[PromptRequest]] = (), budget_s: float = WORK_BUDGET_S,
+             ) -> list[list[PromptResult]]:
+        """Take `units`, sample and score for up to `budget_s` (at least one engine step), return the finished units."""
+        self._queue.extend(units)
+        deadline = time.monotonic() + budget_s
+        while True:
+            self._fill()
+            if self._stream.pending:
+                for index, samples in self._stream.step().items():
+                    self._score(index, samples)
+            self._collect(block_until=None)
+            idle_engine = not self._stream.pending and not self._queue and self._source is None
+            if time.monotonic() >= deadline or (idle_engine and not self._scoring):
+                break
+            if idle_engine:  # only rewards left: wait for them rather than spin
+                self._collect(block_until=deadline)
+        finished, self._finished = self._finished, []
+        return finished
+
+    def end(self) -> None:
+        """Finish the job: abort what is in flight, abandon rewards still running (their threads end on their own)."""
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            try:
+                stream.__exit__(None, None, None)
+            finally:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fill(self) -> None:
+        while self._stream.pending < self.window:
+            unit = self._next_unit()
+            if unit is None:
+                return
+            self._unit_size[unit[0].unit] = self._unsampled[unit[0].unit] = len(unit)
+            for request in unit:
+                self._requests[request.index] = request
+                self._stream.add(request.index, request.prompt_ids, seed=request.seed)
+
+    def _next_unit(self) -> list[PromptRequest] | None:
+        if self._queue:
+            return self._queue.popleft()
+        if self._source is not None:
+            unit = next(self._source, None)
+            if unit is not None:
+                return unit
+            self._source = None
+        return None
+
+    def _score(self, index: int, samples: list[Sample]) -> None:
+        from offline_rec.tasks.builtin import score_many
+
+        request = self._requests[index]
+        self._unsampled[request.unit] -= 1
+        if not self._unsampled[request.unit]:
+            del self._unsampled[request.unit]
+            self._sampled.append(request.unit)
+        k = len(samples)
+        future = self._pool.submit(score_many, self._task, [request.prompt] * k, [s.text for s in samples],
+                                   [request.fields] * k, timeout_s=self._job.reward_timeout_s)
+        self._scoring[future] = (index, samples)
+
+    def _collect(self, block_until: float | None) -> None:
+        """Move scored prompts into their units. Units are finished in the order the engine finished them (so
+        one engine's output order does not depend on how fast rewards are scored): the oldest, once scored."""
+        if not self._scoring:
+            return
+        if block_until is None:
+            done = [f for f in self._scoring if f.done()]
+        else:
+            done, _ = wait(list(self._scoring), timeout=max(0.0, block_until - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+        for future in done:
+            index, samples = self._scoring.pop(future)
+            request = self._requests.pop(index)
+            rewards, stats = future.result()
+            self._scored.setdefault(request.unit, []).append(PromptResult(index, samples, rewards, stats))
+        while self._sampled and len(self._scored.get(self._sampled[0], ())) == self._unit_size[self._sampled[0]]:
+            unit = self._sampled.popleft()
+            del self._unit_size[unit]
+            self._finished.append(sorted(self._scored.pop(unit), key=lambda r: r.index))
+
+
+# --------------------------------------------------------------------------------------------
+# N engines
+
+
+class EngineError(RuntimeError):
+    """An engine failed or died; the units it held were not finished."""
+
+
+def run_on_engines(engines, job: Job, units: Iterable[list[PromptRequest]], unit_size: int,
+                   on_units: Callable[[list[list[PromptResult]]], None]) -> None:
+    """Sample every unit of `units` once on `engines`, calling `on_units` with finished units as they come."""
+    if isinstance(engines, LocalEngines):
+        worker = engines.worker
+        worker.begin(job, rank=0, source=units)
+        try:
+            while worker.has_work:
+                finished = worker.work()
+                if finished:
+                    on_units(finished)
+        finally:
+            worker.end()
+        return
+    windows = engines.begin(job)
+    try:
+        _coordinate(engines, windows, iter(units), unit_size, on_units)
+    finally:
+        engines.end()
+
+
+def _coordinate(engines, windows: list[int], units: Iterator[list[PromptRequest]], unit_size: int,
+                on_units) -> None:
+    """Keep each engine's backlog at about two windows (one in flight, one waiting), refilling it as results return."""
+    n = len(windows)
+    target = [2 * max(window, unit_size) for window in windows]
+    backlog, busy, has_work = [0] * n, [False] * n, [False] * n
+    exhausted = False
+    while True:
+        # Idle engines take units in turn, not one engine up to its target first: a run with fewer
+        # prompts than the engines' targets (or its tail) is still spread over all of them.
+        new: dict[int, list] = {w: [] for w in range(n) if not busy[w]}
+        hungry = [w for w in new if backlog[w] < target[w]]
+        while hungry and not exhausted:
+            for w in hungry:
+                unit = next(units, None)
+                if unit is None:
+                    exhausted = True
+                    break
+                new[w].append(unit)
+                backlog[w] += len(unit)
+            hungry = [w for w in hungry if backlog[w] < target[w]]
+        for w, fresh in new.items():
+            if fresh or has_work[w]:
+                engines.submit(w, fresh)
+                busy[w] = True
+        if not any(busy):
+            return
+        for w, finished, engine_backlog, engine_has_work in engines.wait():
+            busy[w] = False
+            backlog[w], has_work[w] = engine_backlog, engine_has_work
+            if finished:
+                on_units(finished)
+
+
+class LocalEngines:
+    """One engine in this process (an already built backend)."""
+
+    size = 1
+
+    def __init__(self, backend):
+        self.worker = EngineWorker(backend)
+        self.info = self.worker.info
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def engine_environment(rank: int, size: int, tensor_parallel_size: int, gpus: list[str] | None) -> dict[str, str]:
+    """Environment of engine `rank` of `size`: its GPUs, or on a CPU its share of the cores as threads."""
+    if gpus:
+        share = gpus[rank * tensor_parallel_size:(rank + 1) * tensor_parallel_size]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(share)}
+    threads = str(max(1, (os.cpu_count() or 1) // size))
+    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else all that torch sees); [] without CUDA."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [g for g in listed.split(",") if g.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def check_gpus(size: int, tensor_parallel_size: int, gpus: list[str]) -> None:
+    if gpus and len(gpus) < size * tensor_parallel_size:
+        raise UserError(
+            f"--data-parallel-size {size} x --tensor-parallel-size {tensor_parallel_size} needs "
+            f"{size * tensor_parallel_size} GPUs; {len(gpus)} are visible"
+        )
+
+
+class ProcessEngines:
+    """N engines in spawned child processes (see the module docstring); use as a context manager."""
+
+    def __init__(self, spec: EngineSpec, size: int):
+        import multiprocessing
+
+        gpus = visible_gpus()
+        check_gpus(size, spec.tensor_parallel_size, gpus)
+        context = multiprocessing.get_context("spawn")
+        self.size = size
+        self.processes, self.connections = [], []
+        try:
+            for rank in range(size):
+                parent, child = context.Pipe()
+                env = engine_environment(rank, size, spec.tensor_parallel_size, gpus)
+                process = context.Process(target=_engine_process, args=(child, spec, rank, env),
+                                          name=f"offline-rec-engine-{rank}", daemon=True)
+                process.start()
+                child.close()
+                self.processes.append(process)
+                self.connections.append(parent)
+            self.info = [self._receive(rank, "ready")[0] for rank in range(size)][0]
+        except BaseException:
+            self.close()
+            raise
+
+    def begin(self, job: Job) -> list[int]:
+        for rank, connection in enumerate(self.connections):
+            connection.send(("begin", job, rank))
+        return [self._receive(rank, "begun")[0] for rank in range(self.size)]
+
+    def submit(self, rank: int, units: list[list[PromptRequest]]) -> None:
+        self.connections[rank].send(("work", units))
+
+    def wait(self) -> list[tuple[int, list, int, bool]]:
+        from multiprocessing.connection import wait as wait_any
+
+        ready = wait_any(self.connections + [p.sentinel for p in self.processes])
+        results = []
+        for rank, connection in enumerate(self.connections):
+            if connection in ready:
+                results.append((rank, *self._receive(rank, "worked")))
+        if not results:  # a sentinel fired: a process ended without a word
+            for rank, process in enumerate(self.processes):
+                if process.sentinel in ready:
+                    self._receive(rank, "worked")
+        return results
+
+    def end(self) -> None:
+        for rank, connection in enumerate(self.connections):
+            try:
+                connection.send(("end",))
+                self._receive(rank, "ended")
+            except (EngineError, OSError):
+                pass
+
+    def _receive(self, rank: int, expected: str):
+        connection, process = self.connections[rank], self.processes[rank]
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            process.join(5)
+            raise EngineError(
+                f"engine {rank} (pid {process.pid}) died{_exit_description(process.exitcode)}"
+            ) from None
+        kind, payload = message[0], message[1:]
+        if kind == "error":
+            user_error, text = payload
+            if user_error:
+                raise UserError(text)
+            raise EngineError(f"engine {rank} failed: {text}")
+        if kind != expected:
+            raise EngineError(f"engine {rank} answered {kind!r} where {expected!r} was expected")
+        return payload
+
+    def close(self) -> None:
+        """Stop every child: ask, then terminate, then kill; none is left behind."""
+        for connection in self.connections:
+            try:
+                connection.send(("close",))
+            except OSError:
+                pass
+        deadline = time.monotonic() + ENGINE_CLOSE_TIMEOUT_S
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for connection in self.connections:
+            connection.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _exit_description(code: int | None) -> str:
+    if code is None:
+        return ""
+    if code < 0:
+        import signal
+
+        return f" (killed by {signal.Signals(-code).name})"
+    return f" (exit code {code})"
+
+
+def _engine_process(connection, spec: EngineSpec, rank: int, environment: dict[str, str]) -> None:
+    """A child process's life: build the engine, then serve begin/work/end until close (or the coordinator's end)."""
+    os.environ.update(environment)
+    _die_with_parent()
+    worker = None
+    try:
+        _set_threads(environment)
+        worker = EngineWorker(spec.build(rank))
+        connection.send(("ready", worker.info))
+        while True:
+            try:
+                message = connection.recv()
+            except (EOFError, OSError):
+                return  # the coordinator is gone
+            kind = message[0]
+            if kind == "begin":
+                connection.send(("begun", worker.begin(message[1], rank=message[2])))
+            elif kind == "work":
+                finished = worker.work(message[1])
+                connection.send(("worked", finished, worker.backlog, worker.has_work))
+            elif kind == "end":
+                worker.end()
+                connection.send(("ended",))
+            elif kind == "close":
+                return
+    except BaseException as error:  # reported to the coordinator, which raises it
+        try:
+            connection.send(("error", isinstance(error, UserError), _describe(error)))
+        except OSError:
+            pass
+        if not isinstance(error, (UserError, KeyboardInterrupt)):
+            import traceback
+
+            traceback.print_exc()
+    finally:
+        if worker is not None:
+            try:
+                worker.end()
+            except Exception:  # the process is ending anyway
+                pass
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error).strip()
+    return text if isinstance(error, UserError) else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _set_threads(environment: dict[str, str]) -> None:
+    threads = environment.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when its parent dies (a kill -9 of the coordinator included)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(1)
+
+
+class RayEngines:
+    """N engines as Ray actors on the cluster at `address` ("auto": the running one); use as a context manager.
+
+    Each actor asks for --tensor-parallel-size GPUs where the cluster has GPUs, else for cores / N
+    CPUs. If this process is already connected to Ray (e.g. a local `ray.init()`), that connection
+    is used and left open; otherwise it connects and disconnects at the end.
+    """
+
+    def __init__(self, spec: EngineSpec, size: int, address: str):
+        try:
+            import ray
+        except ImportError:
+            raise UserError("--ray-address needs Ray: pip install 'offline-rec[ray]'") from None
+        self.ray = ray
+        self.size = size
+        self._connected_here = not ray.is_initialized()
+        if self._connected_here:
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except (ConnectionError, ValueError, RuntimeError) as error:
+                reason = str(error).splitlines()[0]
+                raise UserError(f"--ray-address {address}: cannot connect to Ray ({reason})") from None
+        self.actors, self._pending = [], {}
+        try:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            resources = ({"num_gpus": spec.tensor_parallel_size, "num_cpus": 1} if gpus else
+                         {"num_cpus": max(1, int(ray.cluster_resources().get("CPU", 1)) // size)})
+            actor_class = ray.remote(**resources)(_RayEngine)
+            for rank in range(size):
+                threads = resources["num_cpus"] if not gpus else None
+                environment = {} if gpus else {"OMP_NUM_THREADS": str(threads)}
+                self.actors.append(actor_class.remote(spec, rank, environment))
+            self.info = self._get([actor.info.remote() for actor in self.actors])[0]
+        except BaseException:
+            self.close()
+            raise
+
+    def begin(self, job: Job) -> list[int]:
+        return self._get([actor.begin.remote(job, rank) for rank, actor in enumerate(self.actors)])
+
+    def submit(self, rank: int, units: list[list[PromptRequest]]) -> None:
+        self._pending[self.actors[rank].work.remote(units)] = rank
+
+    def wait(self) -> list[tuple[int, list, int, bool]]:
+        ready, _ = self.ray.wait(list(self._pending), num_returns=1)
+        results = []
+        for ref in ready:
+            rank = self._pending.pop(ref)
+            results.append((rank, *self._get(ref)))
+        return results
+
+    def end(self) -> None:
+        try:
+            self._get([actor.end.remote() for actor in self.actors])
+        except EngineError:
+            pass
+
+    def _get(self, refs):
+        try:
+            return self.ray.get(refs)
+        except self.ray.exceptions.RayTaskError as error:
+            cause = error.cause if hasattr(error, "cause") else None
+            if isinstance(cause, UserError):
+                raise UserError(str(cause)) from None
+            raise EngineError(f"a Ray engine failed: {str(error).strip().splitlines()[-1]}") from None
+        except self.ray.exceptions.RayActorError as error:
+            raise EngineError(f"a Ray engine died: {str(error).strip().splitlines()[0]}") from None
+
+    def close(self) -> None:
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # already gone
+                pass
+        self.actors = []
+        if self._connected_here and self.ray.is_initialized():
+            self.ray.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _RayEngine:
+    """The Ray actor around one `EngineWorker` (methods run one at a time, in the actor's process)."""
+
+    def __init__(self, spec: EngineSpec, rank: int, environment: dict[str, str]):
+        os.environ.update(environment)
+        _set_threads(environment)
+        self.worker = EngineWorker(spec.build(rank))
+
+    def info(self) -> dict:
+        return self.worker.info
+
+    def begin(self, job: Job, rank: int) -> int:
+        return self.worker.begin(job, rank=rank)
+
+    def work(self, units):
+        finished = self.worker.work(units)
+        return finished, self.worker.backlog, self.worker.has_work
+
+    def end(self) -> None:
+        self.worker.end()
