@@ -650,6 +650,7 @@ def eval_(
     run: str | None = EVAL["run"],
     num_bootstrap: int = EVAL["num_bootstrap"],
     overwrite: bool = EVAL["overwrite"],
+    resume: bool = EVAL["resume"],
     quiet: Quiet = False,
     as_json: SummaryJson = False,
 ) -> None:

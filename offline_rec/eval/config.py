@@ -120,6 +120,10 @@ class EvalConfig:
     alpha: float = _api_only(0.05, "--offline: the bootstrap intervals cover 1 - alpha.")
     # -- output
     overwrite: bool = _option(False, ("--overwrite",), "Replace the evaluation already in --out.")
+    resume: bool = _option(
+        False, ("--resume",), "Continue the rollout evaluation in --out that was stopped (preempted, killed): "
+        "its committed groups are kept, the others sampled."
+    )
     show_progress: bool = _api_only(True, "Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
@@ -131,6 +135,8 @@ class EvalConfig:
         if self.data_parallel_size < 1:
             raise UserError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.offline:
+            if self.resume:
+                raise UserError("--resume continues a rollout evaluation; eval --offline samples nothing")
             if not self.model and not self.run:
                 raise UserError("eval --offline needs --model (or --run, whose final model is used)")
             if not self.data and not self.run:

@@ -209,7 +209,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     if config.offline:
         raise ValueError("an offline EvalConfig: estimate with offline_rec.eval.offline.offline_evaluate")
     out = config.out
-    check_out(out, config.overwrite)
+    check_out(out, config.overwrite, config.resume)
     model = resolve_model(config.model)
     task_spec = check_prompts(config)
     reward_timeout_s = config.reward_timeout_s or None
@@ -236,6 +236,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         show_progress=config.show_progress,
         data_parallel_size=config.data_parallel_size,
         ray_address=config.ray_address,
+        resume=config.resume,
     )  # validates the sampling settings
     engine_kwargs = {}
     if backend is None:
@@ -248,8 +249,8 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
             backend = _load_backend(backend_name, model, tokenizer, config.dtype, config.seed,
                                     config.gpu_memory_utilization)
     with open_engines(collect_config, backend, engine_kwargs) as engines:  # --data-parallel-size: N engines
-        clear_out(out)
-        rollouts = collect(collect_config, engines=engines)
+        clear_out(out, keep_rollouts=config.resume)
+        rollouts = collect(collect_config, engines=engines)  # a stop signal: Preempted, the finished groups kept
         groups = _read_groups(rollouts)
         greedy_samples = _greedy_pass(engines, collect_config, groups) if config.greedy else None
         engine = engines.info["engine"]
@@ -297,17 +298,22 @@ def check_prompts(config: EvalConfig):
     return task
 
 
-def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse a file, or an existing non-empty EVAL folder unless `overwrite`."""
+def check_out(out: Path, overwrite: bool, resume: bool = False) -> None:
+    """Refuse a file, or an existing non-empty EVAL folder unless `overwrite` or `resume`."""
+    if overwrite and resume:
+        raise UserError("--overwrite replaces the evaluation in --out and --resume continues it: pass one of them")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; give a directory for the evaluation")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"output {out} already exists; choose another --out (or --overwrite to replace its evaluation)")
+    if out.is_dir() and any(out.iterdir()) and not (overwrite or resume):
+        raise UserError(f"output {out} already exists; choose another --out (or --overwrite to replace its evaluation, "
+                        "--resume to continue a stopped one)")
 
 
-def clear_out(out: Path) -> None:
-    """Remove what an earlier evaluation wrote into `out` (and nothing else), then make sure it exists."""
-    shutil.rmtree(out / ROLLOUTS_DIR, ignore_errors=True)
+def clear_out(out: Path, keep_rollouts: bool = False) -> None:
+    """Remove what an earlier evaluation wrote into `out` (and nothing else; its rollouts are kept to resume
+    them), then make sure it exists."""
+    if not keep_rollouts:
+        shutil.rmtree(out / ROLLOUTS_DIR, ignore_errors=True)
     for name in (SUMMARY_FILE, PER_PROMPT_FILE):
         (out / name).unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ from offline_rec import schema as S
 from offline_rec.data.dataset import DatasetWriter, make_row, read_manifest
 from offline_rec.errors import DataError, UserError, one_of
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
+from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.rollout.backends import Backend, SamplingSettings, check_backend_name, derive_seed, resolved_dtype
 from offline_rec.rollout.engines import (
@@ -309,13 +310,22 @@ def sample_greedy(engines, config: CollectConfig, prompts: list[tuple[str, list[
     return [results[i] for i in range(len(requests))]
 
 
+class _StopNow(Exception):
+    """Raised out of the engines' loop once a stop signal's finished groups are committed."""
+
+
 def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, engines) -> None:
-    """Sample every unit not yet committed on `engines`, committing whole units."""
+    """Sample every unit not yet committed on `engines`, committing whole units.
+
+    A stop signal (SIGTERM, SIGINT, SIGUSR1: `offline_rec.preemption`) ends the run at the next
+    finished unit: no new prompt is handed out, the finished groups are committed, the groups in
+    flight are dropped (a --resume samples them again) and `Preempted` is raised.
+    """
     todo = _units_to_sample(writer, plan)
     job = Job(task=config.task, reward=config.reward, num_samples=config.num_samples, sampling=config.sampling,
               seed=config.seed, per_request_seeds=config.seed_per_prompt, window=config.prompts_in_flight,
               reward_timeout_s=config.reward_timeout_s, reward_workers=config.reward_workers)
-    state = {"pending": 0, "samples": 0, "tokens": 0, "since_commit": time.monotonic()}
+    state = {"pending": 0, "units": 0, "samples": 0, "tokens": 0, "since_commit": time.monotonic()}
     started = time.monotonic()
 
     def commit() -> None:
@@ -326,7 +336,13 @@ def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, engi
         writer.commit(progress={"groups_committed": len(writer.committed_group_ids), "prompts": len(plan.indices)})
         state["pending"] = 0
 
-    with ProgressBar("collect", len(plan.indices), unit="prompts", enabled=config.show_progress) as bar:
+    def preempted(stop: StopRequest) -> Preempted:
+        return Preempted(f"{stop.signal_name} during collect: the groups of {len(writer.committed_group_ids)} of "
+                         f"{len(plan.indices)} prompts are committed in {writer.path}; run the same command with "
+                         "--resume")
+
+    with ProgressBar("collect", len(plan.indices), unit="prompts", enabled=config.show_progress) as bar, \
+            StopRequest() as stop:
         bar.advance(len(plan.indices) - sum(len(unit) for unit in todo))
 
         def on_units(units: list[list[PromptResult]]) -> None:
@@ -343,9 +359,17 @@ def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, engi
                 bar.advance(len(unit), rates)
                 if state["pending"] >= config.groups_per_shard:
                     commit()
+            state["units"] += len(units)
+            if stop.requested and state["units"] < len(todo):
+                if state["pending"]:
+                    commit()
+                raise _StopNow
 
         try:
-            run_on_engines(engines, job, _requests(config, plan, todo), max(len(u) for u in plan.units), on_units)
+            run_on_engines(engines, job, _requests(config, plan, todo, stop), max(len(u) for u in plan.units),
+                           on_units)
+        except _StopNow:
+            raise preempted(stop) from None
         except BaseException as error:
             # The buffer holds whole finished units only: keep them (Ctrl-C, a crash, a dead engine).
             if state["pending"]:
@@ -354,15 +378,22 @@ def _sample_into(writer: DatasetWriter, config: CollectConfig, plan: _Plan, engi
                 except Exception:
                     pass
             if isinstance(error, EngineError):
+                if stop.requested:  # the signal reached the engine processes too (scancel, a pod's deletion)
+                    raise preempted(stop) from None
                 raise EngineError(f"{error}; the finished groups are in {writer.path}: rerun with --resume") from None
             raise
         if state["pending"]:
             commit()
+        if stop.requested and state["units"] < len(todo):
+            raise preempted(stop)
 
 
-def _requests(config: CollectConfig, plan: _Plan, units: list[list[int]]) -> Iterator[list[PromptRequest]]:
-    """The units as requests, built as the engines take them."""
+def _requests(config: CollectConfig, plan: _Plan, units: list[list[int]],
+              stop: StopRequest | None = None) -> Iterator[list[PromptRequest]]:
+    """The units as requests, built as the engines take them; none after a stop signal."""
     for number, unit in enumerate(units):
+        if stop is not None and stop.requested:
+            return
         yield [PromptRequest(index=i, unit=number, prompt=plan.texts[i], prompt_ids=plan.prompt_ids[i],
                              fields=plan.items[i].fields, seed=derive_seed(config.seed, i)) for i in unit]
 

@@ -217,7 +217,21 @@ def partial_shards(out: Path) -> int:
 # collect
 
 
-SLOW_REWARD = "import time\n\ndef score(prompt, completion, fields):\n    time.sleep(0.02)\n    return float(completion.strip() == str(fields['answer']))\n"
+SLOW_REWARD = textwrap.dedent("""\
+    import time
+
+    def score(prompt, completion, fields):
+        time.sleep(0.02)
+        return float(completion.strip() == str(fields['answer']))
+
+    def slower(prompt, completion, fields):  # the same rewards, 0.1 s each
+        time.sleep(0.1)
+        return float(completion.strip() == str(fields['answer']))
+
+    def slowest(prompt, completion, fields):  # the same rewards, 0.4 s each
+        time.sleep(0.4)
+        return float(completion.strip() == str(fields['answer']))
+""")
 COLLECT_PROMPTS = 40
 
 
@@ -229,9 +243,9 @@ def collect_setup(tmp_path_factory):
     return root, model
 
 
-def collect_argv(model: str, out: Path, *extra, slow: bool = True) -> list:
+def collect_argv(model: str, out: Path, *extra, slow: bool = True, reward: str = "slow_reward:score") -> list:
     # 40 prompts in 20 batches of 2, a shard per batch; each batch's 4 (slow) rewards sleep 80 ms
-    return ["collect", "--model", model, "--task", "arith", *(["--reward", "slow_reward:score"] if slow else []),
+    return ["collect", "--model", model, "--task", "arith", *(["--reward", reward] if slow else []),
             "--num-prompts", COLLECT_PROMPTS, "-k", 2, "--max-new-tokens", 6, "--batch-size", 2,
             "--groups-per-shard", 2, "--backend", "hf", "--quiet", "--out", out, *extra]
 
@@ -243,8 +257,41 @@ def manifest_age(out: Path, since: list) -> float:
     return time.monotonic() - since[0] if since else 0.0
 
 
+@pytest.fixture(scope="module")
+def collect_reference(collect_setup, tmp_path_factory) -> dict[str, list]:
+    """The groups of an uninterrupted collect (collect_argv), by group id."""
+    root, model = collect_setup
+    reference = root / "reference"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(root))
+        patch.chdir(root)
+        assert run_cli(collect_argv(model, reference))[0] == 0
+    expected = group_rows(reference)
+    assert len(expected) == COLLECT_PROMPTS
+    return expected
+
+
+def assert_resumes_to(out: Path, model: str, expected: dict[str, list], *extra, **options) -> None:
+    """collect --resume of `out` ends valid, with every group once, sampled as in the uninterrupted run."""
+    code, err = run_cli(collect_argv(model, out, "--resume", *extra, **options))
+    assert code == 0, err
+    report = validate_dataset(out)
+    assert report.ok and report.problems == [], report.to_json()
+    ids = [rows[0][S.GROUP_ID] for rows in open_dataset(out).iter_groups()]
+    assert len(ids) == len(set(ids)) == COLLECT_PROMPTS  # every group exactly once
+    resumed = group_rows(out)
+    assert resumed.keys() == expected.keys()
+    for gid, rows in expected.items():
+        got = resumed[gid]
+        assert [r[S.COMPLETION_IDS] for r in got] == [r[S.COMPLETION_IDS] for r in rows]
+        assert [r[S.REWARD] for r in got] == [r[S.REWARD] for r in rows]
+        for a, b in zip(got, rows):
+            assert a[S.BEHAVIOR_LOGPROBS] == pytest.approx(b[S.BEHAVIOR_LOGPROBS], abs=1e-6)
+
+
 @pytest.mark.slow
-def test_collect_killed_at_random_moments_resumes_to_the_uninterrupted_groups(collect_setup, monkeypatch):
+def test_collect_killed_at_random_moments_resumes_to_the_uninterrupted_groups(collect_setup, collect_reference,
+                                                                              monkeypatch):
     root, model = collect_setup
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.chdir(root)
@@ -257,30 +304,83 @@ def test_collect_killed_at_random_moments_resumes_to_the_uninterrupted_groups(co
                           when=lambda out=out, seen=seen, delay=delay: manifest_age(out, seen) > delay,
                           env=child_env(PYTHONPATH=os.pathsep.join([str(root), str(ROOT)]))))
     run_killed(kills)
-    reference = root / "reference"
-    assert run_cli(collect_argv(model, reference))[0] == 0
-    expected = group_rows(reference)
-    assert len(expected) == COLLECT_PROMPTS
-
     for trial, kill in enumerate(kills):
         assert_killed(kill)
         out = root / f"killed-{trial}"
         manifest = json.loads((out / S.MANIFEST_FILE).read_text())
         assert not manifest[S.M_COMPLETE] and manifest[S.M_TOTALS]["groups"] < COLLECT_PROMPTS
-        code, err = run_cli(collect_argv(model, out, "--resume"))
-        assert code == 0, err
-        report = validate_dataset(out)
-        assert report.ok and report.problems == [], report.to_json()
-        ids = [rows[0][S.GROUP_ID] for rows in open_dataset(out).iter_groups()]
-        assert len(ids) == len(set(ids)) == COLLECT_PROMPTS  # every group exactly once
-        resumed = group_rows(out)
-        assert resumed.keys() == expected.keys()
-        for gid, rows in expected.items():
-            got = resumed[gid]
-            assert [r[S.COMPLETION_IDS] for r in got] == [r[S.COMPLETION_IDS] for r in rows]
-            assert [r[S.REWARD] for r in got] == [r[S.REWARD] for r in rows]
-            for a, b in zip(got, rows):
-                assert a[S.BEHAVIOR_LOGPROBS] == pytest.approx(b[S.BEHAVIOR_LOGPROBS], abs=1e-6)
+        assert_resumes_to(out, model, collect_reference)
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGUSR1])
+def test_collect_stopped_by_a_signal_commits_its_groups_exits_75_and_resumes(collect_setup, collect_reference,
+                                                                             monkeypatch, stop_signal):
+    """A preemption signal once a shard is committed: the finished groups are committed, the groups in flight
+    dropped, exit 75 (`preempted: ...`); --resume then writes every group once, as the uninterrupted run."""
+    root, model = collect_setup
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.chdir(root)
+    out = root / f"stopped-{stop_signal.name}"
+    # rewards of 0.1 s in one thread: a run of ~8 s, so the signal lands with groups still to sample
+    slower = dict(reward="slow_reward:slower")
+    process = subprocess.Popen([sys.executable, "-m", "offline_rec",
+                                *map(str, collect_argv(model, out, "--reward-workers", 1, **slower))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=child_env(PYTHONPATH=os.pathsep.join([str(root), str(ROOT)])))
+    deadline = time.monotonic() + 300
+    manifest_file = out / S.MANIFEST_FILE
+    while not (manifest_file.exists() and json.loads(manifest_file.read_text())[S.M_SHARDS]):
+        assert process.poll() is None and time.monotonic() < deadline, "collect ended before its first shard"
+        time.sleep(0.02)
+    process.send_signal(stop_signal)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 75, stderr[-2000:]
+    assert f"preempted: {stop_signal.name} during collect" in stderr and "--resume" in stderr
+    manifest = json.loads(manifest_file.read_text())
+    assert not manifest[S.M_COMPLETE] and 0 < manifest[S.M_TOTALS]["groups"] < COLLECT_PROMPTS
+    assert validate_dataset(out).ok  # what is committed is whole
+    assert_resumes_to(out, model, collect_reference, "--reward-workers", 1, **slower)
+
+
+def eval_argv(model: str, out: Path, *extra) -> list[str]:
+    # 40 prompts x 2 samples, rewards of 0.4 s in the default 4 reward threads: ~8 s of sampling
+    return [str(a) for a in ["eval", "--model", model, "--task", "arith", "--reward", "slow_reward:slowest",
+                             "--num-prompts", COLLECT_PROMPTS, "-k", 2, "--max-new-tokens", 6, "--batch-size", 2,
+                             "--backend", "hf", "--quiet", "--out", out, *extra]]
+
+
+def test_eval_stopped_by_sigterm_exits_75_and_resumes_to_the_uninterrupted_evaluation(collect_setup, monkeypatch):
+    root, model = collect_setup
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.chdir(root)
+    out = root / "eval-stopped"
+    process = subprocess.Popen([sys.executable, "-m", "offline_rec", *eval_argv(model, out)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env=child_env(PYTHONPATH=os.pathsep.join([str(root), str(ROOT)])))
+    deadline = time.monotonic() + 300
+    while not (out / "rollouts").exists():
+        assert process.poll() is None and time.monotonic() < deadline, "eval ended before sampling"
+        time.sleep(0.02)
+    time.sleep(2.0)  # some groups finished, most not
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 75, stderr[-2000:]
+    assert "preempted: SIGTERM during collect" in stderr
+    assert not (out / "summary.json").exists()
+    manifest = json.loads((out / "rollouts" / S.MANIFEST_FILE).read_text())
+    assert not manifest[S.M_COMPLETE] and manifest[S.M_TOTALS]["groups"] < COLLECT_PROMPTS
+
+    assert run_cli(eval_argv(model, out))[1].startswith("error: output")  # refused without --resume
+    code, err = run_cli(eval_argv(model, out, "--resume"))
+    assert code == 0, err
+    reference = root / "eval-reference"
+    assert run_cli(eval_argv(model, reference))[0] == 0
+    per_prompt = [(out / "per_prompt.jsonl").read_text(), (reference / "per_prompt.jsonl").read_text()]
+    assert per_prompt[0] == per_prompt[1]
+    summaries = [json.loads((folder / "summary.json").read_text()) for folder in (out, reference)]
+    assert summaries[0]["metrics"] == summaries[1]["metrics"]
+    ids = [rows[0][S.GROUP_ID] for rows in open_dataset(out / "rollouts").iter_groups()]
+    assert len(ids) == len(set(ids)) == COLLECT_PROMPTS
 
 
 # --------------------------------------------------------------------------------------------
