@@ -1,0 +1,388 @@
+"""The recording proxy: a starlette app in front of an OpenAI-compatible (vLLM) server, run by uvicorn.
+
+POST /v1/chat/completions and /v1/completions (streamed or not) go upstream with what training
+needs added (`exchange.upstream_request`), come back to the client as it asked for them, and are
+recorded once complete (`recorder.Recorder`): for a streamed response the line is written before
+the final `data: [DONE]` event goes out, for a whole one before the response. Everything else
+(/v1/models, /health, /tokenize, ...) passes through untouched and unrecorded.
+
+Upstream errors (any status but 200, an error event in a stream, an unreachable upstream) reach
+the client unchanged (unreachable: 502 with an OpenAI-style error body) and are not recorded.
+Request headers go upstream as they came (Authorization included) minus hop-by-hop headers, the
+episode headers and Accept-Encoding (the proxy reads the bodies); none is ever written to disk.
+
+The logprobs-mode probe (`probe_logprobs_mode`): vLLM returns log-probs of the sampled
+distribution only when the server runs with `--logprobs-mode processed_logprobs`; its default,
+raw_logprobs, gives those of the model's raw softmax. The server does not say which, so the proxy
+asks twice for one token of the same prompt with 5 top log-probs, at temperature 1 and 0.5: raw
+log-probs do not depend on the temperature, processed ones do. Log-probs of a full distribution
+have a log-sum-exp <= 0; logits (the *_logits modes) in general do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from offline_rec.errors import UserError, one_of
+from offline_rec.record import exchange as X
+from offline_rec.record.assemble import DONE, SseSplitter, StreamAssembler, event_data, expected_choices, format_event
+from offline_rec.record.episodes import END_HEADER, ID_HEADER, is_end
+from offline_rec.record.recorder import Recorder, RecordOptions, call_records
+
+HOP_BY_HOP = {
+    "host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-authenticate",
+    "proxy-authorization", "te", "trailer", "upgrade",
+}
+PROBE_PROMPT = "The quick brown fox"
+PROBE_TOLERANCE = 1e-3  # nats: raw log-probs of one prompt at two temperatures agree far closer
+MODELS_REFRESH_SECONDS = 30.0
+
+
+def upstream_base(url: str) -> str:
+    """The server's root URL: a trailing /v1 or / is dropped (routes are appended as the client sent them)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+@dataclass
+class ProxyState:
+    upstream: str
+    recorder: Recorder
+    logprobs_mode: str = X.UNKNOWN
+    probe: bool = True
+    warn: Callable[[str], None] = print
+    client: object = None  # httpx.AsyncClient, opened in the lifespan
+    model_roots: dict = field(default_factory=dict)  # served model name -> what it was loaded from
+    models_fetched_at: float = -1e9
+    models_task: object = None
+    tasks: list = field(default_factory=list)
+
+
+def _forward_headers(headers, recorded: bool) -> dict:
+    drop = HOP_BY_HOP | {ID_HEADER, END_HEADER} | ({"accept-encoding"} if recorded else set())
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
+
+
+def _client_headers(headers, recorded: bool) -> dict:
+    drop = HOP_BY_HOP | ({"content-encoding"} if recorded else set())
+    return {k: v for k, v in headers.items() if k.lower() not in drop}
+
+
+def _bad_gateway(state: ProxyState, error: Exception):
+    from starlette.responses import JSONResponse
+
+    message = f"offline-rec record: upstream {state.upstream} unreachable ({type(error).__name__}: {error})"
+    return JSONResponse({"error": {"message": message, "type": "BadGateway", "code": 502}}, status_code=502)
+
+
+async def _models(state: ProxyState) -> None:
+    """Refresh served name -> root (the path or hub id the upstream loaded; LoRA adapters: theirs)."""
+    state.models_fetched_at = time.monotonic()
+    response = await state.client.get(f"{state.upstream}/v1/models")
+    if response.status_code == 200:
+        for card in response.json().get("data", []):
+            if isinstance(card, dict) and isinstance(card.get("id"), str):
+                state.model_roots[card["id"]] = card.get("root") or card["id"]
+
+
+def _upstream_model(state: ProxyState, served: object) -> str | None:
+    if not isinstance(served, str):
+        return None
+    if served not in state.model_roots and time.monotonic() - state.models_fetched_at > MODELS_REFRESH_SECONDS:
+        state.models_fetched_at = time.monotonic()
+        state.models_task = asyncio.ensure_future(_quietly(_models(state)))
+    return state.model_roots.get(served, served)
+
+
+async def _quietly(awaitable) -> None:
+    with contextlib.suppress(Exception):
+        await awaitable
+
+
+def _classify(first: list[float], second: list[float]) -> str:
+    """The logprobs mode from the top values of one position at temperature 1 and 0.5."""
+    processed = abs(first[0] - second[0]) > PROBE_TOLERANCE
+    mass = max(first) + math.log(sum(math.exp(v - max(first)) for v in first))
+    logprobs = max(first) <= 0 and mass <= 1e-4
+    return ("processed_" if processed else "raw_") + ("logprobs" if logprobs else "logits")
+
+
+async def probe_logprobs_mode(client, upstream: str) -> str:
+    """The upstream's --logprobs-mode, found by two one-token requests (see the module docstring)."""
+    response = await client.get(f"{upstream}/v1/models")
+    response.raise_for_status()
+    model = response.json()["data"][0]["id"]
+    tops = []
+    for temperature in (1.0, 0.5):
+        body = {"model": model, "prompt": PROBE_PROMPT, "max_tokens": 1, "logprobs": 5,
+                "temperature": temperature, "seed": 0}
+        answer = await client.post(f"{upstream}/v1/completions", json=body)
+        answer.raise_for_status()
+        top = answer.json()["choices"][0]["logprobs"]["top_logprobs"][0]
+        tops.append(sorted(top.values(), reverse=True))
+    return _classify(tops[0], tops[1])
+
+
+async def _probe_until_known(state: ProxyState) -> None:
+    delay = 1.0
+    while True:
+        try:
+            state.logprobs_mode = await probe_logprobs_mode(state.client, state.upstream)
+        except Exception as e:  # the upstream may still be starting: try again, less and less often
+            if delay >= 8:
+                state.warn(f"logprobs-mode probe of {state.upstream} failed ({type(e).__name__}: {e}); retrying")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 60.0)
+            continue
+        if state.logprobs_mode != X.PROCESSED_LOGPROBS:
+            state.warn(
+                f"the upstream returns {state.logprobs_mode}, not the log-probs of the distribution it samples from: "
+                "recorded lines say so (logprobs_source); start vLLM with --logprobs-mode processed_logprobs"
+            )
+        return
+
+
+async def _ticker(state: ProxyState, period: float) -> None:
+    while True:
+        await asyncio.sleep(period)
+        try:
+            await state.recorder.tick()
+        except Exception as e:  # never let bookkeeping stop the ticks
+            state.warn(f"record: periodic work failed ({type(e).__name__}: {e})")
+
+
+# --------------------------------------------------------------------------------------------
+# handlers
+
+
+async def passthrough(state: ProxyState, request, body: bytes | None = None):
+    """Forward a request untouched and stream the answer back (status, headers, bytes)."""
+    import httpx
+    from starlette.background import BackgroundTask
+    from starlette.responses import StreamingResponse
+
+    if body is None:
+        body = await request.body()
+    url = f"{state.upstream}{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
+    try:
+        upstream = await state.client.send(
+            state.client.build_request(request.method, url, headers=_forward_headers(request.headers, False),
+                                       content=body),
+            stream=True,
+        )
+    except httpx.HTTPError as e:
+        return _bad_gateway(state, e)
+    return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
+                             headers=_client_headers(upstream.headers, False),
+                             background=BackgroundTask(upstream.aclose))
+
+
+async def recorded(state: ProxyState, request):
+    """A chat completion or completion: forwarded with what training needs, recorded when whole."""
+    import httpx
+    from starlette.responses import Response, StreamingResponse
+
+    endpoint = X.ENDPOINTS[request.url.path]
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        body = None
+    plan = X.upstream_request(endpoint, body)
+    if plan is None:
+        return await passthrough(state, request, raw)
+    upstream_body, added = plan
+    episode_id = request.headers.get(ID_HEADER)
+    end = is_end(request.headers.get(END_HEADER))
+    recorder = state.recorder
+    seq = recorder.begin(episode_id)
+    started_wall, started = time.time(), time.perf_counter()
+    url = f"{state.upstream}{request.url.path}" + (f"?{request.url.query}" if request.url.query else "")
+    headers = _forward_headers(request.headers, True)
+    headers["content-type"] = "application/json"
+
+    def records_of(response: dict, first_byte: float | None) -> list[dict]:
+        # first_byte_s: streamed responses only (time to the first byte of the stream)
+        timing = {"start": started_wall, "first_byte_s": None if first_byte is None else first_byte - started,
+                  "total_s": time.perf_counter() - started}
+        return call_records(endpoint=endpoint, request=upstream_body, response=response, added=added, timing=timing,
+                            upstream_model=_upstream_model(state, response.get("model")),
+                            logprobs_mode=state.logprobs_mode)
+
+    async def commit(response: dict, first_byte: float | None) -> bool:
+        """Record a complete response; False (and a warning) when it cannot be turned into lines."""
+        try:
+            records = records_of(response, first_byte)
+        except Exception as e:  # an odd response must not cost the client its answer
+            state.warn(f"record: could not record a response ({type(e).__name__}: {e})")
+            return False
+        await recorder.commit(records, episode_id, seq, end)
+        return True
+
+    try:
+        upstream = await state.client.send(
+            state.client.build_request("POST", url, headers=headers, content=X.dumps(upstream_body).encode()),
+            stream=True,
+        )
+    except httpx.HTTPError as e:
+        recorder.abandon(episode_id, seq, end)
+        return _bad_gateway(state, e)
+
+    if upstream.status_code != 200 or not added.stream:
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as e:
+            recorder.abandon(episode_id, seq, end)
+            return _bad_gateway(state, e)
+        finally:
+            await upstream.aclose()
+        response = None
+        if upstream.status_code == 200:
+            with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+                response = json.loads(content)
+        if not isinstance(response, dict) or not isinstance(response.get("choices"), list):
+            recorder.abandon(episode_id, seq, end)  # an error (or not a completion): passed on as it came
+            return Response(content, status_code=upstream.status_code, headers=_client_headers(upstream.headers, True))
+        if not await commit(response, None):
+            recorder.abandon(episode_id, seq, end)
+        shown = X.client_response(response, added)
+        return Response(content if shown is response else X.dumps(shown).encode(), status_code=200,
+                        headers=_client_headers(upstream.headers, True))
+
+    async def events():
+        assembler = StreamAssembler(endpoint, expected_choices(endpoint, upstream_body))
+        splitter = SseSplitter()
+        committed = False
+        first_byte = None
+        try:
+            async for data in upstream.aiter_raw():
+                if first_byte is None:
+                    first_byte = time.perf_counter()
+                for event in splitter.feed(data):
+                    payload = event_data(event)
+                    if payload is None:
+                        yield event
+                        continue
+                    if payload.strip() == DONE:
+                        assembler.done = True
+                        response = assembler.response()
+                        if response is not None and not committed:
+                            committed = await commit(response, first_byte)
+                        yield event
+                        continue
+                    try:
+                        chunk = assembler.add_data(payload)
+                    except Exception as e:  # recording must never break the client's stream
+                        state.warn(f"record: could not assemble a stream chunk ({type(e).__name__}: {e})")
+                        assembler.failed = True
+                        chunk = None
+                    if chunk is None or not isinstance(chunk.get("choices"), list):
+                        yield event  # an error event or unknown data: as it came
+                        continue
+                    shown = X.client_chunk(chunk, added)
+                    if shown is chunk:
+                        yield event
+                    elif shown is not None:
+                        yield format_event(X.dumps(shown))
+            if splitter.rest():
+                yield splitter.rest()
+        finally:
+            if not committed:
+                recorder.abandon(episode_id, seq, end)
+            await upstream.aclose()
+
+    return StreamingResponse(events(), status_code=200, headers=_client_headers(upstream.headers, True))
+
+
+# --------------------------------------------------------------------------------------------
+# the app
+
+
+def create_app(state: ProxyState, tick_seconds: float = 1.0):
+    """The starlette app: recorded routes, pass-through for the rest, the recorder's life cycle."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        state.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=30.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+        )
+        state.recorder.start()
+        state.tasks.append(asyncio.ensure_future(_ticker(state, tick_seconds)))
+        state.tasks.append(asyncio.ensure_future(_quietly(_models(state))))
+        if state.probe:
+            state.tasks.append(asyncio.ensure_future(_probe_until_known(state)))
+        try:
+            yield
+        finally:
+            tasks = state.tasks + ([state.models_task] if state.models_task is not None else [])
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            state.recorder.close()
+            await state.client.aclose()
+
+    async def record_route(request):
+        return await recorded(state, request)
+
+    async def pass_route(request):
+        return await passthrough(state, request)
+
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"]
+    routes = [
+        Route("/v1/chat/completions", record_route, methods=["POST"]),
+        Route("/v1/completions", record_route, methods=["POST"]),
+        Route("/{path:path}", pass_route, methods=methods),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
+
+
+def run_record(
+    upstream: str,
+    out: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    options: RecordOptions | None = None,
+    logprobs_mode: str = "auto",
+    warn: Callable[[str], None] = print,
+) -> dict:
+    """`offline-rec record`: serve until SIGINT/SIGTERM (in-flight calls finish, open episodes are
+    written, the open file is closed); returns the recorder's counts."""
+    import socket
+
+    import uvicorn
+
+    if not upstream.startswith(("http://", "https://")):
+        raise UserError(f"--upstream {upstream!r}: expected an http:// or https:// URL of an OpenAI-compatible server")
+    if logprobs_mode != "auto" and logprobs_mode not in X.LOGPROBS_MODES:
+        raise one_of("--logprobs-mode", logprobs_mode, ("auto", *X.LOGPROBS_MODES))
+    options = options or RecordOptions()
+    recorder = Recorder(out, options, warn=warn)
+    state = ProxyState(upstream=upstream_base(upstream), recorder=recorder, warn=warn,
+                       logprobs_mode=X.UNKNOWN if logprobs_mode == "auto" else logprobs_mode,
+                       probe=logprobs_mode == "auto")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = e.strerror or e
+        raise UserError(f"cannot listen on {host}:{port} ({reason}); choose another --port or --host") from None
+    tick = min(1.0, options.episode_idle_timeout / 4, options.fsync_interval or 1.0)
+    config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=30)
+    warn(f"recording http://{host}:{sock.getsockname()[1]} -> {state.upstream} into {out}")
+    uvicorn.Server(config).run(sockets=[sock])
+    return dict(recorder.stats)
