@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+pytest_plugins = ["vllm_server"]  # the session's vLLM OpenAI-compatible server (tests/vllm_server.py)
+
 
 @pytest.fixture(scope="session")
 def vllm_tiny_model(tmp_path_factory) -> str:
