@@ -13,10 +13,12 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   collect_vllm_vs_hf          collect samples/s, vLLM backend / hf backend                 >= 2
   collect_hf_vs_bare_generate collect samples/s, hf backend / bare batched generate        >= 0.9
   ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
+  record_throughput_vs_direct chat requests/s through `offline-rec record` / straight to vLLM >= 0.95
+  record_added_p50_latency_ms client-seen p50 latency through the proxy minus straight      (reported)
   validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
 
 How each is measured is in the docstrings of benchmarks/_train_bench.py, _data_bench.py,
-_collect_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
+_collect_bench.py, _record_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
 fresh process with the same number of torch threads (--threads, default 1; DDP ranks always use 1). Noisy
 ratios are measured --repeats times (default 3, 1 with --quick) and the median is reported.
 A part that fails is reported as null with its error, and the exit code is then 1.
@@ -69,6 +71,7 @@ SIZES = {
         "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
+        "record": {"concurrency": 64, "requests": 512, "seconds": 60.0, "max_tokens": 32},
         "cli_rows": 1_000_000,
     },
     "quick": {
@@ -91,6 +94,7 @@ SIZES = {
         "scan_data": {"num_groups": 256, "groups_per_shard": 64},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
+        "record": {"concurrency": 64, "requests": 128, "seconds": 20.0, "max_tokens": 16},
         "cli_rows": None,
     },
 }
@@ -117,6 +121,11 @@ KEYS = (
     ("collect_vllm_samples_per_s", "", "collect samples/s, vllm backend"),
     ("collect_hf_samples_per_s", "", "collect samples/s, hf backend"),
     ("bare_generate_samples_per_s", "", "bare generate samples/s"),
+    ("record_throughput_vs_direct", ">= 0.95", "chat requests/s, client -> record -> vLLM / client -> vLLM"),
+    ("record_added_p50_latency_ms", "", "client-seen p50 latency through the proxy minus straight (ms)"),
+    ("record_stream_throughput_vs_direct", "", "same ratio, streamed chat completions"),
+    ("record_stream_added_p50_latency_ms", "", "same added p50 latency, streamed (whole stream)"),
+    ("record_direct_requests_per_s", "", "chat requests/s straight to vLLM (64 concurrent clients)"),
     ("ddp_scaling", "(2 = linear)", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 1 thread (gloo)"),
     ("ddp_vs_threads", "", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 2 threads"),
     ("validate_1m_rows_seconds", "", "offline-rec validate --json, 1M narrow rows"),
@@ -257,6 +266,33 @@ def part_collect(context: dict) -> dict:
     return {key: result[key] for key in keys}
 
 
+def part_record(context: dict) -> dict:
+    from offline_rec.rollout.backends import vllm_import_error
+
+    reason = vllm_import_error()
+    if reason is not None:
+        context["notes"].append(f"record: vLLM unavailable ({reason}): record_* keys are null")
+        return {}
+    kwargs = dict(model=context["model"]["path"], workdir=str(context["workdir"] / "record"),
+                  repeats=context["repeats"], threads=context["threads"], **context["sizes"]["record"])
+    result = run_child("_record_bench", "record_vs_direct", kwargs, threads=context["threads"])
+    context["notes"].append(
+        f"record: vLLM server start {result['vllm_server_start_seconds']:.0f} s (not timed); "
+        f"{result['concurrency']} clients, {result['max_tokens']} tokens per answer; per-round ratio "
+        f"{[round(r, 3) for r in result['record_throughput_vs_direct_all']]}, streamed "
+        f"{[round(r, 3) for r in result['record_stream_throughput_vs_direct_all']]}; p50 direct "
+        f"{result['record_direct_p50_ms']:.0f} ms, through the proxy {result['record_proxy_p50_ms']:.0f} ms; "
+        f"{result['record_lines_written']} lines recorded for {result['record_proxied_requests']} proxied requests; "
+        f"failed requests {result['record_failed_requests'] + result['record_stream_failed_requests']}"
+    )
+    keys = ("record_throughput_vs_direct", "record_added_p50_latency_ms", "record_stream_throughput_vs_direct",
+            "record_stream_added_p50_latency_ms", "record_stream_added_p50_first_chunk_ms",
+            "record_direct_requests_per_s", "record_proxy_requests_per_s", "record_direct_p50_ms",
+            "record_proxy_p50_ms", "record_stream_direct_requests_per_s", "record_stream_proxy_requests_per_s",
+            "vllm_server_start_seconds")
+    return {key: result[key] for key in keys}
+
+
 def part_validate_inspect(context: dict) -> dict:
     from benchmarks._data_bench import cli_cost
 
@@ -287,6 +323,7 @@ PARTS = (
     ("shard reader", part_scan),
     ("validate/inspect", part_validate_inspect),
     ("collect", part_collect),
+    ("record", part_record),
     ("training", part_train),
     ("ddp", part_ddp),
 )

@@ -3,7 +3,8 @@
 The fake answers /v1/chat/completions and /v1/completions (streamed or not), /v1/models and
 /health the way vLLM 0.32 does, including what the proxy depends on: keys it was not asked for
 are written as null (not left out), `return_token_ids` adds "token_ids" / "prompt_token_ids",
-`logprobs` adds the sampled tokens' log-probs, and a stream carries chunks with an empty delta
+`logprobs` adds the sampled tokens' log-probs (token strings "token_id:N" with
+`return_tokens_as_token_ids`), and a stream carries chunks with an empty delta
 only when token ids or log-probs were asked for (a "control" token that decodes to no text).
 
 Every answer is the same scripted reply (non-ASCII included) cut at max_tokens; its log-probs
@@ -76,21 +77,23 @@ def create_fake(mode: str = "processed_logprobs"):
         finish = "stop" if len(tokens) == len(REPLY) else "length"
         return entries, finish
 
-    def chat_logprobs(entries, top):
+    def chat_logprobs(entries, top, as_ids):
+        name = (lambda j: f"token_id:{j}") if as_ids else token_text
         return {"content": [
-            {"token": text, "logprob": lp, "bytes": list(text.encode()),
-             "top_logprobs": [{"token": token_text(j), "logprob": v, "bytes": []} for j, v in alts[:top]]}
-            for _, text, lp, alts in entries
+            {"token": name(token_id), "logprob": lp, "bytes": list(name(token_id).encode()),
+             "top_logprobs": [{"token": name(j), "logprob": v, "bytes": []} for j, v in alts[:top]]}
+            for token_id, _, lp, alts in entries
         ]}
 
-    def completion_logprobs(entries, top, offset=0):
+    def completion_logprobs(entries, top, as_ids, offset=0):
+        name = (lambda j: f"token_id:{j}") if as_ids else token_text
         out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
-        for _, text, lp, alts in entries:
+        for token_id, text, lp, alts in entries:
             out["text_offset"].append(offset)
             offset += len(text)
-            out["tokens"].append(text)
+            out["tokens"].append(name(token_id))
             out["token_logprobs"].append(lp)
-            out["top_logprobs"].append({text: lp, **{token_text(j): v for j, v in alts[:top]}})
+            out["top_logprobs"].append({name(token_id): lp, **{name(j): v for j, v in alts[:top]}})
         return out
 
     async def read(request):
@@ -117,6 +120,7 @@ def create_fake(mode: str = "processed_logprobs"):
         want_lp = bool(body.get("logprobs"))
         top = body.get("top_logprobs") or 0
         want_ids = bool(body.get("return_token_ids"))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
         entries, finish = sampled(body, completions=False)
         if not body.get("stream"):
             choices = [{
@@ -124,7 +128,7 @@ def create_fake(mode: str = "processed_logprobs"):
                 "message": {"role": "assistant", "content": "".join(t for _, t, _, _ in entries), "refusal": None,
                             "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
                             "reasoning": None},
-                "logprobs": chat_logprobs(entries, top) if want_lp else None,
+                "logprobs": chat_logprobs(entries, top, as_ids) if want_lp else None,
                 "finish_reason": finish, "stop_reason": None,
                 "token_ids": [e[0] for e in entries] if want_ids else None,
             } for i in range(n)]
@@ -159,7 +163,7 @@ def create_fake(mode: str = "processed_logprobs"):
                     if not text and not last and not (want_lp or want_ids):
                         continue  # vLLM sends a token without text only to carry its id or log-prob
                     choice = {"index": i, "delta": {"content": text} if text else {},
-                              "logprobs": chat_logprobs([entry], top) if want_lp else None,
+                              "logprobs": chat_logprobs([entry], top, as_ids) if want_lp else None,
                               "finish_reason": finish if last else None,
                               "token_ids": [token_id] if want_ids else None}
                     if last:
@@ -188,11 +192,12 @@ def create_fake(mode: str = "processed_logprobs"):
         want_lp = body.get("logprobs") is not None
         top = body.get("logprobs") or 0
         want_ids = bool(body.get("return_token_ids"))
+        as_ids = bool(body.get("return_tokens_as_token_ids"))
         entries, finish = sampled(body, completions=True)
         if not body.get("stream"):
             choices = [{
                 "index": p * n + i, "text": "".join(t for _, t, _, _ in entries),
-                "logprobs": completion_logprobs(entries, top) if want_lp else None,
+                "logprobs": completion_logprobs(entries, top, as_ids) if want_lp else None,
                 "finish_reason": finish, "stop_reason": None,
                 "token_ids": [e[0] for e in entries] if want_ids else None,
                 "prompt_logprobs": None, "prompt_token_ids": [1, 5 + p] if want_ids else None,
@@ -210,7 +215,7 @@ def create_fake(mode: str = "processed_logprobs"):
                     for position, entry in enumerate(entries):
                         last = position == len(entries) - 1
                         choice = {"index": p * n + i, "text": entry[1],
-                                  "logprobs": completion_logprobs([entry], top, offset) if want_lp else None,
+                                  "logprobs": completion_logprobs([entry], top, as_ids, offset) if want_lp else None,
                                   "finish_reason": finish if last else None, "stop_reason": None,
                                   "prompt_token_ids": [1, 5 + p] if want_ids and position == 0 else None,
                                   "token_ids": [entry[0]] if want_ids else None}

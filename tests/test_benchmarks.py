@@ -35,6 +35,8 @@ REQUIRED_KEYS = (
     "validate_1m_rows_peak_rss_mb",
     "inspect_1m_rows_seconds",
     "inspect_1m_rows_peak_rss_mb",
+    "record_throughput_vs_direct",
+    "record_added_p50_latency_ms",
 )
 # Keys that need nothing optional, so a quick run always measures them.
 ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow",
@@ -103,3 +105,27 @@ def test_quick_benchmark_writes_every_key(tmp_path):
         assert isinstance(results[key], float) and results[key] > 0, (key, results[key])
     for key in ("validate_1m_rows_seconds", "inspect_1m_rows_seconds"):
         assert results[key] is None  # full mode only
+
+
+def test_record_benchmark_load_round_counts_what_it_sends():
+    import asyncio
+
+    from record_support import MODEL, ServerThread, create_fake
+
+    from benchmarks._record_bench import _round
+
+    fake = ServerThread(create_fake())
+    try:
+        whole = asyncio.run(_round(fake.url, MODEL, concurrency=4, requests=10, seconds=60, max_tokens=3,
+                                   stream=False, first_index=0))
+        streamed = asyncio.run(_round(fake.url, MODEL, concurrency=3, requests=7, seconds=60, max_tokens=3,
+                                      stream=True, first_index=100))
+        failing = asyncio.run(_round(fake.url, "no-such-model", concurrency=2, requests=4, seconds=60, max_tokens=3,
+                                     stream=False, first_index=0))
+    finally:
+        fake.stop()
+    assert (whole["requests"], whole["failed"], whole["sent"]) == (10, 0, 10)
+    assert (streamed["requests"], streamed["failed"]) == (7, 0)
+    assert 0 < streamed["first_chunk_p50_ms"] <= streamed["p50_ms"]
+    assert whole["requests_per_s"] == pytest.approx(10 / whole["seconds"])
+    assert (failing["requests"], failing["failed"]) == (0, 4) and failing["p50_ms"] is None

@@ -23,15 +23,19 @@ from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_fi
 def test_upstream_request_adds_only_what_the_client_did_not_ask():
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": False}
     request, added = X.upstream_request(X.CHAT, body)
-    assert request == {**body, "logprobs": True, "return_token_ids": True}
-    assert added.fields == {"logprobs": False, "return_token_ids": None} and body["logprobs"] is False
+    assert request == {**body, "logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    assert added.fields == {"logprobs": False, "return_tokens_as_token_ids": None, "return_token_ids": None}
+    assert body["logprobs"] is False
     request, added = X.upstream_request(X.CHAT, {**body, "logprobs": True, "top_logprobs": 3})
     assert added.fields == {"return_token_ids": None} and request["top_logprobs"] == 3
     # top_logprobs without logprobs is a request vLLM refuses: it goes as it is (but still gets token ids)
     request, added = X.upstream_request(X.CHAT, {"model": "m", "messages": [], "top_logprobs": 2})
     assert "logprobs" not in request and not added.logprobs
     request, added = X.upstream_request(X.COMPLETIONS, {"model": "m", "prompt": "x", "stream": True})
-    assert request["logprobs"] == 0 and added.stream and added.logprobs
+    assert request["logprobs"] == 0 and request["return_tokens_as_token_ids"] and added.stream and added.logprobs
+    # the client's own choice of token strings is kept
+    request, added = X.upstream_request(X.CHAT, {"model": "m", "messages": [], "return_tokens_as_token_ids": False})
+    assert request["return_tokens_as_token_ids"] is False and "return_tokens_as_token_ids" not in added.fields
     request, added = X.upstream_request(X.COMPLETIONS, {"model": "m", "prompt": "x", "logprobs": 0})
     assert added.fields == {"return_token_ids": None}
     assert X.upstream_request(X.COMPLETIONS, {"model": "m", "prompt": "x", "echo": True}) is None

@@ -79,13 +79,14 @@ def test_chat_whole_response_reaches_client_unchanged_and_line_has_ids_and_logpr
     assert through.json()["choices"][0]["logprobs"] is None and through.json()["prompt_token_ids"] is None
     sent = fake.requests[-1][2]
     assert sent["logprobs"] is True and sent["return_token_ids"] is True and "top_logprobs" not in sent
+    assert sent["return_tokens_as_token_ids"] is True  # the client sees no log-prob entries: ids are cheaper
     p.stop()
     [line] = read_lines(p.out)
-    assert line["request"] == {**body, "logprobs": True, "return_token_ids": True}
-    assert line["proxy_added"] == {"logprobs": None, "return_token_ids": None}
+    assert line["request"] == {**body, "logprobs": True, "return_tokens_as_token_ids": True, "return_token_ids": True}
+    assert line["proxy_added"] == {"logprobs": None, "return_tokens_as_token_ids": None, "return_token_ids": None}
     choice = line["response"]["choices"][0]
     assert choice["token_ids"] == [t for t, _ in REPLY]
-    assert [e["token"] for e in choice["logprobs"]["content"]] == [s for _, s in REPLY]
+    assert [e["token"] for e in choice["logprobs"]["content"]] == [f"token_id:{t}" for t, _ in REPLY]
     assert line["response"]["prompt_token_ids"] == [1, 5, 6, 9]
     assert line["response"]["id"] == through.json()["id"]
     assert line["upstream_model"] == MODEL_ROOT
@@ -311,3 +312,20 @@ def test_probe_tells_raw_from_processed_logprobs(tmp_path):
         raw.stop()
     [line] = read_lines(tmp_path / "rec")
     assert line["logprobs_mode"] == "raw_logprobs" and line["logprobs_source"] == "raw"
+
+
+def test_a_client_that_goes_away_mid_stream_is_not_recorded_and_does_not_hold_its_episode(fake, proxy):
+    p = proxy()
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", p.url + CHAT, json=body,
+                           headers={"X-Episode-Id": "ep-gone", "x-fake-delay": "0.2"}) as response:
+            next(response.iter_raw())  # the first chunk, then hang up
+    deadline = time.monotonic() + 10
+    while p.recorder.stats["failed_calls"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.recorder.stats["failed_calls"] == 1
+    post(p.url, CHAT, {"model": MODEL, "messages": MESSAGES}, headers={"X-Episode-Id": "ep-gone", "X-Episode-End": "1"})
+    [line] = [json.loads(raw) for raw in next(p.out.glob("*.jsonl.open")).read_bytes().splitlines()]
+    assert line["episode_id"] == "ep-gone" and line["closed_by"] == "end-header" and len(line["calls"]) == 1
+    assert line["calls"][0]["stream"] is False

