@@ -150,6 +150,7 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
     from offline_rec.data.importers import import_dataset
     from offline_rec.models.loading import load_model, load_tokenizer
     from offline_rec.models.teacher_forced import score_logprobs
+    from offline_rec.models.tiny import token_bytes
 
     singles = tmp_path / "singles.jsonl"
     singles.write_text("".join(json.dumps(line) + "\n" for line in session["lines"] if "episode_id" not in line))
@@ -158,6 +159,7 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
     rows = open_dataset(tmp_path / "ds").to_table().to_pylist()
     assert len(rows) == 7  # 6 calls, one of them with n=2
     tokenizer = load_tokenizer(session["model_dir"])
+    whole_utf8 = [_is_utf8(piece) for piece in token_bytes(tokenizer)]
     by_group = {}
     for line in session["lines"]:
         if "episode_id" not in line:
@@ -172,7 +174,7 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
             rendered = request["prompt"]
         assert row["prompt_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
         assert row["completion_ids"] == choice["token_ids"]
-        partial_tokens += sum(not _whole_utf8(tokenizer, t) for t in row["completion_ids"])
+        partial_tokens += sum(not whole_utf8[t] for t in row["completion_ids"])
     assert partial_tokens > 0  # the lossy token strings were there; the ids made them irrelevant
     model = load_model(session["model_dir"], dtype="float32")
     recomputed = score_logprobs(model, tokenizer, [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows],
@@ -181,14 +183,9 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
     assert worst <= 1e-4, worst
 
 
-def _whole_utf8(tokenizer, token_id: int) -> bool:
-    from offline_rec.models.tiny import token_bytes
-
-    table = getattr(_whole_utf8, "table", None)
-    if table is None:
-        table = _whole_utf8.table = token_bytes(tokenizer)
+def _is_utf8(data: bytes) -> bool:
     try:
-        table[token_id].decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError:
         return False
     return True
