@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from benchmarks._common import run_child
 
 TRAINER_PROMPTS_PER_STEP = 32  # TrainConfig defaults
@@ -74,7 +76,8 @@ def _reader_epoch(dataset, max_steps: int | None, prompts_per_step: int, micro_b
     for step in range(steps):
         started = time.perf_counter()
         groups = train_groups[batching.step_groups(order, step, prompts_per_step)]
-        rows = batching.read_step_rows(index, groups, {int(r): 0.0 for r in index.rows_of_groups(groups)})
+        numbers = index.rows_of_groups(groups)
+        rows = batching.read_step_rows(index, numbers, np.zeros(len(numbers)))
         packed = batching.pack_micro_batches([r.length for r in rows], micro_batch_tokens)
         step_seconds += time.perf_counter() - started
         started = time.perf_counter()
@@ -94,9 +97,10 @@ def _raw_scan(dataset) -> float:
     """Rows/s of a raw pyarrow scan of the dataset's shards, over the columns the reader reads."""
     import pyarrow.parquet as pq
 
+    from offline_rec.data.rowstore import COLUMNS as STORE_COLUMNS
     from offline_rec.training import batching
 
-    columns = list(dict.fromkeys(batching.INDEX_COLUMNS + batching.STEP_COLUMNS))
+    columns = list(dict.fromkeys(batching.INDEX_COLUMNS + STORE_COLUMNS))
     started = time.perf_counter()
     rows = 0
     for shard in dataset.shard_paths:

@@ -74,10 +74,9 @@ def time_trainer(config) -> list[dict]:
 
 def step_batches(config, num_steps: int) -> list[dict]:
     """The micro-batch tensors of the trainer's first `num_steps` steps (one process), built by its own functions."""
-    import numpy as np
     import torch
 
-    from offline_rec.algorithms import get_algorithm, group_advantages
+    from offline_rec.algorithms import get_algorithm
     from offline_rec.data.dataset import open_dataset
     from offline_rec.models.loading import load_tokenizer
     from offline_rec.training import batching
@@ -86,20 +85,13 @@ def step_batches(config, num_steps: int) -> list[dict]:
     datasets = [open_dataset(path) for path in config.data]
     pad_id = load_tokenizer(config.model).pad_token_id
     index = batching.index_datasets(datasets, config.max_length, config.truncate)
-    train_groups, _ = batching.split_holdout(index.group_ids, config.holdout)
-    per_epoch = batching.steps_per_epoch(len(train_groups), config.prompts_per_step)
+    schedule = batching.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs, None, config.seed,
+                                    config.shuffle)
     steps = []
     for step in range(num_steps):
-        epoch, step_in_epoch = divmod(step, per_epoch)
-        order = batching.epoch_order(len(train_groups), config.seed, epoch, config.shuffle)
-        groups = train_groups[batching.step_groups(order, step_in_epoch, config.prompts_per_step)]
-        rows = index.rows_of_groups(groups)
-        row_groups = np.repeat(groups, index.size[groups]).tolist()
         generator = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))
-        advantages, keep = group_advantages(spec, torch.from_numpy(index.reward[rows]), row_groups, generator=generator)
-        kept = {int(r): float(a) for r, a, k in zip(rows, advantages.tolist(), keep.tolist()) if k}
-        step_rows = [r for r in batching.read_step_rows(index, groups, kept) if r.trainable_tokens > 0]
-        packed = batching.pack_micro_batches([r.length for r in step_rows], config.micro_batch_tokens)
+        plan = batching.plan_step(index, schedule.groups_of(step), spec, generator, 0, 1, config.micro_batch_tokens)
+        step_rows, packed = plan.rows_here, plan.micro_batches
         batches = [batching.collate([step_rows[j] for j in micro], pad_id) for micro in packed]
         steps.append({"batches": batches, "num_tokens": sum(r.trainable_tokens for r in step_rows),
                       "num_sequences": len(step_rows), "tokens": sum(int(b["attention_mask"].sum()) for b in batches)})

@@ -186,11 +186,13 @@ def collect_data(model: str, pool: Path, out: Path, scale: Scale, sample_seed: i
 
 
 def evaluate_model(model: str, out: Path, scale: Scale) -> dict:
+    from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.rollouts import evaluate
 
-    summary = evaluate(model, TASK, out, num_samples=1, greedy=True, num_prompts=scale.eval_prompts, split="test",
-                       backend="hf", max_new_tokens=MAX_NEW_TOKENS, seed=0, batch_size=scale.batch_size,
-                       overwrite=True, show_progress=False)
+    summary = evaluate(EvalConfig(model=model, task=TASK, out=out, num_samples=1, greedy=True,
+                                  num_prompts=scale.eval_prompts, split="test", backend="hf",
+                                  max_new_tokens=MAX_NEW_TOKENS, seed=0, batch_size=scale.batch_size,
+                                  overwrite=True, show_progress=False))
     return summary["metrics"]
 
 

@@ -31,6 +31,7 @@ import typing
 from collections.abc import Hashable, Sequence
 
 from offline_rec import errors
+from offline_rec.coerce import coerce_scalar
 
 if typing.TYPE_CHECKING:
     import torch
@@ -167,38 +168,11 @@ def get_algorithm(name: str, **overrides) -> AlgorithmSpec:
     for field, value in overrides.items():
         if field not in field_types:
             raise errors.one_of("algorithm field", field, field_types)
-        coerced[field] = _coerce(field, field_types[field], value)
+        coerced[field] = coerce_scalar(f"algorithm field {field}", field_types[field], value)
     try:
         return dataclasses.replace(ALGORITHMS[name], **coerced)
     except ValueError as exc:
         raise errors.UserError(f"algorithm {name!r}: {exc}") from None
-
-
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-
-
-def _coerce(field: str, kind: type, value):
-    """`value` as a `kind` (str, float or bool), accepting the strings a CLI or YAML file gives."""
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text in _TRUE:
-            return True
-        if text in _FALSE:
-            return False
-        raise errors.UserError(f"algorithm field {field} expects true/false, got {value!r}")
-    if kind is float:
-        if isinstance(value, bool):
-            raise errors.UserError(f"algorithm field {field} expects a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise errors.UserError(f"algorithm field {field} expects a number, got {value!r}") from None
-    if not isinstance(value, str):
-        raise errors.UserError(f"algorithm field {field} expects a string, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -414,15 +388,25 @@ def policy_loss(
 # Advantages.
 
 
-def _group_codes(group_ids: Sequence[Hashable], size: int) -> tuple[list[int], int]:
-    """Each row's group as 0..G-1 in order of first appearance, and G."""
-    if hasattr(group_ids, "tolist"):  # a tensor or array: hash the values, not the element objects
-        group_ids = group_ids.tolist()
+def _group_codes(group_ids: Sequence[Hashable], size: int):
+    """Each row's group as 0..G-1 in order of first appearance ([N] int64 array), and G."""
     if len(group_ids) != size:
         raise ValueError(f"{len(group_ids)} group ids for {size} rewards")
+    import numpy as np
+
+    if isinstance(group_ids, np.ndarray) and group_ids.dtype.kind in "iu" and size:  # a dataset's rows: no Python loop
+        starts = np.flatnonzero(np.r_[True, group_ids[1:] != group_ids[:-1]])  # [runs]
+        if len(np.unique(group_ids[starts])) == len(starts):  # each group is one contiguous run
+            return np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, size])), len(starts)
+        _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+        return rank[inverse.reshape(-1)], len(first)
+    if hasattr(group_ids, "tolist"):  # a tensor or array: hash the values, not the element objects
+        group_ids = group_ids.tolist()
     index: dict[Hashable, int] = {}
     codes = [index.setdefault(group_id, len(index)) for group_id in group_ids]
-    return codes, len(index)
+    return np.array(codes, dtype=np.int64), len(index)
 
 
 def _group_moments(rewards: torch.Tensor, codes: torch.Tensor, num_groups: int, keep: torch.Tensor):
@@ -486,8 +470,8 @@ def group_advantages(
     values = rewards.detach().to(torch.float64)  # [N]
     if not torch.isfinite(values).all():
         raise ValueError("rewards must be finite")
-    code_list, num_groups = _group_codes(group_ids, len(values))
-    codes = torch.tensor(code_list, dtype=torch.long, device=values.device)  # [N]
+    code_array, num_groups = _group_codes(group_ids, len(values))
+    codes = torch.from_numpy(code_array).to(values.device)  # [N]
 
     keep = torch.ones_like(values, dtype=torch.bool)  # [N]
     if spec.drop == "balance":
@@ -506,8 +490,8 @@ def advantage_stats(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> dic
     import torch
 
     values = rewards.detach().to(torch.float64)  # [N]
-    code_list, num_groups = _group_codes(group_ids, len(values))
-    codes = torch.tensor(code_list, dtype=torch.long, device=values.device)  # [N]
+    code_array, num_groups = _group_codes(group_ids, len(values))
+    codes = torch.from_numpy(code_array).to(values.device)  # [N]
     count = torch.zeros(num_groups, dtype=torch.long, device=values.device).index_add_(
         0, codes, torch.ones_like(codes)
     )

@@ -16,6 +16,9 @@ import typer
 
 from offline_rec import __version__
 from offline_rec.errors import UserError, disk_full
+from offline_rec.eval.config import EvalConfig
+from offline_rec.eval.config import cli_options as eval_cli_options
+from offline_rec.preemption import Preempted
 
 app = typer.Typer(
     name="offline-rec",
@@ -121,15 +124,14 @@ def inspect(
     from offline_rec.data.inspect import describe_dataset
 
     stats = describe_dataset(dataset)
+    for warning in stats["warnings"]:
+        typer.echo(f"warning: {warning}", err=True)
     if as_json:
         _print_json(stats)
     else:
         from offline_rec.display import print_description
 
         print_description(_console(), stats)
-
-
-# --------------------------------------------------------------------------------------------
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,9 +394,10 @@ def train(
         holdout=holdout,
     )
     resolved = build_config(config, options, set_ or ())
+    from offline_rec.eval.hooks import training_hooks
     from offline_rec.training.loop import train as run_training
 
-    summary = run_training(resolved)
+    summary = run_training(resolved, training_hooks(resolved))
     if summary.get("already_finished"):
         return
     final = summary.get("final_metrics", {})
@@ -403,8 +406,6 @@ def train(
 
 
 # --------------------------------------------------------------------------------------------
-
-
 # Hugging Face Hub: push, pull  (owned by offline_rec/hub/transfer.py)
 
 
@@ -540,110 +541,63 @@ def merge(
 
 
 # --------------------------------------------------------------------------------------------
+# eval, report  (owned by offline_rec/eval/config.py, rollouts.py, offline.py, offpolicy.py, report.py)
 
 
-# --------------------------------------------------------------------------------------------
-# eval, report  (owned by offline_rec/eval/rollouts.py, offpolicy.py, report.py)
+# Every `eval` option is a field of EvalConfig, which holds its default, flags and help.
+EVAL = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"])
+        for field in eval_cli_options()}
 
 
 @app.command("eval")
 def eval_(
-    model: str | None = typer.Option(
-        None, "--model", help="Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id."
-    ),
-    task: str | None = typer.Option(
-        None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."
-    ),
-    out: Path | None = typer.Option(
-        None, "--out", "-o", help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset)."
-    ),
-    num_samples: int = typer.Option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k)."),
-    greedy: bool = typer.Option(
-        True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy)."
-    ),
-    prompts: PromptsFile = None,
-    prompt_column: PromptColumn = None,
-    num_prompts: NumPrompts = None,
-    split: str = typer.Option("test", "--split", help="Built-in prompts: test (held out, the default) or train."),
-    reward: RewardFunction = None,
-    backend: Backend = None,
-    temperature: float | None = typer.Option(
-        None,
-        "--temperature",
-        help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
-    ),
-    top_p: TopP = 1.0,
-    top_k: TopK = None,
-    max_new_tokens: MaxNewTokens = 256,
-    seed: int = typer.Option(
-        0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap."
-    ),
-    batch_size: int = typer.Option(
-        16, "--batch-size", help="Prompts per generate call; --offline: sequences per forward pass."
-    ),
-    dtype: Dtype = None,
-    chat_template: ChatTemplate = True,
-    success_threshold: float = typer.Option(
-        0.5, "--success-threshold", help="A sample is correct when its reward is above this (accuracy, pass@k)."
-    ),
-    gpu_memory_utilization: float | None = typer.Option(
-        None, "--gpu-memory-utilization", help="vLLM: share of the GPU it may take (default: vLLM's)."
-    ),
-    reward_timeout: float = typer.Option(
-        10.0,
-        "--reward-timeout",
-        help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
-    ),
-    offline: bool = typer.Option(
-        False, "--offline", help="Estimate from logged data without generating (needs --data or --run)."
-    ),
-    data: list[str] | None = typer.Option(
-        None, "--data", help="--offline: dataset(s) of logged groups (repeatable; default: the run's)."
-    ),
-    run: str | None = typer.Option(
-        None, "--run", help="--offline: train RUN folder; its held-out groups (holdout.json) are used."
-    ),
-    num_bootstrap: int = typer.Option(
-        1000, "--num-bootstrap", help="--offline: bootstrap resamples of the 95% intervals (0: none)."
-    ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace the evaluation already in --out."),
+    model: str | None = EVAL["model"],
+    task: str | None = EVAL["task"],
+    out: Path | None = EVAL["out"],
+    num_samples: int = EVAL["num_samples"],
+    greedy: bool = EVAL["greedy"],
+    prompts: str | None = EVAL["prompts"],
+    prompt_column: str | None = EVAL["prompt_column"],
+    num_prompts: int | None = EVAL["num_prompts"],
+    split: str = EVAL["split"],
+    reward: str | None = EVAL["reward"],
+    backend: str | None = EVAL["backend"],
+    temperature: float | None = EVAL["temperature"],
+    top_p: float = EVAL["top_p"],
+    top_k: int | None = EVAL["top_k"],
+    max_new_tokens: int = EVAL["max_new_tokens"],
+    seed: int = EVAL["seed"],
+    batch_size: int = EVAL["batch_size"],
+    dtype: str | None = EVAL["dtype"],
+    chat_template: bool = EVAL["chat_template"],
+    success_threshold: float = EVAL["success_threshold"],
+    gpu_memory_utilization: float | None = EVAL["gpu_memory_utilization"],
+    reward_timeout_s: float = EVAL["reward_timeout_s"],
+    offline: bool = EVAL["offline"],
+    data: list[str] | None = EVAL["data"],
+    run: str | None = EVAL["run"],
+    num_bootstrap: int = EVAL["num_bootstrap"],
+    overwrite: bool = EVAL["overwrite"],
     quiet: Quiet = False,
     as_json: SummaryJson = False,
 ) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
-    from offline_rec.eval.rollouts import evaluate, offline_evaluate, summary_table
+    options = {name: value for name, value in locals().items() if name in EVAL}  # the parameters above, by name
+    config = EvalConfig(**options, show_progress=not quiet)
+    if config.offline:
+        from offline_rec.eval.offline import offline_evaluate
 
-    if offline:
-        summary = offline_evaluate(
-            model,
-            data or (),
-            run,
-            out,
-            temperature=temperature,
-            batch_size=batch_size,
-            dtype=dtype,
-            num_bootstrap=num_bootstrap,
-            seed=seed,
-            overwrite=overwrite,
-        )
+        summary = offline_evaluate(config)
     else:
-        if data or run:
-            raise UserError("--data and --run go with --offline (an estimate from logged data)")
-        for value, flag in ((model, "--model"), (task, "--task"), (out, "--out")):
-            if not value:
-                raise UserError(f"eval needs {flag} (or --offline to estimate from logged data)")
-        summary = evaluate(
-            model, task, out, num_samples=num_samples, greedy=greedy, prompts=prompts, prompt_column=prompt_column,
-            num_prompts=num_prompts, split=split, reward=reward, backend=backend,
-            temperature=1.0 if temperature is None else temperature, top_p=top_p, top_k=top_k,
-            max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, dtype=dtype, chat_template=chat_template,
-            success_threshold=success_threshold, gpu_memory_utilization=gpu_memory_utilization,
-            reward_timeout_s=reward_timeout or None, overwrite=overwrite, show_progress=not quiet,
-        )
+        from offline_rec.eval.rollouts import evaluate
+
+        summary = evaluate(config)
     if as_json:
         _print_json(summary)
         return
-    _console().print(summary_table(summary))
+    from offline_rec.display import eval_summary_table
+
+    _console().print(eval_summary_table(summary))
     if out is not None:
         typer.echo(f"-> {out}" + ("" if offline else f" (rollouts: {summary['rollouts']})"))
 
@@ -765,6 +719,9 @@ def main(argv: list[str] | None = None) -> None:
         app(args=argv, prog_name="offline-rec")
     except UserError as e:
         typer.echo(f"error: {e.message}", err=True)
+        sys.exit(e.exit_code)
+    except Preempted as e:
+        typer.echo(f"preempted: {e.message}", err=True)
         sys.exit(e.exit_code)
     except OSError as e:  # a full disk, wherever it strikes (checkpoints, rejects, summaries): one line too
         full = disk_full(e, e.filename or "the output")

@@ -1,4 +1,4 @@
-"""Rich tables for the terminal: validation reports, dataset descriptions, metric summaries."""
+"""Rich tables for the terminal: validation reports, dataset descriptions, evaluation summaries."""
 
 from __future__ import annotations
 
@@ -84,3 +84,40 @@ def print_description(console: Console, stats: dict) -> None:
     flat = {k: v for k, v in behavior.items() if k != "sampling"}
     flat.update({f"sampling.{k}": v for k, v in (behavior.get("sampling") or {}).items()})
     console.print(key_value_table("behavior provenance", flat))
+
+
+def eval_summary_table(summary: dict) -> Table:
+    """The table of an evaluation summary (rollout or offline), as `offline-rec eval` prints it."""
+    metrics = summary["metrics"]
+    if summary.get("kind") == "offline":
+        percent = f"{summary.get('confidence', 0.95):.0%}"
+        table = Table(
+            title=escape(f"offline estimate for {summary['model']} ({metrics['n']} logged sequences)"), min_width=70
+        )
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        table.add_column(f"{percent} bootstrap interval", justify="right")
+        for key, label in (("snis", "self-normalized IS estimate"), ("is", "plain IS estimate"),
+                           ("logged_reward", "logged mean reward (behavior)")):
+            value = metrics["logged_reward_mean"] if key == "logged_reward" else metrics[key]
+            interval = (f"[{metrics[f'{key}_ci_low']:.4f}, {metrics[f'{key}_ci_high']:.4f}]"
+                        if f"{key}_ci_low" in metrics else "")
+            table.add_row(label, f"{value:.4f}", interval)
+        table.add_row("effective sample size", f"{metrics['ess']:.1f} ({metrics['ess_fraction']:.1%} of n)", "")
+        table.add_row("KL(mu || pi) per sequence", f"{metrics['kl_sequence']:.4f}", "")
+        table.add_row("KL(mu || pi) per token", f"{metrics['kl_per_token']:.4f}", "")
+        return table
+    table = Table(
+        title=escape(
+            f"{summary['task']}: {summary['model']} ({metrics['num_prompts']} prompts x "
+            f"{metrics['num_samples']} samples, T={summary['sampling']['temperature']})"
+        ),
+        min_width=70,
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        if key in ("num_prompts", "num_samples"):
+            continue
+        table.add_row(escape(key), str(value) if isinstance(value, int) else f"{value:.4f}")
+    return table

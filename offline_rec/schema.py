@@ -63,7 +63,6 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
 )
 
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, *_ in COLUMNS)
-LIST_COLUMNS = (PROMPT_IDS, COMPLETION_IDS, BEHAVIOR_LOGPROBS, LOSS_MASK)
 ARROW_SCHEMA = pa.schema([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable, _ in COLUMNS])
 
 FINISH_STOP = "stop"

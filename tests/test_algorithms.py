@@ -200,7 +200,7 @@ def test_unknown_field_lists_valid_fields():
         (dict(temp=0), r"temp must be > 0"),
         (dict(eps_high="wide"), r"eps_high expects a number, got 'wide'"),
         (dict(std_normalize="maybe"), r"std_normalize expects true/false"),
-        (dict(clip=3), r"clip expects a string"),
+        (dict(clip=3), r"unknown clip '3'"),
     ],
 )
 def test_invalid_overrides_raise_user_error(overrides, message):

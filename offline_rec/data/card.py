@@ -1,14 +1,27 @@
 """Cards (README.md) for the Hub: the dataset card rendered from a manifest, the model card of a trained policy.
 
 Both start with YAML front matter that the Hub reads (license, tags, configs, features, ...)
-and `datasets.load_dataset(folder)` honours: the `configs` entry points it at `data/*.parquet`
-(so manifest.json is not read as data) and `dataset_info.features` gives the exact column types
-(`List(int32)`, not the `int64` a JSON reader would guess). Rendering is a pure function of its
-arguments; only `write_dataset_card` touches the disk.
+and `datasets.load_dataset(folder)` honours: the `configs` entry lists the shards the manifest
+lists (so manifest.json and uncommitted shards are not read as data) and `dataset_info.features`
+gives the exact column types (`List(int32)`, not the `int64` a JSON reader would guess).
+
+Why the config is named after the data (`data-<content id>`, see `data_config`): `datasets`
+caches a folder under `<folder name>/<config name>/<version>/<hash of the card's YAML>`. With a
+`configs` block it hashes the data-file PATTERNS of the YAML, never the files (checked in
+datasets 5.2, `LocalDatasetModuleFactory` and `BuilderConfig.create_config_id`), so two datasets
+in folders of the same name, or one folder rewritten in place, shared one cache entry and the
+second load returned the first one's rows. The config name heads the config id, a part of
+that path in every layout `datasets` has used (its builder still looks for the 2.13 and 2.15
+layouts, both with it); naming the config after the content of the listed shards gives each
+distinct dataset its own entry whatever `datasets` does or does not hash.
+
+Rendering is a pure function of its arguments; only `write_dataset_card` and
+`refresh_dataset_card` touch the disk.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -24,10 +37,13 @@ TASK_CATEGORIES = ["reinforcement-learning", "text-generation"]
 DEFAULT_LICENSE = "other"
 NOT_RECORDED = "not recorded"
 PLACEHOLDER_REPO = "ORG/NAME"
+DATA_CONFIG_PREFIX = "data-"
+CONTENT_ID_HEX_DIGITS = 16  # 64 bits: a collision between two datasets of one folder name is out of reach
 
 LOGPROBS_MEANING = {
     S.LOGPROBS_SAMPLED: "the processed distribution actually sampled from (temperature, top-k and top-p applied)",
-    S.LOGPROBS_RAW: "the model's raw softmax, before temperature and truncation (the sampled distribution only at temperature 1 without top-k/top-p)",
+    S.LOGPROBS_RAW: "the model's raw softmax, before temperature and truncation "
+                    "(the sampled distribution only at temperature 1 without top-k/top-p)",
     S.LOGPROBS_RECOMPUTED: "recomputed after sampling by teacher-forcing a scoring model",
     "unknown": "not recorded: importance ratios computed from them may be biased",
 }
@@ -79,6 +95,32 @@ def size_category(rows: int) -> str:
     return "n>1T"
 
 
+def content_id(manifest: dict) -> str:
+    """Hex digest identifying the rows of a dataset: sha256 over its schema version and listed shards.
+
+    Each shard enters with its path, row count and sha256, so the id changes whenever a
+    producer writes different rows (a re-collect, a re-import, `filter`, `reward`) and is
+    equal for byte-identical datasets, wherever they lie.
+    """
+    shards = [[s.get("path"), s.get("rows"), s.get("sha256")] for s in manifest.get(S.M_SHARDS) or []]
+    payload = json.dumps({"schema_version": manifest.get(S.M_SCHEMA_VERSION), "shards": shards}, sort_keys=True)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:CONTENT_ID_HEX_DIGITS]
+
+
+def data_config(manifest: dict) -> dict:
+    """The card's one `configs` entry: named after `content_id`, the default, the listed shards as the train split."""
+    return {
+        "config_name": DATA_CONFIG_PREFIX + content_id(manifest),
+        "default": True,
+        "data_files": [{"split": "train", "path": [s["path"] for s in manifest.get(S.M_SHARDS) or []]}],
+    }
+
+
+def dataset_info(manifest: dict) -> dict:
+    """`dataset_info`: the exact features, under the config name of `data_config` (else `datasets` drops them)."""
+    return {"config_name": data_config(manifest)["config_name"], "features": dataset_features()}
+
+
 def card_front_matter(manifest: dict, license: str | None = None) -> dict:
     """The dataset card's YAML front matter as a dict (license: the argument, else the manifest's, else 'other')."""
     rows = int((manifest.get(S.M_TOTALS) or {}).get("rows") or 0)
@@ -87,8 +129,8 @@ def card_front_matter(manifest: dict, license: str | None = None) -> dict:
         "tags": list(TAGS),
         "task_categories": list(TASK_CATEGORIES),
         "size_categories": [size_category(rows)],
-        "configs": [{"config_name": "default", "data_files": [{"split": "train", "path": f"{S.DATA_DIR}/*.parquet"}]}],
-        "dataset_info": {"features": dataset_features()},
+        "configs": [data_config(manifest)],
+        "dataset_info": dataset_info(manifest),
     }
 
 
@@ -127,13 +169,15 @@ def _behavior_section(behavior: dict) -> str:
     sampling = behavior.get("sampling") or {}
     source = behavior.get("logprobs_source") or "unknown"
     lines = [
-        f"- model: {_show(behavior.get('model'))}, revision {_show(behavior.get('revision'))}, dtype {_show(behavior.get('dtype'))}",
+        f"- model: {_show(behavior.get('model'))}, revision {_show(behavior.get('revision'))}, "
+        f"dtype {_show(behavior.get('dtype'))}",
         f"- engine: {_show(behavior.get('engine'))}, version {_show(behavior.get('engine_version'))}",
         "- sampling: "
         + ", ".join(
             f"{k} {_show(sampling.get(k))}" for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
         ),
-        f"- `behavior_logprobs` are log-probabilities of: `{source}`, {LOGPROBS_MEANING.get(source, 'see the producer of the data')}",
+        f"- `behavior_logprobs` are log-probabilities of: `{source}`, "
+        f"{LOGPROBS_MEANING.get(source, 'see the producer of the data')}",
         f"- tokenizer hash: {_show(behavior.get('tokenizer_hash'))}",
     ]
     known = {"model", "revision", "dtype", "engine", "engine_version", "sampling", "logprobs_source", "tokenizer_hash"}
@@ -157,6 +201,8 @@ def render_dataset_card(manifest: dict, license: str | None = None, repo_id: str
         f"| `{n}` | {_feature_text(t)} | {'yes' if nullable else 'no'} | {meaning} |"
         for n, t, nullable, meaning in S.COLUMNS
     )
+    totals_row = " | ".join(str(n) for n in (totals.get("rows", 0), totals.get("groups", 0),
+                                             totals.get("completion_tokens", 0), len(manifest.get(S.M_SHARDS) or [])))
     stats = manifest.get(S.M_STATS) or {}
     stats_lines = "\n".join(f"- {key}: {_show(value)}" for key, value in stats.items()) or "- none recorded"
     body = f"""# Offline RL trajectories with behavior log-probabilities
@@ -175,7 +221,7 @@ this format). One row is one response; rows sharing `group_id` answer the same p
 
 | rows | groups | completion tokens | shards |
 |---|---|---|---|
-| {totals.get("rows", 0)} | {totals.get("groups", 0)} | {totals.get("completion_tokens", 0)} | {len(manifest.get(S.M_SHARDS) or [])} |
+| {totals_row} |
 
 Counters kept while producing it:
 {stats_lines}
@@ -239,6 +285,65 @@ def write_dataset_card(
     out = Path(path) / S.CARD_FILE
     atomic_write_text(out, render_dataset_card(manifest, license, repo_id))
     return out
+
+
+def _pinned(front: dict, manifest: dict) -> bool:
+    """Whether front matter makes `datasets.load_dataset` read exactly the manifest's shards under their content id."""
+    return front.get("configs") == [data_config(manifest)] and front.get("dataset_info") == dataset_info(manifest)
+
+
+def _read_card(card: Path) -> tuple[dict | None, str, str | None]:
+    """(front matter, body, None) of an existing card, or (None, "", why it is unreadable)."""
+    import yaml
+
+    try:
+        front, body = split_front_matter(card.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return None, "", (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if not isinstance(front, dict):
+        return None, "", "the front matter is not a YAML mapping"
+    return front, body, None
+
+
+def card_problem(path: str | os.PathLike, manifest: dict) -> str | None:
+    """Why the card of dataset `path` lets `datasets.load_dataset(path)` serve stale rows, or None when it cannot.
+
+    A card whose `configs` is not `data_config(manifest)` (one written by an older offline-rec,
+    for an earlier version of the data, or edited) makes `datasets` key its cache on the folder
+    name and that YAML alone. A folder without a card is not a problem: `datasets` then hashes
+    the files themselves. Reads only the card (no `datasets` import, nothing written).
+    """
+    card = Path(path) / S.CARD_FILE
+    if not card.is_file():
+        return None
+    front, _, unreadable = _read_card(card)
+    if unreadable:
+        return f"its {S.CARD_FILE} has no readable YAML front matter ({unreadable})"
+    if not _pinned(front, manifest):
+        return f"its {S.CARD_FILE} does not name the manifest's shards and their content id (an older or edited card)"
+    return None
+
+
+def refresh_dataset_card(path: str | os.PathLike, manifest: dict, repo_id: str | None = None) -> bool:
+    """Make the card of dataset `path` pin `manifest`'s shards; returns whether the card was (re)written.
+
+    A card with front matter keeps everything but its `configs` and `dataset_info` (a pulled
+    card keeps the license and text it was pushed with); a missing or unreadable card is
+    rendered anew. A card that already pins the manifest is left byte for byte.
+    """
+    from offline_rec.files import atomic_write_text
+
+    card = Path(path) / S.CARD_FILE
+    front, body, _ = _read_card(card) if card.is_file() else (None, "", None)
+    if front is not None and _pinned(front, manifest):
+        return False
+    if front is not None:
+        text = _with_front_matter({**front, "configs": [data_config(manifest)], "dataset_info": dataset_info(manifest)},
+                                  body)
+    else:
+        text = render_dataset_card(manifest, repo_id=repo_id)
+    atomic_write_text(card, text)
+    return True
 
 
 # --------------------------------------------------------------------------------------------

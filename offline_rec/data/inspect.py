@@ -1,7 +1,9 @@
 """Describe a dataset (`offline-rec inspect`): sizes, lengths, rewards, learning signal, provenance.
 
 Computed with polars lazy scans over the shards the manifest lists (streaming engine), so the
-dataset is never loaded whole.
+dataset is never loaded whole. `warnings` lists what the user should know before loading the
+folder elsewhere: a card that lets `datasets.load_dataset` serve rows cached for another
+dataset (`card_warnings`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from offline_rec import schema as S
+from offline_rec.data.card import card_problem
 from offline_rec.data.dataset import SHARD_READ_ERRORS, Dataset, open_dataset
 from offline_rec.errors import DataError
 
@@ -22,7 +25,7 @@ _FINITE_REWARD = "_finite_reward"
 
 
 def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD_BINS) -> list[dict]:
-    """Equal-width bins over [lo, hi] of the finite rewards, counted by a lazy query; a constant reward gives one bin."""
+    """Equal-width bins over [lo, hi] of the finite rewards, counted by a lazy query; a constant reward: one bin."""
     import polars as pl
 
     r = pl.col(_FINITE_REWARD)
@@ -55,8 +58,28 @@ def describe_dataset(path: str | Path) -> dict:
         # dataset and the command that locates the damage instead of a polars traceback.
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(
-            f"{path}: cannot read the dataset's shards ({first_line}); run `offline-rec validate {path}` to locate the damage"
+            f"{path}: cannot read the dataset's shards ({first_line}); "
+            f"run `offline-rec validate {path}` to locate the damage"
         ) from None
+
+
+def card_warnings(ds: Dataset) -> list[str]:
+    """A warning when `datasets.load_dataset(folder)` may return another dataset's cached rows.
+
+    The check reads the card only. Looking for an actual stale entry in the `datasets` cache
+    would mean importing `datasets` (~1 s, and its cache layout), and an entry found could not
+    be told from a good one without reading it; the card decides whether one can be served.
+    """
+    problem = card_problem(ds.path, ds.manifest)
+    if problem is None:
+        return []
+    folder = ds.path.as_posix()
+    return [
+        f'datasets.load_dataset("{folder}") may return rows cached for another folder named '
+        f'"{ds.path.resolve().name}" or for an earlier version of this one: {problem}; load it with '
+        f'datasets.load_dataset("parquet", data_files="{folder}/{S.DATA_DIR}/*.parquet", split="train"), '
+        f'or rewrite the card (README.md of offline-rec, "Loading with datasets")'
+    ]
 
 
 def _check_shard_schemas(ds: Dataset) -> None:
@@ -95,6 +118,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         "task": ds.task,
         "behavior": ds.behavior,
         "shards": len(ds.shard_paths),
+        "warnings": card_warnings(ds),
     }
     if not ds.shard_paths:
         return {**base, "rows": 0, "groups": 0}

@@ -264,13 +264,14 @@ def check_dataset(path: str):
 
 def evaluate_policy(model: str, out: Path, config: DemoSettings, num_samples: int, progress: bool) -> dict:
     """`offline_rec.eval.rollouts.evaluate` on the held-out prompts: greedy plus `num_samples` samples at T=1."""
+    from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.rollouts import evaluate
 
-    summary = evaluate(
-        model, DEMO_TASK, out, num_samples=num_samples, greedy=True, num_prompts=config.eval_prompts, split="test",
-        backend=config.backend, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.eval_seed,
+    summary = evaluate(EvalConfig(
+        model=model, task=DEMO_TASK, out=out, num_samples=num_samples, greedy=True, num_prompts=config.eval_prompts,
+        split="test", backend=config.backend, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.eval_seed,
         batch_size=config.batch_size, overwrite=True, show_progress=progress,
-    )
+    ))
     return dict(summary["metrics"])
 
 

@@ -1,1 +1,1 @@
-"""eval"""
+"""Evaluation: rollouts of a policy, off-policy estimates without generating, reports, and the training hooks."""

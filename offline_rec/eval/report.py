@@ -30,8 +30,8 @@ matplotlib.use("Agg")  # files only, no display: must precede pyplot
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from offline_rec.training import checkpoint as ckpt  # noqa: E402
 from offline_rec.errors import UserError  # noqa: E402
+from offline_rec.training import checkpoint as ckpt  # noqa: E402
 
 EVAL_PREFIX = "eval/"
 TRAINING_CURVES = (

@@ -1,11 +1,12 @@
-"""Evaluate a policy: roll it out on a task's held-out prompts and score it, or estimate offline.
+"""Evaluate a policy by rolling it out on a task's held-out prompts and scoring it (`offline-rec eval`).
 
-Rollout evaluation (`evaluate`, `offline-rec eval`):
+`evaluate(EvalConfig)` (options: offline_rec.eval.config; the estimate without generating is
+offline_rec.eval.offline):
 1. The rollouts are a `collect` run of the policy: K samples per prompt (by default the task's
    held-out TEST split), rewarded, written as a normal dataset into EVAL/rollouts with their
    sampling log-probs and the policy's version. An evaluation is therefore also fresh behavior
    data that the next round of offline training can use (iterated offline RL).
-2. With `greedy=True` every prompt is also decoded greedily once (not stored in the dataset:
+2. With `greedy` every prompt is also decoded greedily once (not stored in the dataset:
    greedy log-probs are not those of a sampling distribution).
 3. Metrics, overall (EVAL/summary.json) and per prompt (EVAL/per_prompt.jsonl). A sample is
    CORRECT when its reward is > `success_threshold` (default 0.5): for the built-in 0/1 rewards that
@@ -18,25 +19,19 @@ Rollout evaluation (`evaluate`, `offline-rec eval`):
    - length_mean / length_p50 / length_max (completion tokens), truncation_rate (finish "length")
    All rates are fractions in [0, 1].
 
-Offline estimation (`offline_evaluate`, `offline-rec eval --offline`): no generation. The policy's
-teacher-forced log-probs of logged completions (by default the groups a train run held out) give
-per-sequence importance weights against the logged behavior log-probs; `offline_rec.eval.offpolicy`
-turns them into IS / self-normalized IS estimates of the policy's mean reward, ESS and bootstrap
-intervals, and KL(mu || pi) on the logged tokens. The estimate is for the policy sampled at the
-scoring temperature (default: the data's sampling temperature) WITHOUT top-k/top-p truncation.
-
-During training (`evaluate_checkpoint`, for `train --eval-every`): each checkpoint is evaluated into
-RUN/eval/step-NNNNNN with the train config's `eval_<setting>` values (CHECKPOINT_EVAL_DEFAULTS
-otherwise). The vllm backend always runs in a child process (`python -m offline_rec eval ...`,
-without the distributed-launch environment), so that vLLM's crash or its GPU memory never reaches
-the trainer; the hf backend runs in the trainer's process (a transformers model is freed like any
-other, and its sampling forks the RNG, so training is not disturbed). A failure of the evaluation
-itself (not a bad option) is reported as a warning and training goes on. A LoRA checkpoint is
-merged into the base model first.
+During training (`evaluate_checkpoint`, the hook `train --eval-every` gets): each checkpoint is
+evaluated into RUN/eval/step-NNNNNN with the EvalConfig that `training_eval_config` makes of the
+train config's `eval_*` fields. The vllm backend always runs in a child process (`python -m
+offline_rec eval ...`, without the distributed-launch environment), so that vLLM's crash or its GPU
+memory never reaches the trainer; the hf backend runs in the trainer's process (a transformers model
+is freed like any other, and its sampling forks the RNG, so training is not disturbed). A failure of
+the evaluation itself (not a bad option) is reported as a warning and training goes on. A LoRA
+checkpoint is merged into the base model first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -47,12 +42,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset, open_datasets
-from offline_rec.data.validate import check_dataset_for_use
+from offline_rec.data.dataset import open_dataset
 from offline_rec.errors import UserError
+from offline_rec.eval.config import SUCCESS_THRESHOLD, EvalConfig, cli_arguments
 from offline_rec.files import atomic_write_json, atomic_write_text
-from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 from offline_rec.training import checkpoint as ckpt
+from offline_rec.training.config import TrainConfig
 
 SUMMARY_FILE = "summary.json"
 PER_PROMPT_FILE = "per_prompt.jsonl"
@@ -60,27 +55,16 @@ ROLLOUTS_DIR = "rollouts"
 EVAL_RUN_DIR = "eval"
 """RUN/eval/step-NNNNNN: where `evaluate_checkpoint` writes each evaluation."""
 
-SUCCESS_THRESHOLD = 0.5
-DEFAULT_MAX_NEW_TOKENS = 256
-
-# Evaluation settings during training: read from the train config as `eval_<name>` when it has
-# such a field, else these defaults.
-CHECKPOINT_EVAL_DEFAULTS = {
-    "prompts": None,
-    "prompt_column": None,
-    "num_prompts": None,  # all of a prompts file; BUILTIN_PROMPTS_DURING_TRAINING built-in ones
-    "split": "test",
-    "reward": None,
-    "num_samples": 4,
-    "backend": None,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "max_new_tokens": 128,
-    "batch_size": 32,
-    "greedy": True,
-    "gpu_memory_utilization": 0.3,  # the trainer holds the rest of the GPU (CUDA only)
-}
-BUILTIN_PROMPTS_DURING_TRAINING = 128
+# Evaluation during training (`training_eval_config`): what the train config's null eval_* fields
+# mean, and the settings it has no field for. Smaller than a standalone `eval`: it runs every
+# eval_every steps.
+TRAINING_EVAL_SPLIT = "test"
+TRAINING_EVAL_PROMPTS = 128  # built-in prompts (all the prompts of an eval_prompts file)
+TRAINING_EVAL_SAMPLES = 4
+TRAINING_EVAL_MAX_NEW_TOKENS = 128
+TRAINING_EVAL_TEMPERATURE = 1.0
+TRAINING_EVAL_BATCH_SIZE = 32
+TRAINING_EVAL_GPU_SHARE = 0.3  # vLLM's share of the GPU: the trainer holds the rest (CUDA only)
 CHILD_OUTPUT_LINES = 20
 """Lines of a failed child evaluation's output repeated in the warning."""
 
@@ -207,90 +191,67 @@ def check_tokenizer_fits(model: str, tokenizer) -> None:
 # rollout evaluation
 
 
-def evaluate(
-    model: str,
-    task: str,
-    out: str | Path,
-    *,
-    num_samples: int = 8,
-    greedy: bool = True,
-    prompts: str | None = None,
-    prompt_column: str | None = None,
-    num_prompts: int | None = None,
-    split: str = "test",
-    reward: str | None = None,
-    backend=None,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int | None = None,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    seed: int = 0,
-    batch_size: int = 16,
-    dtype: str | None = None,
-    chat_template: bool = True,
-    success_threshold: float = SUCCESS_THRESHOLD,
-    gpu_memory_utilization: float | None = None,
-    reward_timeout_s: float | None = REWARD_TIMEOUT_S,
-    overwrite: bool = False,
-    show_progress: bool = True,
-) -> dict:
-    """Roll `model` out on `task` and write EVAL = `out` (see the module docstring); returns the summary.
+def evaluate(config: EvalConfig, backend=None) -> dict:
+    """Roll `config.model` out on `config.task` and write EVAL = `config.out` (see the module docstring);
+    returns the summary.
 
-    `model`: a model folder, a checkpoint, a train RUN folder (its final model) or a hub id.
-    `backend`: "vllm", "hf", None (vllm when importable) or an already loaded backend object.
-    `num_prompts` None: all prompts of a file, or collect's default number of built-in ones.
-    `gpu_memory_utilization`: vLLM's share of the GPU (None: vLLM's default).
-    Every user error (missing model, task without prompts, tokenizer too big for the model, vLLM not
-    installed, existing `out`) is raised as UserError before anything is sampled.
+    `backend` reuses an already loaded backend (its model must be `config.model`); by default
+    `config.backend` is loaded. Every user error (missing model, task without prompts, tokenizer
+    too big for the model, vLLM not installed, existing `out`) is raised as UserError before
+    anything is sampled.
     """
     from offline_rec.models.loading import load_tokenizer
+    from offline_rec.models.versions import model_policy_version
     from offline_rec.rollout.backends import check_backend_name
     from offline_rec.rollout.collect import CollectConfig, collect
-    from offline_rec.tasks.builtin import get_prompts, get_task
 
-    out = Path(out)
-    _check_out(out, overwrite)
-    model = resolve_model(model)
-    task_spec = get_task(task, reward)
-    get_prompts(task_spec, n=num_prompts if prompts else (num_prompts or 1), seed=seed, split=split,
-                prompts_file=prompts, prompt_column=prompt_column)  # refuses a task without prompts, a bad file
+    if config.offline:
+        raise ValueError("an offline EvalConfig: estimate with offline_rec.eval.offline.offline_evaluate")
+    out = config.out
+    check_out(out, config.overwrite)
+    model = resolve_model(config.model)
+    task_spec = check_prompts(config)
+    reward_timeout_s = config.reward_timeout_s or None
     collect_config = CollectConfig(
         model=model,
-        task=task,
+        task=config.task,
         out=out / ROLLOUTS_DIR,
-        num_samples=num_samples,
-        prompts=prompts,
-        prompt_column=prompt_column,
-        num_prompts=num_prompts,
-        split=split,
-        reward=reward,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        batch_size=batch_size,
-        dtype=dtype,
-        chat_template=chat_template,
-        policy_version=ckpt.model_policy_version(model),
+        num_samples=config.num_samples,
+        prompts=config.prompts,
+        prompt_column=config.prompt_column,
+        num_prompts=config.num_prompts,
+        split=config.split,
+        reward=config.reward,
+        temperature=config.sampling_temperature,
+        top_p=config.top_p,
+        top_k=config.top_k,
+        max_new_tokens=config.max_new_tokens,
+        seed=config.seed,
+        batch_size=config.batch_size,
+        dtype=config.dtype,
+        chat_template=config.chat_template,
+        policy_version=model_policy_version(model),
         reward_timeout_s=reward_timeout_s,
-        show_progress=show_progress,
+        show_progress=config.show_progress,
     )  # validates the sampling settings
-    if backend is None or isinstance(backend, str):
-        backend_name = check_backend_name(backend)
+    if backend is None:
+        backend_name = check_backend_name(config.backend)
         tokenizer = load_tokenizer(model)
         check_tokenizer_fits(model, tokenizer)
-        backend = _load_backend(backend_name, model, tokenizer, dtype, seed, gpu_memory_utilization)
-    _clear_out(out)
+        backend = _load_backend(backend_name, model, tokenizer, config.dtype, config.seed,
+                                config.gpu_memory_utilization)
+    clear_out(out)
     rollouts = collect(collect_config, backend=backend)
 
     groups = _read_groups(rollouts)
     greedy_samples = (
-        _greedy_pass(backend, task_spec, groups, max_new_tokens, batch_size, reward_timeout_s) if greedy else None
+        _greedy_pass(backend, task_spec, groups, config.max_new_tokens, config.batch_size, reward_timeout_s)
+        if config.greedy else None
     )
+    threshold = config.success_threshold
     per_prompt, lengths = [], []
     for index, group in enumerate(groups):
-        metrics = prompt_metrics(group["rewards"], group["lengths"], group["finish_reasons"], success_threshold)
+        metrics = prompt_metrics(group["rewards"], group["lengths"], group["finish_reasons"], threshold)
         lengths.extend(group["lengths"])
         entry = {"group_id": group["group_id"], "prompt": group["prompt"], "fields": group["fields"],
                  "rewards": group["rewards"], **metrics}
@@ -298,7 +259,7 @@ def evaluate(
             entry.update(greedy_samples[index])
         per_prompt.append(entry)
     metrics = aggregate_metrics(
-        per_prompt, lengths, [g["greedy_reward"] for g in greedy_samples] if greedy_samples else None, success_threshold
+        per_prompt, lengths, [g["greedy_reward"] for g in greedy_samples] if greedy_samples else None, threshold
     )
     manifest = open_dataset(rollouts).manifest
     summary = {
@@ -307,11 +268,11 @@ def evaluate(
         "policy_version": collect_config.policy_version,
         "task": task_spec.name,
         "reward_function": task_spec.reward_name,
-        "prompts": str(prompts) if prompts else f"builtin:{task_spec.name}/{split}",
+        "prompts": str(config.prompts) if config.prompts else f"builtin:{task_spec.name}/{config.split}",
         "backend": backend.engine,
-        "sampling": {**collect_config.sampling.as_manifest(), "seed": seed},
-        "greedy": greedy,
-        "success_threshold": success_threshold,
+        "sampling": {**collect_config.sampling.as_manifest(), "seed": config.seed},
+        "greedy": config.greedy,
+        "success_threshold": threshold,
         "rollouts": str(rollouts),
         "reward_stats": (manifest.get(S.M_STATS) or {}).get("reward"),
         "metrics": metrics,
@@ -321,7 +282,17 @@ def evaluate(
     return summary
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
+def check_prompts(config: EvalConfig):
+    """The task of `config`, after refusing a task without prompts or a bad prompts file; nothing is loaded."""
+    from offline_rec.tasks.builtin import get_prompts, get_task
+
+    task = get_task(config.task, config.reward)
+    get_prompts(task, n=config.num_prompts if config.prompts else (config.num_prompts or 1), seed=config.seed,
+                split=config.split, prompts_file=config.prompts, prompt_column=config.prompt_column)
+    return task
+
+
+def check_out(out: Path, overwrite: bool) -> None:
     """Refuse a file, or an existing non-empty EVAL folder unless `overwrite`."""
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; give a directory for the evaluation")
@@ -329,7 +300,7 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise UserError(f"output {out} already exists; choose another --out (or --overwrite to replace its evaluation)")
 
 
-def _clear_out(out: Path) -> None:
+def clear_out(out: Path) -> None:
     """Remove what an earlier evaluation wrote into `out` (and nothing else), then make sure it exists."""
     shutil.rmtree(out / ROLLOUTS_DIR, ignore_errors=True)
     for name in (SUMMARY_FILE, PER_PROMPT_FILE):
@@ -391,40 +362,56 @@ def _greedy_pass(backend, task, groups: list[dict], max_new_tokens: int, batch_s
 # during training
 
 
-def evaluate_checkpoint(checkpoint_dir: str | Path, config, in_subprocess: bool | None = None) -> dict:
+def training_eval_config(checkpoint_dir: Path, train_config: TrainConfig) -> EvalConfig:
+    """The evaluation of a training checkpoint: the one place a train config's `eval_*` fields become
+    an EvalConfig (TRAINING_EVAL_* where they are null, and for what the train config does not set).
+
+    It writes RUN/eval/<checkpoint name>, replacing an evaluation of the same step (a resumed run).
+    """
+    from offline_rec.rollout.backends import check_backend_name
+
+    if not train_config.eval_task:
+        raise UserError("evaluating during training needs eval_task")
+
+    def given(value, default):
+        return default if value is None else value
+
+    return EvalConfig(
+        model=str(checkpoint_dir),
+        task=train_config.eval_task,
+        out=Path(train_config.out) / EVAL_RUN_DIR / checkpoint_dir.name,
+        prompts=train_config.eval_prompts,
+        num_prompts=given(train_config.eval_num_prompts, None if train_config.eval_prompts else TRAINING_EVAL_PROMPTS),
+        split=given(train_config.eval_split, TRAINING_EVAL_SPLIT),
+        num_samples=given(train_config.eval_num_samples, TRAINING_EVAL_SAMPLES),
+        max_new_tokens=given(train_config.eval_max_new_tokens, TRAINING_EVAL_MAX_NEW_TOKENS),
+        temperature=given(train_config.eval_temperature, TRAINING_EVAL_TEMPERATURE),
+        backend=check_backend_name(train_config.eval_backend),
+        batch_size=TRAINING_EVAL_BATCH_SIZE,
+        gpu_memory_utilization=TRAINING_EVAL_GPU_SHARE if cuda_available() else None,
+        seed=train_config.seed,
+        overwrite=True,
+        show_progress=False,
+    )
+
+
+def evaluate_checkpoint(
+    checkpoint_dir: str | Path, train_config: TrainConfig, in_subprocess: bool | None = None
+) -> dict:
     """Evaluate a training checkpoint into RUN/eval/<checkpoint name>; returns its flat metrics.
 
-    `config` is the train config (an object or a dict): `eval_task` (required), `seed`, `out` and any
-    `eval_<setting>` of CHECKPOINT_EVAL_DEFAULTS (e.g. eval_num_prompts) are read from it.
     `in_subprocess` None: a child process for vllm, this process for hf (see the module docstring).
     An evaluation that fails for another reason than a UserError prints a warning and returns {}.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    task = _config_value(config, "eval_task", None)
-    if not task:
-        raise UserError("evaluating during training needs eval_task")
-    settings = {
-        name: _config_value(config, f"eval_{name}", default) for name, default in CHECKPOINT_EVAL_DEFAULTS.items()
-    }
-    from offline_rec.rollout.backends import check_backend_name
-
-    settings["backend"] = check_backend_name(settings["backend"])
-    if settings["num_prompts"] is None and settings["prompts"] is None:
-        settings["num_prompts"] = BUILTIN_PROMPTS_DURING_TRAINING
-    if not _cuda_available():
-        settings["gpu_memory_utilization"] = None
-    seed = int(_config_value(config, "seed", 0))
-    run_dir = Path(_config_value(config, "out", None) or checkpoint_dir.parent.parent)
-    out = run_dir / EVAL_RUN_DIR / checkpoint_dir.name
+    config = training_eval_config(checkpoint_dir, train_config)
     if in_subprocess is None:
-        in_subprocess = settings["backend"] == "vllm"
+        in_subprocess = config.backend == "vllm"
     model = checkpoint_dir
     try:
-        model = _merged_if_adapter(checkpoint_dir, config, out)
-        if in_subprocess:
-            summary = _evaluate_in_child(str(model), task, out, seed, settings)
-        else:
-            summary = evaluate(str(model), task, out, seed=seed, overwrite=True, show_progress=False, **settings)
+        model = _merged_if_adapter(checkpoint_dir, train_config, config.out)
+        config = dataclasses.replace(config, model=str(model))
+        summary = _evaluate_in_child(config) if in_subprocess else evaluate(config)
     except UserError:
         raise
     except Exception as error:  # a crash of the evaluation must not end the training run
@@ -438,45 +425,29 @@ def evaluate_checkpoint(checkpoint_dir: str | Path, config, in_subprocess: bool 
     return dict(summary["metrics"])
 
 
-def check_eval_config(config) -> None:
+def check_eval_config(train_config: TrainConfig) -> None:
     """Refuse, before training starts, an eval setting that would fail at the first evaluation."""
-    from offline_rec.rollout.backends import check_backend_name
-    from offline_rec.tasks.builtin import get_prompts, get_task
-
-    task = get_task(_config_value(config, "eval_task", None) or "", _config_value(config, "eval_reward", None))
-    prompts = _config_value(config, "eval_prompts", None)
-    get_prompts(task, n=None if prompts else 1, split=_config_value(config, "eval_split", "test"), prompts_file=prompts,
-                prompt_column=_config_value(config, "eval_prompt_column", None))
-    check_backend_name(_config_value(config, "eval_backend", None))
+    first = Path(train_config.out) / ckpt.CHECKPOINTS_DIR / ckpt.checkpoint_name(0)  # any checkpoint: same checks
+    check_prompts(training_eval_config(first, train_config))
 
 
-def eval_command(model: str, task: str, out: Path, seed: int, settings: dict) -> list[str]:
-    """The `python -m offline_rec eval ...` command line of an evaluation with `settings`."""
-    command = [sys.executable, "-m", "offline_rec", "eval", "--model", model, "--task", task, "--out", str(out),
-               "--seed", str(seed), "--overwrite", "--quiet", "--json"]
-    options = {"prompts": "--prompts", "prompt_column": "--prompt-column", "num_prompts": "--num-prompts",
-               "split": "--split", "reward": "--reward", "num_samples": "--num-samples", "backend": "--backend",
-               "temperature": "--temperature", "top_p": "--top-p", "max_new_tokens": "--max-new-tokens",
-               "batch_size": "--batch-size", "gpu_memory_utilization": "--gpu-memory-utilization"}
-    for name, flag in options.items():
-        if settings.get(name) is not None:
-            command += [flag, str(settings[name])]
-    command.append("--greedy" if settings.get("greedy", True) else "--no-greedy")
-    return command
+def eval_command(config: EvalConfig) -> list[str]:
+    """The `python -m offline_rec eval ...` command line of the evaluation `config` (its summary as JSON)."""
+    return [sys.executable, "-m", "offline_rec", "eval", *cli_arguments(config), "--json"]
 
 
-def _evaluate_in_child(model: str, task: str, out: Path, seed: int, settings: dict) -> dict | None:
+def _evaluate_in_child(config: EvalConfig) -> dict | None:
     """Run the evaluation as `python -m offline_rec eval` and read its summary.json back."""
-    command = eval_command(model, task, out, seed, settings)
-    result = subprocess.run(command, capture_output=True, text=True, env=_child_environment())
+    result = subprocess.run(eval_command(config), capture_output=True, text=True, env=_child_environment())
     if result.returncode == UserError.exit_code:
         message = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "bad evaluation settings"
         raise UserError(message.removeprefix("error: "))
-    if result.returncode != 0 or not (out / SUMMARY_FILE).is_file():
+    if result.returncode != 0 or not (config.out / SUMMARY_FILE).is_file():
         tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-CHILD_OUTPUT_LINES:])
-        _warn(f"evaluation of {model} failed (exit {result.returncode}); training goes on. Its last output:\n{tail}")
+        _warn(f"evaluation of {config.model} failed (exit {result.returncode}); training goes on. "
+              f"Its last output:\n{tail}")
         return None
-    return json.loads((out / SUMMARY_FILE).read_text(encoding="utf-8"))
+    return json.loads((config.out / SUMMARY_FILE).read_text(encoding="utf-8"))
 
 
 def _child_environment() -> dict[str, str]:
@@ -488,15 +459,14 @@ def _child_environment() -> dict[str, str]:
             if key not in launch and not key.startswith(("TORCHELASTIC_", "ACCELERATE_"))}
 
 
-def _merged_if_adapter(checkpoint_dir: Path, config, out: Path) -> Path:
+def _merged_if_adapter(checkpoint_dir: Path, train_config: TrainConfig, out: Path) -> Path:
     """A LoRA checkpoint holds only the adapter: merge it into the base model in a folder next to the
     evaluation (removed afterwards); a full checkpoint is used as it is."""
     if not (checkpoint_dir / "adapter_config.json").is_file() or (checkpoint_dir / "config.json").is_file():
         return checkpoint_dir
     merged_dir = out.parent / f".{out.name}.merged-model"
     shutil.rmtree(merged_dir, ignore_errors=True)
-    merged = ckpt.merge_adapter(_config_value(config, "model", None), checkpoint_dir,
-                                _config_value(config, "model_dtype", "auto"))
+    merged = ckpt.merge_adapter(train_config.model, checkpoint_dir, train_config.model_dtype)
     merged.save_pretrained(merged_dir, safe_serialization=True)
     # The tokenizer files, and trainer_state.json for the policy version.
     for path in checkpoint_dir.iterdir():
@@ -505,15 +475,7 @@ def _merged_if_adapter(checkpoint_dir: Path, config, out: Path) -> Path:
     return merged_dir
 
 
-def _config_value(config, name: str, default):
-    if isinstance(config, dict):
-        value = config.get(name, default)
-    else:
-        value = getattr(config, name, default)
-    return default if value is None and default is not None else value
-
-
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
@@ -521,236 +483,3 @@ def _cuda_available() -> bool:
 
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# offline estimation
-
-
-def offline_evaluate(
-    model: str | None = None,
-    data: Sequence[str] = (),
-    run: str | None = None,
-    out: str | Path | None = None,
-    *,
-    temperature: float | None = None,
-    batch_size: int = 8,
-    dtype: str | None = None,
-    num_bootstrap: int = 1000,
-    seed: int = 0,
-    alpha: float = 0.05,
-    overwrite: bool = False,
-) -> dict:
-    """Estimate `model`'s mean reward from logged groups without generating (see the module docstring).
-
-    Groups: those RUN/holdout.json names (`run`), read from `data` or else from the datasets the run
-    recorded; without `run`, every group of `data` (which the policy should never have trained on).
-    `model` defaults to the run's final model (or latest checkpoint). `temperature` None: the data's
-    sampling temperature (1.0 when unrecorded). Rows with a null reward are left out and counted.
-    Returns the summary, also written to OUT/summary.json when `out` is given.
-    """
-    from offline_rec.eval.offpolicy import behavior_kl, offpolicy_estimates
-    from offline_rec.models.loading import (
-        check_model_tokenizer,
-        check_tokenizers,
-        load_model,
-        load_tokenizer,
-        model_context,
-    )
-
-    if out is not None:
-        out = Path(out)
-        _check_out(out, overwrite)
-    holdout_ids = None
-    if run is not None:
-        holdout = _read_holdout(Path(run))
-        holdout_ids = set(holdout["group_ids"])
-        data = list(data) or list(holdout["datasets"])
-        model = model or resolve_model(run)
-    if not model:
-        raise UserError("eval --offline needs --model (or --run, whose final model is used)")
-    if not data:
-        raise UserError("eval --offline needs --data DATASET (or --run RUN, whose held-out groups are used)")
-    if batch_size < 1:
-        raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-    model = resolve_model(model)
-    for path in data:
-        check_dataset_for_use(path)  # a bad row is refused with its shard and row
-    datasets = open_datasets(data)
-    tokenizer = load_tokenizer(model)
-    check_tokenizers(datasets, tokenizer, model)
-    check_tokenizer_fits(model, tokenizer)
-    logged = _read_logged(datasets, holdout_ids, model_context(model))
-    vocab = model_vocab_size(model)
-    if vocab is not None and logged["max_token_id"] >= vocab:
-        raise UserError(f"the data holds token id {logged['max_token_id']} but {model} has {vocab} embeddings: "
-                        "data and model do not match")
-    if temperature is None:
-        temperature = _data_temperature(datasets)
-    if not temperature > 0:
-        raise UserError(f"--temperature must be > 0, got {temperature}")
-
-    policy = load_model(model, dtype=dtype, device="cuda" if _cuda_available() else None)
-    check_model_tokenizer(policy, tokenizer, f" of {model}")
-    log_weights, token_counts = policy_log_weights(
-        policy,
-        tokenizer,
-        logged["prompt_ids"],
-        logged["completion_ids"],
-        logged["behavior_logprobs"],
-        logged["loss_masks"],
-        batch_size,
-        temperature,
-    )
-    metrics = offpolicy_estimates(log_weights, logged["rewards"], num_bootstrap=num_bootstrap, seed=seed, alpha=alpha)
-    metrics.update(behavior_kl(log_weights, token_counts))
-    metrics["groups"] = logged["groups"]
-    metrics["null_reward_rows"] = logged["null_rewards"]
-    summary = {
-        "kind": "offline",
-        "model": model,
-        "data": [str(d.path) for d in datasets],
-        "run": None if run is None else str(run),
-        "temperature": temperature,
-        "logprobs_sources": sorted({str(d.behavior.get("logprobs_source")) for d in datasets}),
-        "num_bootstrap": num_bootstrap,
-        "confidence": 1 - alpha,
-        "seed": seed,
-        "metrics": metrics,
-    }
-    if out is not None:
-        _clear_out(out)
-        atomic_write_json(out / SUMMARY_FILE, summary)
-    return summary
-
-
-def policy_log_weights(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
-                       batch_size: int = 8, temperature: float = 1.0):
-    """Per sequence: (sum over policy tokens of log pi - log mu in float64, number of those tokens).
-
-    log pi is teacher-forced by `scoring.score_logprobs` at `temperature`; a loss_mask of None means
-    every completion token is the policy's. Returns two lists aligned with the inputs.
-    """
-    import numpy as np
-
-    from offline_rec.models.teacher_forced import score_logprobs
-
-    policy_logprobs = score_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
-                                     temperature=temperature)
-    log_weights, token_counts = [], []
-    for pi, mu, mask in zip(policy_logprobs, behavior_logprobs, loss_masks):
-        pi = np.asarray(pi, dtype=np.float64)  # [C]
-        mu = np.asarray(mu, dtype=np.float64)  # [C]
-        keep = np.ones(len(pi), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [C]
-        log_weights.append(float((pi - mu)[keep].sum()))
-        token_counts.append(int(keep.sum()))
-    return log_weights, token_counts
-
-
-def _read_holdout(run: Path) -> dict:
-    path = run / ckpt.HOLDOUT_FILE
-    if not path.is_file():
-        raise UserError(f"{run} has no {ckpt.HOLDOUT_FILE}: give the folder of a train run (--run) or pass --data")
-    try:
-        holdout = json.loads(path.read_text(encoding="utf-8"))
-        group_ids, datasets = list(holdout["group_ids"]), list(holdout["datasets"])
-    except (ValueError, KeyError, TypeError):
-        raise UserError(f"{path}: not a holdout file (expected an object with group_ids and datasets)") from None
-    if not group_ids:
-        raise UserError(f"{run} held out no groups (holdout 0); train with --holdout F, or evaluate on "
-                        "--data of groups the policy never saw (without --run)")
-    return {"group_ids": group_ids, "datasets": datasets}
-
-
-def _read_logged(datasets, group_ids: set[str] | None, context: int | None = None) -> dict:
-    """The logged rows to estimate from: tokens, behavior log-probs, masks, rewards (null-reward rows left out)."""
-    columns = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD]
-    logged = {"prompt_ids": [], "completion_ids": [], "behavior_logprobs": [], "loss_masks": [], "rewards": [],
-              "groups": 0, "null_rewards": 0, "max_token_id": -1}
-    found: set[str] = set()
-    for dataset in datasets:
-        for rows in dataset.iter_groups(columns):
-            group_id = rows[0][S.GROUP_ID]
-            if group_ids is not None and group_id not in group_ids:
-                continue
-            found.add(group_id)
-            for row in rows:
-                length = len(row[S.PROMPT_IDS]) + len(row[S.COMPLETION_IDS])
-                if context is not None and length > context:
-                    raise UserError(f"group {group_id!r} of {dataset.path} has a row of {length} tokens, more than the "
-                                    f"model's context of {context}; drop such groups with "
-                                    "`offline-rec filter --max-prompt-tokens N --max-completion-tokens M`")
-                if row[S.REWARD] is None:
-                    logged["null_rewards"] += 1
-                    continue
-                if not row[S.PROMPT_IDS]:
-                    raise UserError(
-                        f"group {group_id!r} has a row with an empty prompt: its first token cannot be scored"
-                    )
-                logged["prompt_ids"].append(row[S.PROMPT_IDS])
-                logged["completion_ids"].append(row[S.COMPLETION_IDS])
-                logged["behavior_logprobs"].append(row[S.BEHAVIOR_LOGPROBS])
-                logged["loss_masks"].append(row[S.LOSS_MASK])
-                logged["rewards"].append(row[S.REWARD])
-                logged["max_token_id"] = max(logged["max_token_id"], *row[S.PROMPT_IDS], *row[S.COMPLETION_IDS])
-    logged["groups"] = len(found)
-    where = ", ".join(str(d.path) for d in datasets)
-    if group_ids is not None and not found:
-        raise UserError(f"none of the {len(group_ids)} held-out groups is in {where}; pass the run's training data")
-    if not logged["rewards"]:
-        raise UserError(f"no rewarded rows to estimate from in {where} (run `offline-rec reward` first?)")
-    return logged
-
-
-def _data_temperature(datasets) -> float:
-    """The sampling temperature the datasets record, if they agree on one > 0; else 1.0."""
-    recorded = {((d.behavior.get("sampling") or {}).get("temperature")) for d in datasets}
-    if len(recorded) == 1:
-        (value,) = recorded
-        if isinstance(value, (int, float)) and value > 0:
-            return float(value)
-    return 1.0
-
-
-# --------------------------------------------------------------------------------------------
-# display
-
-
-def summary_table(summary: dict):
-    """A rich table of an evaluation summary (rollout or offline)."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    metrics = summary["metrics"]
-    if summary.get("kind") == "offline":
-        percent = f"{summary.get('confidence', 0.95):.0%}"
-        table = Table(
-            title=escape(f"offline estimate for {summary['model']} ({metrics['n']} logged sequences)"), min_width=70
-        )
-        table.add_column("quantity")
-        table.add_column("value", justify="right")
-        table.add_column(f"{percent} bootstrap interval", justify="right")
-        for key, label in (("snis", "self-normalized IS estimate"), ("is", "plain IS estimate"),
-                           ("logged_reward", "logged mean reward (behavior)")):
-            value = metrics["logged_reward_mean"] if key == "logged_reward" else metrics[key]
-            interval = (f"[{metrics[f'{key}_ci_low']:.4f}, {metrics[f'{key}_ci_high']:.4f}]"
-                        if f"{key}_ci_low" in metrics else "")
-            table.add_row(label, f"{value:.4f}", interval)
-        table.add_row("effective sample size", f"{metrics['ess']:.1f} ({metrics['ess_fraction']:.1%} of n)", "")
-        table.add_row("KL(mu || pi) per sequence", f"{metrics['kl_sequence']:.4f}", "")
-        table.add_row("KL(mu || pi) per token", f"{metrics['kl_per_token']:.4f}", "")
-        return table
-    table = Table(
-        title=escape(
-            f"{summary['task']}: {summary['model']} ({metrics['num_prompts']} prompts x "
-            f"{metrics['num_samples']} samples, T={summary['sampling']['temperature']})"
-        ),
-        min_width=70,
-    )
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in metrics.items():
-        if key in ("num_prompts", "num_samples"):
-            continue
-        table.add_row(escape(key), str(value) if isinstance(value, int) else f"{value:.4f}")
-    return table

@@ -10,7 +10,8 @@ huggingface_hub (tests replace that class, nothing else). Around it:
   so a push retried after an interruption uploads only what is missing and completes.
 - `pull_dataset` downloads a snapshot into the Hub cache (or reads it from there, offline too),
   copies it into a hidden folder next to `--out`, validates the copy (schema and the sha256 of
-  every shard) and renames it into place: `--out` is either absent or a valid dataset.
+  every shard), makes its card pin the shards for `datasets` (`refresh_dataset_card`) and
+  renames it into place: `--out` is either absent or a valid dataset.
 - `resolve_dataset_path` turns `hf://datasets/ORG/NAME[@REVISION]` into a validated snapshot
   folder of the cache, so the trainer reads Hub datasets like local ones.
 - `push_model` publishes a `save_pretrained` checkpoint with a generated model card.
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.card import render_dataset_card, render_model_card
+from offline_rec.data.card import refresh_dataset_card, render_dataset_card, render_model_card
 from offline_rec.data.dataset import read_manifest
 from offline_rec.data.locations import HF_DATASET_PREFIX, check_repo_id, parse_hub_dataset_path
 from offline_rec.errors import DataError, UserError
@@ -203,17 +204,20 @@ def hub_user_error(error: BaseException, repo_id: str, revision: str | None, act
         )
     if isinstance(error, E.RevisionNotFoundError):
         return UserError(
-            f"revision {revision or DEFAULT_BRANCH!r} not found in {repo_id}: check --revision (a branch, a tag such as schema-v{S.SCHEMA_VERSION}, or a commit)"
+            f"revision {revision or DEFAULT_BRANCH!r} not found in {repo_id}: "
+            f"check --revision (a branch, a tag such as schema-v{S.SCHEMA_VERSION}, or a commit)"
         )
     if isinstance(error, E.RepositoryNotFoundError):
         return UserError(
-            f"cannot {action} {repo_id}: repository not found or not accessible; check the name, and if it is private {LOGIN_FIX} with an account that can access it"
+            f"cannot {action} {repo_id}: repository not found or not accessible; "
+            f"check the name, and if it is private {LOGIN_FIX} with an account that can access it"
         )
     if isinstance(error, E.OfflineModeIsEnabled):  # a ConnectionError: test it before the network errors
         return UserError(f"cannot {action} {where}: HF_HUB_OFFLINE is set; unset it and retry")
     if isinstance(error, E.LocalEntryNotFoundError):
         return UserError(
-            f"cannot {action} {where}: it is not in the local Hub cache and the Hub cannot be reached; connect (or unset HF_HUB_OFFLINE) and retry"
+            f"cannot {action} {where}: it is not in the local Hub cache and the Hub cannot be reached; "
+            "connect (or unset HF_HUB_OFFLINE) and retry"
         )
     if isinstance(error, E.HfHubHTTPError):
         status = getattr(getattr(error, "response", None), "status_code", None)
@@ -221,18 +225,21 @@ def hub_user_error(error: BaseException, repo_id: str, revision: str | None, act
             return UserError(f"cannot {action} {where}: the Hub refused the token (401); {LOGIN_FIX}")
         if status == 403:
             return UserError(
-                f"cannot {action} {where}: permission denied (403); use a token with write access to that namespace ({LOGIN_FIX})"
+                f"cannot {action} {where}: permission denied (403); "
+                f"use a token with write access to that namespace ({LOGIN_FIX})"
             )
         if status == 429 or (status is not None and status >= 500):
             return UserError(
-                f"cannot {action} {where}: the Hub is unavailable (HTTP {status}); retry later (a retried push uploads only what is missing)"
+                f"cannot {action} {where}: the Hub is unavailable (HTTP {status}); "
+                "retry later (a retried push uploads only what is missing)"
             )
         return UserError(f"cannot {action} {where}: the Hub answered HTTP {status}: {_first_line(error)}")
     if isinstance(error, E.HFValidationError):
         return UserError(f"invalid Hub repo id {repo_id!r}: {_first_line(error)}")
     if isinstance(error, _network_errors()):
         return UserError(
-            f"cannot {action} {where}: the Hub cannot be reached ({type(error).__name__}: {_first_line(error)}); check the network and retry (a retried push uploads only what is missing)"
+            f"cannot {action} {where}: the Hub cannot be reached ({type(error).__name__}: {_first_line(error)}); "
+            "check the network and retry (a retried push uploads only what is missing)"
         )
     return None
 
@@ -287,7 +294,8 @@ def _link_or_copy(source: Path, target: Path) -> None:
 
 @contextmanager
 def _staging_folder(near: Path) -> Iterator[Path]:
-    """A hidden temporary folder beside `near` (same filesystem: hard links work), else in the system temp dir; removed on exit."""
+    """A hidden temporary folder beside `near` (same filesystem: hard links work), else in the system temp dir;
+    removed on exit."""
     near = near.resolve()  # "." must not put the folder inside `near` itself
     try:
         folder = Path(tempfile.mkdtemp(prefix=f".{near.name}.push-", dir=near.parent))
@@ -430,7 +438,10 @@ def pull_dataset(
     try:
         _copy_dataset_files(snapshot, partial)
         where = repo_id + (f"@{revision}" if revision else "")
-        _require_valid(partial, f"pulled {where}", f"nothing was kept; {_cache_fix(repo_id)}")
+        manifest = _require_valid(partial, f"pulled {where}", f"nothing was kept; {_cache_fix(repo_id)}")
+        # A card pushed by an older offline-rec (or edited on the Hub) would let `datasets` serve
+        # the local copy from another same-named folder's cache entry: it is made to pin the shards.
+        refresh_dataset_card(partial, manifest, repo_id)
         os.replace(partial, out)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)

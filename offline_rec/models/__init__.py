@@ -1,1 +1,1 @@
-"""models"""
+"""Models without a training loop: loading with clear errors, tiny models, chunked log-probs, policy versions."""

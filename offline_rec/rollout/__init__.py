@@ -1,1 +1,1 @@
-"""rollout"""
+"""Sampling with a behavior policy: `collect` and its backends (transformers, vLLM)."""

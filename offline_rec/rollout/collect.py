@@ -138,7 +138,7 @@ class CollectConfig:
         if self.split not in SPLITS:
             raise one_of("split", self.split, SPLITS)
         if self.policy_version is None:
-            from offline_rec.training.checkpoint import model_policy_version
+            from offline_rec.models.versions import model_policy_version
 
             self.policy_version = model_policy_version(self.model)
         if self.policy_version < 0:

@@ -32,11 +32,12 @@ import pyarrow.compute as pc
 import torch
 
 from offline_rec import schema as S
+from offline_rec.algorithms import advantage_stats, group_advantages
 from offline_rec.data.dataset import Dataset
 from offline_rec.data.rowstore import RowStore, RowStoreWriter
 from offline_rec.errors import DataError, UserError
 
-# Columns the index pass reads (each step reads STEP_COLUMNS of its rows from the RowStore).
+# Columns the index pass reads (each step reads the RowStore's COLUMNS of its rows from the store).
 INDEX_COLUMNS = [
     S.GROUP_ID,
     S.PROMPT_IDS,
@@ -77,6 +78,11 @@ class GroupIndex:
     @property
     def num_groups(self) -> int:
         return len(self.group_ids)
+
+    def close(self) -> None:
+        """Release the row store (its files go away with it)."""
+        if self.rows is not None:
+            self.rows.close()
 
     def rows_of_groups(self, groups) -> np.ndarray:
         """Row numbers of `groups`, group after group: [sum of their sizes] int64."""
@@ -319,15 +325,15 @@ class Row:
         return int(self.loss_mask[first:].sum())
 
 
-def read_step_rows(index: GroupIndex, groups, row_advantages: dict[int, float]) -> list[Row]:
-    """The rows `row_advantages` names (index row numbers) of `groups`, from the index's RowStore.
+def read_step_rows(index: GroupIndex, rows, advantages) -> list[Row]:
+    """The index rows `rows` (row numbers, in the order given) from the index's RowStore, with `advantages`.
 
-    Rows come back in group order, then row order. Completions are truncated to the lengths in
-    the index; the arrays are read-only views of the store (nothing is decoded or copied).
+    Completions are truncated to the lengths in the index; the arrays are read-only views of the
+    store (nothing is decoded or copied).
     """
     if index.rows is None:
         raise ValueError("this GroupIndex was built with keep_rows=False: it has no rows to read")
-    numbers = [r for r in index.rows_of_groups(groups).tolist() if r in row_advantages]
+    numbers = np.asarray(rows, dtype=np.int64).tolist()
     keep = index.completion_length[numbers]  # [N] after truncation
     lengths = (index.prompt_length[numbers] + keep).tolist()
     columns = index.rows.columns(numbers, {S.COMPLETION_IDS: keep, S.BEHAVIOR_LOGPROBS: keep, S.LOSS_MASK: keep})
@@ -338,7 +344,7 @@ def read_step_rows(index: GroupIndex, groups, row_advantages: dict[int, float]) 
             columns[S.COMPLETION_IDS],
             columns[S.BEHAVIOR_LOGPROBS],
             columns[S.LOSS_MASK],
-            [row_advantages[r] for r in numbers],
+            np.asarray(advantages, dtype=np.float64).tolist(),
             lengths,
         )
     ]
@@ -379,3 +385,96 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     # The loss covers exactly the scored positions (the trainer's zero-loss pass is the exception).
     return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=positions_mask,
                 loss_mask=positions_mask.clone(), behavior_logprobs=behavior, advantages=advantages)
+
+
+def zero_loss_batch(pad_id: int) -> dict[str, torch.Tensor]:
+    """One two-token row whose one scored position carries no loss: a pass with zero gradient."""
+    return dict(input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+                attention_mask=torch.ones((1, 2), dtype=torch.long),
+                positions_mask=torch.ones((1, 1), dtype=torch.bool),
+                loss_mask=torch.zeros((1, 1), dtype=torch.bool),
+                behavior_logprobs=torch.zeros((1, 1)),
+                advantages=torch.zeros(1))
+
+
+# --------------------------------------------------------------------------------------------
+# the schedule of a run and the plan of one step
+
+
+@dataclass
+class Schedule:
+    """Which groups train and in which order: the holdout split, epochs of shuffled whole groups, the step count."""
+
+    train_groups: np.ndarray  # [G_train] positions into the index
+    holdout_groups: np.ndarray  # [G_holdout]
+    prompts_per_step: int
+    steps_per_epoch: int
+    total_steps: int
+    seed: int
+    shuffle: bool
+    data_fingerprint: str  # of the training group ids: a resumed run must train on the same groups
+    _order: tuple[int, np.ndarray] | None = None  # (epoch, permutation), cached across the epoch's steps
+
+    @classmethod
+    def of(cls, index: GroupIndex, holdout: float, prompts_per_step: int, epochs: int, max_steps: int | None,
+           seed: int, shuffle: bool) -> Schedule:
+        train_groups, holdout_groups = split_holdout(index.group_ids, holdout)
+        if len(train_groups) == 0:
+            raise UserError(f"holdout={holdout} leaves no group to train on")
+        per_epoch = steps_per_epoch(len(train_groups), prompts_per_step)
+        digest = hashlib.sha256()
+        for g in train_groups:
+            digest.update(index.group_ids[g].encode("utf-8") + b"\0")
+        return cls(train_groups, holdout_groups, prompts_per_step, per_epoch, max_steps or epochs * per_epoch,
+                   seed, shuffle, digest.hexdigest())
+
+    def epoch_of(self, step: int) -> float:
+        """The fractional epoch reached after `step` (0-based) is done."""
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        return epoch + (step_in_epoch + 1) / self.steps_per_epoch
+
+    def groups_of(self, step: int) -> np.ndarray:
+        """Index positions of the groups of optimizer step `step` (0-based)."""
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, epoch_order(len(self.train_groups), self.seed, epoch, self.shuffle))
+        return self.train_groups[step_groups(self._order[1], step_in_epoch, self.prompts_per_step)]
+
+
+@dataclass
+class StepPlan:
+    """Everything one optimizer step needs before its first forward pass.
+
+    Advantages come from the rewards of the WHOLE step (every rank computes the same ones, RED-Drop's
+    random drops included: same generator); the rank then keeps its own share of the groups.
+    """
+
+    groups: np.ndarray  # [G_step] index positions of the step's groups
+    rows: np.ndarray  # [N] index rows of the step, group after group
+    rewards: np.ndarray  # [N] float64
+    advantages: np.ndarray  # [N] float64, 0 where dropped
+    keep: np.ndarray  # [N] bool, False for rows RED-Drop removed
+    group_stats: dict  # advantage_stats of the step: num_groups, singleton_groups, zero_variance_groups
+    rows_here: list[Row]  # this rank's kept rows that carry at least one trainable token
+    micro_batches: list[list[int]]  # positions into rows_here, one list per forward/backward pass
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(row.trainable_tokens for row in self.rows_here)
+
+
+def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Generator, rank: int, world_size: int,
+              micro_batch_tokens: int) -> StepPlan:
+    """Advantages of the step's groups, this rank's share of them, its rows read and packed into micro-batches."""
+    rows = index.rows_of_groups(groups)  # [N]
+    rewards = index.reward[rows]  # [N]
+    row_groups = np.repeat(groups, index.size[groups]).tolist()  # [N] group keys, unique within the step
+    advantages, keep = group_advantages(spec, torch.from_numpy(rewards), row_groups, generator=generator)  # [N], [N]
+    advantages, keep = advantages.double().numpy(), keep.numpy()
+    stats = advantage_stats(torch.from_numpy(rewards), row_groups)
+
+    share = assign_to_ranks(index.group_tokens(groups), world_size)[rank]  # positions into `groups`
+    mine = np.isin(rows, index.rows_of_groups(groups[share])) & keep  # [N]
+    rows_here = [row for row in read_step_rows(index, rows[mine], advantages[mine]) if row.trainable_tokens > 0]
+    micro_batches = pack_micro_batches([row.length for row in rows_here], micro_batch_tokens)
+    return StepPlan(groups, rows, rewards, np.where(keep, advantages, 0.0), keep, stats, rows_here, micro_batches)

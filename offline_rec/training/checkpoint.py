@@ -33,18 +33,25 @@ import re
 import shutil
 from pathlib import Path
 
-from offline_rec.data.dataset import atomic_write_json
 from offline_rec.errors import UserError
+from offline_rec.files import atomic_write_json
+from offline_rec.models.versions import (  # noqa: F401  (the run layout names, re-read by callers as ckpt.*)
+    FINAL_DIR,
+    SUMMARY_FILE,
+    TRAINER_STATE_FILE,
+    model_policy_version,
+    policy_version,
+    read_trainer_state,
+)
+from offline_rec.training.batching import epoch_seed
+from offline_rec.training.config import save_config
 
 CHECKPOINTS_DIR = "checkpoints"
-FINAL_DIR = "final"
 ADAPTER_DIR = "adapter"
-TRAINER_STATE_FILE = "trainer_state.json"
 ACCELERATE_STATE_DIR = "trainer"
 CONFIG_FILE = "config.yaml"
 HOLDOUT_FILE = "holdout.json"
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
 TENSORBOARD_DIR = "tb"
 
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)$")
@@ -87,30 +94,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         raise UserError(f"{path} is neither a training run with checkpoints nor a {CHECKPOINTS_DIR}/step-N folder "
                         f"(a {FINAL_DIR}/ folder has no optimizer state: start from it with --model instead)")
     return latest
-
-
-def policy_version(trainer_state: dict) -> int:
-    """Updates the checkpoint's weights have had since the first run of their line (older checkpoints: their step)."""
-    return int(trainer_state.get("policy_version", trainer_state["step"]))
-
-
-def model_policy_version(model: str | os.PathLike) -> int:
-    """The policy version of a model folder: a checkpoint's trainer_state.json, or for RUN/final its
-    run's summary.json; 0 (the base policy) for anything else, a Hub id included."""
-    path = Path(model)
-    try:
-        if (path / TRAINER_STATE_FILE).is_file():
-            return policy_version(read_trainer_state(path))
-        if path.name == FINAL_DIR and (path.parent / SUMMARY_FILE).is_file():
-            summary = json.loads((path.parent / SUMMARY_FILE).read_text(encoding="utf-8"))
-            return int(summary.get("policy_version", summary.get("steps")) or 0)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        pass
-    return 0
-
-
-def read_trainer_state(checkpoint_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(checkpoint_dir) / TRAINER_STATE_FILE).read_text(encoding="utf-8"))
 
 
 def remove_partial(run_dir: str | os.PathLike) -> None:
@@ -232,3 +215,59 @@ def _copy(source: Path, destination: Path) -> None:
         shutil.copytree(source, destination)
     else:
         shutil.copy2(source, destination)
+
+
+def finished_summary(run_dir: Path) -> dict:
+    """A finished run resumed: nothing to do, nothing changed."""
+    path = run_dir / SUMMARY_FILE
+    summary = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {"run_dir": str(run_dir)}
+    print(f"{run_dir} is finished ({run_dir / FINAL_DIR}); nothing to do")
+    return {**summary, "already_finished": True}
+
+
+def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: int = 0,
+                       init_from: str | None = None) -> dict:
+    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`),
+    and the policy version of the weights: `version_start` (that of `init_from`, the checkpoint this
+    run continued, if any) + steps_done."""
+    epoch, step_in_epoch = divmod(steps_done, schedule.steps_per_epoch)
+    return {
+        "step": steps_done,
+        "epoch": epoch,
+        "position": step_in_epoch * schedule.prompts_per_step,
+        "shuffle_seed": epoch_seed(schedule.seed, epoch),
+        "steps_per_epoch": schedule.steps_per_epoch,
+        "total_steps": schedule.total_steps,
+        "finished": steps_done >= schedule.total_steps,
+        "data_fingerprint": schedule.data_fingerprint,
+        "policy_version_start": version_start,
+        "policy_version": version_start + steps_done,
+        "init_from": init_from,
+        "metrics": metrics,
+    }
+
+
+def start_run_dir(run_dir: Path, config, datasets, index, schedule) -> None:
+    """Create RUN/ (main process): its config.yaml and holdout.json; leftovers of a killed save removed."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    remove_partial(run_dir)
+    save_config(config, run_dir / CONFIG_FILE)
+    atomic_write_json(run_dir / HOLDOUT_FILE, {
+        "fraction": config.holdout,
+        "rule": "sha256(group_id) read as a big-endian 64-bit fraction < fraction",
+        "data": list(config.data),  # as given (hf://datasets/... or local paths)
+        "datasets": [str(Path(d.path).resolve()) for d in datasets],
+        "group_ids": [index.group_ids[g] for g in schedule.holdout_groups],
+    })
+
+
+def policy_lineage(state: dict | None, init_from: Path | None) -> tuple[int, str | None]:
+    """(policy version the run started at, the checkpoint it continued) along a line of init_from runs.
+
+    Versions count updates (0 = the base model); a resumed run reads both from its own trainer state.
+    """
+    if state:
+        return state.get("policy_version_start", 0), state.get("init_from")
+    if init_from:
+        return policy_version(read_trainer_state(init_from)), str(init_from.resolve())
+    return 0, None

@@ -29,6 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
 
 ALGORITHM_PREFIX = "algorithm."
@@ -129,7 +130,8 @@ class TrainConfig:
     progress: bool = _option(True, "show a progress bar")
     eval_every: int = _option(0, "evaluate a checkpoint every this many steps (0 = off); needs eval_task")
     eval_task: str | None = _option(None, "task evaluated with eval_every")
-    # The eval_* settings below are passed to offline_rec.eval.rollouts; null = its default.
+    # The eval_* settings below become an EvalConfig in offline_rec.eval.rollouts.training_eval_config;
+    # null = its TRAINING_EVAL_* value.
     eval_prompts: str | None = _option(None, "evaluation prompts file (null: the task's own prompts)")
     eval_split: str | None = _option(None, "split of the task's prompts to evaluate on")
     eval_num_prompts: int | None = _option(None, "number of evaluation prompts")
@@ -213,10 +215,6 @@ def _type_name(kind) -> str:
     return "null" if kind is type(None) else kind.__name__
 
 
-_TRUE = ("true", "yes", "on", "1")
-_FALSE = ("false", "no", "off", "0")
-
-
 def coerce(name: str, kind, value):
     """`value` converted to the field type `kind`; strings from a command line are accepted."""
     args = typing.get_args(kind)
@@ -239,36 +237,7 @@ def coerce(name: str, kind, value):
         if not isinstance(value, dict):
             raise UserError(f"{name} expects a mapping like {{key: value}}, got {value!r}")
         return value
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).strip().lower() in _TRUE:
-            return True
-        if str(value).strip().lower() in _FALSE:
-            return False
-        raise UserError(f"{name} expects true/false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool):
-            raise UserError(f"{name} expects an integer, got {value!r}")
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{name} expects an integer, got {value!r}") from None
-        if not number.is_integer():
-            raise UserError(f"{name} expects an integer, got {value!r}")
-        return int(number)
-    if kind is float:
-        if isinstance(value, bool):
-            raise UserError(f"{name} expects a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise UserError(f"{name} expects a number, got {value!r}") from None
-    if kind is str:
-        if isinstance(value, (dict, list)) or value is None:
-            raise UserError(f"{name} expects a string, got {value!r}")
-        return str(value)
-    raise TypeError(f"no coercion for {name}: {kind}")
+    return coerce_scalar(name, kind, value)
 
 
 def _parse_value(text: str):

@@ -15,10 +15,13 @@ import json
 import math
 
 import pytest
+from cli_support import run_cli
 from datagen import make_rows, write_dataset
+from datasets_support import old_style_card
 from rich.console import Console
 
 from offline_rec import schema as S
+from offline_rec.data.dataset import read_manifest
 from offline_rec.data.inspect import describe_dataset
 from offline_rec.display import print_description
 from offline_rec.errors import DataError, UserError
@@ -148,3 +151,20 @@ def test_text_description_shows_the_numbers(stats):
     assert "groups with all-equal rewards (no signal)" in text and "0.75" in text
     assert "stop: 6, length: 3" in text
     assert "reward histogram" in text
+
+
+def test_a_card_that_lets_datasets_serve_stale_rows_is_warned_about(tmp_path, capsys):
+    path = write_dataset(tmp_path / "run" / "data", make_rows([2, 1]))
+    code, _, err = run_cli(capsys, "inspect", path)
+    assert code == 0 and "warning" not in err  # the writer's card pins the shards
+    (path / S.CARD_FILE).write_text(old_style_card(read_manifest(path)))
+    stats = describe_dataset(path)
+    warning, = stats["warnings"]
+    assert warning.startswith(f'datasets.load_dataset("{path.as_posix()}") may return rows cached for another '
+                              f'folder named "data"')
+    assert f'datasets.load_dataset("parquet", data_files="{path.as_posix()}/data/*.parquet", split="train")' in warning
+    code, out, err = run_cli(capsys, "inspect", path, "--json")
+    assert code == 0 and json.loads(out)["warnings"] == [warning]
+    assert err == f"warning: {warning}\n"  # on stderr: stdout stays JSON
+    (path / S.CARD_FILE).unlink()  # no card: `datasets` hashes the files, nothing to warn about
+    assert describe_dataset(path)["warnings"] == []

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from cli_support import cli_exit_code
 from cli_support import run_cli as run_main
 
 from offline_rec import schema as S
@@ -17,8 +18,10 @@ from offline_rec.data.dataset import open_dataset
 from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval import rollouts as E
+from offline_rec.eval.config import EvalConfig, cli_arguments, cli_options
 from offline_rec.models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, make_tiny_checkpoint
 from offline_rec.rollout import backends
+from offline_rec.training.config import TrainConfig
 
 # The reward of the generic task below: `test_eval:digit_reward` (tests/ is on sys.path).
 REWARD = "test_eval:digit_reward"
@@ -42,6 +45,11 @@ def prompts_file(tmp_path_factory) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
+
+
+def train_config(run, **fields) -> TrainConfig:
+    """A train config whose eval_* fields are `fields` (data, model and algorithm only need to be valid)."""
+    return TrainConfig(**{"data": ["unused"], "model": "unused", "algorithm": "grpo", "out": str(run), **fields})
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,8 +108,8 @@ def test_prompt_and_aggregate_metrics_by_hand():
 
 def test_evaluate_hf_writes_a_consistent_eval_folder(tmp_path, checkpoint, prompts_file):
     out = tmp_path / "eval"
-    summary = E.evaluate(checkpoint, REWARD, out, prompts=str(prompts_file), num_samples=4, max_new_tokens=6,
-                         backend="hf", seed=3, show_progress=False)
+    summary = E.evaluate(EvalConfig(model=checkpoint, task=REWARD, out=out, prompts=str(prompts_file), num_samples=4,
+                                    max_new_tokens=6, backend="hf", seed=3, show_progress=False))
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary["backend"] == "transformers" and summary["policy_version"] == 0
     metrics = summary["metrics"]
@@ -133,7 +141,8 @@ def test_evaluate_hf_writes_a_consistent_eval_folder(tmp_path, checkpoint, promp
 
     # An existing evaluation is kept unless --overwrite.
     with pytest.raises(UserError, match="already exists"):
-        E.evaluate(checkpoint, REWARD, out, prompts=str(prompts_file), backend="hf", show_progress=False)
+        E.evaluate(EvalConfig(model=checkpoint, task=REWARD, out=out, prompts=str(prompts_file), backend="hf",
+                              show_progress=False))
 
 
 def test_checkpoint_of_a_run_gives_its_policy_version(tmp_path, checkpoint):
@@ -165,8 +174,8 @@ def test_evaluate_checkpoint_in_process(tmp_path, checkpoint, prompts_file):
     step = run / "checkpoints" / "step-000005"
     shutil.copytree(checkpoint, step)
     (step / "trainer_state.json").write_text(json.dumps({"step": 5}))
-    config = {"eval_task": REWARD, "eval_prompts": str(prompts_file), "eval_num_samples": 2, "eval_max_new_tokens": 4,
-              "eval_backend": "hf", "out": str(run), "seed": 0}
+    config = train_config(run, eval_task=REWARD, eval_prompts=str(prompts_file), eval_num_samples=2,
+                          eval_max_new_tokens=4, eval_backend="hf")
     metrics = E.evaluate_checkpoint(step, config)
     out = run / "eval" / "step-000005"
     assert metrics == json.loads((out / "summary.json").read_text())["metrics"]
@@ -187,8 +196,8 @@ def test_evaluate_a_lora_checkpoint(tmp_path, checkpoint):
     adapted.save_pretrained(step)
     load_tokenizer(checkpoint).save_pretrained(step)
     (step / "trainer_state.json").write_text(json.dumps({"step": 3}))
-    config = {"eval_task": "arith", "eval_num_prompts": 2, "eval_num_samples": 2, "eval_max_new_tokens": 3,
-              "eval_backend": "hf", "out": str(tmp_path / "run"), "model": checkpoint, "model_dtype": "float32"}
+    config = train_config(tmp_path / "run", model=checkpoint, eval_task="arith", eval_num_prompts=2,
+                          eval_num_samples=2, eval_max_new_tokens=3, eval_backend="hf")
     metrics = E.evaluate_checkpoint(step, config)
     assert metrics["num_prompts"] == 2
     rows = open_dataset(tmp_path / "run" / "eval" / "step-000003" / "rollouts").to_table().to_pylist()
@@ -200,8 +209,8 @@ def test_evaluate_a_lora_checkpoint(tmp_path, checkpoint):
 def test_evaluate_checkpoint_in_a_child_process(tmp_path, checkpoint):
     step = tmp_path / "run" / "checkpoints" / "step-000002"
     shutil.copytree(checkpoint, step)
-    config = {"eval_task": "arith", "eval_num_prompts": 2, "eval_num_samples": 2, "eval_max_new_tokens": 3,
-              "eval_backend": "hf", "out": str(tmp_path / "run")}
+    config = train_config(tmp_path / "run", eval_task="arith", eval_num_prompts=2, eval_num_samples=2,
+                          eval_max_new_tokens=3, eval_backend="hf")
     metrics = E.evaluate_checkpoint(step, config, in_subprocess=True)
     summary = json.loads((tmp_path / "run" / "eval" / "step-000002" / "summary.json").read_text())
     assert metrics == summary["metrics"] and metrics["num_prompts"] == 2
@@ -209,7 +218,7 @@ def test_evaluate_checkpoint_in_a_child_process(tmp_path, checkpoint):
 
 
 def test_child_process_failures(tmp_path, checkpoint, monkeypatch, capsys):
-    config = {"eval_task": "arith", "eval_backend": "hf", "out": str(tmp_path / "run")}
+    config = train_config(tmp_path / "run", eval_task="arith", eval_backend="hf")
 
     def child(returncode, stderr):
         return lambda *args, **kwargs: subprocess.CompletedProcess(args, returncode, "", stderr)
@@ -224,13 +233,18 @@ def test_child_process_failures(tmp_path, checkpoint, monkeypatch, capsys):
         E.evaluate_checkpoint(checkpoint, config, in_subprocess=True)
 
 
-def test_check_eval_config_refuses_before_training(prompts_file):
-    E.check_eval_config({"eval_task": "arith", "eval_backend": "hf"})
-    E.check_eval_config({"eval_task": REWARD, "eval_prompts": str(prompts_file)})
+def test_check_eval_config_refuses_before_training(tmp_path, prompts_file):
+    E.check_eval_config(train_config(tmp_path, eval_task="arith", eval_backend="hf"))
+    E.check_eval_config(train_config(tmp_path, eval_task=REWARD, eval_prompts=str(prompts_file)))
     with pytest.raises(UserError, match="has no built-in prompts"):
-        E.check_eval_config({"eval_task": "gsm8k"})
+        E.check_eval_config(train_config(tmp_path, eval_task="gsm8k"))
     with pytest.raises(UserError, match="unknown backend"):
-        E.check_eval_config({"eval_task": "arith", "eval_backend": "tgi"})
+        E.check_eval_config(train_config(tmp_path, eval_task="arith", eval_backend="tgi"))
+    with pytest.raises(UserError, match="unknown arith split .dev."):
+        E.check_eval_config(train_config(tmp_path, eval_task="arith", eval_split="dev"))
+    with pytest.raises(UserError, match="needs eval_task"):
+        E.check_eval_config(train_config(tmp_path))
+    assert not any(tmp_path.iterdir())  # checked, nothing written
 
 
 def test_child_runs_outside_the_distributed_launch(monkeypatch):
@@ -243,16 +257,67 @@ def test_child_runs_outside_the_distributed_launch(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"
 
 
-def test_eval_command_line():
-    settings = dict(E.CHECKPOINT_EVAL_DEFAULTS, backend="vllm", num_prompts=64, gpu_memory_utilization=None)
-    command = E.eval_command("/ckpt", "arith", Path("/run/eval/step-1"), 4, settings)
-    assert command[1:4] == ["-m", "offline_rec", "eval"]
-    def value(flag):
-        return command[command.index(flag) + 1]
+def test_training_eval_config_maps_the_eval_fields_by_hand(tmp_path, prompts_file, monkeypatch):
+    monkeypatch.setattr(E, "cuda_available", lambda: False)
+    step = tmp_path / "run" / "checkpoints" / "step-000004"
+    # Nothing but eval_task: the TRAINING_EVAL_* values, 128 built-in test prompts, the run's seed.
+    config = E.training_eval_config(step, train_config(tmp_path / "run", eval_task="arith", seed=9))
+    assert config == EvalConfig(
+        model=str(step), task="arith", out=tmp_path / "run" / "eval" / "step-000004", num_prompts=128, split="test",
+        num_samples=4, max_new_tokens=128, temperature=1.0, backend=backends.check_backend_name(None), batch_size=32,
+        greedy=True, gpu_memory_utilization=None, seed=9, overwrite=True, show_progress=False,
+    )
+    # Every eval_* field given: taken as it is; a prompts file means all of its prompts.
+    given = train_config(tmp_path / "run", eval_task=REWARD, eval_prompts=str(prompts_file), eval_split="train",
+                         eval_num_samples=3, eval_max_new_tokens=5, eval_temperature=0.7, eval_backend="hf")
+    config = E.training_eval_config(step, given)
+    assert (config.prompts, config.num_prompts, config.split, config.num_samples, config.max_new_tokens,
+            config.temperature, config.backend) == (str(prompts_file), None, "train", 3, 5, 0.7, "hf")
+    assert E.training_eval_config(step, train_config(tmp_path, eval_task="arith", eval_num_prompts=7)).num_prompts == 7
+    monkeypatch.setattr(E, "cuda_available", lambda: True)  # the trainer holds the rest of the GPU
+    assert E.training_eval_config(step, given).gpu_memory_utilization == 0.3
 
-    assert value("--backend") == "vllm" and value("--num-prompts") == "64" and value("--seed") == "4"
-    assert value("--model") == "/ckpt" and value("--out") == "/run/eval/step-1"
-    assert "--gpu-memory-utilization" not in command and "--greedy" in command
+
+def test_the_child_command_line_gives_the_cli_the_same_config(tmp_path, monkeypatch):
+    """eval_command(config), parsed by `offline-rec eval`, builds `config` again (every option, off or on)."""
+    from offline_rec.eval import offline
+
+    built = []
+    monkeypatch.setattr(E, "evaluate", lambda config: built.append(config) or {"metrics": {}})
+    monkeypatch.setattr(offline, "offline_evaluate", lambda config: built.append(config) or {"metrics": {}})
+    configs = [
+        EvalConfig(model="/ckpt", task="arith", out=tmp_path / "e", backend="vllm", num_prompts=64, seed=4,
+                   overwrite=True, show_progress=False),
+        EvalConfig(model="m", task="t:f", out=tmp_path / "f", num_samples=3, greedy=False, prompts="p.jsonl",
+                   prompt_column="q", split="train", reward="mod:fn", temperature=0.5, top_p=0.9, top_k=7,
+                   max_new_tokens=9, batch_size=2, dtype="bfloat16", chat_template=False, success_threshold=0.25,
+                   gpu_memory_utilization=0.4, reward_timeout_s=0),
+        EvalConfig(offline=True, model="m", data=["a", "b"], run="r", num_bootstrap=5, temperature=0.3),
+    ]
+    for field in cli_options():  # between them, the configs move every option off its default
+        assert any(getattr(config, field.name) not in (field.default, []) for config in configs), field.name
+    for config in configs:
+        command = E.eval_command(config)
+        assert command[1:4] == ["-m", "offline_rec", "eval"] and command[-1] == "--json"
+        assert cli_exit_code("eval", *command[4:]) == 0
+        assert built.pop() == config
+    assert "--gpu-memory-utilization" not in E.eval_command(configs[0])  # None: left out
+    assert "--reward-timeout" in cli_arguments(configs[1]) and "--no-greedy" in cli_arguments(configs[1])
+
+
+def test_eval_config_refuses_option_mixes_in_one_line():
+    with pytest.raises(UserError, match="go with --offline"):
+        EvalConfig(model="m", task="t", out="o", data=["d"])
+    with pytest.raises(UserError, match="eval needs --out"):
+        EvalConfig(model="m", task="t")
+    with pytest.raises(UserError, match="needs --model"):
+        EvalConfig(offline=True, data=["d"])
+    with pytest.raises(UserError, match="needs --data"):
+        EvalConfig(offline=True, model="m")
+    with pytest.raises(UserError, match="--batch-size must be >= 1"):
+        EvalConfig(offline=True, model="m", data=["d"], batch_size=0)
+    assert EvalConfig(offline=True, run="r").data == []
+    assert EvalConfig(model="m", task="t", out="o", reward_timeout_s=None).reward_timeout_s == 0.0  # no limit
 
 
 def test_cli_eval_json(tmp_path, checkpoint, capsys):

@@ -14,7 +14,9 @@ import pytest
 from offline_rec import schema as S
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.validate import validate_dataset
-from offline_rec.eval.rollouts import evaluate, offline_evaluate
+from offline_rec.eval.config import EvalConfig
+from offline_rec.eval.offline import offline_evaluate
+from offline_rec.eval.rollouts import evaluate
 
 pytestmark = pytest.mark.vllm
 
@@ -29,8 +31,9 @@ def backend(vllm_engine, vllm_tiny_model):
 @pytest.fixture(scope="module")
 def evaluation(tmp_path_factory, backend, vllm_tiny_model):
     out = tmp_path_factory.mktemp("vllm-eval") / "eval"
-    summary = evaluate(vllm_tiny_model, "arith", out, backend=backend, num_prompts=4, num_samples=4, max_new_tokens=8,
-                       seed=1, show_progress=False)
+    config = EvalConfig(model=vllm_tiny_model, task="arith", out=out, num_prompts=4, num_samples=4, max_new_tokens=8,
+                        seed=1, show_progress=False)
+    summary = evaluate(config, backend=backend)
     return out, summary
 
 
@@ -64,7 +67,8 @@ def test_vllm_greedy_matches_transformers(evaluation, vllm_tiny_model):
 def test_offline_estimate_on_the_policys_own_rollouts(evaluation, vllm_tiny_model):
     """pi == mu: every log-weight ~ 0 (vLLM vs transformers numerics), ESS ~ N, SNIS ~ the logged mean."""
     out, _ = evaluation
-    summary = offline_evaluate(vllm_tiny_model, [str(out / "rollouts")], num_bootstrap=100)
+    summary = offline_evaluate(EvalConfig(offline=True, model=vllm_tiny_model, data=[str(out / "rollouts")],
+                                          num_bootstrap=100))
     estimates = summary["metrics"]
     assert summary["temperature"] == 1.0  # read from the rollouts' manifest
     assert estimates["n"] == 16

@@ -166,11 +166,13 @@ def test_policy_equal_to_behavior_gives_the_logged_mean_and_full_ess(tmp_path, b
     """The logged log-probs ARE the policy's teacher-forced ones (same batches): every weight is exactly 1."""
     from datagen import make_rows
 
-    from offline_rec.eval.rollouts import offline_evaluate
+    from offline_rec.eval.config import EvalConfig
+    from offline_rec.eval.offline import offline_evaluate
 
     groups = make_rows([3, 3, 2, 4], seed=5, vocab_size=VOCAB)
     data = logged_dataset(tmp_path / "data", behavior_model, groups)
-    summary = offline_evaluate(behavior_model, [str(data)], batch_size=8, num_bootstrap=200)
+    summary = offline_evaluate(EvalConfig(offline=True, model=behavior_model, data=[str(data)], batch_size=8,
+                                          num_bootstrap=200))
     estimates = summary["metrics"]
     rewards = [row[S.REWARD] for group in groups for row in group]
     assert estimates["n"] == 12 and estimates["groups"] == 4
@@ -189,7 +191,8 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
     from datagen import make_rows
 
     from offline_rec.data.dataset import open_dataset
-    from offline_rec.eval.rollouts import offline_evaluate
+    from offline_rec.eval.config import EvalConfig
+    from offline_rec.eval.offline import offline_evaluate
     from offline_rec.models.loading import load_model
 
     masks = [[None, None], [None, None], [[1, 0, 1, 1, 1, 1, 1, 1], None], [None, [0, 1, 1, 1, 1, 1, 1, 1]]]
@@ -204,7 +207,7 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
     held_out = [groups[2][0][S.GROUP_ID], groups[3][0][S.GROUP_ID]]
     (run / "holdout.json").write_text(json.dumps({"datasets": [str(data)], "group_ids": held_out}))
 
-    summary = offline_evaluate(run=str(run), num_bootstrap=300, seed=4)
+    summary = offline_evaluate(EvalConfig(offline=True, run=str(run), num_bootstrap=300, seed=4))
     assert summary["model"] == str(run / "final") and summary["data"] == [str(data)]
     estimates = summary["metrics"]
     assert (estimates["n"], estimates["groups"], estimates["null_reward_rows"]) == (3, 2, 1)

@@ -20,13 +20,14 @@ from pathlib import Path
 
 import pytest
 from datagen import make_rows, tree_digest, write_dataset
+from datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
 from paths import REPO as ROOT
 
 from offline_rec import cli
 from offline_rec import schema as S
-from offline_rec.data.card import split_front_matter
+from offline_rec.data.card import card_problem, split_front_matter
 from offline_rec.errors import UserError
-from offline_rec.hub.transfer import transfer as hub
+from offline_rec.hub import transfer as hub
 
 REPO = "org/name"
 COMMIT = "c" * 40
@@ -397,7 +398,7 @@ def lay_out_hub_cache(hf_home: Path, dataset: Path, repo_id: str = REPO, commit:
         link = snapshot / relative
         link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(os.path.relpath(blob, link.parent))
-    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs").mkdir(exist_ok=True)  # laid out again: a new commit becomes main
     (repo_dir / "refs" / "main").write_text(commit)
     return snapshot
 
@@ -419,6 +420,67 @@ def test_pull_from_the_offline_cache_gives_a_valid_local_dataset(dataset, tmp_pa
     assert tree_digest(out) == tree_digest(dataset)
     assert not any(p.is_symlink() for p in out.rglob("*"))  # plain files, independent of the cache
     assert sorted(os.listdir(out.parent)) == ["ds"]
+
+
+def pull_offline(hf_home: Path, *pulls: tuple[str, Path]) -> None:
+    """`pull_dataset(repo, out)` for each pair, in one offline subprocess."""
+    script = "from offline_rec.hub.transfer import pull_dataset\n" + "".join(
+        f"pull_dataset({repo!r}, {str(out)!r})\n" for repo, out in pulls
+    )
+    done = run_offline(hf_home, "-c", script)
+    assert done.returncode == 0, done.stderr
+
+
+def published(dataset: Path, where: Path, card: str | None = None) -> Path:
+    """The folder a push of `dataset` uploads (`card`: the README.md an earlier version would have uploaded)."""
+    where.mkdir(parents=True)
+    manifest = json.loads((dataset / S.MANIFEST_FILE).read_text())
+    hub.stage_dataset(dataset, manifest, where, license="mit", repo_id=REPO)
+    if card is not None:
+        (where / S.CARD_FILE).write_text(card)
+    return where
+
+
+def same_shape(seed: int) -> list[list[dict]]:
+    return make_rows([2, 3, 2], seed=seed, completion_lengths=[[1, 2], [3, 4, 5], [6, 7]])
+
+
+def test_pulled_datasets_load_their_own_rows_with_datasets(tmp_path, monkeypatch):
+    use_private_datasets_cache(monkeypatch, tmp_path / "hf-datasets")
+    first, second, other = (
+        write_dataset(tmp_path / "local" / str(seed) / "ds", same_shape(seed)) for seed in (1, 2, 3)
+    )
+    hf = tmp_path / "hf"
+    lay_out_hub_cache(hf, published(first, tmp_path / "pushed-1"), "org/a", "1" * 40)
+    lay_out_hub_cache(hf, published(other, tmp_path / "pushed-3"), "org/b", "3" * 40)
+    x, y = tmp_path / "x" / "data", tmp_path / "y" / "data"  # two pulls into folders of one name
+    pull_offline(hf, ("org/a", x), ("org/b", y))
+    for pulled, source in ((x, first), (y, other)):
+        assert rows_by_datasets(pulled) == rows_by_pyarrow(pulled) == rows_by_pyarrow(source)
+    # The repo gets a new version; the folder is pulled again in place.
+    lay_out_hub_cache(hf, published(second, tmp_path / "pushed-2"), "org/a", "2" * 40)
+    shutil.rmtree(x)
+    pull_offline(hf, ("org/a", x))
+    assert rows_by_datasets(x) == rows_by_pyarrow(x) == rows_by_pyarrow(second)
+
+
+def test_a_pulled_card_of_an_earlier_version_is_made_to_pin_the_shards(tmp_path, monkeypatch):
+    use_private_datasets_cache(monkeypatch, tmp_path / "hf-datasets")
+    pushed, local = (write_dataset(tmp_path / "local" / str(seed) / "ds", same_shape(seed)) for seed in (1, 2))
+    for path in (pushed, local):  # both with the card that keyed the cache on "data" + that YAML
+        (path / S.CARD_FILE).write_text(old_style_card(json.loads((path / S.MANIFEST_FILE).read_text())))
+    neighbour = tmp_path / "z" / "data"
+    shutil.copytree(local, neighbour)
+    assert rows_by_datasets(neighbour) == rows_by_pyarrow(local)  # fills the cache entry of that old key
+    hf = tmp_path / "hf"
+    manifest = json.loads((pushed / S.MANIFEST_FILE).read_text())
+    lay_out_hub_cache(hf, published(pushed, tmp_path / "pushed", card=old_style_card(manifest, license="mit")))
+    out = tmp_path / "pulled" / "data"
+    pull_offline(hf, (REPO, out))
+    assert card_problem(out, manifest) is None
+    front, _ = split_front_matter((out / S.CARD_FILE).read_text())
+    assert front["license"] == "mit"  # the rest of the Hub card is kept
+    assert rows_by_datasets(out) == rows_by_pyarrow(out) == rows_by_pyarrow(pushed)
 
 
 def test_pull_of_a_corrupted_cache_is_refused_and_leaves_nothing(dataset, tmp_path):

@@ -41,8 +41,8 @@ import yaml
 from cli_support import cli_exit_code
 from datagen import make_rows, tree_digest, write_dataset
 from paths import TESTS
-from test_train_support import tiny_model
-from test_train_support import write_dataset as write_training_dataset
+from train_support import tiny_model
+from train_support import write_dataset as write_training_dataset
 
 from offline_rec import schema as S
 from offline_rec.data.dataset import open_dataset

@@ -35,7 +35,7 @@ from test_validate import DEFECTS as VALIDATE_DEFECTS
 
 from offline_rec import schema as S
 from offline_rec.data.validate import ERROR, validate_dataset
-from offline_rec.hub.transfer import transfer as hub
+from offline_rec.hub import transfer as hub
 from offline_rec.models.tiny import make_tiny_checkpoint
 
 CONTEXT = 64  # the tiny model's max_position_embeddings

@@ -16,6 +16,7 @@ import pytest
 from paths import FIXTURES
 
 from offline_rec.errors import UserError
+from offline_rec.tasks import builtin as tasks
 from offline_rec.tasks.builtin import (
     TASKS,
     arith_pairs,
@@ -32,7 +33,6 @@ from offline_rec.tasks.builtin import (
     score,
     score_many,
 )
-from offline_rec.tasks.builtin import builtin as tasks
 from offline_rec.tasks.prompts import PromptItem, load_prompts, messages_as_plain_text, render_prompt
 
 # ---------------------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ def test_index_finds_groups_across_read_batches_and_reads_every_row_back(tmp_pat
     assert index.shard.tolist() == [0, 0, 0, 0, 1, 1] and index.shard_row.tolist() == [0, 5, 6, 13, 0, 3]
     assert index.rows_of_groups([3, 0]).tolist() == [13, 14, 0, 1, 2, 3, 4]  # group 3 starts after 5 + 1 + 7 rows
     assert index.group_tokens([1, 3]).tolist() == [2 + 1, 2 * 4 + 1 + 2]
-    rows = batching.read_step_rows(index, [5, 2], {int(r): float(r) for r in index.rows_of_groups([5, 2])})
+    numbers = index.rows_of_groups([5, 2])
+    rows = batching.read_step_rows(index, numbers, numbers.astype(float))
     expected = [(g, k) for g in (5, 2) for k in range(sizes[g])]
     assert [r.prompt_ids.tolist() for r in rows] == [[g + 4] * (g + 1) for g, _ in expected]
     assert [r.completion_ids.tolist() for r in rows] == [[100 + g * 10 + k] * (k + 1) for g, k in expected]
@@ -121,7 +122,7 @@ def test_index_finds_groups_across_read_batches_and_reads_every_row_back(tmp_pat
     no_rows = batching.index_datasets([dataset], 100, False, keep_rows=False)
     assert no_rows.rows is None and no_rows.size.tolist() == sizes
     with pytest.raises(ValueError, match="keep_rows=False"):
-        batching.read_step_rows(no_rows, [0], {0: 1.0})
+        batching.read_step_rows(no_rows, [0], [1.0])
 
 
 def test_rows_of_two_datasets_come_back_truncated_to_max_length(tmp_path):
@@ -132,7 +133,7 @@ def test_rows_of_two_datasets_come_back_truncated_to_max_length(tmp_path):
     index = batching.index_datasets([first, second], max_length=5, truncate=True)
     assert index.group_ids == ["a", "b"] and index.dataset.tolist() == [0, 1]
     assert index.truncated_rows == 2  # a/0: 2 + 4 > 5; b/1: 6 + 2 > 5 (its prompt alone is too long)
-    rows = batching.read_step_rows(index, [1, 0], {r: float(r) for r in range(4)})
+    rows = batching.read_step_rows(index, index.rows_of_groups([1, 0]), [2.0, 3.0, 0.0, 1.0])
     assert [r.prompt_ids.tolist() for r in rows] == [[], [4] * 6, [5, 6], [5, 6]]
     assert [r.completion_ids.tolist() for r in rows] == [[12, 13, 14], [], [7, 8, 9], [11]]
     assert [r.behavior_logprobs.tolist() for r in rows] == [[-0.5] * 3, [], [-0.5] * 3, [-0.5]]
@@ -156,7 +157,7 @@ def test_read_and_collate_place_tokens_by_hand(tmp_path):
     groups = [[_row("a", 0, [5, 6], [7, 8, 9], loss_mask=[1, 0, 1]), _row("a", 1, [5, 6], [10])]]
     dataset = _dataset(tmp_path, groups)
     index = batching.index_datasets([dataset], 100, False)
-    rows = batching.read_step_rows(index, [0], {0: 0.5, 1: -0.5})
+    rows = batching.read_step_rows(index, [0, 1], [0.5, -0.5])
     assert [r.trainable_tokens for r in rows] == [2, 1]
     batch = batching.collate(rows, pad_id=0)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 6, 10, 0, 0]]
@@ -166,5 +167,5 @@ def test_read_and_collate_place_tokens_by_hand(tmp_path):
     assert batch["behavior_logprobs"][0].tolist() == [0.0, -0.5, -0.5, -0.5]
     assert torch.equal(batch["loss_mask"], batch["positions_mask"])
     assert batch["advantages"].tolist() == [0.5, -0.5]
-    # rows missing from the advantages (RED-Drop's dropped rows) are not read
-    assert len(batching.read_step_rows(index, [0], {1: 0.0})) == 1
+    # only the rows asked for are read (RED-Drop's dropped rows are not)
+    assert [r.completion_ids.tolist() for r in batching.read_step_rows(index, [1], [0.0])] == [[10]]

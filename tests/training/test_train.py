@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_support import config, state_dict_of, tiny_model, write_dataset
+from train_support import config, state_dict_of, tiny_model, write_dataset
 
 from offline_rec.algorithms import ALGORITHMS, get_algorithm, policy_loss
 from offline_rec.cli import main as cli_main
 from offline_rec.data.dataset import open_dataset
+from offline_rec.errors import UserError
+from offline_rec.eval.hooks import training_hooks
 from offline_rec.models.loading import load_model
 from offline_rec.models.logprobs import token_logprobs_from_model
 from offline_rec.models.tiny import make_tiny_checkpoint
@@ -110,8 +112,7 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
     index = batching.index_datasets([dataset], 1000, False)
     groups = np.arange(4)
     rows_of_step = index.rows_of_groups(groups)
-    advantages = dict(zip(rows_of_step.tolist(), (index.reward[rows_of_step] - 0.5).tolist()))
-    rows = batching.read_step_rows(index, groups, advantages)
+    rows = batching.read_step_rows(index, rows_of_step, index.reward[rows_of_step] - 0.5)
     num_tokens = sum(r.trainable_tokens for r in rows)
     model = load_model(model_dir)
 
@@ -258,8 +259,8 @@ def test_eval_and_push_hooks(tmp_path, model_dir, data_dir, monkeypatch):
     _fake_module(monkeypatch, "offline_rec.eval.rollouts", evaluate_checkpoint=evaluate_checkpoint,
                  check_eval_config=lambda cfg: None)
     _fake_module(monkeypatch, "offline_rec.hub.transfer", push_model=push_model)
-    summary = train(config(tmp_path, model_dir, data_dir, max_steps=3, eval_every=2, eval_task="t",
-                           push_to_hub="me/model"))
+    cfg = config(tmp_path, model_dir, data_dir, max_steps=3, eval_every=2, eval_task="t", push_to_hub="me/model")
+    summary = train(cfg, training_hooks(cfg))
     metrics = metrics_of(tmp_path / "run")
     assert [m.get("eval/accuracy") for m in metrics] == [None, 0.25, None]
     assert [p.name for p in evaluated] == ["step-000002"]
@@ -267,16 +268,26 @@ def test_eval_and_push_hooks(tmp_path, model_dir, data_dir, monkeypatch):
     assert summary["pushed_to"] == "https://hub/me/model"
 
 
+def test_hooks_a_config_asks_for_are_required(tmp_path, model_dir, data_dir):
+    """The loop does not import evaluation or the Hub: a run that needs them without hooks is refused up front."""
+    for extra, expected in (({"eval_every": 2, "eval_task": "t"}, "eval_every=2 needs an evaluation hook"),
+                            ({"push_to_hub": "me/model"}, "push_to_hub needs a publishing hook")):
+        with pytest.raises(UserError, match=expected):
+            train(config(tmp_path, model_dir, data_dir, max_steps=1, **extra))
+        assert not (tmp_path / "run").exists()
+
+
 def test_eval_during_training_with_the_evaluator(tmp_path, model_dir, data_dir):
-    train(config(tmp_path, model_dir, data_dir, max_steps=2, eval_every=2, eval_task="arith", eval_backend="hf",
-                 eval_num_prompts=4, eval_num_samples=2, eval_max_new_tokens=8))
+    cfg = config(tmp_path, model_dir, data_dir, max_steps=2, eval_every=2, eval_task="arith", eval_backend="hf",
+                 eval_num_prompts=4, eval_num_samples=2, eval_max_new_tokens=8)
+    train(cfg, training_hooks(cfg))
     metrics = metrics_of(tmp_path / "run")
     assert not any(k.startswith("eval/") for k in metrics[0])
     assert 0.0 <= metrics[1]["eval/reward_mean"] <= 1.0 and metrics[1]["eval/num_prompts"] == 4
 
 
 def test_learning_rate_schedule_by_hand(tmp_path, model_dir, data_dir):
-    from offline_rec.training.loop import lr_multiplier
+    from offline_rec.training.policy import lr_multiplier
 
     cfg = config(tmp_path, model_dir, data_dir, lr_schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
     factor = lr_multiplier(cfg, total_steps=6)
@@ -338,7 +349,7 @@ def _bad_hash_dataset(tmp_path, data_dir):
 
 
 @pytest.mark.parametrize("case", ["null-rewards", "missing-model", "unknown-algorithm", "config-typo",
-                                  "tokenizer-mismatch", "hub-path", "too-long", "eval-without-module",
+                                  "tokenizer-mismatch", "hub-path", "too-long", "bad-eval-task",
                                   "reader-cache-dir"])
 def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, data_dir, capsys, case, monkeypatch):
     run = tmp_path / "run"
@@ -362,8 +373,7 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, model_dir, d
     elif case == "reader-cache-dir":
         extra, expected = ["--set", f"reader_cache_dir={tmp_path / 'nowhere'}"], "nowhere is not a directory"
     else:
-        monkeypatch.setitem(sys.modules, "offline_rec.eval.rollouts", None)  # as if the module did not exist
-        extra, expected = ["--set", "eval_every=2", "--set", "eval_task=t"], "needs offline_rec.eval.rollouts"
+        extra, expected = ["--set", "eval_every=2", "--set", "eval_task=nope"], "nope"
     capsys.readouterr()  # what building the case printed (a model's loading bar) is not the command's
     code, err = _cli(capsys, ["--data", data, "--model", model, "--algorithm", algorithm, "--out", str(run),
                               "--set", "progress=false", *extra])

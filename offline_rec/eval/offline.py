@@ -1,0 +1,203 @@
+"""Estimate a policy's value from logged data without generating (`offline-rec eval --offline`).
+
+`offline_evaluate(EvalConfig(offline=True, ...))`: the policy's teacher-forced log-probs of logged
+completions (by default the groups a train run held out) give per-sequence importance weights
+against the logged behavior log-probs; `offline_rec.eval.offpolicy` turns them into IS /
+self-normalized IS estimates of the policy's mean reward, ESS and bootstrap intervals, and
+KL(mu || pi) on the logged tokens. The estimate is for the policy sampled at the scoring
+temperature (default: the data's sampling temperature) WITHOUT top-k/top-p truncation.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from offline_rec import schema as S
+from offline_rec.data.dataset import open_datasets
+from offline_rec.data.validate import check_dataset_for_use
+from offline_rec.errors import UserError
+from offline_rec.eval.config import EvalConfig
+from offline_rec.eval.rollouts import (
+    SUMMARY_FILE,
+    check_out,
+    check_tokenizer_fits,
+    clear_out,
+    cuda_available,
+    model_vocab_size,
+    resolve_model,
+)
+from offline_rec.files import atomic_write_json
+from offline_rec.training import checkpoint as ckpt
+
+
+def offline_evaluate(config: EvalConfig) -> dict:
+    """Estimate `config.model`'s mean reward from logged groups without generating (see the module docstring).
+
+    Groups: those RUN/holdout.json names (`run`), read from `data` or else from the datasets the run
+    recorded; without `run`, every group of `data` (which the policy should never have trained on).
+    `model` defaults to the run's final model (or latest checkpoint). `temperature` None: the data's
+    sampling temperature (1.0 when unrecorded). Rows with a null reward are left out and counted.
+    Returns the summary, also written to OUT/summary.json when `out` is given.
+    """
+    from offline_rec.eval.offpolicy import behavior_kl, offpolicy_estimates
+    from offline_rec.models.loading import (
+        check_model_tokenizer,
+        check_tokenizers,
+        load_model,
+        load_tokenizer,
+        model_context,
+    )
+
+    if not config.offline:
+        raise ValueError("a rollout EvalConfig: evaluate it with offline_rec.eval.rollouts.evaluate")
+    out, run, data, model = config.out, config.run, list(config.data), config.model
+    if out is not None:
+        check_out(out, config.overwrite)
+    holdout_ids = None
+    if run is not None:
+        holdout = _read_holdout(Path(run))
+        holdout_ids = set(holdout["group_ids"])
+        data = data or list(holdout["datasets"])
+        model = model or resolve_model(run)
+        if not data:
+            raise UserError(f"{Path(run) / ckpt.HOLDOUT_FILE} names no datasets: pass --data")
+    model = resolve_model(model)
+    for path in data:
+        check_dataset_for_use(path)  # a bad row is refused with its shard and row
+    datasets = open_datasets(data)
+    tokenizer = load_tokenizer(model)
+    check_tokenizers(datasets, tokenizer, model)
+    check_tokenizer_fits(model, tokenizer)
+    logged = _read_logged(datasets, holdout_ids, model_context(model))
+    vocab = model_vocab_size(model)
+    if vocab is not None and logged["max_token_id"] >= vocab:
+        raise UserError(f"the data holds token id {logged['max_token_id']} but {model} has {vocab} embeddings: "
+                        "data and model do not match")
+    temperature = _data_temperature(datasets) if config.temperature is None else config.temperature
+    if not temperature > 0:
+        raise UserError(f"--temperature must be > 0, got {temperature}")
+
+    policy = load_model(model, dtype=config.dtype, device="cuda" if cuda_available() else None)
+    check_model_tokenizer(policy, tokenizer, f" of {model}")
+    log_weights, token_counts = policy_log_weights(
+        policy,
+        tokenizer,
+        logged["prompt_ids"],
+        logged["completion_ids"],
+        logged["behavior_logprobs"],
+        logged["loss_masks"],
+        config.batch_size,
+        temperature,
+    )
+    metrics = offpolicy_estimates(log_weights, logged["rewards"], num_bootstrap=config.num_bootstrap,
+                                  seed=config.seed, alpha=config.alpha)
+    metrics.update(behavior_kl(log_weights, token_counts))
+    metrics["groups"] = logged["groups"]
+    metrics["null_reward_rows"] = logged["null_rewards"]
+    summary = {
+        "kind": "offline",
+        "model": model,
+        "data": [str(d.path) for d in datasets],
+        "run": None if run is None else str(run),
+        "temperature": temperature,
+        "logprobs_sources": sorted({str(d.behavior.get("logprobs_source")) for d in datasets}),
+        "num_bootstrap": config.num_bootstrap,
+        "confidence": 1 - config.alpha,
+        "seed": config.seed,
+        "metrics": metrics,
+    }
+    if out is not None:
+        clear_out(out)
+        atomic_write_json(out / SUMMARY_FILE, summary)
+    return summary
+
+
+def policy_log_weights(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
+                       batch_size: int = 8, temperature: float = 1.0):
+    """Per sequence: (sum over policy tokens of log pi - log mu in float64, number of those tokens).
+
+    log pi is teacher-forced by `scoring.score_logprobs` at `temperature`; a loss_mask of None means
+    every completion token is the policy's. Returns two lists aligned with the inputs.
+    """
+    import numpy as np
+
+    from offline_rec.models.teacher_forced import score_logprobs
+
+    policy_logprobs = score_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
+                                     temperature=temperature)
+    log_weights, token_counts = [], []
+    for pi, mu, mask in zip(policy_logprobs, behavior_logprobs, loss_masks):
+        pi = np.asarray(pi, dtype=np.float64)  # [C]
+        mu = np.asarray(mu, dtype=np.float64)  # [C]
+        keep = np.ones(len(pi), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [C]
+        log_weights.append(float((pi - mu)[keep].sum()))
+        token_counts.append(int(keep.sum()))
+    return log_weights, token_counts
+
+
+def _read_holdout(run: Path) -> dict:
+    path = run / ckpt.HOLDOUT_FILE
+    if not path.is_file():
+        raise UserError(f"{run} has no {ckpt.HOLDOUT_FILE}: give the folder of a train run (--run) or pass --data")
+    try:
+        holdout = json.loads(path.read_text(encoding="utf-8"))
+        group_ids, datasets = list(holdout["group_ids"]), list(holdout["datasets"])
+    except (ValueError, KeyError, TypeError):
+        raise UserError(f"{path}: not a holdout file (expected an object with group_ids and datasets)") from None
+    if not group_ids:
+        raise UserError(f"{run} held out no groups (holdout 0); train with --holdout F, or evaluate on "
+                        "--data of groups the policy never saw (without --run)")
+    return {"group_ids": group_ids, "datasets": datasets}
+
+
+def _read_logged(datasets, group_ids: set[str] | None, context: int | None = None) -> dict:
+    """The logged rows to estimate from: tokens, behavior log-probs, masks, rewards (null-reward rows left out)."""
+    columns = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD]
+    logged = {"prompt_ids": [], "completion_ids": [], "behavior_logprobs": [], "loss_masks": [], "rewards": [],
+              "groups": 0, "null_rewards": 0, "max_token_id": -1}
+    found: set[str] = set()
+    for dataset in datasets:
+        for rows in dataset.iter_groups(columns):
+            group_id = rows[0][S.GROUP_ID]
+            if group_ids is not None and group_id not in group_ids:
+                continue
+            found.add(group_id)
+            for row in rows:
+                length = len(row[S.PROMPT_IDS]) + len(row[S.COMPLETION_IDS])
+                if context is not None and length > context:
+                    raise UserError(f"group {group_id!r} of {dataset.path} has a row of {length} tokens, more than the "
+                                    f"model's context of {context}; drop such groups with "
+                                    "`offline-rec filter --max-prompt-tokens N --max-completion-tokens M`")
+                if row[S.REWARD] is None:
+                    logged["null_rewards"] += 1
+                    continue
+                if not row[S.PROMPT_IDS]:
+                    raise UserError(
+                        f"group {group_id!r} has a row with an empty prompt: its first token cannot be scored"
+                    )
+                logged["prompt_ids"].append(row[S.PROMPT_IDS])
+                logged["completion_ids"].append(row[S.COMPLETION_IDS])
+                logged["behavior_logprobs"].append(row[S.BEHAVIOR_LOGPROBS])
+                logged["loss_masks"].append(row[S.LOSS_MASK])
+                logged["rewards"].append(row[S.REWARD])
+                logged["max_token_id"] = max(logged["max_token_id"], *row[S.PROMPT_IDS], *row[S.COMPLETION_IDS])
+    logged["groups"] = len(found)
+    where = ", ".join(str(d.path) for d in datasets)
+    if group_ids is not None and not found:
+        raise UserError(f"none of the {len(group_ids)} held-out groups is in {where}; pass the run's training data")
+    if not logged["rewards"]:
+        raise UserError(f"no rewarded rows to estimate from in {where} (run `offline-rec reward` first?)")
+    return logged
+
+
+def _data_temperature(datasets) -> float:
+    """The sampling temperature the datasets record, if they agree on one > 0; else 1.0."""
+    recorded = {((d.behavior.get("sampling") or {}).get("temperature")) for d in datasets}
+    if len(recorded) == 1:
+        (value,) = recorded
+        if isinstance(value, (int, float)) and value > 0:
+            return float(value)
+    return 1.0
+
+

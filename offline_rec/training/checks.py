@@ -1,0 +1,143 @@
+"""Checks before a training run writes anything: data against model and tokenizer, init_from, optional features."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+
+from offline_rec.data.dataset import open_dataset
+from offline_rec.data.locations import is_hub_path
+from offline_rec.data.validate import check_dataset_for_use
+from offline_rec.errors import UserError
+from offline_rec.models.loading import check_tokenizers, load_tokenizer, model_context, tokenizer_hash
+from offline_rec.training import batching
+from offline_rec.training import checkpoint as ckpt
+from offline_rec.training.config import TrainConfig
+
+
+def check_init_from(config: TrainConfig, tokenizer) -> Path:
+    """The checkpoint init_from names, if it can continue this config: same tokenizer and architecture
+    as `model`, LoRA on both sides or neither, with the same rank and alpha."""
+    checkpoint = ckpt.resolve_checkpoint(config.init_from)
+    if tokenizer_hash(load_tokenizer(str(checkpoint), model_folder=False)) != tokenizer_hash(tokenizer):
+        raise UserError(f"init_from {checkpoint} was trained with another tokenizer than {config.model}'s: "
+                        "give the --model the earlier run started from")
+    adapter_file = checkpoint / "adapter_config.json"
+    if adapter_file.is_file() != bool(config.lora_r):
+        raise UserError(
+            f"init_from {checkpoint} holds {'a LoRA adapter' if adapter_file.is_file() else 'full weights'} but "
+            f"this run {'trains a LoRA adapter (lora_r > 0)' if config.lora_r else 'trains full weights (lora_r 0)'}: "
+            "continue with the same lora_r"
+        )
+    if adapter_file.is_file():
+        adapter = json.loads(adapter_file.read_text(encoding="utf-8"))
+        if (adapter.get("r"), adapter.get("lora_alpha")) != (config.lora_r, config.lora_alpha):
+            raise UserError(f"init_from {checkpoint} holds a LoRA adapter of r={adapter.get('r')}, alpha="
+                            f"{adapter.get('lora_alpha')}; this run asks r={config.lora_r}, alpha={config.lora_alpha}: "
+                            "continue with the same lora_r and lora_alpha")
+    else:
+        mine, theirs = (_architecture(path) for path in (config.model, checkpoint))
+        if mine and theirs and mine != theirs:
+            raise UserError(f"init_from {checkpoint} is {_describe(theirs)} but {config.model} is {_describe(mine)}: "
+                            "give the --model the earlier run started from")
+    return checkpoint
+
+
+def _describe(architecture: dict) -> str:
+    return ", ".join(f"{key} {value}" for key, value in architecture.items())
+
+
+def _architecture(model: str | Path) -> dict | None:
+    """The shape-defining fields of a local model folder's config.json (None for a Hub id)."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text(encoding="utf-8"))
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    return {key: config.get(key) for key in keys}
+
+
+def check_context(index: batching.GroupIndex, model: str) -> None:
+    """Refuse rows (after truncation to max_length) longer than the model has positions for: a forward
+    over them crashes (learned positions) or silently extrapolates (rotary)."""
+    context = model_context(model)
+    if context is None:
+        return
+    lengths = index.prompt_length.astype(np.int64) + index.completion_length  # [R]
+    too_long = np.flatnonzero(lengths > context)
+    if len(too_long):
+        row = int(too_long[0])
+        group = index.group_ids[int(np.searchsorted(index.row_start, row, side="right")) - 1]
+        raise UserError(
+            f"{len(too_long)} rows are longer than {model}'s context of {context} tokens (the first, in group "
+            f"{group!r}, has {int(lengths[row])}); set max_length <= {context} with truncate: true, or drop "
+            "them with `offline-rec filter --max-prompt-tokens N --max-completion-tokens M`"
+        )
+
+
+def check_optional_features(config: TrainConfig, hooks) -> None:
+    """Features that need an extra package, or a hook the caller must wire in: refuse them up front, with the fix."""
+    needs = [
+        (config.lora_r > 0, "peft", "lora_r > 0 needs peft: pip install 'offline-rec[lora]'"),
+        ("wandb" in config.report_to, "wandb", "report_to: wandb needs wandb: pip install 'offline-rec[wandb]'"),
+    ]
+    for wanted, module, message in needs:
+        if wanted and importlib.util.find_spec(module) is None:
+            raise UserError(message)
+    # The loop never imports evaluation or the Hub (they sit above it): the caller passes them in.
+    fix = "pass hooks=offline_rec.eval.hooks.training_hooks(config) to train() (the CLI and the demo do)"
+    if config.eval_every > 0 and hooks.evaluate is None:
+        raise UserError(f"eval_every={config.eval_every} needs an evaluation hook: {fix}")
+    if config.push_to_hub and hooks.publish is None:
+        raise UserError(f"push_to_hub needs a publishing hook: {fix}")
+
+
+def open_training_data(config: TrainConfig) -> tuple[list, object]:
+    """The datasets of `config.data` (hf:// paths from the Hub cache), each checked row by row, and the
+    model's tokenizer, checked against the tokenizer every dataset was logged with."""
+    data_paths = [_local_path(path) for path in config.data]
+    for path in data_paths:
+        check_dataset_for_use(path)  # a bad row is refused with its shard and row before anything runs
+    datasets = [open_dataset(path) for path in data_paths]
+    tokenizer = load_tokenizer(config.model)
+    check_tokenizers(datasets, tokenizer, config.model)
+    return datasets, tokenizer
+
+
+def _local_path(path: str) -> str:
+    """A local folder for a --data value: hf://datasets/ORG/NAME[@REVISION] is fetched into the Hub cache."""
+    if not is_hub_path(path):
+        return str(path)
+    from offline_rec.hub.transfer import resolve_dataset_path
+
+    return str(resolve_dataset_path(path))
+
+
+def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
+    if not config.resume and run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(
+            f"run directory {run_dir} already exists; pass --resume to continue it, or choose another --out"
+        )
+
+
+def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint: Path | None) -> None:
+    """A checkpoint continues only the run it came from: same training groups, same steps per epoch, not past the end."""
+    if state is None:
+        return
+    if state["data_fingerprint"] != schedule.data_fingerprint or state["steps_per_epoch"] != schedule.steps_per_epoch:
+        raise UserError(f"the training data differs from the one {checkpoint} was trained on; "
+                        "resume with the same --data and holdout")
+    if state["step"] > schedule.total_steps:
+        raise UserError(
+            f"{checkpoint} is past step {schedule.total_steps}: a resumed run cannot be made shorter than it already is"
+        )
+
+
+def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
+    vocab = policy.get_input_embeddings().weight.shape[0]
+    if index.max_token_id >= vocab:
+        raise UserError(f"the data holds token id {index.max_token_id} but {model} has {vocab} embeddings: "
+                        "data and model do not match")
