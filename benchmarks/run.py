@@ -71,7 +71,8 @@ SIZES = {
         "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
-        "record": {"concurrency": 64, "requests": 512, "seconds": 60.0, "max_tokens": 32},
+        # 5 shorter rounds rather than 3 (unless --repeats): per-round ratios swing with other jobs' load
+        "record": {"concurrency": 64, "requests": 128, "seconds": 30.0, "max_tokens": 32, "repeats": 5},
         "cli_rows": 1_000_000,
     },
     "quick": {
@@ -94,7 +95,7 @@ SIZES = {
         "scan_data": {"num_groups": 256, "groups_per_shard": 64},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
-        "record": {"concurrency": 64, "requests": 128, "seconds": 20.0, "max_tokens": 16},
+        "record": {"concurrency": 64, "requests": 128, "seconds": 20.0, "max_tokens": 16, "repeats": 1},
         "cli_rows": None,
     },
 }
@@ -126,6 +127,7 @@ KEYS = (
     ("record_stream_throughput_vs_direct", "", "same ratio, streamed chat completions"),
     ("record_stream_added_p50_latency_ms", "", "same added p50 latency, streamed (whole stream)"),
     ("record_direct_requests_per_s", "", "chat requests/s straight to vLLM (64 concurrent clients)"),
+    ("record_proxy_cpu_ms_per_request", "", "CPU ms the proxy process spends per request (whole responses)"),
     ("ddp_scaling", "(2 = linear)", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 1 thread (gloo)"),
     ("ddp_vs_threads", "", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 2 threads"),
     ("validate_1m_rows_seconds", "", "offline-rec validate --json, 1M narrow rows"),
@@ -273,8 +275,11 @@ def part_record(context: dict) -> dict:
     if reason is not None:
         context["notes"].append(f"record: vLLM unavailable ({reason}): record_* keys are null")
         return {}
-    kwargs = dict(model=context["model"]["path"], workdir=str(context["workdir"] / "record"),
-                  repeats=context["repeats"], threads=context["threads"], **context["sizes"]["record"])
+    sizes = dict(context["sizes"]["record"])
+    repeats = context["repeats"] if context.get("repeats_given") else sizes["repeats"]
+    sizes.pop("repeats", None)
+    kwargs = dict(model=context["model"]["path"], workdir=str(context["workdir"] / "record"), repeats=repeats,
+                  threads=context["threads"], **sizes)
     result = run_child("_record_bench", "record_vs_direct", kwargs, threads=context["threads"])
     context["notes"].append(
         f"record: vLLM server start {result['vllm_server_start_seconds']:.0f} s (not timed); "
@@ -283,12 +288,17 @@ def part_record(context: dict) -> dict:
         f"{[round(r, 3) for r in result['record_stream_throughput_vs_direct_all']]}; p50 direct "
         f"{result['record_direct_p50_ms']:.0f} ms, through the proxy {result['record_proxy_p50_ms']:.0f} ms; "
         f"{result['record_lines_written']} lines recorded for {result['record_proxied_requests']} proxied requests; "
+        f"CPU per request: proxy {result['record_proxy_cpu_ms_per_request']:.2f} ms, vLLM server "
+        f"{result['record_server_cpu_ms_per_request_direct']:.1f} ms direct, "
+        f"{result['record_server_cpu_ms_per_request_proxied']:.1f} ms proxied (log-probs and token ids); "
         f"failed requests {result['record_failed_requests'] + result['record_stream_failed_requests']}"
     )
     keys = ("record_throughput_vs_direct", "record_added_p50_latency_ms", "record_stream_throughput_vs_direct",
             "record_stream_added_p50_latency_ms", "record_stream_added_p50_first_chunk_ms",
             "record_direct_requests_per_s", "record_proxy_requests_per_s", "record_direct_p50_ms",
             "record_proxy_p50_ms", "record_stream_direct_requests_per_s", "record_stream_proxy_requests_per_s",
+            "record_proxy_cpu_ms_per_request", "record_stream_proxy_cpu_ms_per_request",
+            "record_server_cpu_ms_per_request_direct", "record_server_cpu_ms_per_request_proxied",
             "vllm_server_start_seconds")
     return {key: result[key] for key in keys}
 
@@ -388,6 +398,7 @@ def main(argv=None) -> int:
         "quick": arguments.quick,
         "sizes": SIZES["quick" if arguments.quick else "full"],
         "repeats": arguments.repeats or (1 if arguments.quick else 3),
+        "repeats_given": arguments.repeats is not None,
         "threads": arguments.threads,
         "workdir": workdir,
         "notes": [],

@@ -364,7 +364,8 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
             auto_decompress=False,
         )
-        state.recorder.start()
+        if state.recorder.files is None:  # run_record starts it earlier, to report a bad --out cleanly
+            state.recorder.start()
         state.tasks.append(asyncio.ensure_future(_ticker(state, tick_seconds)))
         state.tasks.append(asyncio.ensure_future(_quietly(_models(state))))
         if state.probe:
@@ -428,6 +429,15 @@ def run_record(
         sock.close()
         reason = e.strerror or e
         raise UserError(f"cannot listen on {host}:{port} ({reason}); choose another --port or --host") from None
+    try:
+        recovered = recorder.start()
+    except OSError as e:
+        sock.close()
+        raise UserError(f"cannot write into --out {out} ({e.strerror or e})") from None
+    if recovered.closed_files or recovered.episodes:
+        warn(f"recovered what a stopped proxy left in {out}: {len(recovered.closed_files)} file(s) closed "
+             f"({recovered.torn_bytes} bytes of a torn last line cut), {len(recovered.episodes)} open episode(s) "
+             "written")
     tick = min(1.0, options.episode_idle_timeout / 4, options.fsync_interval or 1.0)
     config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=30)

@@ -63,6 +63,7 @@ def session(vllm_server, tmp_path_factory):
     conversations = chat_messages(4, seed=20)
     model = vllm_server.served_name
     calls = []  # (endpoint, body, stream, response through the proxy, response straight from the server)
+    errors = []  # (status, body) of an erroneous request through the proxy, then straight
 
     def both(endpoint: str, body: dict):
         answers = []
@@ -84,6 +85,10 @@ def session(vllm_server, tmp_path_factory):
         prompt = "Zoë paie 3 € pour deux crêpes 🥞; 李明有五个苹果。 How many?"
         both("/completions", {"model": model, "prompt": prompt, "seed": 5, **SAMPLING})
         both("/completions", {"model": model, "prompt": prompt, "seed": 6, "stream": True, "logprobs": 1, **SAMPLING})
+        for base in (proxy.url + "/v1", vllm_server.base_url):  # an upstream error, recorded by nobody
+            answer = httpx.post(base + "/chat/completions", timeout=60,
+                                      json={"model": "no-such-model", "messages": conversations[0]})
+            errors.append((answer.status_code, answer.content))
         # a two-call tool episode
         first = httpx.post(proxy.url + "/v1/chat/completions", timeout=300, headers={"X-Episode-Id": "episode-1"},
                            json={"model": model, "messages": conversations[3], "seed": 7, **SAMPLING}).json()
@@ -95,7 +100,7 @@ def session(vllm_server, tmp_path_factory):
         assert second.status_code == 200
     finally:
         proxy.stop()
-    return {"calls": calls, "lines": read_lines(out), "out": out, "mode": state.logprobs_mode,
+    return {"calls": calls, "errors": errors, "lines": read_lines(out), "out": out, "mode": state.logprobs_mode,
             "episode_messages": (conversations[3], followed), "model_dir": vllm_server.model_dir}
 
 
@@ -107,6 +112,12 @@ def test_whole_responses_reach_the_client_unchanged(session):
         for choice in through["choices"]:
             assert choice["token_ids"] is None and (choice["logprobs"] is None) == (not body.get("logprobs"))
         assert through.get("prompt_token_ids") is None
+
+
+def test_upstream_errors_reach_the_client_unchanged(session):
+    (status, body), (direct_status, direct_body) = session["errors"]
+    assert status == direct_status == 404 and body == direct_body
+    assert b"no-such-model" in body
 
 
 def test_streams_reach_the_client_with_what_it_asked_and_nothing_more(session):
