@@ -15,6 +15,7 @@ from typing import Annotated
 import typer
 
 from offline_rec import __version__
+from offline_rec.data.importers import ImportConfig, import_dataset, import_option_defaults, import_option_help
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.config import cli_options as eval_cli_options
@@ -138,93 +139,73 @@ def inspect(
 # import, filter, reward
 
 
+# `import` options: help texts and defaults are ImportConfig's (offline_rec/data/importers/config.py)
+_IMPORT_HELP = import_option_help()
+_IMPORT_DEFAULT = import_option_defaults()
+
+
+def _import_option(name: str, *flags: str):
+    return typer.Option(*flags, help=_IMPORT_HELP[name])
+
+
 @app.command("import")
 def import_(
-    src: Path = typer.Argument(..., help="Source file (JSONL or Parquet), or a directory of them."),
-    fmt: str = typer.Option(..., "--format", "-f", help="Source format: rows, text, openai or trl."),
-    out: NewDatasetOut = ...,
-    tokenizer: str | None = typer.Option(
-        None,
-        "--tokenizer",
-        help="Tokenizer (model folder or id): tokenizes text, renders chat messages, maps token strings; default: --score-with's.",
-    ),
-    score_with: str | None = typer.Option(
-        None,
-        "--score-with",
-        help="Compute behavior log-probs teacher-forced with this model (replaces any in the source); required for text and trl.",
-    ),
-    skip_bad: bool = typer.Option(
-        False, "--skip-bad", help="Import the good rows and list bad lines in OUT/rejects.jsonl, instead of refusing."
-    ),
-    logprobs_source: str | None = typer.Option(
-        None,
-        "--logprobs-source",
-        help="What the source's log-probs are: sampled, raw or unknown (default unknown; recomputed with --score-with).",
-    ),
-    prompt_column: str = typer.Option("prompt", "--prompt-column", help="text/trl: the prompt column."),
-    completion_column: str = typer.Option("completion", "--completion-column", help="text/trl: the completion column."),
-    reward_column: str = typer.Option(
-        "reward", "--reward-column", help="text: the reward column (absent or null: reward null)."
-    ),
-    group_column: str = typer.Option(
-        "group_id",
-        "--group-column",
-        help="text: the group id column (rows without one are grouped by identical prompt).",
-    ),
-    append_eos: bool = typer.Option(
-        True,
-        "--append-eos/--no-append-eos",
-        help="text/trl: end each tokenized completion with EOS (logged responses are taken to have stopped on it).",
-    ),
-    reward_columns: str | None = typer.Option(
-        None,
-        "--reward-columns",
-        help="trl: comma-separated reward columns to sum (default: every numeric column but step and advantage).",
-    ),
-    behavior: str | None = typer.Option(
-        None, "--behavior", help="Which policy sampled the data, where the source does not say."
-    ),
-    task: str = typer.Option(
-        "", "--task", help="Task name stored with rows that have none (a label; `reward` scores later)."
-    ),
-    policy_version: int = typer.Option(0, "--policy-version", help="policy_version where the source has none."),
-    group_by_prompt: bool = typer.Option(
-        False,
-        "--group-by-prompt",
-        help="openai: group lines with identical prompt text (default: the choices of one line).",
-    ),
-    batch_size: int = typer.Option(8, "--batch-size", help="--score-with: sequences per forward pass."),
-    dtype: str = typer.Option(
-        "float32", "--dtype", help="--score-with: model dtype (float32, bfloat16, float16, auto)."
-    ),
-    score_temperature: float = typer.Option(
-        1.0,
-        "--score-temperature",
-        help="--score-with: temperature of the recomputed log-probs (the sampling temperature, if known).",
-    ),
+    src: Annotated[Path, typer.Argument(help=_IMPORT_HELP["src"])],
+    fmt: Annotated[str, _import_option("format", "--format", "-f")],
+    out: NewDatasetOut,
+    tokenizer: Annotated[str | None, _import_option("tokenizer", "--tokenizer")] = _IMPORT_DEFAULT["tokenizer"],
+    score_with: Annotated[str | None, _import_option("score_with", "--score-with")] = _IMPORT_DEFAULT["score_with"],
+    skip_bad: Annotated[bool, _import_option("skip_bad", "--skip-bad")] = _IMPORT_DEFAULT["skip_bad"],
+    logprobs_source: Annotated[
+        str | None, _import_option("logprobs_source", "--logprobs-source")
+    ] = _IMPORT_DEFAULT["logprobs_source"],
+    prompt_column: Annotated[
+        str, _import_option("prompt_column", "--prompt-column")
+    ] = _IMPORT_DEFAULT["prompt_column"],
+    completion_column: Annotated[
+        str, _import_option("completion_column", "--completion-column")
+    ] = _IMPORT_DEFAULT["completion_column"],
+    reward_column: Annotated[
+        str, _import_option("reward_column", "--reward-column")
+    ] = _IMPORT_DEFAULT["reward_column"],
+    group_column: Annotated[str, _import_option("group_column", "--group-column")] = _IMPORT_DEFAULT["group_column"],
+    append_eos: Annotated[
+        bool, _import_option("append_eos", "--append-eos/--no-append-eos")
+    ] = _IMPORT_DEFAULT["append_eos"],
+    reward_columns: Annotated[str | None, _import_option("reward_columns", "--reward-columns")] = None,
+    behavior: Annotated[str | None, _import_option("behavior", "--behavior")] = _IMPORT_DEFAULT["behavior"],
+    task: Annotated[str, _import_option("task", "--task")] = _IMPORT_DEFAULT["task"],
+    policy_version: Annotated[
+        int, _import_option("policy_version", "--policy-version")
+    ] = _IMPORT_DEFAULT["policy_version"],
+    group_by_prompt: Annotated[
+        bool, _import_option("group_by_prompt", "--group-by-prompt")
+    ] = _IMPORT_DEFAULT["group_by_prompt"],
+    split_episodes: Annotated[
+        bool, _import_option("split_episodes", "--split-episodes")
+    ] = _IMPORT_DEFAULT["split_episodes"],
+    rewards: Annotated[Path | None, _import_option("rewards", "--rewards")] = _IMPORT_DEFAULT["rewards"],
+    batch_size: Annotated[int, _import_option("batch_size", "--batch-size")] = _IMPORT_DEFAULT["batch_size"],
+    dtype: Annotated[str, _import_option("dtype", "--dtype")] = _IMPORT_DEFAULT["dtype"],
+    score_temperature: Annotated[
+        float, _import_option("score_temperature", "--score-temperature")
+    ] = _IMPORT_DEFAULT["score_temperature"],
     as_json: SummaryJson = False,
 ) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
-    from offline_rec.data.importers import ERRORS_SHOWN, BadLinesError, ImportOptions, import_dataset
+    from offline_rec.data.importers.common import ERRORS_SHOWN, BadLinesError
 
-    options = ImportOptions(
-        prompt_column=prompt_column,
-        completion_column=completion_column,
-        reward_column=reward_column,
-        group_column=group_column,
-        append_eos=append_eos,
+    config = ImportConfig(
+        src=src, format=fmt, out=out, tokenizer=tokenizer, score_with=score_with, skip_bad=skip_bad,
+        logprobs_source=logprobs_source, prompt_column=prompt_column, completion_column=completion_column,
+        reward_column=reward_column, group_column=group_column, append_eos=append_eos,
         reward_columns=tuple(c.strip() for c in reward_columns.split(",") if c.strip()) if reward_columns else None,
-        behavior=behavior,
-        task=task,
-        policy_version=policy_version,
-        group_by_prompt=group_by_prompt,
+        behavior=behavior, task=task, policy_version=policy_version, group_by_prompt=group_by_prompt,
+        split_episodes=split_episodes, rewards=rewards, batch_size=batch_size, dtype=dtype,
+        score_temperature=score_temperature,
     )
     try:
-        summary = import_dataset(
-            src, fmt, out, options=options, tokenizer=tokenizer, score_with=score_with,
-            logprobs_source=logprobs_source, skip_bad=skip_bad, batch_size=batch_size,
-            dtype=dtype, score_temperature=score_temperature,
-        )
+        summary = import_dataset(config)
     except BadLinesError as e:
         for reject in e.rejects[:ERRORS_SHOWN]:
             typer.echo(str(reject), err=True)
@@ -235,8 +216,12 @@ def import_(
         _print_json(summary)
         return
     typer.echo(
-        f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})"
+        f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['imported_lines']} of "
+        f"{summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})"
     )
+    if summary.get("rewards_file"):
+        typer.echo(f"rewards from {summary['rewards_file']}: {summary['rewards_matched']} matched a line, "
+                   f"{summary['rewards_unmatched']} matched none")
     if summary["rejected_lines"]:
         reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
         typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")

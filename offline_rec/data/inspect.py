@@ -126,6 +126,11 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         pl.col(S.PROMPT_IDS).list.len().alias("_prompt_len"),
         pl.col(S.COMPLETION_IDS).list.len().alias("_completion_len"),
         pl.when(pl.col(S.REWARD).is_finite()).then(pl.col(S.REWARD)).alias(_FINITE_REWARD),
+    ).with_columns(
+        # the policy sampled the completion tokens with loss_mask 1 (all of them where it is null); the
+        # rest (a multi-turn episode's template and tool tokens) the environment inserted
+        pl.when(pl.col(S.LOSS_MASK).is_null()).then(pl.col("_completion_len"))
+        .otherwise(pl.col(S.LOSS_MASK).list.sum()).alias("_policy_len"),
     )
     finite = pl.col(_FINITE_REWARD)
     q = PERCENTILES
@@ -133,6 +138,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         pl.len().alias("rows"),
         pl.col("_prompt_len").sum().alias("prompt_tokens"),
         pl.col("_completion_len").sum().alias("completion_tokens"),
+        pl.col("_policy_len").sum().alias("policy_tokens"),
         *[pl.col("_prompt_len").quantile(p, "nearest").alias(f"prompt_p{int(p * 100)}") for p in q],
         *[pl.col("_completion_len").quantile(p, "nearest").alias(f"completion_p{int(p * 100)}") for p in q],
         pl.col("_prompt_len").max().alias("prompt_max"),
@@ -164,6 +170,8 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         "tokens": {
             "prompt": int(row_stats["prompt_tokens"]),
             "completion": int(row_stats["completion_tokens"]),
+            "policy": int(row_stats["policy_tokens"]),
+            "environment": int(row_stats["completion_tokens"] - row_stats["policy_tokens"]),
         },
         "prompt_length": {
             **{f"p{int(p * 100)}": row_stats[f"prompt_p{int(p * 100)}"] for p in q},

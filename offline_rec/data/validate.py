@@ -363,6 +363,11 @@ def _check_batch(batch: pa.RecordBatch, offset: int, rel: str, out: _Collector) 
         )
         flat_mask = pc.list_flatten(lmask)
         if len(flat_mask):
+            # a row whose loss_mask is all 0 (only environment tokens) adds nothing to training
+            sums = np.bincount(np.asarray(pc.list_parent_indices(lmask)), weights=np.asarray(flat_mask, dtype=float),
+                               minlength=len(lmask))
+            report(pc.and_(pc.is_valid(lmask), pa.array(sums == 0)), WARNING, "no-policy-tokens",
+                   "loss_mask is 0 on every completion token: the row is never trained on")
             bad = pc.and_(pc.not_equal(flat_mask, 0), pc.not_equal(flat_mask, 1))
             if pc.any(bad).as_py():
                 parents = pc.list_parent_indices(lmask)

@@ -44,6 +44,7 @@ from transformers import (
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
 from offline_rec.errors import UserError, one_of
+from offline_rec.models.vocab import token_bytes
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<s>"
@@ -330,31 +331,6 @@ def build_chat_tokenizer(vocab_size: int = 1200) -> PreTrainedTokenizerFast:
         chat_template=CHATML_TEMPLATE,
         padding_side="left",
     )
-
-
-def token_bytes(tokenizer) -> list[bytes]:
-    """The UTF-8 bytes each id of a byte-level BPE tokenizer stands for (special tokens: their text)."""
-    from tokenizers.pre_tokenizers import ByteLevel
-
-    byte_of = {char: byte for byte, char in enumerate(_byte_level_chars(ByteLevel))}
-    special = set(tokenizer.all_special_tokens)
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    return [piece.encode() if piece in special else bytes(byte_of[c] for c in piece) for piece in pieces]
-
-
-def _byte_level_chars(byte_level) -> list[str]:
-    """The printable character GPT-2's byte-level alphabet assigns to each byte 0..255, in byte order."""
-    # the alphabet maps bytes to characters; order them by the bytes they stand for (GPT-2's bytes_to_unicode)
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[byte] = chr(byte)
-        else:
-            chars[byte] = chr(256 + extra)
-            extra += 1
-    assert set(chars.values()) == set(byte_level.alphabet())
-    return [chars[byte] for byte in range(256)]
 
 
 def _utf8_shape(data: bytes) -> tuple[int, int] | None:

@@ -20,13 +20,9 @@ from paths import FIXTURES as _FIXTURES
 
 from offline_rec import schema as S
 from offline_rec.data.dataset import open_dataset, sha256_file
-from offline_rec.data.importers import (
-    IMPORT_FORMATS,
-    BadLinesError,
-    ImportOptions,
-    import_dataset,
-    token_string_mapper,
-)
+from offline_rec.data.importers import IMPORT_FORMATS, ImportConfig, import_dataset
+from offline_rec.data.importers.common import BadLinesError
+from offline_rec.data.importers.openai import token_string_mapper
 from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_model, load_tokenizer
@@ -102,7 +98,7 @@ def test_registry_names_the_four_formats():
 
 def test_rows_jsonl_groups_defaults_and_values(tmp_path):
     src = FIXTURES / "rows_good.jsonl"
-    summary = import_dataset(src, "rows", tmp_path / "ds", options=ImportOptions(behavior="logger", policy_version=7))
+    summary = import_dataset(ImportConfig(src, "rows", tmp_path / "ds", behavior="logger", policy_version=7))
     assert (summary["rows"], summary["groups"], summary["rejected_lines"]) == (3, 2, 0)
     rows = rows_of(tmp_path / "ds")
     # g1 first (first seen on line 1), its rows ordered by the given sample_index (line 3, then line 1).
@@ -134,9 +130,9 @@ def test_rows_jsonl_groups_defaults_and_values(tmp_path):
 
 
 def test_rows_parquet_equals_jsonl(tmp_path):
-    options = ImportOptions(behavior="logger", policy_version=7)
-    import_dataset(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "a", options=options)
-    import_dataset(FIXTURES / "rows_good.parquet", "rows", tmp_path / "b", options=options)
+    options = dict(behavior="logger", policy_version=7)
+    import_dataset(ImportConfig(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "a", **options))
+    import_dataset(ImportConfig(FIXTURES / "rows_good.parquet", "rows", tmp_path / "b", **options))
     clean(tmp_path / "b")
     assert rows_of(tmp_path / "b") == rows_of(tmp_path / "a")
 
@@ -149,7 +145,7 @@ def test_rows_bad_lines_refused_by_default(tmp_path, capsys):
     src = FIXTURES / "rows_bad.jsonl"
     assert_bad_lines_refused(capsys, src, "rows", tmp_path / "ds", ROWS_BAD)
     with pytest.raises(BadLinesError) as info:
-        import_dataset(src, "rows", tmp_path / "ds")
+        import_dataset(ImportConfig(src, "rows", tmp_path / "ds"))
     assert [(r.line, r.code) for r in info.value.rejects] == list(ROWS_BAD.items())
     nothing_written(tmp_path / "ds")
 
@@ -174,7 +170,7 @@ def test_rows_without_logprobs_need_score_with(tmp_path):
     del row[S.BEHAVIOR_LOGPROBS]
     src.write_text(json.dumps(row) + "\n")
     with pytest.raises(UserError, match="--score-with"):
-        import_dataset(src, "rows", tmp_path / "ds")
+        import_dataset(ImportConfig(src, "rows", tmp_path / "ds"))
     nothing_written(tmp_path / "ds")
 
 
@@ -183,18 +179,20 @@ def test_repeated_sample_index_is_a_bad_line(tmp_path):
     src = tmp_path / "dup.jsonl"
     src.write_text("\n".join([lines[0], lines[0]]) + "\n")
     with pytest.raises(BadLinesError) as info:
-        import_dataset(src, "rows", tmp_path / "ds")
+        import_dataset(ImportConfig(src, "rows", tmp_path / "ds"))
     assert [(r.line, r.code) for r in info.value.rejects] == [(2, "duplicate")]
 
 
 def test_logprobs_source_flag_is_recorded(tmp_path, tiny):
-    import_dataset(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "a", logprobs_source="sampled", tokenizer=tiny)
+    import_dataset(ImportConfig(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "a", logprobs_source="sampled",
+                                tokenizer=tiny))
     behavior = open_dataset(tmp_path / "a").behavior
     assert behavior["logprobs_source"] == "sampled" and len(behavior["tokenizer_hash"]) == 64
     with pytest.raises(UserError, match="--score-with recomputes"):
-        import_dataset(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "b", logprobs_source="sampled", score_with=tiny)
+        import_dataset(ImportConfig(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "b", logprobs_source="sampled",
+                                    score_with=tiny))
     with pytest.raises(UserError, match="unknown --logprobs-source"):
-        import_dataset(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "c", logprobs_source="guessed")
+        import_dataset(ImportConfig(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "c", logprobs_source="guessed"))
 
 
 def test_existing_output_is_refused(tmp_path, capsys):
@@ -216,7 +214,7 @@ def test_unreadable_parquet_is_a_user_error(tmp_path):
     src = tmp_path / "broken.parquet"
     src.write_bytes(b"PAR1 not really")
     with pytest.raises(UserError, match="not a readable Parquet file"):
-        import_dataset(src, "rows", tmp_path / "ds")
+        import_dataset(ImportConfig(src, "rows", tmp_path / "ds"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +231,7 @@ def test_text_refused_without_score_with(tmp_path, capsys, tiny):
 
 def test_text_with_score_with(tmp_path, tiny):
     src = FIXTURES / "text_good.jsonl"
-    summary = import_dataset(src, "text", tmp_path / "ds", score_with=tiny, batch_size=4)
+    summary = import_dataset(ImportConfig(src, "text", tmp_path / "ds", score_with=tiny, batch_size=4))
     assert (summary["rows"], summary["groups"], summary["logprobs_source"]) == (6, 3, "recomputed")
     rows = rows_of(tmp_path / "ds")
     # Lines 1-2 share the prompt "1+1=" (no group id), lines 3, 4, 6 have group id q7, line 5 is alone.
@@ -279,7 +277,7 @@ def test_score_logprobs_is_batch_invariant(tiny):
 
 
 def test_rows_score_with_replaces_logprobs(tmp_path, tiny):
-    import_dataset(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "ds", score_with=tiny)
+    import_dataset(ImportConfig(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "ds", score_with=tiny))
     model = load_model(tiny, dtype="float32")
     for row in rows_of(tmp_path / "ds"):
         assert row[S.BEHAVIOR_LOGPROBS] == pytest.approx(
@@ -291,7 +289,8 @@ def test_rows_score_with_replaces_logprobs(tmp_path, tiny):
 def test_score_with_tokenizer_must_match(tmp_path, tiny):
     other = make_tiny_checkpoint(tmp_path / "other", alphabet="0123456789+=")
     with pytest.raises(UserError, match="differs from --tokenizer"):
-        import_dataset(FIXTURES / "text_good.jsonl", "text", tmp_path / "ds", tokenizer=tiny, score_with=other)
+        import_dataset(ImportConfig(FIXTURES / "text_good.jsonl", "text", tmp_path / "ds", tokenizer=tiny,
+                                    score_with=other))
     nothing_written(tmp_path / "ds")
 
 
@@ -315,7 +314,7 @@ TEXT_BAD = {2: "missing-column", 3: "bad-value", 4: "bad-json", 5: "bad-value"}
 def test_text_bad_lines(tmp_path, capsys, tiny):
     src = FIXTURES / "text_bad.jsonl"
     assert_bad_lines_refused(capsys, src, "text", tmp_path / "ds", TEXT_BAD, "--score-with", tiny)
-    import_dataset(src, "text", tmp_path / "ds", score_with=tiny, skip_bad=True)
+    import_dataset(ImportConfig(src, "text", tmp_path / "ds", score_with=tiny, skip_bad=True))
     rows = rows_of(tmp_path / "ds")
     assert [(r[S.SAMPLE_INDEX], r[S.COMPLETION_IDS], r[S.REWARD]) for r in rows] == [
         (0, [6, EOS], 1.0),
@@ -329,7 +328,7 @@ def test_text_empty_completion_without_eos_is_bad(tmp_path, tiny):
     src = tmp_path / "empty.jsonl"
     src.write_text(json.dumps({"prompt": "1+1=", "completion": ""}) + "\n")
     with pytest.raises(BadLinesError) as info:
-        import_dataset(src, "text", tmp_path / "ds", score_with=tiny, options=ImportOptions(append_eos=False))
+        import_dataset(ImportConfig(src, "text", tmp_path / "ds", score_with=tiny, append_eos=False))
     assert [(r.line, r.code) for r in info.value.rejects] == [(1, "empty-completion")]
 
 
@@ -339,7 +338,7 @@ def test_text_empty_completion_without_eos_is_bad(tmp_path, tiny):
 
 def test_openai_good(tmp_path, tiny):
     src = FIXTURES / "openai_good.jsonl"
-    summary = import_dataset(src, "openai", tmp_path / "ds", tokenizer=tiny)
+    summary = import_dataset(ImportConfig(src, "openai", tmp_path / "ds", tokenizer=tiny))
     assert (summary["rows"], summary["groups"]) == (5, 4)
     rows = rows_of(tmp_path / "ds")
     key = [(r[S.GROUP_ID], r[S.SAMPLE_INDEX], r[S.COMPLETION]) for r in rows]
@@ -381,9 +380,9 @@ def test_openai_group_by_prompt(tmp_path, tiny):
     second = {**line, "id": "chatcmpl-9", "reward": 0}
     src = tmp_path / "two.jsonl"
     src.write_text(json.dumps(line) + "\n" + json.dumps(second) + "\n")
-    import_dataset(src, "openai", tmp_path / "lines", tokenizer=tiny)
+    import_dataset(ImportConfig(src, "openai", tmp_path / "lines", tokenizer=tiny))
     assert [r[S.GROUP_ID] for r in rows_of(tmp_path / "lines")] == ["chatcmpl-2", "chatcmpl-9"]
-    import_dataset(src, "openai", tmp_path / "prompt", tokenizer=tiny, options=ImportOptions(group_by_prompt=True))
+    import_dataset(ImportConfig(src, "openai", tmp_path / "prompt", tokenizer=tiny, group_by_prompt=True))
     rows = rows_of(tmp_path / "prompt")
     assert len({r[S.GROUP_ID] for r in rows}) == 1 and [r[S.SAMPLE_INDEX] for r in rows] == [0, 1]
     assert [r[S.REWARD] for r in rows] == [1.0, 0.0]
@@ -397,7 +396,7 @@ OPENAI_BAD = {2: "unknown-token", 3: "nonfinite-logprob", 4: "positive-logprob",
 def test_openai_bad_lines(tmp_path, capsys, tiny):
     src = FIXTURES / "openai_bad.jsonl"
     assert_bad_lines_refused(capsys, src, "openai", tmp_path / "ds", OPENAI_BAD, "--tokenizer", tiny)
-    import_dataset(src, "openai", tmp_path / "ds", tokenizer=tiny, skip_bad=True)
+    import_dataset(ImportConfig(src, "openai", tmp_path / "ds", tokenizer=tiny, skip_bad=True))
     rows = rows_of(tmp_path / "ds")
     assert [(r[S.GROUP_ID], r[S.COMPLETION_IDS], r[S.BEHAVIOR_LOGPROBS]) for r in rows] == [
         ("r1", [6, EOS], [-0.5, -0.125])
@@ -408,7 +407,7 @@ def test_openai_bad_lines(tmp_path, capsys, tiny):
 
 def test_openai_needs_a_tokenizer(tmp_path):
     with pytest.raises(UserError, match="--tokenizer"):
-        import_dataset(FIXTURES / "openai_good.jsonl", "openai", tmp_path / "ds")
+        import_dataset(ImportConfig(FIXTURES / "openai_good.jsonl", "openai", tmp_path / "ds"))
 
 
 def test_token_strings_map_through_the_tokenizer_spelling():
@@ -437,8 +436,8 @@ def test_token_strings_map_through_the_tokenizer_spelling():
 
 
 def test_trl_good_jsonl_and_parquet(tmp_path, tiny):
-    import_dataset(FIXTURES / "trl_good.jsonl", "trl", tmp_path / "j", score_with=tiny)
-    import_dataset(FIXTURES / "trl_good.parquet", "trl", tmp_path / "p", score_with=tiny)
+    import_dataset(ImportConfig(FIXTURES / "trl_good.jsonl", "trl", tmp_path / "j", score_with=tiny))
+    import_dataset(ImportConfig(FIXTURES / "trl_good.parquet", "trl", tmp_path / "p", score_with=tiny))
     rows = rows_of(tmp_path / "j")
     # Groups: consecutive rows with the same (step, prompt): lines 1-2, line 3, lines 4-5.
     assert [(r[S.GROUP_ID], r[S.SAMPLE_INDEX]) for r in rows] == [
@@ -473,7 +472,7 @@ TRL_BAD = {2: "missing-column", 3: "bad-value", 4: "bad-value", 5: "bad-json"}
 def test_trl_bad_lines(tmp_path, capsys, tiny):
     src = FIXTURES / "trl_bad.jsonl"
     assert_bad_lines_refused(capsys, src, "trl", tmp_path / "ds", TRL_BAD, "--score-with", tiny)
-    import_dataset(src, "trl", tmp_path / "ds", score_with=tiny, skip_bad=True)
+    import_dataset(ImportConfig(src, "trl", tmp_path / "ds", score_with=tiny, skip_bad=True))
     rows = rows_of(tmp_path / "ds")
     # Lines 1 and 6 have the same (step, prompt) and, the bad lines set aside, are consecutive.
     assert [(r[S.SAMPLE_INDEX], r[S.REWARD]) for r in rows] == [(0, 1.5), (1, 0.5)]
@@ -483,5 +482,6 @@ def test_trl_bad_lines(tmp_path, capsys, tiny):
 
 def test_import_leaves_the_source_untouched(tmp_path, tiny):
     before = tree_digest(FIXTURES)
-    import_dataset(FIXTURES / "openai_bad.jsonl", "openai", tmp_path / "ds", tokenizer=tiny, skip_bad=True)
+    import_dataset(ImportConfig(FIXTURES / "openai_bad.jsonl", "openai", tmp_path / "ds", tokenizer=tiny,
+                                skip_bad=True))
     assert tree_digest(FIXTURES) == before

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offline_rec import schema as S
-from offline_rec.data.importers import IMPORT_FORMATS, ImportOptions, import_dataset
+from offline_rec.data.importers import IMPORT_FORMATS, ImportConfig, import_dataset
 from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.tiny import build_char_tokenizer
@@ -66,7 +66,8 @@ choice_records = st.builds(
 def _parse_all(path: Path) -> None:
     for name, spec in IMPORT_FORMATS.items():
         for need_logprobs in (True, False):
-            options = ImportOptions(need_logprobs=need_logprobs)
+            # a --score-with model (never loaded by a parser) is what makes source log-probs optional
+            options = ImportConfig(path, name, path.parent / "out", score_with=None if need_logprobs else "model")
             try:
                 result = spec.parse([path], TOKENIZER, options)
             except UserError:
@@ -99,7 +100,7 @@ def test_random_bytes_never_crash(data):
         parquet.write_bytes(data)
         for spec in IMPORT_FORMATS.values():
             try:
-                spec.parse([parquet], TOKENIZER, ImportOptions())
+                spec.parse([parquet], TOKENIZER, ImportConfig(parquet, "rows", Path(d) / "out"))
             except UserError:
                 pass
 
@@ -116,6 +117,48 @@ def test_random_records_never_crash(lines):
 def test_damaged_openai_choices_never_crash(lines):
     with tempfile.TemporaryDirectory() as d:
         _parse_all(_write_lines(d, [json.dumps(line) for line in lines]))
+
+
+def _episode_call(tokens):
+    return {"request": {"messages": [{"role": "user", "content": "1+1="}]},
+            "response": {"id": "r", "choices": [_good_choice(tokens)]}}
+
+
+episode_records = st.builds(
+    lambda tokens, call, damage, value, top: {"calls": [_episode_call(tokens), _episode_call(tokens)],
+                                              "episode_id": "e", **({top: value} if top else {}),
+                                              "_damage": (call, damage, value)},
+    st.lists(st.sampled_from(["2", "3", "</s>", "Q", "", "\ufffd", "token_id:9"]), max_size=3),
+    st.integers(0, 1),
+    st.sampled_from(["request", "response", "choices", "prompt_token_ids", "token_ids", "messages"]),
+    field_values,
+    st.sampled_from([None, "calls", "reward", "group_id", "episode_id", "meta"]),
+)
+
+
+def _damaged_episode(line: dict) -> dict:
+    call, damage, value = line.pop("_damage")
+    value = json.loads(json.dumps(value))  # a copy: hypothesis may hand the same object to the top-level key
+    calls = line.get("calls")
+    if isinstance(calls, list) and len(calls) == 2 and all(
+            isinstance(c, dict) and isinstance(c.get("response"), dict) for c in calls):
+        target = calls[call]  # a top-level damage may have replaced the calls already: then leave them
+        if damage in ("request", "response"):
+            target[damage] = value
+        elif damage == "messages":
+            target["request"]["messages"] = value
+        elif damage == "choices":
+            target["response"]["choices"] = value
+        else:
+            target["response"][damage] = value
+    return line
+
+
+@SETTINGS
+@given(st.lists(episode_records, min_size=1, max_size=3))
+def test_damaged_episodes_never_crash(lines):
+    with tempfile.TemporaryDirectory() as d:
+        _parse_all(_write_lines(d, [json.dumps(_damaged_episode(line)) for line in lines]))
 
 
 good_row = {
@@ -135,7 +178,7 @@ def test_whatever_rows_import_writes_is_valid(damages):
         src = _write_lines(d, lines)
         out = Path(d) / "ds"
         try:
-            import_dataset(src, "rows", out, skip_bad=True)
+            import_dataset(ImportConfig(src, "rows", out, skip_bad=True))
         except UserError:
             assert not out.exists()
             return

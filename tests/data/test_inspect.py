@@ -55,7 +55,8 @@ def test_sizes(stats):
 def test_token_totals(stats):
     # prompt tokens per row: 2*3 + 4*3 + 1*2 + 3 = 6 + 12 + 2 + 3 = 23
     # completion tokens: 1+2+3 + 4+5+6 + 7+8 + 10 = 6 + 15 + 15 + 10 = 46
-    assert stats["tokens"] == {"prompt": 23, "completion": 46}
+    # no loss_mask: every completion token is the policy's (episodes: tests/data/test_import_lossless.py)
+    assert stats["tokens"] == {"prompt": 23, "completion": 46, "policy": 46, "environment": 0}
 
 
 def test_length_percentiles(stats):

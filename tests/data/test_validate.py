@@ -305,6 +305,18 @@ def test_null_reward_is_a_warning_and_the_dataset_stays_ok(tmp_path):
     assert [(p.severity, p.code, p.shard, p.row) for p in report.problems] == [(WARNING, "null-reward", SHARD0, 0)]
 
 
+def test_row_without_policy_tokens_is_a_warning(tmp_path):
+    groups = base_groups()
+    row = groups[0][1]
+    n = len(row["completion_ids"])
+    row["loss_mask"] = [0] * n  # only environment tokens (a tool episode's template and results)
+    groups[0][2]["loss_mask"] = [0] * (len(groups[0][2]["completion_ids"]) - 1) + [1]  # one policy token: fine
+    report = validate_dataset(write_groups(tmp_path, groups))
+    assert report.ok
+    assert [(p.severity, p.code, p.shard, p.row) for p in report.problems] == [
+        (WARNING, "no-policy-tokens", SHARD0, 1)]
+
+
 def test_unlisted_shard_is_a_warning(tmp_path):
     path = write_groups(tmp_path, base_groups())
     shutil.copy(path / SHARD0, path / "data" / "part-00007.parquet")
