@@ -61,6 +61,11 @@ def format_event(data: str) -> bytes:
 _SET_ONCE = {"role", "type", "id", "index"}
 
 
+class _Pieces(list):
+    """The pieces of a streamed string, joined once the stream is whole (appending is O(1); adding
+    strings chunk by chunk would copy the text so far at every chunk: quadratic in a long answer)."""
+
+
 def _merge(into: dict, delta: dict) -> None:
     """Merge a streamed delta into an accumulated object: strings and lists concatenated, objects
     merged, tool calls merged by their index, anything else replaced."""
@@ -70,7 +75,10 @@ def _merge(into: dict, delta: dict) -> None:
             continue
         current = into.get(key)
         if isinstance(value, str) and key not in _SET_ONCE:
-            into[key] = (current or "") + value if isinstance(current, str) or current is None else value
+            if isinstance(current, _Pieces):
+                current.append(value)
+            else:
+                into[key] = _Pieces([current, value] if isinstance(current, str) else [value])
         elif isinstance(value, dict):
             if not isinstance(current, dict):
                 current = into[key] = {}
@@ -87,9 +95,23 @@ def _merge(into: dict, delta: dict) -> None:
                     current.append(target)
                 _merge(target, item)
         elif isinstance(value, list):
-            into[key] = (current if isinstance(current, list) else []) + value
+            if isinstance(current, list):
+                current.extend(value)  # a list this merge made (below), never the chunk's own
+            else:
+                into[key] = list(value)
         else:
             into[key] = value
+
+
+def _joined(value):
+    """`value` with every _Pieces joined into its string (lists of plain values are left as they are)."""
+    if isinstance(value, _Pieces):
+        return "".join(value)
+    if isinstance(value, dict):
+        return {k: _joined(v) for k, v in value.items()}
+    if isinstance(value, list) and value and isinstance(value[0], dict):
+        return [_joined(v) for v in value]
+    return value
 
 
 class StreamAssembler:
@@ -139,7 +161,7 @@ class StreamAssembler:
             if key == "delta":
                 _merge(merged.setdefault("message", {}), value or {})
             elif key == "text":
-                merged["text"] = merged.get("text", "") + (value or "")
+                merged.setdefault("text", _Pieces()).append(value or "")
             elif key == "logprobs":
                 if value is not None:
                     if not isinstance(merged.get("logprobs"), dict):
@@ -149,7 +171,9 @@ class StreamAssembler:
                     merged.setdefault("logprobs", None)
             elif key == "token_ids":
                 if value is not None:
-                    merged["token_ids"] = (merged.get("token_ids") or []) + list(value)
+                    if merged.get("token_ids") is None:
+                        merged["token_ids"] = []
+                    merged["token_ids"].extend(value)
                 else:
                     merged.setdefault("token_ids", None)
             elif key == "prompt_token_ids":
@@ -173,7 +197,7 @@ class StreamAssembler:
         response["object"] = "chat.completion" if chat else "text_completion"
         choices = []
         for index in sorted(self.choices):
-            choice = dict(self.choices[index])
+            choice = _joined(self.choices[index])
             if chat:
                 message = choice.get("message") or {}
                 message.setdefault("role", "assistant")

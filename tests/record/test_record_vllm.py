@@ -3,12 +3,13 @@
 Clients call the proxy and, with the same requests (same seeds), the server directly: whole
 responses must be equal field for field (ids and timestamps aside); streams must carry the same
 text, token ids and log-probs where asked, and nothing the client did not ask for (vLLM's chunk
-boundaries depend on timing, so streams are compared reassembled). The recorded lines are then
-imported with `offline-rec import --format openai`: prompt ids must be the chat template's
-tokens, completion ids the sampled ones, and the log-probs equal a teacher-forced recomputation
-of the model in float32 (1e-4). The server runs vLLM's default --logprobs-mode raw_logprobs,
-which the proxy must detect; at temperature 1 without truncation raw log-probs are those of the
-sampled distribution, which is what the comparison checks.
+boundaries depend on timing, so streams are compared reassembled). The recorded directory is then
+imported as it is with `offline-rec import --format openai` and a rewards file: prompt ids must
+be the chat template's tokens, completion ids the sampled ones, the log-probs equal a
+teacher-forced recomputation of the model in float32 (1e-4), and the two-call episode one row
+whose loss mask is 1 on its two replies and 0 on what the chat template and the tool put between
+them. The server runs vLLM's default --logprobs-mode raw_logprobs, which the proxy must detect;
+at temperature 1 without truncation raw log-probs are those of the sampled distribution.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import time
 
 import httpx
 import pytest
+from chat_logs import whole_word_tokens
 from record_support import ServerThread, read_lines, sse_payloads
+from transformers import AutoTokenizer
 
 from offline_rec.record.assemble import StreamAssembler
 from offline_rec.record.exchange import CHAT, COMPLETIONS
@@ -89,9 +92,13 @@ def session(vllm_server, tmp_path_factory):
             answer = httpx.post(base + "/chat/completions", timeout=60,
                                       json={"model": "no-such-model", "messages": conversations[0]})
             errors.append((answer.status_code, answer.content))
-        # a two-call tool episode
+        # a two-call tool episode; reply 1 among whole-word tokens, so that the chat template renders it
+        # back to the same tokens in call 2 (as a real model's usual text does; see tests/chat_logs.py)
+        tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+        allowed = whole_word_tokens(tokenizer) + [tokenizer.eos_token_id]
         first = httpx.post(proxy.url + "/v1/chat/completions", timeout=300, headers={"X-Episode-Id": "episode-1"},
-                           json={"model": model, "messages": conversations[3], "seed": 7, **SAMPLING}).json()
+                           json={"model": model, "messages": conversations[3], "seed": 7, **SAMPLING,
+                                 "max_tokens": 8, "allowed_token_ids": allowed}).json()
         followed = [*conversations[3], {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                     {"role": "tool", "content": '{"result": 42, "unit": "€"}'}]
         second = httpx.post(proxy.url + "/v1/chat/completions", timeout=300,
@@ -157,27 +164,33 @@ def test_lines_record_ids_logprobs_and_the_detected_mode(session):
 
 
 def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_path):
+    """`offline-rec import` of the recorded directory as it is (single calls and the episode), rewards
+    given afterwards by response and episode id: ids are the server's, log-probs equal a teacher-forced
+    recomputation, the episode is one row whose loss mask covers exactly its two replies."""
     from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.importers import import_dataset
+    from offline_rec.data.importers import ImportConfig, import_dataset
     from offline_rec.models.loading import load_model, load_tokenizer
     from offline_rec.models.teacher_forced import score_logprobs
     from offline_rec.models.tiny import token_bytes
 
-    singles = tmp_path / "singles.jsonl"
-    singles.write_text("".join(json.dumps(line) + "\n" for line in session["lines"] if "episode_id" not in line))
-    summary = import_dataset(singles, "openai", tmp_path / "ds", tokenizer=session["model_dir"])
-    assert summary["rejected_lines"] == 0
+    singles = {line["response"]["id"]: line for line in session["lines"] if "episode_id" not in line}
+    [episode] = [line for line in session["lines"] if "episode_id" in line]
+    rated = next(iter(singles))
+    rewards = tmp_path / "rewards.jsonl"
+    rewards.write_text(json.dumps({"id": "episode-1", "reward": 1.0}) + "\n"
+                       + json.dumps({"id": rated, "reward": 0.25}) + "\n")
+    summary = import_dataset(ImportConfig(session["out"], "openai", tmp_path / "ds", tokenizer=session["model_dir"],
+                                          rewards=rewards, logprobs_source="raw"))
+    assert summary["rejected_lines"] == 0 and summary["source_records"] == len(singles) + 1
     rows = open_dataset(tmp_path / "ds").to_table().to_pylist()
-    assert len(rows) == 7  # 6 calls, one of them with n=2
+    assert len(rows) == 7 + 1  # 6 single calls, one of them with n=2, and the episode
     tokenizer = load_tokenizer(session["model_dir"])
     whole_utf8 = [_is_utf8(piece) for piece in token_bytes(tokenizer)]
-    by_group = {}
-    for line in session["lines"]:
-        if "episode_id" not in line:
-            by_group[line["response"]["id"]] = line
     partial_tokens = 0
     for row in rows:
-        line = by_group[row["group_id"]]
+        if row["group_id"] == "episode-1":
+            continue
+        line = singles[row["group_id"]]
         request, choice = line["request"], line["response"]["choices"][row["sample_index"]]
         if "messages" in request:
             rendered = tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=False)
@@ -185,12 +198,27 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
             rendered = request["prompt"]
         assert row["prompt_ids"] == tokenizer(rendered, add_special_tokens=False)["input_ids"]
         assert row["completion_ids"] == choice["token_ids"]
+        assert row["loss_mask"] is None or set(row["loss_mask"]) == {1}
+        assert row["reward"] == (0.25 if row["group_id"] == rated else None)
         partial_tokens += sum(not whole_utf8[t] for t in row["completion_ids"])
     assert partial_tokens > 0  # the lossy token strings were there; the ids made them irrelevant
+
+    [row] = [r for r in rows if r["group_id"] == "episode-1"]
+    first, second = (call["response"] for call in episode["calls"])
+    reply_1, reply_2 = first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]
+    between = second["prompt_token_ids"][len(first["prompt_token_ids"]) + len(reply_1):]
+    assert row["prompt_ids"] == first["prompt_token_ids"] and row["reward"] == 1.0
+    assert row["completion_ids"] == reply_1 + between + reply_2
+    assert row["loss_mask"] == [1] * len(reply_1) + [0] * len(between) + [1] * len(reply_2)
+    assert len(between) > 0 and tokenizer.decode(between).count("<|im_start|>") == 2  # the tool turn and the next
+
     model = load_model(session["model_dir"], dtype="float32")
     recomputed = score_logprobs(model, tokenizer, [r["prompt_ids"] for r in rows], [r["completion_ids"] for r in rows],
                                 temperature=1.0)
-    worst = max(abs(a - b) for row, again in zip(rows, recomputed) for a, b in zip(row["behavior_logprobs"], again))
+    worst = 0.0
+    for row, again in zip(rows, recomputed):
+        mask = row["loss_mask"] or [1] * len(again)
+        worst = max([worst] + [abs(a - b) for a, b, m in zip(row["behavior_logprobs"], again, mask) if m])
     assert worst <= 1e-4, worst
 
 
