@@ -95,12 +95,15 @@ def _prompt(i: int) -> list[dict]:
 
 
 async def _round(url: str, model: str, concurrency: int, requests: int, seconds: float, max_tokens: int,
-                 stream: bool, first_index: int, extra: dict | None = None) -> dict:
+                 stream: bool, first_index: int, extra: dict | None = None, started: float | None = None) -> dict:
+    """`concurrency` clients against `url` until `requests` are sent or `seconds` have passed (counted
+    from `started`, default now), then the ones in flight finish. "done_at": each completion's time
+    since `started`."""
     import aiohttp
 
-    latencies, first_chunks = [], []
+    latencies, first_chunks, done_at = [], [], []
     counter = {"next": 0, "failed": 0}
-    started = time.perf_counter()
+    started = time.perf_counter() if started is None else started
 
     async def worker(session):
         while counter["next"] < requests and time.perf_counter() - started < seconds:
@@ -122,6 +125,7 @@ async def _round(url: str, model: str, concurrency: int, requests: int, seconds:
                 ok = False
             if ok:
                 latencies.append(time.perf_counter() - sent)
+                done_at.append(time.perf_counter() - started)
                 first_chunks.append(first)
             else:
                 counter["failed"] += 1
@@ -141,11 +145,32 @@ async def _round(url: str, model: str, concurrency: int, requests: int, seconds:
         "p90_ms": 1000 * ordered[int(0.9 * (len(ordered) - 1))] if ordered else None,
         "first_chunk_p50_ms": 1000 * median(first_chunks) if stream and first_chunks else None,
         "sent": counter["next"],
+        "done_at": done_at,
+        "latencies": latencies,
     }
 
 
+async def _side_by_side(direct: str, proxied: str, model: str, concurrency: int, seconds: float, max_tokens: int,
+                        stream: bool, first_index: int) -> tuple[dict, dict]:
+    """Half the clients straight to the server, half through the proxy, at the same time: both halves
+    see the same machine and the same server batches. Each half's rate counts the completions within
+    the common window [seconds / 4, seconds] (the start-up and the drain left out)."""
+    started = time.perf_counter()
+    halves = await asyncio.gather(*(
+        _round(url, model, concurrency // 2, 1 << 30, seconds, max_tokens, stream, first_index + k * 100_000,
+               started=started)
+        for k, url in enumerate((direct, proxied))
+    ))
+    low = seconds / 4
+    for half in halves:
+        pairs = [(t, latency) for t, latency in zip(half["done_at"], half["latencies"]) if low <= t <= seconds]
+        half["window_requests_per_s"] = len(pairs) / (seconds - low)
+        half["window_p50_ms"] = 1000 * median(latency for _, latency in pairs) if pairs else None
+    return halves[0], halves[1]
+
+
 def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, seconds: float, max_tokens: int,
-                     repeats: int, threads: int, server_timeout: float = 900.0) -> dict:
+                     repeats: int, side_by_side: int, threads: int, server_timeout: float = 900.0) -> dict:
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     server_port, proxy_port = _free_port(), _free_port()
@@ -204,21 +229,33 @@ def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, 
                         proxied_requests += measured[url]["sent"]
                 rounds.append((measured[direct], measured[proxied]))
             tag = "record_stream" if stream else "record"
-            result[f"{tag}_throughput_vs_direct"] = median(p["requests_per_s"] / d["requests_per_s"] for d, p in rounds)
-            result[f"{tag}_throughput_vs_direct_all"] = [p["requests_per_s"] / d["requests_per_s"] for d, p in rounds]
-            result[f"{tag}_added_p50_latency_ms"] = median(p["p50_ms"] - d["p50_ms"] for d, p in rounds)
+            result[f"{tag}_throughput_vs_direct_alternating"] = median(
+                p["requests_per_s"] / d["requests_per_s"] for d, p in rounds)
+            result[f"{tag}_alternating_all"] = [p["requests_per_s"] / d["requests_per_s"] for d, p in rounds]
+            result[f"{tag}_added_p50_latency_ms_alternating"] = median(p["p50_ms"] - d["p50_ms"] for d, p in rounds)
             result[f"{tag}_direct_requests_per_s"] = median(d["requests_per_s"] for d, _ in rounds)
             result[f"{tag}_proxy_requests_per_s"] = median(p["requests_per_s"] for _, p in rounds)
             result[f"{tag}_direct_p50_ms"] = median(d["p50_ms"] for d, _ in rounds)
             result[f"{tag}_proxy_p50_ms"] = median(p["p50_ms"] for _, p in rounds)
-            result[f"{tag}_requests_per_round"] = median(d["requests"] for d, _ in rounds)
             result[f"{tag}_failed_requests"] = sum(d["failed"] + p["failed"] for d, p in rounds)
             result[f"{tag}_proxy_cpu_ms_per_request"] = median(p["proxy_cpu_ms"] for _, p in rounds)
             result[f"{tag}_server_cpu_ms_per_request_direct"] = median(d["server_cpu_ms"] for d, _ in rounds)
             result[f"{tag}_server_cpu_ms_per_request_proxied"] = median(p["server_cpu_ms"] for _, p in rounds)
             if stream:
-                result["record_stream_added_p50_first_chunk_ms"] = median(
+                result["record_stream_added_p50_first_chunk_ms_alternating"] = median(
                     p["first_chunk_p50_ms"] - d["first_chunk_p50_ms"] for d, p in rounds)
+            pairs = []
+            for _ in range(side_by_side):
+                pairs.append(asyncio.run(_side_by_side(direct, proxied, name, concurrency, seconds, max_tokens,
+                                                       stream, index)))
+                index += 1_000_000
+                proxied_requests += pairs[-1][1]["sent"]
+            result[f"{tag}_throughput_vs_direct"] = median(
+                p["window_requests_per_s"] / d["window_requests_per_s"] for d, p in pairs)
+            result[f"{tag}_side_by_side_all"] = [p["window_requests_per_s"] / d["window_requests_per_s"]
+                                                 for d, p in pairs]
+            result[f"{tag}_added_p50_latency_ms"] = median(p["window_p50_ms"] - d["window_p50_ms"] for d, p in pairs)
+            result[f"{tag}_failed_requests"] += sum(d["failed"] + p["failed"] for d, p in pairs)
         proxy.send_signal(signal.SIGINT)  # a clean stop closes the open file
         proxy.wait(timeout=120)
         lines = sum(f.read_bytes().count(b"\n") for f in out.glob("*.jsonl"))

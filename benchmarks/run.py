@@ -14,6 +14,7 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   collect_hf_vs_bare_generate collect samples/s, hf backend / bare batched generate        >= 0.9
   ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
   record_throughput_vs_direct chat requests/s through `offline-rec record` / straight to vLLM >= 0.95
+                              (half the clients each way at the same time)
   record_added_p50_latency_ms client-seen p50 latency through the proxy minus straight      (reported)
   validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
 
@@ -71,8 +72,10 @@ SIZES = {
         "scan_data": {"num_groups": 2048, "groups_per_shard": 256},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
-        # 5 shorter rounds rather than 3 (unless --repeats): per-round ratios swing with other jobs' load
-        "record": {"concurrency": 64, "requests": 128, "seconds": 30.0, "max_tokens": 32, "repeats": 5},
+        # alternating rounds (direct, then proxy) swing with other jobs' load; side-by-side rounds
+        # (half the clients each way at once) do not: 3 of the first (unless --repeats), 5 of the second
+        "record": {"concurrency": 64, "requests": 128, "seconds": 30.0, "max_tokens": 32, "repeats": 3,
+                   "side_by_side": 5},
         "cli_rows": 1_000_000,
     },
     "quick": {
@@ -95,7 +98,8 @@ SIZES = {
         "scan_data": {"num_groups": 256, "groups_per_shard": 64},
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
-        "record": {"concurrency": 64, "requests": 128, "seconds": 20.0, "max_tokens": 16, "repeats": 1},
+        "record": {"concurrency": 64, "requests": 128, "seconds": 20.0, "max_tokens": 16, "repeats": 1,
+                   "side_by_side": 1},
         "cli_rows": None,
     },
 }
@@ -122,10 +126,11 @@ KEYS = (
     ("collect_vllm_samples_per_s", "", "collect samples/s, vllm backend"),
     ("collect_hf_samples_per_s", "", "collect samples/s, hf backend"),
     ("bare_generate_samples_per_s", "", "bare generate samples/s"),
-    ("record_throughput_vs_direct", ">= 0.95", "chat requests/s, client -> record -> vLLM / client -> vLLM"),
-    ("record_added_p50_latency_ms", "", "client-seen p50 latency through the proxy minus straight (ms)"),
+    ("record_throughput_vs_direct", ">= 0.95", "chat requests/s through record / straight, clients side by side"),
+    ("record_added_p50_latency_ms", "", "client-seen p50 latency through the proxy minus straight (ms), same"),
     ("record_stream_throughput_vs_direct", "", "same ratio, streamed chat completions"),
     ("record_stream_added_p50_latency_ms", "", "same added p50 latency, streamed (whole stream)"),
+    ("record_throughput_vs_direct_alternating", "", "the ratio from rounds that alternate direct and proxy"),
     ("record_direct_requests_per_s", "", "chat requests/s straight to vLLM (64 concurrent clients)"),
     ("record_proxy_cpu_ms_per_request", "", "CPU ms the proxy process spends per request (whole responses)"),
     ("ddp_scaling", "(2 = linear)", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 1 thread (gloo)"),
@@ -283,18 +288,23 @@ def part_record(context: dict) -> dict:
     result = run_child("_record_bench", "record_vs_direct", kwargs, threads=context["threads"])
     context["notes"].append(
         f"record: vLLM server start {result['vllm_server_start_seconds']:.0f} s (not timed); "
-        f"{result['concurrency']} clients, {result['max_tokens']} tokens per answer; per-round ratio "
-        f"{[round(r, 3) for r in result['record_throughput_vs_direct_all']]}, streamed "
-        f"{[round(r, 3) for r in result['record_stream_throughput_vs_direct_all']]}; p50 direct "
+        f"{result['concurrency']} clients, {result['max_tokens']} tokens per answer; side by side per round "
+        f"{[round(r, 3) for r in result['record_side_by_side_all']]}, streamed "
+        f"{[round(r, 3) for r in result['record_stream_side_by_side_all']]}; alternating per round "
+        f"{[round(r, 3) for r in result['record_alternating_all']]}, streamed "
+        f"{[round(r, 3) for r in result['record_stream_alternating_all']]}; alternating p50 direct "
         f"{result['record_direct_p50_ms']:.0f} ms, through the proxy {result['record_proxy_p50_ms']:.0f} ms; "
         f"{result['record_lines_written']} lines recorded for {result['record_proxied_requests']} proxied requests; "
-        f"CPU per request: proxy {result['record_proxy_cpu_ms_per_request']:.2f} ms, vLLM server "
+        f"CPU per request: proxy {result['record_proxy_cpu_ms_per_request']:.2f} ms "
+        f"(streamed {result['record_stream_proxy_cpu_ms_per_request']:.2f} ms), vLLM server "
         f"{result['record_server_cpu_ms_per_request_direct']:.1f} ms direct, "
         f"{result['record_server_cpu_ms_per_request_proxied']:.1f} ms proxied (log-probs and token ids); "
         f"failed requests {result['record_failed_requests'] + result['record_stream_failed_requests']}"
     )
     keys = ("record_throughput_vs_direct", "record_added_p50_latency_ms", "record_stream_throughput_vs_direct",
-            "record_stream_added_p50_latency_ms", "record_stream_added_p50_first_chunk_ms",
+            "record_stream_added_p50_latency_ms", "record_throughput_vs_direct_alternating",
+            "record_added_p50_latency_ms_alternating", "record_stream_throughput_vs_direct_alternating",
+            "record_stream_added_p50_latency_ms_alternating", "record_stream_added_p50_first_chunk_ms_alternating",
             "record_direct_requests_per_s", "record_proxy_requests_per_s", "record_direct_p50_ms",
             "record_proxy_p50_ms", "record_stream_direct_requests_per_s", "record_stream_proxy_requests_per_s",
             "record_proxy_cpu_ms_per_request", "record_stream_proxy_cpu_ms_per_request",

@@ -112,7 +112,7 @@ def test_record_benchmark_load_round_counts_what_it_sends():
 
     from record_support import MODEL, ServerThread, create_fake
 
-    from benchmarks._record_bench import _round
+    from benchmarks._record_bench import _round, _side_by_side
 
     fake = ServerThread(create_fake())
     try:
@@ -122,6 +122,8 @@ def test_record_benchmark_load_round_counts_what_it_sends():
                                       stream=True, first_index=100))
         failing = asyncio.run(_round(fake.url, "no-such-model", concurrency=2, requests=4, seconds=60, max_tokens=3,
                                      stream=False, first_index=0))
+        left, right = asyncio.run(_side_by_side(fake.url, fake.url, MODEL, concurrency=4, seconds=1.0, max_tokens=3,
+                                                stream=True, first_index=0))
     finally:
         fake.stop()
     assert (whole["requests"], whole["failed"], whole["sent"]) == (10, 0, 10)
@@ -129,3 +131,7 @@ def test_record_benchmark_load_round_counts_what_it_sends():
     assert 0 < streamed["first_chunk_p50_ms"] <= streamed["p50_ms"]
     assert whole["requests_per_s"] == pytest.approx(10 / whole["seconds"])
     assert (failing["requests"], failing["failed"]) == (0, 4) and failing["p50_ms"] is None
+    for half in (left, right):  # 2 clients each, for 1 s; the rate counts completions in [0.25 s, 1 s]
+        in_window = [t for t in half["done_at"] if 0.25 <= t <= 1.0]
+        assert half["window_requests_per_s"] == pytest.approx(len(in_window) / 0.75) and in_window
+        assert half["failed"] == 0 and half["window_p50_ms"] > 0
