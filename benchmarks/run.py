@@ -298,7 +298,9 @@ def part_record(context: dict) -> dict:
         f"CPU per request: proxy {result['record_proxy_cpu_ms_per_request']:.2f} ms "
         f"(streamed {result['record_stream_proxy_cpu_ms_per_request']:.2f} ms), vLLM server "
         f"{result['record_server_cpu_ms_per_request_direct']:.1f} ms direct, "
-        f"{result['record_server_cpu_ms_per_request_proxied']:.1f} ms proxied (log-probs and token ids); "
+        f"{result['record_server_cpu_ms_per_request_proxied']:.1f} ms proxied (log-probs and token ids), streamed "
+        f"{result['record_stream_server_cpu_ms_per_request_direct']:.1f} and "
+        f"{result['record_stream_server_cpu_ms_per_request_proxied']:.1f} ms; "
         f"failed requests {result['record_failed_requests'] + result['record_stream_failed_requests']}"
     )
     keys = ("record_throughput_vs_direct", "record_added_p50_latency_ms", "record_stream_throughput_vs_direct",
@@ -309,6 +311,7 @@ def part_record(context: dict) -> dict:
             "record_proxy_p50_ms", "record_stream_direct_requests_per_s", "record_stream_proxy_requests_per_s",
             "record_proxy_cpu_ms_per_request", "record_stream_proxy_cpu_ms_per_request",
             "record_server_cpu_ms_per_request_direct", "record_server_cpu_ms_per_request_proxied",
+            "record_stream_server_cpu_ms_per_request_direct", "record_stream_server_cpu_ms_per_request_proxied",
             "vllm_server_start_seconds")
     return {key: result[key] for key in keys}
 
