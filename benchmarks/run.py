@@ -17,13 +17,17 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   collect_vllm_vs_bare_vllm   collect samples/s, vLLM backend / one bare LLM.generate call  >= 0.9
   collect_dp2_vs_dp1          collect samples/s, 2 vLLM engine processes / 1 engine         (2.0 = linear)
   ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
+  record_throughput_vs_direct chat requests/s through `offline-rec record` / straight to vLLM >= 0.95
+                              (half the clients each way at the same time)
+  record_added_p50_latency_ms client-seen p50 latency through the proxy minus straight      (reported)
   validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
   startup_resume_vs_first     data start-up (validate, build the row store / reuse it), 2nd run / 1st <= 0.1
   store_copies_2_ranks        row-store bytes on disk, 2 local processes / 1                1.0
   data_scale_rss_growth_*     peak RSS building / reusing the store, 4x rows / 1x           <= 1.2 (flat)
 
 How each is measured is in the docstrings of benchmarks/_train_bench.py, _data_bench.py,
-_collect_bench.py, _scale_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed part runs in a
+_collect_bench.py, _record_bench.py, _scale_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed
+part runs in a
 fresh process with the same number of torch threads (--threads, default 1; DDP ranks always use 1). Noisy
 ratios are measured --repeats times (default 3, 1 with --quick) and the median is reported.
 A part that fails is reported as null with its error, and the exit code is then 1.
@@ -78,6 +82,10 @@ SIZES = {
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 32, "num_samples": 8, "batch_size": 16, "max_new_tokens": 32},
         "collect_dp": {"num_prompts": 64, "num_samples": 8, "max_new_tokens": 32, "repeats": 3},
+        # alternating rounds (direct, then proxy) swing with other jobs' load; side-by-side rounds
+        # (half the clients each way at once) do not: 3 of the first (unless --repeats), 5 of the second
+        "record": {"concurrency": 64, "requests": 128, "seconds": 45.0, "max_tokens": 32, "repeats": 3,
+                   "side_by_side": 5},
         "cli_rows": 1_000_000,
         # ~256 tokens per row, 1M rows: 256M tokens (~1.2 GB of shards, a 2.4 GB row store); the small
         # dataset is its first quarter of shards
@@ -104,6 +112,8 @@ SIZES = {
         "scan": {"max_steps": None},
         "collect": {"num_prompts": 8, "num_samples": 4, "batch_size": 8, "max_new_tokens": 16},
         "collect_dp": {"num_prompts": 8, "num_samples": 4, "max_new_tokens": 16, "repeats": 1},
+        "record": {"concurrency": 64, "requests": 128, "seconds": 20.0, "max_tokens": 16, "repeats": 1,
+                   "side_by_side": 1},
         "cli_rows": None,
         "scale": {"rows": 32_768, "prompt_lengths": (8, 24), "completion_lengths": (24, 72)},
     },
@@ -145,6 +155,13 @@ KEYS = (
     ("collect_vllm_samples_per_s", "", "collect samples/s, vllm backend"),
     ("collect_hf_samples_per_s", "", "collect samples/s, hf backend"),
     ("bare_generate_samples_per_s", "", "bare generate samples/s"),
+    ("record_throughput_vs_direct", ">= 0.95", "chat requests/s through record / straight, clients side by side"),
+    ("record_added_p50_latency_ms", "", "client-seen p50 latency through the proxy minus straight (ms), same"),
+    ("record_stream_throughput_vs_direct", "", "same ratio, streamed chat completions"),
+    ("record_stream_added_p50_latency_ms", "", "same added p50 latency, streamed (whole stream)"),
+    ("record_throughput_vs_direct_alternating", "", "the ratio from rounds that alternate direct and proxy"),
+    ("record_direct_requests_per_s", "", "chat requests/s straight to vLLM (64 concurrent clients)"),
+    ("record_proxy_cpu_ms_per_request", "", "CPU ms the proxy process spends per request (whole responses)"),
     ("ddp_scaling", "(2 = linear)", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 1 thread (gloo)"),
     ("ddp_vs_threads", "", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 2 threads"),
     ("validate_1m_rows_seconds", "", "offline-rec validate --json, 1M narrow rows"),
@@ -341,6 +358,50 @@ def part_collect_dp(context: dict) -> dict:
             "collect_dp1_samples_per_s": median(rates[1]), "collect_dp2_samples_per_s": median(rates[2])}
 
 
+def part_record(context: dict) -> dict:
+    """`offline-rec record` in front of a vLLM server against the server straight (benchmarks/_record_bench.py)."""
+    from offline_rec.rollout.backends import vllm_import_error
+
+    reason = vllm_import_error()
+    if reason is not None:
+        context["notes"].append(f"record: vLLM unavailable ({reason}): record_* keys are null")
+        return {}
+    sizes = dict(context["sizes"]["record"])
+    repeats = context["repeats"] if context.get("repeats_given") else sizes["repeats"]
+    sizes.pop("repeats", None)
+    kwargs = dict(model=context["model"]["path"], workdir=str(context["workdir"] / "record"), repeats=repeats,
+                  threads=context["threads"], **sizes)
+    result = run_child("_record_bench", "record_vs_direct", kwargs, threads=context["threads"])
+    context["notes"].append(
+        f"record: vLLM server start {result['vllm_server_start_seconds']:.0f} s (not timed); "
+        f"{result['concurrency']} clients, {result['max_tokens']} tokens per answer; side by side per round "
+        f"{[round(r, 3) for r in result['record_side_by_side_all']]}, streamed "
+        f"{[round(r, 3) for r in result['record_stream_side_by_side_all']]}; alternating per round "
+        f"{[round(r, 3) for r in result['record_alternating_all']]}, streamed "
+        f"{[round(r, 3) for r in result['record_stream_alternating_all']]}; alternating p50 direct "
+        f"{result['record_direct_p50_ms']:.0f} ms, through the proxy {result['record_proxy_p50_ms']:.0f} ms; "
+        f"{result['record_lines_written']} lines recorded for {result['record_proxied_requests']} proxied requests; "
+        f"CPU per request: proxy {result['record_proxy_cpu_ms_per_request']:.2f} ms "
+        f"(streamed {result['record_stream_proxy_cpu_ms_per_request']:.2f} ms), vLLM server "
+        f"{result['record_server_cpu_ms_per_request_direct']:.1f} ms direct, "
+        f"{result['record_server_cpu_ms_per_request_proxied']:.1f} ms proxied (log-probs and token ids), streamed "
+        f"{result['record_stream_server_cpu_ms_per_request_direct']:.1f} and "
+        f"{result['record_stream_server_cpu_ms_per_request_proxied']:.1f} ms; "
+        f"failed requests {result['record_failed_requests'] + result['record_stream_failed_requests']}"
+    )
+    keys = ("record_throughput_vs_direct", "record_added_p50_latency_ms", "record_stream_throughput_vs_direct",
+            "record_stream_added_p50_latency_ms", "record_throughput_vs_direct_alternating",
+            "record_added_p50_latency_ms_alternating", "record_stream_throughput_vs_direct_alternating",
+            "record_stream_added_p50_latency_ms_alternating", "record_stream_added_p50_first_chunk_ms_alternating",
+            "record_direct_requests_per_s", "record_proxy_requests_per_s", "record_direct_p50_ms",
+            "record_proxy_p50_ms", "record_stream_direct_requests_per_s", "record_stream_proxy_requests_per_s",
+            "record_proxy_cpu_ms_per_request", "record_stream_proxy_cpu_ms_per_request",
+            "record_server_cpu_ms_per_request_direct", "record_server_cpu_ms_per_request_proxied",
+            "record_stream_server_cpu_ms_per_request_direct", "record_stream_server_cpu_ms_per_request_proxied",
+            "vllm_server_start_seconds")
+    return {key: result[key] for key in keys}
+
+
 def part_validate_inspect(context: dict) -> dict:
     from benchmarks._data_bench import cli_cost
 
@@ -436,6 +497,7 @@ PARTS = (
     ("validate/inspect", part_validate_inspect),
     ("collect", part_collect),
     ("collect dp", part_collect_dp),
+    ("record", part_record),
     ("training", part_train),
     ("ddp", part_ddp),
     ("data scale", part_data_scale),
@@ -503,6 +565,7 @@ def main(argv=None) -> int:
         "quick": arguments.quick,
         "sizes": SIZES["quick" if arguments.quick else "full"],
         "repeats": arguments.repeats or (1 if arguments.quick else 3),
+        "repeats_given": arguments.repeats is not None,
         "threads": arguments.threads,
         "workdir": workdir,
         "notes": [],

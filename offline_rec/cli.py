@@ -681,6 +681,47 @@ def eval_(
 
 
 @app.command()
+def record(
+    upstream: str = typer.Option(
+        ..., "--upstream", help="The OpenAI-compatible (vLLM) server to record, e.g. http://127.0.0.1:8000."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Directory of the recorded JSONL files (created; may hold earlier runs)."
+    ),
+    port: int = typer.Option(8001, "--port", help="Port the proxy listens on (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address the proxy listens on."),
+    redact_field: list[str] = typer.Option(
+        [], "--redact-field", help="Dotted path into the request written as [redacted], e.g. user (repeatable; *: all)."
+    ),
+    episode_idle_timeout: float = typer.Option(
+        300.0, "--episode-idle-timeout", help="Seconds without a call after which an episode is written as it is."
+    ),
+    rotate_mb: float = typer.Option(256.0, "--rotate-mb", help="Start a new file past this size (MB)."),
+    rotate_seconds: float = typer.Option(3600.0, "--rotate-seconds", help="Start a new file after this many seconds."),
+    fsync_interval: float = typer.Option(
+        1.0, "--fsync-interval", help="Seconds between fsyncs (0: fsync each line before its response ends)."
+    ),
+    logprobs_mode: str = typer.Option(
+        "auto", "--logprobs-mode", help="The upstream's vLLM --logprobs-mode (default auto: probed at start)."
+    ),
+) -> None:
+    """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
+    from offline_rec.record.proxy import run_record
+    from offline_rec.record.recorder import RecordOptions, parse_redact_field
+
+    options = RecordOptions(
+        rotate_bytes=int(rotate_mb * (1 << 20)), rotate_seconds=rotate_seconds, fsync_interval=fsync_interval,
+        episode_idle_timeout=episode_idle_timeout, redact_fields=tuple(parse_redact_field(f) for f in redact_field),
+    )
+    stats = run_record(upstream, str(out), host=host, port=port, options=options, logprobs_mode=logprobs_mode,
+                       warn=lambda message: typer.echo(message, err=True))
+    typer.echo(
+        f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
+        f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors"
+    )
+
+
+@app.command()
 def report(
     runs: list[Path] = typer.Argument(..., help="Train RUN folders and/or evaluation folders (or their summary.json)."),
     out: Path = typer.Option(..., "--out", "-o", help="Folder for the PNG plots and summary.md."),

@@ -45,6 +45,8 @@ REQUIRED_KEYS = (
     "store_copies_2_ranks",
     "data_scale_rss_growth_build",
     "data_scale_rss_growth_reuse",
+    "record_throughput_vs_direct",
+    "record_added_p50_latency_ms",
 )
 # Keys that need nothing optional, so a quick run always measures them.
 ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "padding_efficiency_paper", "rank_balance_64",
@@ -151,3 +153,33 @@ def test_quick_benchmark_writes_every_key(tmp_path):
         assert isinstance(results[key], float) and results[key] > 0, (key, results[key])
     for key in ("validate_1m_rows_seconds", "inspect_1m_rows_seconds"):
         assert results[key] is None  # full mode only
+
+
+def test_record_benchmark_load_round_counts_what_it_sends():
+    import asyncio
+
+    from record_support import MODEL, ServerThread, create_fake
+
+    from benchmarks._record_bench import _round, _side_by_side
+
+    fake = ServerThread(create_fake())
+    try:
+        whole = asyncio.run(_round(fake.url, MODEL, concurrency=4, requests=10, seconds=60, max_tokens=3,
+                                   stream=False, first_index=0))
+        streamed = asyncio.run(_round(fake.url, MODEL, concurrency=3, requests=7, seconds=60, max_tokens=3,
+                                      stream=True, first_index=100))
+        failing = asyncio.run(_round(fake.url, "no-such-model", concurrency=2, requests=4, seconds=60, max_tokens=3,
+                                     stream=False, first_index=0))
+        left, right = asyncio.run(_side_by_side(fake.url, fake.url, MODEL, concurrency=4, seconds=1.0, max_tokens=3,
+                                                stream=True, first_index=0))
+    finally:
+        fake.stop()
+    assert (whole["requests"], whole["failed"], whole["sent"]) == (10, 0, 10)
+    assert (streamed["requests"], streamed["failed"]) == (7, 0)
+    assert 0 < streamed["first_chunk_p50_ms"] <= streamed["p50_ms"]
+    assert whole["requests_per_s"] == pytest.approx(10 / whole["seconds"])
+    assert (failing["requests"], failing["failed"]) == (0, 4) and failing["p50_ms"] is None
+    for half in (left, right):  # 2 clients each, for 1 s; the rate counts completions in [0.25 s, 1 s]
+        in_window = [t for t in half["done_at"] if 0.25 <= t <= 1.0]
+        assert half["window_requests_per_s"] == pytest.approx(len(in_window) / 0.75) and in_window
+        assert half["failed"] == 0 and half["window_p50_ms"] > 0

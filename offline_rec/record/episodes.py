@@ -1,0 +1,84 @@
+"""The calls of one conversation, held until the episode closes.
+
+A client names an episode with the header `X-Episode-Id` on each of its calls and closes it with
+`X-Episode-End: true` on the last one; an episode with no call for `idle_timeout` seconds closes
+by itself. Calls keep the order in which they ARRIVED (an agent sends call k+1 after reading
+reply k); an episode whose end has been announced is written once its calls still in flight have
+finished. A failed call (an upstream error, a client that went away) is not part of the episode;
+an episode none of whose calls succeeded writes nothing. An id used again after its episode
+closed starts a new episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+END_HEADER = "x-episode-end"
+ID_HEADER = "x-episode-id"
+CLOSED_BY_END = "end-header"
+CLOSED_BY_IDLE = "idle-timeout"
+CLOSED_BY_SHUTDOWN = "shutdown"
+CLOSED_BY_RECOVERY = "recovered"
+
+
+def is_end(value: str | None) -> bool:
+    return value is not None and value.strip().lower() in ("1", "true", "yes")
+
+
+@dataclass
+class Episode:
+    episode_id: str
+    last_activity: float
+    next_seq: int = 0
+    calls: dict[int, list[dict]] = field(default_factory=dict)  # seq -> the call's records (a batch gives several)
+    in_flight: set[int] = field(default_factory=set)
+    ending: bool = False
+
+    def ordered_calls(self) -> list[dict]:
+        return [record for seq in sorted(self.calls) for record in self.calls[seq]]
+
+
+class EpisodeBook:
+    """Open episodes by id. Pure bookkeeping: the caller writes what it returns."""
+
+    def __init__(self):
+        self.open: dict[str, Episode] = {}
+
+    def begin(self, episode_id: str, now: float) -> int:
+        """A call of `episode_id` arrives: its sequence number within the episode."""
+        episode = self.open.get(episode_id)
+        if episode is None:
+            episode = self.open[episode_id] = Episode(episode_id, last_activity=now)
+        seq = episode.next_seq
+        episode.next_seq += 1
+        episode.in_flight.add(seq)
+        episode.last_activity = now
+        return seq
+
+    def finish(self, episode_id: str, seq: int, call: list[dict] | None, end: bool, now: float) -> Episode | None:
+        """A call finished with its records (`call` None: failed, not recorded). Returns the episode when it is now
+        closed (its end announced and nothing in flight): the caller writes it, unless it has no calls."""
+        episode = self.open[episode_id]
+        episode.in_flight.discard(seq)
+        episode.last_activity = now
+        if call is not None:
+            episode.calls[seq] = call
+        episode.ending = episode.ending or end
+        if episode.ending and not episode.in_flight:
+            return self.open.pop(episode_id)
+        return None
+
+    def expired(self, now: float, idle_timeout: float) -> list[Episode]:
+        """Episodes idle (nothing in flight, no call) for `idle_timeout` seconds, removed from the book."""
+        done = [
+            e for e in self.open.values() if not e.in_flight and now - e.last_activity >= idle_timeout
+        ]
+        for episode in done:
+            del self.open[episode.episode_id]
+        return done
+
+    def drain(self) -> list[Episode]:
+        """Every open episode (shutdown), removed from the book."""
+        episodes = list(self.open.values())
+        self.open.clear()
+        return episodes

@@ -1,0 +1,153 @@
+"""What the proxy asks the upstream for, and what it gives back to the client.
+
+Training needs, for every response, the ids of the prompt the model saw, the ids of the sampled
+tokens and the log-prob of each sampled token. vLLM returns them when asked: `return_token_ids:
+true` (the choices' "token_ids"; the chat response's, or each completion choice's,
+"prompt_token_ids") and `logprobs` (chat: true; completions: 0, the sampled token alone).
+`upstream_request` adds what the client did not ask for and notes what it added (with
+`return_tokens_as_token_ids` when the log-probs are for the record only: cheaper for the server);
+`client_response` and `client_chunk` take exactly that out again, so the client receives what
+the upstream would have sent for its own request: the added keys set back to null (vLLM writes
+them as null when not asked), and the stream chunks vLLM sends only because token ids or
+log-probs were asked for (an empty delta, no finish reason) dropped.
+
+Not recorded (passed through untouched): a body that is not a JSON object, and completions with
+`echo: true` (vLLM changes the echoed text when token ids are asked for, and the echoed prompt's
+log-probs would mix with the completion's).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from offline_rec import schema as S
+
+CHAT = "chat.completions"
+COMPLETIONS = "completions"
+ENDPOINTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS}
+
+# vLLM's --logprobs-mode values, and what a line's log-probs then are (see `logprobs_source`).
+PROCESSED_LOGPROBS = "processed_logprobs"
+RAW_LOGPROBS = "raw_logprobs"
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class Added:
+    """The request fields the proxy set, each with the client's own value (None: absent)."""
+
+    endpoint: str
+    stream: bool
+    fields: dict
+
+    @property
+    def logprobs(self) -> bool:
+        return "logprobs" in self.fields
+
+    @property
+    def token_ids(self) -> bool:
+        return "return_token_ids" in self.fields
+
+
+def upstream_request(endpoint: str, body: Any) -> tuple[dict, Added] | None:
+    """The request to send upstream (a new dict) and what was added to it; None when the call is
+    not recorded and goes upstream exactly as the client sent it."""
+    if not isinstance(body, dict):
+        return None
+    if endpoint == COMPLETIONS and body.get("echo"):
+        return None
+    added: dict = {}
+    if endpoint == CHAT:
+        # A client that sets top_logprobs or logprob_token_ids without logprobs sent a request vLLM
+        # refuses; adding logprobs would make it valid and change the answer, so it goes as is.
+        if not body.get("logprobs") and not body.get("top_logprobs") and not body.get("logprob_token_ids"):
+            added["logprobs"] = True
+    elif body.get("logprobs") is None and not body.get("logprob_token_ids"):
+        added["logprobs"] = 0
+    if "logprobs" in added and body.get("return_tokens_as_token_ids") is None:
+        # The client will not see these log-prob entries: "token_id:N" spares the server decoding
+        # each token to text (measured: a third of what the log-probs cost vLLM's API server).
+        added["return_tokens_as_token_ids"] = True
+    if not body.get("return_token_ids"):
+        added["return_token_ids"] = True
+    request = {**body, **added}
+    return request, Added(endpoint, body.get("stream") is True, {name: body.get(name) for name in added})
+
+
+def _strip_choice(choice: dict, added: Added) -> dict:
+    choice = dict(choice)
+    if added.logprobs and "logprobs" in choice:
+        choice["logprobs"] = None
+    if added.token_ids:
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in choice:
+                choice[key] = None
+    return choice
+
+
+def _strip(response: dict, added: Added) -> dict:
+    out = dict(response)
+    if added.token_ids and "prompt_token_ids" in out:
+        out["prompt_token_ids"] = None
+    choices = out.get("choices")
+    if isinstance(choices, list):
+        out["choices"] = [_strip_choice(c, added) if isinstance(c, dict) else c for c in choices]
+    return out
+
+
+def client_response(response: dict, added: Added) -> dict:
+    """A whole (non-streamed) response as the client would have received it for its own request."""
+    if not (added.logprobs or added.token_ids):
+        return response
+    return _strip(response, added)
+
+
+def client_chunk(chunk: dict, added: Added) -> dict | None:
+    """One stream chunk as the client would have received it; None for a chunk vLLM would not have sent."""
+    if not (added.logprobs or added.token_ids):
+        return chunk
+    out = _strip(chunk, added)
+    choices = out.get("choices")
+    if added.endpoint == CHAT and isinstance(choices, list) and choices:
+        kept = [c for c in choices if not _only_metadata(c)]
+        if not kept:
+            return None
+        out["choices"] = kept
+    return out
+
+
+def _only_metadata(choice: Any) -> bool:
+    """A chat stream choice that carried only the token ids / log-probs the proxy asked for."""
+    return (
+        isinstance(choice, dict)
+        and choice.get("delta") == {}
+        and choice.get("finish_reason") is None
+        and choice.get("logprobs") is None
+        and choice.get("token_ids") is None
+    )
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, non-ASCII kept, as vLLM (pydantic) writes it."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def logprobs_source(mode: str, request: dict) -> str:
+    """Which distribution a recorded line's log-probs are of, in the schema's words.
+
+    processed_logprobs: the one sampled from (after penalties, temperature, min-p, top-k/top-p);
+    greedy requests (temperature 0) excepted, whose log-probs are of the penalized logits at
+    temperature 1 ("unknown"). raw_logprobs: the model's unprocessed softmax ("raw"). The logits
+    modes return logits, not log-probs ("unknown"); so does an upstream whose mode is unknown.
+    """
+    if mode == PROCESSED_LOGPROBS:
+        temperature = request.get("temperature")
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < 1e-5:
+            return UNKNOWN
+        return S.LOGPROBS_SAMPLED
+    if mode == RAW_LOGPROBS:
+        return S.LOGPROBS_RAW
+    return UNKNOWN

@@ -1,0 +1,360 @@
+"""Turns finished calls into import-ready lines and writes them: single calls, episodes, redaction, fsync.
+
+A single call is one line, the shape `offline-rec import --format openai` reads::
+
+    {"request": {...}, "response": {...}, "record_id": "...", "endpoint": "chat.completions",
+     "stream": false, "timing": {"start": <unix s>, "first_byte_s": ..., "total_s": ...},
+     "upstream_model": "...", "logprobs_mode": "processed_logprobs", "logprobs_source": "sampled",
+     "proxy_added": {"logprobs": null, "return_token_ids": null}}
+
+"request" is what went upstream (the client's request plus the fields in "proxy_added", each
+with the client's own value, null = absent), after `--redact-field`; "response" is the whole
+response (streamed ones reassembled) with token ids and log-probs. A completions request with a
+list of prompts gives one line per prompt: its choices, re-indexed from 0, the response id
+suffixed `-<k>` (when there are several), and "batch": {"index", "size", "response_id"}.
+
+An episode is one line: {"episode_id", "calls": [<single-call objects>, ...], "closed_by",
+"timing": {"start", "end"}}. No header of any request is ever written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from offline_rec.errors import UserError
+from offline_rec.record import episodes as E
+from offline_rec.record import sink
+from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source
+
+REDACTED = "[redacted]"
+JOURNAL_COMPACT_BYTES = 64 << 20  # rewrite the journal past this size when most of it is closed episodes
+
+
+# --------------------------------------------------------------------------------------------
+# redaction
+
+
+def parse_redact_field(text: str) -> tuple[str, ...]:
+    """`a.b.0.c` -> ("a", "b", "0", "c"); `*` stands for every list item or object value."""
+    parts = tuple(text.split("."))
+    if not text or any(not p for p in parts):
+        raise UserError(
+            f"--redact-field {text!r}: expected a dotted path into the request, such as user or metadata.email"
+        )
+    return parts
+
+
+def redact(value: Any, path: tuple[str, ...]) -> Any:
+    """`value` with what `path` points at replaced by "[redacted]": copied along the path where
+    something was replaced, never mutated; `value` itself when the path matches nothing."""
+    if not path:
+        return REDACTED
+    head, rest = path[0], path[1:]
+    if isinstance(value, dict):
+        keys = list(value) if head == "*" else [head] if head in value else []
+    elif isinstance(value, list):
+        if head == "*":
+            keys = list(range(len(value)))
+        elif head.lstrip("-").isdigit() and -len(value) <= int(head) < len(value):
+            keys = [int(head) % len(value)]
+        else:
+            keys = []
+    else:
+        keys = []
+    out = value
+    for key in keys:
+        new = redact(value[key], rest)
+        if new is not value[key]:
+            if out is value:
+                out = dict(value) if isinstance(value, dict) else list(value)
+            out[key] = new
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# lines
+
+
+def line_bytes(obj: dict) -> bytes:
+    """One JSON line; non-ASCII kept unless the text holds lone surrogates (then escaped)."""
+    try:
+        return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(obj, separators=(",", ":")) + "\n").encode("ascii")
+
+
+def _batch_prompts(endpoint: str, request: dict) -> list | None:
+    prompt = request.get("prompt")
+    if endpoint != COMPLETIONS or not isinstance(prompt, list) or len(prompt) < 1:
+        return None
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return prompt
+    return None
+
+
+def call_records(
+    *,
+    endpoint: str,
+    request: dict,
+    response: dict,
+    added: Added,
+    timing: dict,
+    upstream_model: str | None,
+    logprobs_mode: str,
+) -> list[dict]:
+    """The line object(s) of one successful call (several for a completions batch), unredacted."""
+    base = {
+        "endpoint": endpoint,
+        "stream": added.stream,
+        "timing": timing,
+        "upstream_model": upstream_model or response.get("model"),
+        "logprobs_mode": logprobs_mode,
+        "logprobs_source": logprobs_source(logprobs_mode, request),
+        "proxy_added": added.fields,
+    }
+    prompts = _batch_prompts(endpoint, request)
+    if prompts is None:
+        return [{"record_id": uuid.uuid4().hex, "request": request, "response": response, **base}]
+    n = request.get("n") or 1
+    records = []
+    for k, prompt in enumerate(prompts):
+        choices = [
+            {**c, "index": c["index"] - k * n}
+            for c in response.get("choices", [])
+            if isinstance(c, dict) and isinstance(c.get("index"), int) and k * n <= c["index"] < (k + 1) * n
+        ]
+        part = {**response, "choices": choices}
+        if isinstance(response.get("id"), str) and len(prompts) > 1:
+            part["id"] = f"{response['id']}-{k}"
+        records.append({
+            "record_id": uuid.uuid4().hex,
+            "request": {**request, "prompt": prompt},
+            "response": part,
+            **base,
+            "batch": {"index": k, "size": len(prompts), "response_id": response.get("id")},
+        })
+    return records
+
+
+# --------------------------------------------------------------------------------------------
+# the recorder
+
+
+@dataclass(frozen=True)
+class RecordOptions:
+    rotate_bytes: int = 256 << 20
+    rotate_seconds: float | None = 3600.0
+    fsync_interval: float = 1.0
+    """Seconds between fsyncs of the open files; 0: fsync before each response's last byte goes out."""
+    episode_idle_timeout: float = 300.0
+    redact_fields: tuple[tuple[str, ...], ...] = ()
+
+
+class Recorder:
+    """Writes the lines of one proxy run into a directory. Used from one event loop (no locks)."""
+
+    def __init__(self, out: str | os.PathLike, options: RecordOptions = RecordOptions(),
+                 warn: Callable[[str], None] | None = None, wall_clock=time.time, clock=time.monotonic):
+        if options.rotate_bytes < 1:
+            raise UserError(f"--rotate-mb must be > 0, got {options.rotate_bytes / (1 << 20)}")
+        if options.fsync_interval < 0:
+            raise UserError(f"--fsync-interval must be >= 0, got {options.fsync_interval}")
+        if options.episode_idle_timeout <= 0:
+            raise UserError(f"--episode-idle-timeout must be > 0, got {options.episode_idle_timeout}")
+        self.out = Path(out)
+        if self.out.exists() and not self.out.is_dir():
+            raise UserError(f"--out {self.out} is a file; give a directory")
+        self.options = options
+        self.warn = warn or (lambda message: None)
+        self.wall_clock = wall_clock
+        self.clock = clock
+        self.book = E.EpisodeBook()
+        self.files: sink.RecordFiles | None = None
+        self.journal: sink.LineFile | None = None
+        self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0}
+        self._last_sync = 0.0
+        self._last_warning = -1e9
+
+    # ---- life cycle
+
+    def start(self) -> sink.Recovered:
+        """Recover what dead proxies left in the directory, then open this run's files."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        recovered = sink.recover(self.out)
+        stem = sink.new_stem()
+        self.files = sink.RecordFiles(self.out, stem, self.options.rotate_bytes, self.options.rotate_seconds,
+                                      self.clock)
+        self.journal = sink.LineFile(self.out / f"{stem}{sink.JOURNAL_SUFFIX}")
+        self._last_sync = self.clock()
+        for episode in recovered.episodes:
+            self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY))
+        self.files.current.sync()
+        for journal in recovered.journals:
+            journal.unlink(missing_ok=True)
+        sink.fsync_dir(self.out)
+        return recovered
+
+    def close(self) -> None:
+        """Write the episodes still open (closed_by "shutdown"), close the files (they become `.jsonl`)."""
+        if self.files is None:
+            return
+        for episode in self.book.drain():
+            self._write_episode(episode, E.CLOSED_BY_SHUTDOWN)
+        self.files.close()
+        journal_path = self.journal.path
+        self.journal.close()
+        journal_path.unlink(missing_ok=True)
+        sink.fsync_dir(self.out)
+        self.files = None
+
+    # ---- calls
+
+    def begin(self, episode_id: str | None) -> int | None:
+        return None if episode_id is None else self.book.begin(episode_id, self.clock())
+
+    async def commit(self, records: list[dict], episode_id: str | None = None, seq: int | None = None,
+                     end: bool = False) -> None:
+        """Write a successful call: its line now, or into its episode (journaled; the episode's line
+        when it closes). With fsync_interval 0, returns once it is on disk."""
+        records = [self._redacted(r) for r in records]
+        self.stats["calls"] += 1
+        if episode_id is None:
+            for record in records:
+                self._write(record)
+        else:
+            self._journal({"episode_id": episode_id, "seq": seq, "calls": records})
+            closed = self.book.finish(episode_id, seq, records, end, self.clock())
+            if closed is not None:
+                self._write_episode(closed, E.CLOSED_BY_END)
+        if self.options.fsync_interval == 0:
+            await self.sync()
+
+    def abandon(self, episode_id: str | None, seq: int | None, end: bool = False) -> None:
+        """A call that is not recorded (upstream error, client gone, incomplete stream)."""
+        self.stats["failed_calls"] += 1
+        if episode_id is None or episode_id not in self.book.open:
+            return
+        closed = self.book.finish(episode_id, seq, None, end, self.clock())
+        if closed is not None:
+            self._write_episode(closed, E.CLOSED_BY_END)
+
+    async def tick(self) -> None:
+        """Periodic work: close idle episodes, rotate an old file, fsync per the policy."""
+        if self.files is None:
+            return
+        now = self.clock()
+        for episode in self.book.expired(now, self.options.episode_idle_timeout):
+            self._write_episode(episode, E.CLOSED_BY_IDLE)
+        try:
+            self.files.rotate_if_due()
+        except OSError as e:
+            self._write_failed(e)
+        if self.options.fsync_interval > 0 and now - self._last_sync >= self.options.fsync_interval:
+            await self.sync()
+
+    async def sync(self) -> None:
+        """fsync the open data file and journal, in a worker thread (the event loop keeps serving)."""
+        self._last_sync = self.clock()
+        targets = [f for f in (self.files.current, self.journal) if f is not None and f.dirty]
+        if not targets:
+            return
+        fds = []
+        for target in targets:
+            target.dirty = False
+            fds.append(target.duplicate_fd())  # survives a rotation that closes the original meanwhile
+
+        def fsync_all():
+            for fd in fds:
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+
+        try:
+            await asyncio.to_thread(fsync_all)
+        except OSError as e:
+            self._write_failed(e)
+
+    # ---- internals
+
+    def _redacted(self, record: dict) -> dict:
+        request = record["request"]
+        for path in self.options.redact_fields:
+            request = redact(request, path)
+        return {**record, "request": request} if request is not record["request"] else record
+
+    def _episode_line(self, episode_id: str, calls: list[dict], closed_by: str) -> dict:
+        starts = [c.get("timing", {}).get("start") for c in calls]
+        first = next((s for s in starts if isinstance(s, (int, float))), None)
+        return {"episode_id": episode_id, "calls": calls, "closed_by": closed_by,
+                "timing": {"start": first, "end": self.wall_clock()}}
+
+    def _write_episode(self, episode: E.Episode, closed_by: str) -> None:
+        calls = episode.ordered_calls()
+        if calls:
+            if self._write(self._episode_line(episode.episode_id, calls, closed_by)):
+                self.stats["episodes"] += 1
+        if episode.calls:
+            self._journal({"episode_id": episode.episode_id, "closed": True})
+        self._trim_journal()
+
+    def _write(self, obj: dict) -> bool:
+        try:
+            self.files.append(line_bytes(obj))
+        except OSError as e:
+            self._write_failed(e)
+            return False
+        self.stats["lines"] += 1
+        return True
+
+    def _journal(self, entry: dict) -> None:
+        try:
+            self.journal.append(line_bytes(entry))
+        except OSError as e:
+            self._write_failed(e)
+
+    def _trim_journal(self) -> None:
+        """Empty the journal when no episode is open; rewrite it when it is mostly closed episodes."""
+        try:
+            if not self.book.open:
+                if self.journal.size:
+                    self.journal.truncate()
+            elif self.journal.size > JOURNAL_COMPACT_BYTES:
+                self._compact_journal()
+        except OSError as e:
+            self._write_failed(e)
+
+    def _compact_journal(self) -> None:
+        entries = [
+            line_bytes({"episode_id": e.episode_id, "seq": seq, "calls": records})
+            for e in self.book.open.values()
+            for seq, records in sorted(e.calls.items())
+        ]
+        if sum(map(len, entries)) * 2 > self.journal.size:
+            return
+        path = self.journal.path
+        temporary = sink.LineFile(path.with_name(path.name + ".tmp"))  # locked before it takes the name
+        temporary.append(b"".join(entries))
+        temporary.sync()
+        os.replace(temporary.path, path)
+        temporary.path = path
+        self.journal.close()
+        self.journal = temporary
+        sink.fsync_dir(self.out)
+
+    def _write_failed(self, error: OSError) -> None:
+        """The traffic goes on when a line cannot be written; the operator is told (at most once a minute)."""
+        self.stats["write_errors"] += 1
+        now = self.clock()
+        if now - self._last_warning >= 60:
+            self._last_warning = now
+            self.warn(f"could not write to {self.out} ({error}); {self.stats['write_errors']} line(s) lost so far, "
+                      "responses still go to the clients")

@@ -1,0 +1,307 @@
+"""Whole lines on disk: rotating JSONL files, the episode journal, and what a killed proxy left.
+
+Files in the output directory (STEM = `record-<UTC time>-<pid>`, one per proxy run):
+
+- `STEM-00001.jsonl.open`: the file being written. Each line goes in with ONE `write` on a file
+  opened with O_APPEND, so once `write` returns the line is whole in the kernel's page cache and
+  survives a kill -9 of the proxy; a write that fails or comes back short is cut off again
+  (ftruncate to the size before it), so a full disk never leaves half a line followed by more.
+  fsync (what survives a machine crash) follows the fsync policy: every `fsync_interval`
+  seconds, or before the client gets its response's last byte when the interval is 0.
+- `STEM-00001.jsonl`: the same file once closed (rotation, or a clean shutdown): whole lines only.
+  `offline-rec import DIR` reads these, never a `.open` file.
+- `STEM.episodes`: the journal of the episodes still open (each of their calls as a line, then
+  a "closed" line once the episode's line is written), so a killed proxy loses no finished call.
+
+The proxy holds an exclusive `flock` on its `.open` file and journal. A new proxy starting on
+the directory recovers the files whose lock is free (their writer is gone): it cuts a torn last
+line off a `.open` file (a kill -9 in the middle of a large write), closes it, and writes the
+open episodes of a dead journal as lines of its own (closed_by "recovered").
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offline_rec.files import fsync_dir
+
+OPEN_SUFFIX = ".jsonl.open"
+CLOSED_SUFFIX = ".jsonl"
+JOURNAL_SUFFIX = ".episodes"
+PREFIX = "record-"
+
+
+class LineFile:
+    """An append-only file of whole lines, locked by this process."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self.fd)
+            raise
+        self.size = os.fstat(self.fd).st_size
+        self.dirty = False
+        self.lines = 0
+
+    def append(self, data: bytes) -> None:
+        """Write `data` (whole lines) with one write; on failure nothing of it stays in the file."""
+        start = self.size
+        try:
+            written = os.write(self.fd, data)
+            while written < len(data):  # a regular file writes all unless interrupted; finish the line
+                more = os.write(self.fd, data[written:])
+                if more <= 0:
+                    raise OSError(f"short write to {self.path}")
+                written += more
+        except BaseException:
+            try:
+                os.ftruncate(self.fd, start)
+            except OSError:
+                pass
+            raise
+        self.size += len(data)
+        self.dirty = True
+        self.lines += data.count(b"\n")
+
+    def duplicate_fd(self) -> int:
+        """A second descriptor of the file, for an fsync in another thread that must outlive a rotation."""
+        return os.dup(self.fd)
+
+    def sync(self) -> None:
+        if self.dirty:
+            self.dirty = False
+            os.fsync(self.fd)
+
+    def truncate(self) -> None:
+        os.ftruncate(self.fd, 0)
+        self.size = 0
+        self.lines = 0
+        self.dirty = True
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            self.sync()
+        finally:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = -1
+
+
+def new_stem(pid: int | None = None) -> str:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return f"{PREFIX}{stamp}-{os.getpid() if pid is None else pid}"
+
+
+class RecordFiles:
+    """The rotating data files of one proxy run: `STEM-NNNNN.jsonl.open`, closed into `.jsonl`.
+
+    A new file starts when the open one would grow past `rotate_bytes`, or is older than
+    `rotate_seconds` (checked at each line and by `rotate_if_due`); an empty file is never rotated.
+    """
+
+    def __init__(self, directory: Path, stem: str, rotate_bytes: int, rotate_seconds: float | None, clock):
+        self.directory = directory
+        self.stem = stem
+        self.rotate_bytes = rotate_bytes
+        self.rotate_seconds = rotate_seconds
+        self.clock = clock
+        self.number = 0
+        self.closed_files: list[Path] = []
+        self.current: LineFile | None = None
+        self.opened_at = 0.0
+        self._open_next()
+
+    def _open_next(self) -> None:
+        self.number += 1
+        self.current = LineFile(self.directory / f"{self.stem}-{self.number:05d}{OPEN_SUFFIX}")
+        self.opened_at = self.clock()
+        fsync_dir(self.directory)
+
+    def _due(self, incoming: int) -> bool:
+        current = self.current
+        if current.size == 0:
+            return False
+        if current.size + incoming > self.rotate_bytes:
+            return True
+        return self.rotate_seconds is not None and self.clock() - self.opened_at >= self.rotate_seconds
+
+    def append(self, line: bytes) -> None:
+        if self._due(len(line)):
+            self.rotate()
+        self.current.append(line)
+
+    def rotate_if_due(self) -> None:
+        if self._due(0):
+            self.rotate()
+
+    def rotate(self) -> None:
+        self._close_current()
+        self._open_next()
+
+    def _close_current(self) -> None:
+        current = self.current
+        current.close()
+        if current.size == 0:
+            current.path.unlink(missing_ok=True)
+        else:
+            closed = current.path.with_name(current.path.name[: -len(OPEN_SUFFIX)] + CLOSED_SUFFIX)
+            os.replace(current.path, closed)
+            self.closed_files.append(closed)
+        fsync_dir(self.directory)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self._close_current()
+            self.current = None
+
+
+# --------------------------------------------------------------------------------------------
+# reading back
+
+
+def whole_lines(path: Path) -> Iterator[bytes]:
+    """The complete lines of a record file (a torn last line without its newline is left out)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.endswith(b"\n"):
+                yield raw
+
+
+def _try_lock(path: Path) -> int | None:
+    """A locked read-write descriptor of `path`, or None while another process holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _cut_torn_tail(fd: int) -> int:
+    """Truncate the file after its last newline; returns the bytes cut."""
+    size = os.fstat(fd).st_size
+    end = size
+    block = 1 << 16
+    while end > 0:
+        start = max(0, end - block)
+        data = os.pread(fd, end - start, start)
+        at = data.rfind(b"\n")
+        if at >= 0:
+            keep = start + at + 1
+            break
+        end = start
+    else:
+        keep = 0
+    if keep < size:
+        os.ftruncate(fd, keep)
+        os.fsync(fd)
+    return size - keep
+
+
+@dataclass
+class Recovered:
+    """What recovery found: files closed, torn bytes cut, and the open episodes of dead journals."""
+
+    closed_files: list[Path] = field(default_factory=list)
+    torn_bytes: int = 0
+    episodes: list[dict] = field(default_factory=list)  # {"episode_id", "calls"}
+    journals: list[Path] = field(default_factory=list)  # remove once the episodes are written
+
+
+def recover(directory: Path) -> Recovered:
+    """Close the `.open` files and read the journals of proxies that are gone (their lock is free)."""
+    found = Recovered()
+    for path in sorted(directory.glob(f"{PREFIX}*{OPEN_SUFFIX}")):
+        fd = _try_lock(path)
+        if fd is None:
+            continue
+        try:
+            found.torn_bytes += _cut_torn_tail(fd)
+            if os.fstat(fd).st_size == 0:
+                path.unlink()
+            else:
+                closed = path.with_name(path.name[: -len(OPEN_SUFFIX)] + CLOSED_SUFFIX)
+                os.replace(path, closed)
+                found.closed_files.append(closed)
+        finally:
+            os.close(fd)
+    for journal in sorted(directory.glob(f"{PREFIX}*{JOURNAL_SUFFIX}")):
+        fd = _try_lock(journal)
+        if fd is None:
+            continue
+        try:
+            stem = journal.name[: -len(JOURNAL_SUFFIX)]
+            written = _written_episode_calls(directory, stem)
+            for episode in replay_journal(journal):
+                if episode["calls"] and episode["calls"][0].get("record_id") not in written:
+                    found.episodes.append(episode)
+            found.journals.append(journal)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+    return found
+
+
+def replay_journal(path: Path) -> list[dict]:
+    """The episodes a journal leaves open, calls in order: {"episode_id", "calls"}.
+
+    Journal lines: {"episode_id", "seq", "calls": [records of call seq]} as each call
+    finishes, then {"episode_id", "closed": true} once the episode's line is written.
+    """
+    open_episodes: dict[str, dict] = {}
+    for raw in whole_lines(path):
+        try:
+            entry = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("episode_id"), str):
+            continue
+        episode_id = entry["episode_id"]
+        if entry.get("closed"):
+            open_episodes.pop(episode_id, None)
+        elif isinstance(entry.get("calls"), list) and isinstance(entry.get("seq"), int):
+            episode = open_episodes.setdefault(
+                episode_id, {"episode_id": episode_id, "calls": {}}
+            )
+            episode["calls"][entry["seq"]] = entry["calls"]
+    return [
+        {**episode, "calls": [call for seq in sorted(episode["calls"]) for call in episode["calls"][seq]]}
+        for episode in open_episodes.values()
+    ]
+
+
+def _written_episode_calls(directory: Path, stem: str) -> set:
+    """Record ids of the first calls of the episode lines in a dead run's last data file.
+
+    A kill between writing an episode's line and journaling it closed leaves the episode open in
+    the journal although its line exists; that line can only be in the file open at the time.
+    """
+    files = sorted(directory.glob(f"{stem}-*{CLOSED_SUFFIX}"))
+    if not files:
+        return set()
+    ids = set()
+    for raw in whole_lines(files[-1]):
+        if b'"episode_id"' not in raw:
+            continue
+        try:
+            line = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        calls = line.get("calls") if isinstance(line, dict) else None
+        if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+            ids.add(calls[0].get("record_id"))
+    return ids
