@@ -267,6 +267,7 @@ def cli_in_process(command: str, data: str) -> dict:
 
 
 def cli_cost(command: str, data: str) -> dict:
-    """Wall seconds (interpreter start included, like a user's command) and peak RSS of the CLI command in a fresh process."""
+    """Wall seconds (interpreter start included, like a user's command) and peak RSS of the CLI command in a
+    fresh process."""
     done = run_child("_data_bench", "cli_in_process", dict(command=command, data=data))
     return {"seconds": done["_seconds"], "peak_rss_mb": done["_peak_rss_mb"]}

@@ -54,7 +54,8 @@ def trainer_config(model: str, data: str, out: str, prompts_per_step: int, micro
 
 
 def time_trainer(config) -> list[dict]:
-    """Run `train(config)`; per step: wall seconds since the previous step's metrics, model tokens, the trainer's own tokens/s."""
+    """Run `train(config)`; per step: wall seconds since the previous step's metrics, model tokens, the
+    trainer's own tokens/s."""
     from offline_rec.training import loop as trainer
 
     stamps: list[tuple[float, dict]] = []
@@ -103,7 +104,8 @@ def step_batches(config, num_steps: int) -> list[dict]:
 
 
 def time_bare(config, steps: list[dict], warmup: int, chunked: bool) -> list[dict]:
-    """Forward + loss + backward per micro-batch, then AdamW, on precomputed tensors; per timed step: seconds, tokens."""
+    """Forward + loss + backward per micro-batch, then AdamW, on precomputed tensors; per timed step: seconds,
+    tokens."""
     import torch
 
     from offline_rec.algorithms import get_algorithm, policy_loss

@@ -269,7 +269,8 @@ def filter_(
         _print_json(summary)
         return
     typer.echo(
-        f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} groups -> {summary['out']}"
+        f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} groups "
+        f"-> {summary['out']}"
     )
     for reason, counts in summary["dropped"].items():
         if counts["rows"] or counts["groups"]:
@@ -304,7 +305,8 @@ def reward_(
     )
     if summary["null"]:
         typer.echo(
-            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, returned None {stats.get('returned_none', 0)})"
+            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, "
+            f"returned None {stats.get('returned_none', 0)})"
             + (f"; first error: {stats['first_error']}" if stats.get("first_error") else "")
         )
 
@@ -338,7 +340,8 @@ def train(
     init_from: str | None = typer.Option(
         None,
         "--init-from",
-        help="Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, policy version.",
+        help="Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, policy "
+             "version.",
     ),
     epochs: int | None = typer.Option(None, "--epochs", help="Passes over the training groups."),
     max_steps: int | None = typer.Option(
@@ -498,7 +501,8 @@ def collect(
     policy_version: int | None = typer.Option(
         None,
         "--policy-version",
-        help="Training updates of the behavior policy (default: read from a checkpoint or RUN/final folder, else 0 = base).",
+        help="Training updates of the behavior policy (default: read from a checkpoint or RUN/final folder, else 0 = "
+             "base).",
     ),
     behavior: str | None = typer.Option(
         None, "--behavior", help="Behavior name stored in every row (default: --model)."
@@ -534,7 +538,8 @@ def collect(
     totals, stats = manifest["totals"], manifest.get("stats") or {}
     finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
     typer.echo(
-        f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion tokens; {finish}) -> {path}"
+        f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion "
+        f"tokens; {finish}) -> {path}"
     )
 
 

@@ -34,7 +34,8 @@ DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 def disk_full(
     error: BaseException, writing: object, hint: str = "free space and run the command again"
 ) -> UserError | None:
-    """The one-line UserError for an OSError that means "disk full" while writing `writing`; None for any other error."""
+    """The one-line UserError for an OSError that means "disk full" while writing `writing`; None for any
+    other error."""
     if not isinstance(error, OSError) or error.errno not in DISK_FULL_ERRNOS:
         return None
     return UserError(f"no space left on device while writing {writing} ({error.strerror or error}); {hint}")

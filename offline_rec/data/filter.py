@@ -88,7 +88,8 @@ def _group_drop_reason(rows: list[dict], options: FilterOptions, where: str) -> 
         rewards = [r[S.REWARD] for r in rows]
         if any(reward is None for reward in rewards):
             raise UserError(
-                f"--drop-all-equal needs rewards, but group {rows[0][S.GROUP_ID]!r} of {where} has a null reward; score it first with `offline-rec reward`"
+                f"--drop-all-equal needs rewards, but group {rows[0][S.GROUP_ID]!r} of {where} has a null reward; "
+                f"score it first with `offline-rec reward`"
             )
         if len(set(rewards)) <= 1:
             return "all_equal"

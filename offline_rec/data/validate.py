@@ -143,7 +143,8 @@ def validate_dataset(path: str | Path, check_checksums: bool = True) -> Report:
             out.add(
                 WARNING,
                 "unlisted-shard",
-                "shard not listed in the manifest (left by an interrupted write; readers ignore it, `collect --resume` removes it)",
+                "shard not listed in the manifest (left by an interrupted write; readers ignore it, `collect --resume` "
+                "removes it)",
                 shard=f"{S.DATA_DIR}/{f.name}",
             )
     shards_to_read = (

@@ -203,7 +203,8 @@ def _generate(model, tokenizer, prompts, max_new_tokens, do_sample, samples=1, c
 
 
 def demo_policy_path() -> str:
-    """The shipped demo policy folder: package data (offline_rec/demo/arith_policy, built by scripts/build_demo_policy.py)."""
+    """The shipped demo policy folder: package data (offline_rec/demo/arith_policy, built by
+    scripts/build_demo_policy.py)."""
     path = Path(__file__).resolve().parent / "arith_policy"
     if not (path / "config.json").is_file():
         raise UserError(

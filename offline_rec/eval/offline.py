@@ -117,8 +117,8 @@ def policy_log_weights(policy, tokenizer, prompt_ids, completion_ids, behavior_l
                        batch_size: int = 8, temperature: float = 1.0):
     """Per sequence: (sum over policy tokens of log pi - log mu in float64, number of those tokens).
 
-    log pi is teacher-forced by `models.teacher_forced.teacher_forced_logprobs` at `temperature`; a loss_mask of None means
-    every completion token is the policy's. Returns two lists aligned with the inputs.
+    log pi is teacher-forced by `models.teacher_forced.teacher_forced_logprobs` at `temperature`; a loss_mask
+    of None means every completion token is the policy's. Returns two lists aligned with the inputs.
     """
     import numpy as np
 

@@ -42,7 +42,8 @@ def _check_model_path(name_or_path: str) -> None:
     if p.exists():
         if not (p / "config.json").exists():
             raise UserError(
-                f"model {name_or_path} has no config.json (a transformers model folder, e.g. made by save_pretrained, is expected)"
+                f"model {name_or_path} has no config.json (a transformers model folder, e.g. made by save_pretrained, "
+                f"is expected)"
             )
     elif name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
         raise UserError(f"model {name_or_path} does not exist")
@@ -102,7 +103,8 @@ def check_model_tokenizer(model, tokenizer, where: str = "") -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     if len(tokenizer) > vocab:
         raise UserError(
-            f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: model and tokenizer do not match"
+            f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: model and "
+            f"tokenizer do not match"
         )
 
 

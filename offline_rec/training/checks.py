@@ -122,7 +122,8 @@ def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
 
 
 def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint: Path | None) -> None:
-    """A checkpoint continues only the run it came from: same training groups, same steps per epoch, not past the end."""
+    """A checkpoint continues only the run it came from: same training groups, same steps per epoch, not past
+    the end."""
     if state is None:
         return
     if state["data_fingerprint"] != schedule.data_fingerprint or state["steps_per_epoch"] != schedule.steps_per_epoch:

@@ -153,8 +153,9 @@ class MetricsLog:
         if "wandb" in config.report_to:
             import wandb
 
+            run_id = hashlib.sha256(str(run_dir.resolve()).encode() + b"\0").hexdigest()[:16]
             self.wandb = wandb.init(project=config.wandb_project, dir=str(run_dir), config=config.to_dict(),
-                                    resume="allow", id=hashlib.sha256(str(run_dir.resolve()).encode() + b"\0").hexdigest()[:16])
+                                    resume="allow", id=run_id)
 
     def write(self, metrics: dict) -> None:
         if not self.active:

@@ -227,7 +227,7 @@ def test_bad_episodes_are_refused_naming_the_call_and_position(chat, tokenizer, 
     del missing["calls"][1]["response"]
     # " tacos" sampled byte by byte: rendering the reply again gives the one token " tacos"
     by_bytes = token_bytes(tokenizer)
-    bytewise = [by_bytes.index(bytes([b])) for b in " tacos".encode()] + [eos]
+    bytewise = [by_bytes.index(bytes([b])) for b in b" tacos"] + [eos]
     retokenized = _episode(tokenizer, bytewise, reply_2, "retokenized")
     two_choices = _episode(tokenizer, reply_1, reply_2, "two")
     choice = two_choices["calls"][0]["response"]["choices"][0]

@@ -40,7 +40,8 @@ def _rows(path) -> list[dict]:
 
 def _teacher_forced(model_dir: str, rows: list[dict]) -> list[list[float]]:
     model, tokenizer = load_model(model_dir, dtype="float32"), load_tokenizer(model_dir)
-    return teacher_forced_logprobs(model, tokenizer, [r[S.PROMPT_IDS] for r in rows], [r[S.COMPLETION_IDS] for r in rows])
+    return teacher_forced_logprobs(model, tokenizer, [r[S.PROMPT_IDS] for r in rows],
+                                   [r[S.COMPLETION_IDS] for r in rows])
 
 
 def test_lossy_token_strings_import_to_the_exact_ids_and_logprobs(logs, vllm_server, tmp_path):

@@ -154,8 +154,13 @@ def logged_dataset(path, model_path, groups, batch_size=8):
     from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
     rows = [row for group in groups for row in group]
-    scored = teacher_forced_logprobs(load_model(model_path), load_tokenizer(model_path), [r[S.PROMPT_IDS] for r in rows],
-                            [r[S.COMPLETION_IDS] for r in rows], batch_size=batch_size)
+    scored = teacher_forced_logprobs(
+        load_model(model_path),
+        load_tokenizer(model_path),
+        [r[S.PROMPT_IDS] for r in rows],
+        [r[S.COMPLETION_IDS] for r in rows],
+        batch_size=batch_size,
+    )
     for row, logprobs in zip(rows, scored):
         row[S.BEHAVIOR_LOGPROBS] = logprobs
     behavior = S.behavior_provenance(model=model_path, temperature=1.0, logprobs_source=S.LOGPROBS_RECOMPUTED)

@@ -176,8 +176,14 @@ def import_dataset(config: ImportConfig) -> dict:
         from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
         rows = [p.row for p in good]
-        scored = teacher_forced_logprobs(model, tok, [r[S.PROMPT_IDS] for r in rows], [r[S.COMPLETION_IDS] for r in rows],
-                                batch_size=config.batch_size, temperature=config.score_temperature)
+        scored = teacher_forced_logprobs(
+            model,
+            tok,
+            [r[S.PROMPT_IDS] for r in rows],
+            [r[S.COMPLETION_IDS] for r in rows],
+            batch_size=config.batch_size,
+            temperature=config.score_temperature,
+        )
         for row, logprobs in zip(rows, scored):
             row[S.BEHAVIOR_LOGPROBS] = logprobs
     groups = assemble_groups(good)
