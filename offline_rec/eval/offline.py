@@ -21,10 +21,8 @@ from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.rollouts import (
     SUMMARY_FILE,
     check_out,
-    check_tokenizer_fits,
     clear_out,
     cuda_available,
-    model_vocab_size,
     resolve_model,
 )
 from offline_rec.files import atomic_write_json
@@ -43,7 +41,10 @@ def offline_evaluate(config: EvalConfig) -> dict:
     from offline_rec.eval.offpolicy import behavior_kl, offpolicy_estimates
     from offline_rec.models.loading import (
         check_model_tokenizer,
+        check_token_ids_fit,
+        check_tokenizer_fits,
         check_tokenizers,
+        config_vocab_size,
         load_model,
         load_tokenizer,
         model_context,
@@ -68,12 +69,10 @@ def offline_evaluate(config: EvalConfig) -> dict:
     datasets = open_datasets(data)
     tokenizer = load_tokenizer(model)
     check_tokenizers(datasets, tokenizer, model)
-    check_tokenizer_fits(model, tokenizer)
+    vocab = config_vocab_size(model)
+    check_tokenizer_fits(tokenizer, vocab, f" of {model}")
     logged = _read_logged(datasets, holdout_ids, model_context(model))
-    vocab = model_vocab_size(model)
-    if vocab is not None and logged["max_token_id"] >= vocab:
-        raise UserError(f"the data holds token id {logged['max_token_id']} but {model} has {vocab} embeddings: "
-                        "data and model do not match")
+    check_token_ids_fit(logged["max_token_id"], vocab, model)
     temperature = _data_temperature(datasets) if config.temperature is None else config.temperature
     if not temperature > 0:
         raise UserError(f"--temperature must be > 0, got {temperature}")

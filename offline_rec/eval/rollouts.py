@@ -167,27 +167,6 @@ def resolve_model(name_or_path: str) -> str:
     return str(name_or_path)
 
 
-def model_vocab_size(model: str) -> int | None:
-    """The number of embedding rows `model`'s config declares (None if it does not say), without loading weights."""
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as error:
-        raise UserError(f"cannot read the model config of {model}: {str(error).splitlines()[0]}") from None
-    return getattr(config.get_text_config(), "vocab_size", None)
-
-
-def check_tokenizer_fits(model: str, tokenizer) -> None:
-    """Refuse a tokenizer with more tokens than the model's embedding rows (read from its config)."""
-    vocab = model_vocab_size(model)
-    if vocab is not None and len(tokenizer) > vocab:
-        raise UserError(
-            f"{model}: the tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: "
-            "model and tokenizer do not match"
-        )
-
-
 # --------------------------------------------------------------------------------------------
 # rollout evaluation
 
@@ -201,7 +180,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     too big for the model, vLLM not installed, existing `out`) is raised as UserError before
     anything is sampled.
     """
-    from offline_rec.models.loading import load_tokenizer
+    from offline_rec.models.loading import check_tokenizer_fits, config_vocab_size, load_tokenizer
     from offline_rec.models.versions import model_policy_version
     from offline_rec.rollout.backends import check_backend_name
     from offline_rec.rollout.collect import CollectConfig, collect, open_engines
@@ -242,7 +221,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     if backend is None:
         backend_name = check_backend_name(config.backend)
         tokenizer = load_tokenizer(model)
-        check_tokenizer_fits(model, tokenizer)
+        check_tokenizer_fits(tokenizer, config_vocab_size(model), f" of {model}")
         if config.gpu_memory_utilization is not None and backend_name == "vllm":
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if config.data_parallel_size == 1 and not config.ray_address:

@@ -98,14 +98,43 @@ def load_model(name_or_path: str, dtype: str | None = "auto", device: str | None
     return model
 
 
-def check_model_tokenizer(model, tokenizer, where: str = "") -> None:
-    """Refuse a tokenizer whose vocabulary does not fit the model's embedding matrix."""
-    vocab = model.get_input_embeddings().weight.shape[0]
-    if len(tokenizer) > vocab:
+def embedding_rows(model) -> int:
+    """Rows of a loaded model's input embedding: the largest vocabulary it can read."""
+    embeddings = model.get_input_embeddings()
+    # num_embeddings, not weight.shape: under ZeRO-3 the weight is an empty partition outside forward
+    return getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
+
+
+def config_vocab_size(name_or_path: str) -> int | None:
+    """The embedding rows a model's config declares (None if it does not say), without loading weights."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        raise UserError(f"cannot read the model config of {name_or_path}: {str(error).splitlines()[0]}") from None
+    return getattr(config.get_text_config(), "vocab_size", None)
+
+
+def check_tokenizer_fits(tokenizer, rows: int | None, where: str = "") -> None:
+    """Refuse a tokenizer with more tokens than `rows`, the model's embedding rows (None: unknown, accepted)."""
+    if rows is not None and len(tokenizer) > rows:
         raise UserError(
-            f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {vocab} rows: model and "
+            f"tokenizer{where} has {len(tokenizer)} tokens but the model's embedding has {rows} rows: model and "
             f"tokenizer do not match"
         )
+
+
+def check_model_tokenizer(model, tokenizer, where: str = "") -> None:
+    """Refuse a tokenizer whose vocabulary does not fit the loaded model's embedding matrix."""
+    check_tokenizer_fits(tokenizer, embedding_rows(model), where)
+
+
+def check_token_ids_fit(max_token_id: int, rows: int | None, model: str) -> None:
+    """Refuse data holding a token id the model has no embedding for (`rows` None: unknown, accepted)."""
+    if rows is not None and max_token_id >= rows:
+        raise UserError(f"the data holds token id {max_token_id} but {model} has {rows} embeddings: "
+                        "data and model do not match")
 
 
 def check_tokenizers(datasets, tokenizer, model: str) -> None:

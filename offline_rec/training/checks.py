@@ -11,7 +11,14 @@ import numpy as np
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
 from offline_rec.errors import UserError
-from offline_rec.models.loading import check_tokenizers, load_tokenizer, model_context, tokenizer_hash
+from offline_rec.models.loading import (
+    check_token_ids_fit,
+    check_tokenizers,
+    embedding_rows,
+    load_tokenizer,
+    model_context,
+    tokenizer_hash,
+)
 from offline_rec.training import batching
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.config import TrainConfig
@@ -136,9 +143,5 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
 
 
 def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
-    embeddings = policy.get_input_embeddings()
-    # num_embeddings, not weight.shape: under ZeRO-3 the weight is an empty partition here
-    vocab = getattr(embeddings, "num_embeddings", None) or embeddings.weight.shape[0]
-    if index.max_token_id >= vocab:
-        raise UserError(f"the data holds token id {index.max_token_id} but {model} has {vocab} embeddings: "
-                        "data and model do not match")
+    """Refuse data holding a token id the policy has no embedding row for."""
+    check_token_ids_fit(index.max_token_id, embedding_rows(policy), model)
