@@ -63,6 +63,7 @@ COLUMNS: tuple[tuple[str, pa.DataType, bool, str], ...] = (
 )
 
 COLUMN_NAMES: tuple[str, ...] = tuple(name for name, *_ in COLUMNS)
+NON_NULL_COLUMNS: tuple[str, ...] = tuple(name for name, _, nullable, _ in COLUMNS if not nullable)
 ARROW_SCHEMA = pa.schema([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable, _ in COLUMNS])
 
 FINISH_STOP = "stop"

@@ -332,20 +332,7 @@ def _check_batch(batch: pa.RecordBatch, offset: int, rel: str, out: _Collector) 
         for i in _rows_where(mask)[: MAX_PER_CODE + 1]:
             out.add(severity, code, message, shard=rel, row=offset + i, group_id=gid[i].as_py())
 
-    for name in (
-        S.GROUP_ID,
-        S.SAMPLE_INDEX,
-        S.PROMPT,
-        S.PROMPT_IDS,
-        S.COMPLETION,
-        S.COMPLETION_IDS,
-        S.BEHAVIOR_LOGPROBS,
-        S.FINISH_REASON,
-        S.BEHAVIOR,
-        S.POLICY_VERSION,
-        S.TASK,
-        S.META,
-    ):
+    for name in S.NON_NULL_COLUMNS:
         col = batch.column(name)
         if col.null_count:
             report(col.is_null(), ERROR, "null", f"column {name!r} is null")
