@@ -57,8 +57,8 @@ def startup(data: str, cache: str, steps: int = STEPS) -> dict:
     for step in range(steps):
         drops = torch.Generator().manual_seed(batching.epoch_seed(0, -1 - step))
         plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, MICRO_BATCH_TOKENS)
-        for micro in plan.micro_batches:
-            batching.collate([plan.rows_here[j] for j in micro], 0)
+        for micro in range(len(plan.micro_batches)):
+            plan.collate(micro, 0)
         rows += len(plan.rows_here)
         anonymous.append(_resident_anonymous_mb())
     built = any(n.startswith("row store: building") for n in notes)

@@ -393,12 +393,7 @@ def train(
     typer.echo(f"trained {summary['steps']} steps -> {summary['final_model']}"
                + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
     if summary.get("distributed") == "DEEPSPEED":
-        # Everything is written and the process group is gone; DeepSpeed's native comm threads can still
-        # abort the interpreter's teardown ("terminate called without an active exception", exit -6: seen
-        # once in the 2-process ZeRO-3 CPU test), which would fail a finished job: leave without that teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        _EXIT["skip_teardown"] = True  # see run()
 
 
 # --------------------------------------------------------------------------------------------
@@ -801,6 +796,29 @@ def demo(
         **{k: v for k, v in given.items() if v is not None},
     )
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
+
+
+# What the program's exit (run) should know of the command that ran.
+_EXIT = {"skip_teardown": False}
+
+
+def run() -> None:
+    """The `offline-rec` program and `python -m offline_rec`: `main()`, then the exit.
+
+    After a successful DeepSpeed training run, everything is written and the process group is
+    gone, yet DeepSpeed's native threads can abort the interpreter's teardown ("terminate called
+    without an active exception", exit -6: seen once in the 2-process ZeRO-3 CPU test), which
+    would fail a finished job; the process then ends without that teardown. `main()` called from
+    Python returns normally.
+    """
+    try:
+        main()
+    except SystemExit as done:
+        if _EXIT["skip_teardown"] and done.code in (0, None):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        raise
 
 
 def main(argv: list[str] | None = None) -> None:
