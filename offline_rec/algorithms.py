@@ -17,7 +17,10 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
    (-M * rho * A * grad logp); only the loss VALUE differs. GRPO differs from rec-oneside-is
    only by its std-normalized advantages.
 4. Advantages are group-relative: A_i = r_i - mean_group(r) (GRPO: divided by the unbiased
-   sample std + 1e-6); a group of size 1 gets A = 0. RED-Drop first drops surplus negatives.
+   sample std + 1e-6). A group of size 1 cannot centre itself: it gets A = 0 under the group
+   baseline, or the spec's fallback baseline (the step's or the data's mean reward, a constant):
+   any baseline that does not depend on the sampled response keeps the REINFORCE direction, which
+   is what lets one-response-per-prompt logs train. RED-Drop first drops surplus negatives.
 
 torch is imported inside the functions so that the CLI can list and validate algorithms
 (`ALGORITHMS`, `get_algorithm`) without importing torch.
@@ -37,9 +40,10 @@ if typing.TYPE_CHECKING:
     import torch
 
 CLIPS = ("none", "one-side", "two-side", "ring", "gspo-one-side")
-WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage")
+WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage", "topr", "topr-seq")
 REGULARIZERS = ("none", "k2", "forward-kl")
 DROPS = ("none", "balance")
+BASELINES = ("group", "step", "dataset", "constant")
 
 STD_EPS = 1e-6
 """Added to the group std before dividing (std_normalize)."""
@@ -105,6 +109,14 @@ class AlgorithmSpec:
     """Divide group-centred rewards by the unbiased group std + 1e-6 (GRPO)."""
     drop: str = "none"
     """Data shaping: none | balance (RED-Drop: drop surplus negatives in each group)."""
+    baseline: str = "group"
+    """b of rows whose group cannot centre itself (see `group_advantages`): group (none: A = 0) | step
+    (leave-one-out mean of the step's rewards) | dataset (mean reward of the training data) | constant."""
+    baseline_value: float = 0.0
+    """b for baseline=constant (e.g. 0.5 for 0/1 thumbs); any finite number."""
+    group_mean: bool = True
+    """Groups of >= 2 kept rows are centred on their own mean and `baseline` serves the singletons; False:
+    every row uses `baseline` (TOPR: its reward threshold, never the group mean)."""
 
     def __post_init__(self):
         for field, valid in _CHOICES.items():
@@ -120,8 +132,18 @@ class AlgorithmSpec:
             object.__setattr__(self, field, float(value))
         if self.temp == 0:
             raise ValueError("temp must be > 0")
-        if not isinstance(self.std_normalize, bool):
-            raise ValueError(f"std_normalize must be a bool, got {self.std_normalize!r}")
+        for field in ("std_normalize", "group_mean"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        value = self.baseline_value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"baseline_value must be a finite number, got {value!r}")
+        object.__setattr__(self, "baseline_value", float(value))
+        if self.baseline == "group" and not self.group_mean:
+            raise ValueError("group_mean=false needs a baseline other than group (step, dataset or constant)")
+        if self.baseline == "constant" and self.std_normalize:
+            raise ValueError("std_normalize divides by the std of the baseline's population; baseline=constant has "
+                             "none: use baseline step or dataset")
         if self.clip == "ring" and (
             self.eps_low_prime < self.eps_low or self.eps_high_prime < self.eps_high
         ):
@@ -131,7 +153,7 @@ class AlgorithmSpec:
             )
 
 
-_CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS}
+_CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES}
 _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp")
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
@@ -151,9 +173,14 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("asymre", regularizer="forward-kl", reg_coef=0.1),
         AlgorithmSpec("red-drop", drop="balance"),
         AlgorithmSpec("red-weight", weight="advantage", temp=1.0),
+        # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group.
+        # Its positives/negatives are split by the reward threshold, not by a group mean: 0.5 is the
+        # midpoint of 0/1 rewards (the paper's +-1 rewards with threshold 0); set baseline_value to yours.
+        AlgorithmSpec("topr", weight="topr", baseline="constant", baseline_value=0.5, group_mean=False),
+        AlgorithmSpec("topr-seq", weight="topr-seq", baseline="constant", baseline_value=0.5, group_mean=False),
     )
 }
-"""The paper's variants with the reference implementation's defaults."""
+"""The paper's variants with the reference implementation's defaults, and TOPR."""
 
 
 def get_algorithm(name: str, **overrides) -> AlgorithmSpec:
@@ -235,6 +262,10 @@ def token_weights(
       tis        W = clamp(rho, 1-eps_low', 1+eps_high')
       gspo-is    W = s_i
       advantage  W = exp(A / temp)   (RED-Weight; the exponent clamped to +-EXPONENT_LIMIT)
+      topr       W = 1 if A >= 0, else clamp(rho, 0, 1)          (TOPR, per token)
+      topr-seq   W = 1 if A >= 0, else min(prod_t rho_t, 1)      (TOPR on the whole response's ratio)
+    TOPR keeps plain REINFORCE (SFT-like) on positives and tapers negatives by their truncated
+    ratio, so a negative the policy already moved away from stops pushing it further.
     """
     import torch
 
@@ -246,6 +277,12 @@ def token_weights(
         return rho.clamp(1 - spec.eps_low_prime, 1 + spec.eps_high_prime)
     if spec.weight == "gspo-is":
         return seq_ratio.expand_as(rho)
+    if spec.weight == "topr":
+        return torch.where(advantages >= 0, 1.0, rho.clamp(max=1.0))
+    if spec.weight == "topr-seq":
+        # rho is 1 off the completion mask, so the row's log-ratio sum is over its own tokens only
+        sequence = rho.log().sum(dim=1, keepdim=True).clamp(max=0.0).exp()  # [B, 1], <= 1
+        return torch.where(advantages >= 0, 1.0, sequence).expand_as(rho)
     return torch.exp((advantages / spec.temp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)).expand_as(rho)
 
 
@@ -444,23 +481,51 @@ def _balance_drop(rewards, codes, num_groups: int, generator) -> torch.Tensor:
     return keep
 
 
+@dataclasses.dataclass(frozen=True)
+class RewardMoments:
+    """Mean and unbiased std of a population of rewards (the `dataset` baseline's: the training rows)."""
+
+    mean: float
+    std: float
+    count: int
+
+    @classmethod
+    def of(cls, rewards) -> RewardMoments:
+        import numpy as np
+
+        values = np.asarray(rewards, dtype=np.float64)  # [N]
+        if not len(values):
+            raise ValueError("no rewards to take moments of")
+        std = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+        return cls(float(values.mean()), std, len(values))
+
+
 def group_advantages(
     spec: AlgorithmSpec,
     rewards: torch.Tensor,
     group_ids: Sequence[Hashable],
     generator: torch.Generator | None = None,
+    dataset_moments: RewardMoments | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group-relative advantages [N] and the keep mask [N] (bool) for rewards [N] of complete groups.
+    """Advantages [N] and the keep mask [N] (bool) for rewards [N] of complete groups (one step's rows).
 
+    A row whose group has >= 2 kept rows is centred on its group (with `spec.group_mean`, the default):
         A_i = r_i - mean_g(r)                               (default)
         A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)         (std_normalize; unbiased sample std)
-        A_i = 0 for a group of size 1 (no baseline); exactly 0 for a group of equal rewards
-    drop="balance" (RED-Drop): in each group, negatives are r < mean, the rest positives; if
-    negatives outnumber positives, randomly chosen negatives (drawn with `generator`, default a
-    fixed seed) are dropped until the counts match, and mean and std are recomputed over the
-    KEPT rows. Dropped rows get A = 0 and keep = False: exclude them from the loss and from N.
-    Without drop, keep is all True. Computed in float64 (equal rewards give an exact 0), returned
-    in the rewards' float dtype. Zero-variance and singleton groups: see `advantage_stats`.
+    The other rows (singleton groups; every row without `group_mean`) use `spec.baseline`:
+        group     A_i = 0                                   (no baseline)
+        step      A_i = r_i - mean_{j != i}(r_j)            (leave-one-out over the kept rows passed in,
+                  std_normalize: / (std_{j != i}(r_j) + 1e-6);   i.e. the whole step, all ranks; A_i = 0
+                                                             where fewer than 2 (3 with std) rows remain)
+        dataset   A_i = r_i - mu_D  (std_normalize: / (sd_D + 1e-6)), mu_D and sd_D = `dataset_moments`
+        constant  A_i = r_i - baseline_value
+    so std normalization always divides by the spread of the population the baseline is the mean of.
+    A group of equal rewards gets exactly 0. drop="balance" (RED-Drop): in each group, negatives are
+    r < mean, the rest positives; if negatives outnumber positives, randomly chosen negatives (drawn
+    with `generator`, default a fixed seed) are dropped until the counts match, and mean and std are
+    recomputed over the KEPT rows. Dropped rows get A = 0 and keep = False: exclude them from the loss
+    and from N. Without drop, keep is all True. Computed in float64 (equal rewards give an exact 0),
+    returned in the rewards' float dtype. Zero-variance and singleton groups: see `advantage_stats`.
     """
     import torch
 
@@ -480,8 +545,36 @@ def group_advantages(
     centred = values - mean[codes]  # [N]
     if spec.std_normalize:
         centred = centred / (std[codes] + STD_EPS)
-    advantages = torch.where(keep & (count[codes] > 1), centred, 0.0)  # [N]
+    grouped = keep & (count[codes] > 1) if spec.group_mean else torch.zeros_like(keep)  # [N]
+    fallback = _baseline_advantages(spec, values, keep, dataset_moments)  # [N]
+    advantages = torch.where(grouped, centred, torch.where(keep, fallback, 0.0))  # [N]
     return advantages.to(out_dtype), keep
+
+
+def _baseline_advantages(spec: AlgorithmSpec, values, keep, dataset_moments: RewardMoments | None):
+    """A [N] of every row under `spec.baseline` alone (see `group_advantages`); float64 in, float64 out."""
+    import torch
+
+    if spec.baseline == "group":
+        return torch.zeros_like(values)
+    if spec.baseline == "constant":
+        return values - spec.baseline_value
+    if spec.baseline == "dataset":
+        if dataset_moments is None:
+            raise ValueError("baseline=dataset needs the training data's reward moments (dataset_moments)")
+        centred = values - dataset_moments.mean
+        return centred / (dataset_moments.std + STD_EPS) if spec.std_normalize else centred
+    # step: leave-one-out moments of the other kept rows, from the population's sums
+    weight = keep.to(values.dtype)  # [N]
+    others = weight.sum() - weight  # [N] kept rows besides row i
+    total = (values * weight).sum() - values * weight  # [N]
+    loo_mean = total / others.clamp(min=1)  # [N]
+    centred = torch.where(others >= 1, values - loo_mean, 0.0)  # [N]
+    if not spec.std_normalize:
+        return centred
+    squares = (values**2 * weight).sum() - values**2 * weight  # [N] sum of the others' squares
+    variance = ((squares - others * loo_mean**2) / (others - 1).clamp(min=1)).clamp(min=0)  # [N], unbiased
+    return torch.where(others >= 2, centred / (variance.sqrt() + STD_EPS), 0.0)
 
 
 def advantage_stats(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> dict[str, int]:

@@ -15,6 +15,7 @@ from offline_rec.algorithms import (
     METRIC_KEYS,
     WIDE_CLIP,
     AlgorithmSpec,
+    RewardMoments,
     advantage_stats,
     clip_mask,
     get_algorithm,
@@ -34,6 +35,7 @@ EXTRA_SPECS = {
         eps_low=3e-4, eps_high=4e-4,
     ),
     "red-weight-temp2-oneside": AlgorithmSpec("rw2", clip="one-side", weight="advantage", temp=2.0),
+    "topr-oneside-k2": AlgorithmSpec("topr-k2", clip="one-side", weight="topr", regularizer="k2", reg_coef=0.2),
 }
 ALL_SPECS = {**ALGORITHMS, **EXTRA_SPECS}
 
@@ -109,6 +111,9 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "tis": min(max(rho, lo2), hi2),
                 "gspo-is": s,
                 "advantage": math.exp(A / spec.temp),
+                "topr": 1.0 if A >= 0 else min(rho, 1.0),
+                # the whole response's ratio prod_t rho_t, truncated at 1
+                "topr-seq": 1.0 if A >= 0 else min(math.exp(sum(log_ratio[i][u] for u in tokens)), 1.0),
             }[spec.weight]
             R = {
                 "none": 0.0,
@@ -156,6 +161,8 @@ def test_presets_match_the_notes_table():
         "asymre": ("none", "none", "forward-kl", 0.1, False, "none", 0.2, 0.2),
         "red-drop": ("none", "none", "none", 0.0, False, "balance", 0.2, 0.2),
         "red-weight": ("none", "advantage", "none", 0.0, False, "none", 0.2, 0.2),
+        "topr": ("none", "topr", "none", 0.0, False, "none", 0.2, 0.2),
+        "topr-seq": ("none", "topr-seq", "none", 0.0, False, "none", 0.2, 0.2),
     }
     assert set(ALGORITHMS) == set(expected)
     for name, (clip, weight, reg, coef, std, drop, lo, hi) in expected.items():
@@ -165,6 +172,10 @@ def test_presets_match_the_notes_table():
         assert got == (clip, weight, reg, coef, std, drop, lo, hi), name
         assert spec.name == name
         assert (spec.eps_low_prime, spec.eps_high_prime, spec.temp) == (0.6, 2.0, 1.0)
+        # TOPR splits by its reward threshold (0.5: the midpoint of 0/1 rewards), never by the group mean
+        topr = name.startswith("topr")
+        assert (spec.baseline, spec.baseline_value, spec.group_mean) == (
+            ("constant", 0.5, False) if topr else ("group", 0.0, True)), name
     assert WIDE_CLIP == {"eps_low": 0.6, "eps_high": 2.0}
 
 
@@ -183,7 +194,7 @@ def test_unknown_algorithm_lists_valid_names():
 
 
 def test_unknown_field_lists_valid_fields():
-    valid = r"valid: clip, drop, eps_high, eps_high_prime, eps_low"
+    valid = r"valid: baseline, baseline_value, clip, drop, eps_high, eps_high_prime, eps_low"
     with pytest.raises(errors.UserError, match=r"unknown algorithm field 'epsilon'; " + valid):
         get_algorithm("grpo", epsilon=0.3)
 
@@ -526,6 +537,100 @@ def test_singleton_and_constant_groups_get_zero(std_normalize):
     assert adv[4] > 0 > adv[5] and keep.all()
     adv_one, _ = group_advantages(spec, torch.tensor([5.0]), ["only"])
     assert adv_one.tolist() == [0.0]
+
+
+def test_step_baseline_is_leave_one_out_for_singletons():
+    # Step of 5 rows: group a = [1, 0] (centred on its mean 0.5), singletons b=1, c=0, d=1.
+    # Sum of the step 3. Leave-one-out for the singletons: b: (3-1)/4 = 0.5 -> A = 0.5;
+    # c: (3-0)/4 = 0.75 -> A = -0.75; d: like b, 0.5.
+    spec = AlgorithmSpec(baseline="step")
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
+    adv, keep = group_advantages(spec, rewards, ["a", "a", "b", "c", "d"])
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.5, -0.75, 0.5]))
+    assert keep.all()
+    # Without group_mean every row uses the step: a's rows become 1 - 2/4 = 0.5 and 0 - 3/4 = -0.75.
+    spec_all = AlgorithmSpec(baseline="step", group_mean=False)
+    adv_all, _ = group_advantages(spec_all, rewards, ["a", "a", "b", "c", "d"])
+    torch.testing.assert_close(adv_all, torch.tensor([0.5, -0.75, 0.5, -0.75, 0.5]))
+    # A step of one row has no other row: A = 0 (no baseline), never a nan.
+    assert group_advantages(spec, torch.tensor([1.0]), ["x"])[0].tolist() == [0.0]
+
+
+def test_step_baseline_std_uses_the_same_population():
+    # Singletons [0, 1, 1, 0]. Row 0: others [1, 1, 0]: mean 2/3, unbiased var = (1/9+1/9+4/9)/2 = 1/3,
+    # A = (0 - 2/3) / sqrt(1/3) = -1.1547; row 1: others [0, 1, 0]: mean 1/3, var 1/3, A = (2/3)/sqrt(1/3).
+    spec = AlgorithmSpec(baseline="step", std_normalize=True)
+    adv, _ = group_advantages(spec, torch.tensor([0.0, 1.0, 1.0, 0.0]), [0, 1, 2, 3])
+    s = math.sqrt(1 / 3) + 1e-6
+    torch.testing.assert_close(adv, torch.tensor([-2 / 3 / s, 2 / 3 / s, 2 / 3 / s, -2 / 3 / s]))
+    # two rows: one other row has no spread -> A = 0 rather than a division by ~0
+    assert group_advantages(spec, torch.tensor([0.0, 1.0]), [0, 1])[0].tolist() == [0.0, 0.0]
+
+
+def test_dataset_and_constant_baselines_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    groups = ["a", "b", "c", "c"]  # two singletons, one group of two
+    moments = RewardMoments.of([1.0, 0.0, 0.0, 0.0])  # mean 0.25, unbiased std 0.5
+    assert (moments.mean, moments.std, moments.count) == (0.25, 0.5, 4)
+    adv, _ = group_advantages(AlgorithmSpec(baseline="dataset"), rewards, groups, dataset_moments=moments)
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.5, 0.5]))  # c: its own mean 0.5
+    adv, _ = group_advantages(AlgorithmSpec(baseline="dataset", std_normalize=True), rewards, groups,
+                              dataset_moments=moments)
+    # singletons: (1 - 0.25) / 0.5 = 1.5, -0.5; group c: (+-0.5) / (unbiased std 0.7071)
+    c = 0.5 / (math.sqrt(0.5) + 1e-6)
+    torch.testing.assert_close(adv, torch.tensor([0.75 / (0.5 + 1e-6), -0.25 / (0.5 + 1e-6), -c, c]))
+    adv, _ = group_advantages(AlgorithmSpec(baseline="constant", baseline_value=0.5), rewards, groups)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    adv, _ = group_advantages(ALGORITHMS["topr"], torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "b", "c", "c"])
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.5, 0.5]))  # never the group mean
+    with pytest.raises(ValueError, match="dataset_moments"):
+        group_advantages(AlgorithmSpec(baseline="dataset"), rewards, groups)
+
+
+def test_baseline_choices_are_validated():
+    with pytest.raises(ValueError, match="unknown baseline 'batch'; valid: group, step, dataset, constant"):
+        AlgorithmSpec(baseline="batch")
+    with pytest.raises(ValueError, match="group_mean=false needs a baseline"):
+        AlgorithmSpec(group_mean=False)
+    with pytest.raises(ValueError, match="baseline=constant has none"):
+        AlgorithmSpec(baseline="constant", std_normalize=True)
+    with pytest.raises(ValueError, match="baseline_value must be a finite number"):
+        AlgorithmSpec(baseline="constant", baseline_value=float("nan"))
+    spec = get_algorithm("rec-oneside-nois", baseline="constant", baseline_value="-1")
+    assert (spec.baseline, spec.baseline_value) == ("constant", -1.0)
+    with pytest.raises(errors.UserError, match="algorithm 'grpo': std_normalize"):
+        get_algorithm("grpo", baseline="constant")
+
+
+def test_step_baseline_does_not_depend_on_how_the_step_is_split():
+    # The trainer computes advantages once per step from all of its rows (every rank the same);
+    # the micro-batch losses with the step's N then sum to the one-batch loss (see the invariance
+    # tests above): here, the advantages of a step equal those of any permutation of its rows.
+    spec = AlgorithmSpec(baseline="step", clip="one-side")
+    rewards = torch.tensor([0.3, 1.0, 0.0, 0.7, 0.2, 0.9])
+    groups = [0, 1, 2, 2, 3, 4]
+    adv, _ = group_advantages(spec, rewards, groups)
+    order = torch.tensor([4, 2, 0, 5, 3, 1])
+    adv_permuted, _ = group_advantages(spec, rewards[order], [groups[i] for i in order.tolist()])
+    torch.testing.assert_close(adv_permuted, adv[order])
+
+
+def test_topr_weights_by_hand():
+    # Row 0 (A = +1): W = 1 whatever rho. Row 1 (A = -1): W = min(rho, 1) per token: [0.5, 1, 1].
+    # topr-seq: row 1's whole ratio 0.5 * 2 * 1.5 = 1.5 -> 1; row 2 (A = -1): 0.5 * 0.8 * 1 = 0.4.
+    rho = torch.tensor([[2.0, 0.5, 1.0], [0.5, 2.0, 1.5], [0.5, 0.8, 1.0]], dtype=torch.float64)
+    adv = torch.tensor([[1.0], [-1.0], [-1.0]], dtype=torch.float64)
+    w = token_weights(ALGORITHMS["topr"], rho, None, adv)
+    torch.testing.assert_close(w, torch.tensor([[1.0, 1, 1], [0.5, 1, 1], [0.5, 0.8, 1]], dtype=torch.float64))
+    w_seq = token_weights(ALGORITHMS["topr-seq"], rho, None, adv)
+    torch.testing.assert_close(w_seq, torch.tensor([[1.0] * 3, [1.0] * 3, [0.4] * 3], dtype=torch.float64))
+    # The loss: -(W * A * logp) token-mean; logp = -1 everywhere -> row 0: +1 * 3 tokens -> -(-3) ... by hand:
+    # per token -W*A*logp = W*A; sum = 3*1 + (-0.5 - 1 - 1) + (-0.5 - 0.8 - 1) = 3 - 2.5 - 2.3 = -1.8; / 9.
+    logp = torch.full((3, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(ALGORITHMS["topr"], logp, logp.detach() - rho.log(), adv[:, 0], torch.ones(3, 3))
+    assert loss.item() == pytest.approx(-1.8 / 9)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -(w * adv) / 9)  # dL/dlogp = -W*A/N
 
 
 def test_advantage_stats_counts_groups():
