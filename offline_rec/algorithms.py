@@ -500,6 +500,27 @@ class RewardMoments:
         return cls(float(values.mean()), std, len(values))
 
 
+def describe_baseline(spec: AlgorithmSpec, moments: RewardMoments | None = None) -> str:
+    """One line on what `spec`'s advantages are centred on, for logs."""
+    fallback = {
+        "group": "none (advantage 0)",
+        "step": "the step's mean reward, leaving the row out",
+        "dataset": "the training data's mean reward"
+        + (f" {moments.mean:.6g} (std {moments.std:.6g}, {moments.count} rows)" if moments else ""),
+        "constant": f"the constant {spec.baseline_value:g}",
+    }[spec.baseline]
+    if not spec.group_mean:
+        return f"every row: {fallback}"
+    return "group mean" + ("" if spec.baseline == "group" else f"; groups of one response: {fallback}")
+
+
+def baseline_record(spec: AlgorithmSpec, moments: RewardMoments) -> dict:
+    """What a run's baseline.json holds: the choice, and the training rewards' moments it may use."""
+    return {"baseline": spec.baseline, "baseline_value": spec.baseline_value, "group_mean": spec.group_mean,
+            "std_normalize": spec.std_normalize, "description": describe_baseline(spec, moments),
+            "training_rewards": dataclasses.asdict(moments)}
+
+
 def group_advantages(
     spec: AlgorithmSpec,
     rewards: torch.Tensor,

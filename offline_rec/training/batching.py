@@ -44,7 +44,7 @@ import pyarrow.compute as pc
 import torch
 
 from offline_rec import schema as S
-from offline_rec.algorithms import advantage_stats, group_advantages
+from offline_rec.algorithms import RewardMoments, advantage_stats, group_advantages
 from offline_rec.data import rowcache
 from offline_rec.data.dataset import Dataset
 from offline_rec.data.rowstore import RowStore, RowStoreWriter
@@ -670,8 +670,12 @@ class StepPlan:
 
 
 def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Generator, rank: int, world_size: int,
-              micro_batch_tokens: int, padding_free: bool = False, one_row: bool = True) -> StepPlan:
+              micro_batch_tokens: int, padding_free: bool = False, one_row: bool = True,
+              dataset_moments: RewardMoments | None = None) -> StepPlan:
     """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed.
+
+    The advantages see every row of the step whatever the rank (the `step` baseline is the step's mean);
+    `dataset_moments` is the `dataset` baseline's population (the training rows, fixed for the run).
 
     Padding-free micro-batches are one packed row each with `one_row`, else packed rows no longer
     than their longest sequence (see the module docstring).
@@ -679,7 +683,8 @@ def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Gene
     rows = index.rows_of_groups(groups)  # [N]
     rewards = index.reward[rows]  # [N]
     row_groups = np.repeat(groups, index.size[groups]).tolist()  # [N] group keys, unique within the step
-    advantages, keep = group_advantages(spec, torch.from_numpy(rewards), row_groups, generator=generator)  # [N], [N]
+    advantages, keep = group_advantages(spec, torch.from_numpy(rewards), row_groups, generator=generator,
+                                        dataset_moments=dataset_moments)  # [N], [N]
     advantages, keep = advantages.double().numpy(), keep.numpy()
     stats = advantage_stats(torch.from_numpy(rewards), row_groups)
 

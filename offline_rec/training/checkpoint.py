@@ -59,6 +59,7 @@ ADAPTER_DIR = "adapter"
 ACCELERATE_STATE_DIR = "trainer"
 CONFIG_FILE = "config.yaml"
 HOLDOUT_FILE = "holdout.json"
+BASELINE_FILE = "baseline.json"
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
 CONSOLIDATED_DIR = ".consolidated.tmp"  # the gathered model of a sharded run, on its way into final/
@@ -320,11 +321,13 @@ def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: 
     }
 
 
-def start_run_dir(run_dir: Path, config, datasets, index, schedule) -> None:
-    """Create RUN/ (main process): its config.yaml and holdout.json; leftovers of a killed save removed."""
+def start_run_dir(run_dir: Path, config, datasets, index, schedule, baseline: dict) -> None:
+    """Create RUN/ (main process): its config.yaml, holdout.json and baseline.json (what the advantages are
+    centred on, with the training rewards' moments: the `dataset` baseline); leftovers of a killed save removed."""
     run_dir.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
     save_config(config, run_dir / CONFIG_FILE)
+    atomic_write_json(run_dir / BASELINE_FILE, baseline)
     atomic_write_json(run_dir / HOLDOUT_FILE, {
         "fraction": config.holdout,
         "rule": "sha256(group_id) read as a big-endian 64-bit fraction < fraction",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 
+from offline_rec.algorithms import AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
 from offline_rec.errors import UserError
@@ -145,3 +147,54 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
 def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
     """Refuse data holding a token id the policy has no embedding row for."""
     check_token_ids_fit(index.max_token_id, embedding_rows(policy), model)
+
+
+SINGLETON_FIX = ("give them a baseline: --set algorithm.baseline=step (or dataset, or constant with "
+                 "--set algorithm.baseline_value=B, e.g. 0.5 for 0/1 rewards), or --algorithm topr")
+
+
+def training_reward_moments(index: batching.GroupIndex, schedule: batching.Schedule) -> RewardMoments:
+    """Mean and std of the training rows' rewards (holdout left out): the `dataset` baseline, fixed for the run."""
+    return RewardMoments.of(index.reward[index.rows_of_groups(schedule.train_groups)])
+
+
+def check_learning_signal(spec: AlgorithmSpec, index: batching.GroupIndex, schedule: batching.Schedule,
+                          moments: RewardMoments) -> dict:
+    """Refuse (UserError) training data on which `spec` has no learning signal at all: every advantage 0.
+
+    Returns, over the training groups: rows, signal_rows (advantage != 0 under `spec`, computed as if the
+    training data were one step), singleton_groups and all_equal_groups (groups of >= 2 rows with equal
+    rewards) that get advantage 0, for the warnings `print_settings` prints.
+    """
+    groups = schedule.train_groups
+    rows = index.rows_of_groups(groups)
+    rewards = np.array(index.reward[rows], dtype=np.float64)  # [N], a writable copy
+    group_keys = np.repeat(groups, index.size[groups])  # [N]
+    import torch
+
+    torch_rewards = torch.from_numpy(rewards)
+    # RED-Drop only removes rows of groups that have signal: the check leaves it out (and its random draws)
+    advantages, _ = group_advantages(dataclasses.replace(spec, drop="none"), torch_rewards, group_keys,
+                                     dataset_moments=moments)
+    stats = advantage_stats(torch_rewards, group_keys)
+    signal_rows = int((advantages != 0).sum())
+    if spec.baseline == "step" and schedule.prompts_per_step == 1 and stats["singleton_groups"] == len(groups):
+        signal_rows = 0  # every step is one row: the leave-one-out mean has no other row
+    singletons_zero = stats["singleton_groups"] if spec.baseline == "group" and spec.group_mean else 0
+    summary = {"rows": len(rows), "signal_rows": signal_rows, "singleton_groups": singletons_zero,
+               "all_equal_groups": stats["zero_variance_groups"] if spec.group_mean else 0}
+    if signal_rows:
+        return summary
+    where = f"training data ({len(groups)} groups, {len(rows)} rows)"
+    if singletons_zero == len(groups):
+        raise UserError(f"no learning signal: every group of the {where} holds one response, and the group "
+                        f"baseline gives a group of one advantage 0; {SINGLETON_FIX}")
+    if float(rewards.min()) == float(rewards.max()):
+        raise UserError(f"no learning signal: every reward of the {where} is {float(rewards[0]):g}, so every "
+                        f"advantage is 0 under {spec.name}; score the data with a reward that tells the responses "
+                        "apart (offline-rec reward)")
+    raise UserError(f"no learning signal: every advantage of the {where} is 0 under {spec.name} (baseline "
+                    f"{spec.baseline}{f' {spec.baseline_value:g}' if spec.baseline == 'constant' else ''}): "
+                    f"{stats['singleton_groups']} groups of one response and {stats['zero_variance_groups']} "
+                    "groups whose rewards are all equal; for the singletons, "
+                    + SINGLETON_FIX.removeprefix("give them "))

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from offline_rec.algorithms import get_algorithm
+from offline_rec.algorithms import baseline_record, describe_baseline, get_algorithm
 from offline_rec.models.packing import choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
@@ -86,6 +86,8 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
                                     config.max_steps, config.seed, config.shuffle)
     state = ckpt.read_trainer_state(resume_from) if resume_from else None
     checks.check_resumable(state, schedule, resume_from)
+    moments = checks.training_reward_moments(index, schedule)  # the `dataset` baseline, fixed for the run
+    signal = checks.check_learning_signal(spec, index, schedule, moments)  # refuses data with no signal at all
 
     # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
     # A process group that exists already belongs to someone else (an in-process vLLM engine, a
@@ -123,9 +125,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
 
     # ---- 3. The run directory.
     if accelerator.is_main_process:
-        ckpt.start_run_dir(run_dir, config, datasets, index, schedule)
+        ckpt.start_run_dir(run_dir, config, datasets, index, schedule, baseline_record(spec, moments))
         print_settings(config, spec, index, schedule, accelerator.num_processes, start_step,
-                       backend=distributed.settings_line(accelerator), packing=layout.note)
+                       backend=distributed.settings_line(accelerator), packing=layout.note, signal=signal,
+                       baseline=describe_baseline(spec, moments))
     metrics_log = MetricsLog(run_dir, config, start_step, accelerator.is_main_process,
                              state["metrics"] if state else None)
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
@@ -140,7 +143,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             drops = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
             plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
                                       accelerator.num_processes, config.micro_batch_tokens,
-                                      layout.padding_free, layout.one_row)
+                                      layout.padding_free, layout.one_row, dataset_moments=moments)
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
                               tokenizer.pad_token_id)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)

@@ -9,11 +9,11 @@ import json
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec, advantage_stats
+from offline_rec.algorithms import AlgorithmSpec
 from offline_rec.training import checkpoint as ckpt
+from offline_rec.training.checks import SINGLETON_FIX
 from offline_rec.training.config import TrainConfig
 
 
@@ -191,9 +191,10 @@ def _line_step(line: str):
 
 
 def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int,
-                   backend: str = "", packing: str = "") -> None:
+                   backend: str = "", packing: str = "", signal: dict | None = None, baseline: str = "") -> None:
     """The settings a reader of the log needs first (defaults included); `backend`: what runs the processes,
-    `packing`: the padding-free layout's note."""
+    `packing`: the padding-free layout's note, `signal`: `checks.check_learning_signal`'s counts (warnings),
+    `baseline`: what the advantages are centred on."""
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -202,6 +203,7 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
              if k != "name" and (v != getattr(plain, k) or (k in ("eps_low", "eps_high") and spec.clip != "none"))}
     rows = [
         ("algorithm", f"{spec.name} " + ", ".join(f"{k}={v}" for k, v in shown.items())),
+        *([("baseline", baseline)] if baseline else []),
         (
             "data",
             f"{index.num_groups} groups, {len(index.reward)} rows; training on {len(schedule.train_groups)} groups, "
@@ -244,13 +246,12 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
             f"[yellow]warning:[/yellow] {index.truncated_rows} rows longer than max_length={config.max_length} "
             "had their completions truncated (truncate: true)"
         )
-    # Groups whose advantages are all 0 (see advantage_stats): one response, or all rewards equal.
-    # np.array: a writable copy (the index's arrays are read-only mappings of its row store, which torch warns about)
-    groups = advantage_stats(torch.from_numpy(np.array(index.reward)),
-                             np.repeat(np.arange(index.num_groups), index.size))
-    singletons, all_equal = groups["singleton_groups"], groups["zero_variance_groups"]
-    if singletons or all_equal:
-        console.print(f"[yellow]warning:[/yellow] {singletons} groups of one response and {all_equal} groups whose "
-                      "rewards are all equal carry no learning signal (advantage 0; metrics.jsonl counts them per step "
-                      "as singleton_groups and zero_variance_group_fraction); `offline-rec filter --drop-all-equal` "
-                      "removes them")
+    # Rows whose advantage is 0 under the spec (see checks.check_learning_signal): say what gives them one.
+    if signal and signal["singleton_groups"]:
+        console.print(f"[yellow]warning:[/yellow] {signal['singleton_groups']} groups of one response get advantage 0 "
+                      "under the group baseline: no learning signal from them (metrics.jsonl counts them per step as "
+                      f"singleton_groups); {SINGLETON_FIX}")
+    if signal and signal["all_equal_groups"]:
+        console.print(f"[yellow]warning:[/yellow] {signal['all_equal_groups']} groups whose rewards are all "
+                      "equal carry no learning signal (advantage 0; metrics.jsonl counts them per step as "
+                      "zero_variance_group_fraction); `offline-rec filter --drop-all-equal` removes them")
