@@ -46,6 +46,20 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _signal_rows(signal: dict | None) -> dict:
+    """inspect's lines on which baselines give the data a learning signal (rows with a non-zero advantage)."""
+    if not signal:
+        return {}
+    shares = signal["signal_share_by_baseline"]
+    return {
+        "groups of one response": signal["singleton_groups"],
+        "rows with signal, by baseline": ", ".join(
+            f"{name} {n} ({shares[name]:.1%})" for name, n in signal["signal_rows_by_baseline"].items()),
+        "baselines with signal": ", ".join(signal["supported_baselines"]) or "none",
+        "advice": signal["advice"],
+    }
+
+
 def print_description(console: Console, stats: dict) -> None:
     console.print(key_value_table(
         f"dataset {stats['path']}",
@@ -61,7 +75,11 @@ def print_description(console: Console, stats: dict) -> None:
             "tokens": stats.get("tokens", {}),
             "prompt length": stats.get("prompt_length", {}),
             "completion length": stats.get("completion_length", {}),
-            "groups with all-equal rewards (no signal)": stats.get("all_equal_reward_group_fraction", 0.0),
+            "groups with all-equal rewards (no signal under the group baseline)": (
+                f"{stats.get('all_equal_reward_groups', 0)} "
+                f"({stats.get('all_equal_reward_group_fraction', 0.0):.1%} of the groups)"
+            ),
+            **_signal_rows(stats.get("signal")),
             "finish reasons": stats.get("finish_reasons", {}),
             "policy versions (version: rows)": stats.get("policy_versions", {}),
         },

@@ -45,6 +45,36 @@ def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD
     return [{"low": lo + i * width, "high": lo + (i + 1) * width, "count": by_bin.get(i, 0)} for i in range(bins)]
 
 
+def _learning_signal(groups, reward_mean: float | None, rows: int) -> dict:
+    """Which baselines give this data a learning signal (`offline_rec.algorithms.AlgorithmSpec.baseline`).
+
+    Per baseline, the rows whose advantage is not 0 when the whole dataset is one step: `group`, the
+    rows of groups of >= 2 responses whose rewards differ; `step` and `dataset` (the data's mean for
+    both: the step's leave-one-out mean tends to it), those plus the singletons whose reward is not
+    the mean. A group without a finite reward has no signal under any baseline.
+    """
+    import polars as pl
+
+    several = groups.filter(pl.col("size") > 1)
+    singles = groups.filter((pl.col("size") == 1) & pl.col("rmin").is_not_null())
+    group_rows = int(several.filter(pl.col("rmin") != pl.col("rmax"))["size"].sum())
+    off_mean = singles.filter(pl.col("rmin") != reward_mean).height if reward_mean is not None else 0
+    by_baseline = {"group": group_rows, "step": group_rows + off_mean, "dataset": group_rows + off_mean}
+    singleton_groups = groups.filter(pl.col("size") == 1).height
+    supported = [name for name, n in by_baseline.items() if n]
+    if not supported:
+        advice = "no baseline gives this data a learning signal: its rewards are all equal or missing"
+    elif singleton_groups and by_baseline["group"] < by_baseline["step"]:
+        advice = (f"{singleton_groups} groups hold one response, with no signal under the group baseline: train with "
+                  "--set algorithm.baseline=step (or dataset, or constant with algorithm.baseline_value) or "
+                  "--algorithm topr")
+    else:
+        advice = "the group baseline (the default) has signal"
+    return {"singleton_groups": singleton_groups, "signal_rows_by_baseline": by_baseline,
+            "signal_share_by_baseline": {name: n / rows if rows else 0.0 for name, n in by_baseline.items()},
+            "supported_baselines": supported, "advice": advice}
+
+
 def describe_dataset(path: str | Path) -> dict:
     """The statistics `inspect` prints, as a JSON-serializable dict; DataError if a shard is unreadable."""
     import polars as pl
@@ -157,6 +187,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
     )
     size_hist = groups.group_by("size").agg(pl.len().alias("groups")).sort("size")
     all_equal = groups.filter(pl.col("rmin") == pl.col("rmax")).height
+    signal = _learning_signal(groups, row_stats["reward_mean"], row_stats["rows"])
     finish = (
         lf.group_by(S.FINISH_REASON).agg(pl.len().alias("n")).collect(engine="streaming").sort("n", descending=True)
     )
@@ -190,7 +221,9 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
             "max": row_stats["reward_max"],
             "histogram": _reward_histogram(lf, row_stats["reward_min"], row_stats["reward_max"]),
         },
+        "all_equal_reward_groups": all_equal,
         "all_equal_reward_group_fraction": all_equal / n_groups if n_groups else 0.0,
+        "signal": signal,
         "finish_reasons": {r[S.FINISH_REASON]: int(r["n"]) for r in finish.iter_rows(named=True)},
         "policy_versions": {int(r[S.POLICY_VERSION]): int(r["n"]) for r in versions.iter_rows(named=True)},
     }

@@ -87,6 +87,35 @@ def test_reward_histogram(stats):
 def test_all_equal_reward_fraction(stats):
     # g0000 (1, 0, 1) has signal; g0001 (0, 0, 0), g0002 (1, 1) and g0003 (one response) do not: 3 / 4
     assert stats["all_equal_reward_group_fraction"] == 0.75
+    assert stats["all_equal_reward_groups"] == 3
+
+
+def test_signal_by_baseline(stats):
+    # group: only g0000's 3 rows. step/dataset: the data's mean is 0.5 and g0003's one reward is 0.5: no
+    # signal from it either (A = 0.5 - 0.5). One singleton group.
+    signal = stats["signal"]
+    assert signal["singleton_groups"] == 1
+    assert signal["signal_rows_by_baseline"] == {"group": 3, "step": 3, "dataset": 3}
+    assert signal["signal_share_by_baseline"]["group"] == pytest.approx(3 / 9)
+    assert signal["supported_baselines"] == ["group", "step", "dataset"]
+    assert signal["advice"] == "the group baseline (the default) has signal"
+
+
+def test_singleton_logs_are_told_which_baseline_to_use(tmp_path, capsys):
+    # 4 prompts answered once, rewards 1 0 0 1 (mean 0.5): no group signal; every singleton is off the mean
+    groups = make_rows([1, 1, 1, 1], rewards=[[1], [0], [0], [1]])
+    path = write_dataset(tmp_path / "ds", groups)
+    signal = describe_dataset(path)["signal"]
+    assert signal["signal_rows_by_baseline"] == {"group": 0, "step": 4, "dataset": 4}
+    assert signal["supported_baselines"] == ["step", "dataset"]
+    assert "--set algorithm.baseline=step" in signal["advice"] and "--algorithm topr" in signal["advice"]
+    assert run_cli(capsys, "inspect", path)[0] == 0
+    buffer = io.StringIO()
+    print_description(Console(file=buffer, width=300), describe_dataset(path))
+    text = " ".join(buffer.getvalue().split())
+    # a count and a share, not a bare "1" for a share of 1.0
+    assert "groups with all-equal rewards (no signal under the group baseline) │ 4 (100.0% of the groups)" in text
+    assert "baselines with signal │ step, dataset" in text
 
 
 def test_finish_reasons_and_policy_versions(stats):
@@ -116,6 +145,8 @@ def test_constant_reward_has_a_single_histogram_bin(tmp_path):
     assert stats["reward"]["histogram"] == [{"low": 0.25, "high": 0.25, "count": 5}]
     assert stats["reward"]["std"] == 0.0
     assert stats["all_equal_reward_group_fraction"] == 1.0
+    assert stats["signal"]["supported_baselines"] == []
+    assert stats["signal"]["advice"].startswith("no baseline gives this data a learning signal")
 
 
 def test_all_rewards_null_gives_no_histogram(tmp_path):
@@ -149,7 +180,8 @@ def test_text_description_shows_the_numbers(stats):
     out = io.StringIO()
     print_description(Console(file=out, width=200), stats)
     text = out.getvalue()
-    assert "groups with all-equal rewards (no signal)" in text and "0.75" in text
+    assert "groups with all-equal rewards (no signal under the group baseline)" in text
+    assert "3 (75.0% of the groups)" in text  # a count and a share
     assert "stop: 6, length: 3" in text
     assert "reward histogram" in text
 
