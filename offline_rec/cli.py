@@ -746,7 +746,9 @@ def demo(
     out: Path = typer.Option(
         Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json."
     ),
-    algorithm: str = typer.Option("rec-oneside-nois", "--algorithm", help="Loss preset to train with."),
+    algorithm: str | None = typer.Option(
+        None, "--algorithm", help="Loss preset to train with (default rec-oneside-nois; --logged: with its baseline)."
+    ),
     wide_clip: bool = typer.Option(
         True, "--wide-clip/--default-clip", help="The paper's wide clip eps_low 0.6, eps_high 2.0, or the preset's."
     ),
@@ -773,6 +775,10 @@ def demo(
     quick: bool = typer.Option(
         False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute."
     ),
+    logged: bool = typer.Option(
+        False, "--logged",
+        help="Production-like logs: ONE response per prompt, trained with the setting recommended for them.",
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier demo's outputs in --out."),
     threads: int = typer.Option(
         1, "--threads", help="torch CPU threads (1 is fastest for this tiny model on a shared CPU)."
@@ -781,14 +787,14 @@ def demo(
     """Collect, validate, train offline, evaluate and report on a tiny arith policy: the whole pipeline on a CPU."""
     from offline_rec.demo.pipeline import run_demo
 
-    given = dict(num_prompts=num_prompts, epochs=epochs, eval_prompts=eval_prompts)
+    given = dict(num_prompts=num_prompts, epochs=epochs, eval_prompts=eval_prompts, algorithm=algorithm)
     summary = run_demo(
         out,
         model=model,
         quick=quick,
+        logged=logged,
         overwrite=overwrite,
         threads=threads,
-        algorithm=algorithm,
         wide_clip=wide_clip,
         backend=backend,
         seed=seed,

@@ -87,6 +87,12 @@ class DemoSettings:
     algorithm: str = DEMO_ALGORITHM
     wide_clip: bool = True
     """Use the paper's wide clip eps_low=0.6, eps_high=2.0 (`algorithms.WIDE_CLIP`)."""
+    logged: bool = False
+    """Production logs: collect ONE response per prompt (groups of one); train with a baseline for them."""
+    baseline: str | None = None
+    """`AlgorithmSpec.baseline` (group, step, dataset, constant); None: the preset's."""
+    baseline_value: float | None = None
+    """`AlgorithmSpec.baseline_value` for baseline=constant; None: the preset's."""
     lr: float = 3e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
@@ -107,7 +113,7 @@ class DemoSettings:
             if getattr(self, name) < 1:
                 raise UserError(f"demo: {name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_samples < 2:
-            raise UserError("demo: num-samples must be >= 2 (a group of one sample has no baseline)")
+            raise UserError("demo: num-samples must be >= 2 (the evaluations' pass@K; --logged collects one sample)")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError(f"demo: lr must be > 0, got {self.lr}")
         from offline_rec.tasks.builtin import arith_pairs
@@ -130,23 +136,41 @@ class DemoSettings:
     def algorithm_overrides(self) -> dict:
         from offline_rec.algorithms import WIDE_CLIP
 
-        return dict(WIDE_CLIP) if self.wide_clip else {}
+        overrides = dict(WIDE_CLIP) if self.wide_clip else {}
+        if self.baseline is not None:
+            overrides["baseline"] = self.baseline
+        if self.baseline_value is not None:
+            overrides["baseline_value"] = self.baseline_value
+        return overrides
+
+    @property
+    def collect_samples(self) -> int:
+        """Responses per prompt in the dataset: one for production-like logs, else K."""
+        return 1 if self.logged else self.num_samples
 
     @property
     def algorithm_label(self) -> str:
-        return self.algorithm + (" (wide clip 0.6/2.0)" if self.wide_clip else "")
+        extra = [f"{k} {v}" for k, v in self.algorithm_overrides.items() if k.startswith("baseline")]
+        return (self.algorithm + (" (wide clip 0.6/2.0)" if self.wide_clip else "")
+                + (f", {', '.join(extra)}" if extra else ""))
 
 
 QUICK = dict(num_prompts=64, epochs=2, eval_prompts=64, validation_prompts=64, num_samples=4, eval_every=2)
 """The reduced demo (`quick=True`): every stage on a small slice of the data; for tests and a first look."""
 
+LOGGED = dict(logged=True, algorithm=DEMO_ALGORITHM, wide_clip=True, baseline="dataset")
+"""`--logged`: one response per prompt, as production traffic is logged, trained with the setting that
+benchmarks/logged.py measured best for such logs (docs/paper.md, "One response per prompt")."""
 
-def run_demo(out_dir, *, model: str | None = None, quick: bool = False, overwrite: bool = False,
-             threads: int | None = 1, progress: bool = True, console=None, **settings) -> dict:
+
+def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: bool = False,
+             overwrite: bool = False, threads: int | None = 1, progress: bool = True, console=None,
+             **settings) -> dict:
     """Run every stage (module docstring) into `out_dir`; returns the summary also written to OUT/summary.json.
 
     `settings`: `DemoSettings` fields (num_prompts, epochs, eval_prompts, backend, algorithm, wide_clip, ...);
-    `quick` starts from the reduced sizes QUICK instead of the defaults (explicit settings still win).
+    `quick` starts from the reduced sizes QUICK instead of the defaults (explicit settings still win);
+    `logged` from LOGGED (one response per prompt, the recommended setting for such logs).
     `model`: a behavior policy folder to use instead of the demo policy (tests pass a tiny one).
     `overwrite`: replace the outputs of an earlier demo in `out_dir` (only a folder a demo wrote is removed).
     `threads`: torch's CPU threads for this process (None: leave torch's choice). One by default: with
@@ -158,7 +182,11 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, overwrit
     from offline_rec.algorithms import get_algorithm
     from offline_rec.rollout.backends import check_backend_name
 
-    config = DemoSettings(**{**(QUICK if quick else {}), **settings})
+    settings = {k: v for k, v in settings.items() if v is not None}
+    # another preset given with --logged keeps its own baseline (topr's threshold, say)
+    own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
+    logged_recipe = ({"logged": True} if own_preset else LOGGED) if logged else {}
+    config = DemoSettings(**{**(QUICK if quick else {}), **logged_recipe, **settings})
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
     get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
     if threads is not None:
@@ -191,7 +219,9 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, overwrit
         stages.note(f"{policy}")
 
     with stages.run(
-        "collect", f"{config.num_prompts} train prompts x {config.num_samples} samples at T=1, backend {config.backend}"
+        "collect", f"{config.num_prompts} train prompts x {config.collect_samples} sample(s) at T=1, backend "
+                   f"{config.backend}" + (" (logged: one response per prompt, like production traffic)"
+                                          if config.logged else "")
     ):
         collect_dataset(policy, Path(paths["dataset"]), config, progress)
         stages.note(dataset_line(paths["dataset"]))
@@ -289,7 +319,7 @@ def collect_dataset(policy: str, out: Path, config: DemoSettings, progress: bool
     from offline_rec.rollout.collect import CollectConfig, collect
 
     return collect(CollectConfig(
-        model=policy, task=DEMO_TASK, out=out, num_samples=config.num_samples, num_prompts=config.num_prompts,
+        model=policy, task=DEMO_TASK, out=out, num_samples=config.collect_samples, num_prompts=config.num_prompts,
         split="train", backend=config.backend, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.seed,
         batch_size=config.batch_size, behavior="demo-policy", show_progress=progress,
     ))
@@ -354,8 +384,10 @@ def train_offline(policy: str, dataset: str, run_dir: Path, config: DemoSettings
 
 
 def heldout_curve(run_dir: Path, policy: str, config: DemoSettings, before: dict, validation: str | None,
-                  progress: bool) -> list[dict]:
+                  progress: bool, checkpoints: list[tuple[int, Path]] | None = None) -> list[dict]:
     """Accuracy of every saved checkpoint, step 0 being the behavior policy (its test numbers are `before`).
+
+    `checkpoints`: (step, model folder) pairs to score instead of RUN's own checkpoints (another trainer's).
 
     Per point: the model folder; greedy accuracy and one sample at T=1 on the held-out test prompts
     (RUN/eval/step-NNNNNN, where `train --eval-every` writes its own); and, given `validation` (a prompts
@@ -366,7 +398,9 @@ def heldout_curve(run_dir: Path, policy: str, config: DemoSettings, before: dict
     from offline_rec.training import checkpoint as ckpt
 
     curve = []
-    for step, path in [(0, Path(policy)), *ckpt.list_checkpoints(run_dir)]:
+    if checkpoints is None:
+        checkpoints = ckpt.list_checkpoints(run_dir)
+    for step, path in [(0, Path(policy)), *checkpoints]:
         name = f"step-{step:06d}"
         test = before if step == 0 else evaluate_policy(str(path), run_dir / EVAL_RUN_DIR / name, config, 1, False)
         point = {"step": step, "model": str(path), "greedy_accuracy": test["greedy_accuracy"],
@@ -453,7 +487,8 @@ def plot_heldout_curve(curve: list[dict], path: Path, config: DemoSettings, chos
     axis.set_ylim(0, 1)
     axis.set_xlabel("optimizer step (offline: the data never changes)")
     axis.set_ylabel(f"accuracy on {config.eval_prompts} held-out prompts")
-    axis.set_title(f"demo: {config.algorithm_label}, {config.num_prompts} prompts x {config.num_samples} samples")
+    axis.set_title(f"demo: {config.algorithm_label}, {config.num_prompts} prompts x {config.collect_samples} "
+                   "samples", fontsize=9)
     axis.grid(True, alpha=0.3)
     axis.legend()
     figure.savefig(path, dpi=120)
