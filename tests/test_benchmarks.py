@@ -183,3 +183,27 @@ def test_record_benchmark_load_round_counts_what_it_sends():
         in_window = [t for t in half["done_at"] if 0.25 <= t <= 1.0]
         assert half["window_requests_per_s"] == pytest.approx(len(in_window) / 0.75) and in_window
         assert half["failed"] == 0 and half["window_p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_logged_benchmark_quick_run_chooses_on_validation(tmp_path):
+    """benchmarks/logged.py at toy sizes, without the TRL peers: data cut to one response per prompt, each arm's
+    curve, the choice read from validation alone, and a table; a rerun skips the finished runs."""
+    from benchmarks import logged
+
+    scale = logged.Scale(num_prompts=32, epochs=1, rows_per_step=16, eval_every=1, eval_prompts=16,
+                         validation_prompts=16, lrs=(3e-4,))
+    outcome = logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)
+    from offline_rec.data.inspect import describe_dataset
+
+    assert describe_dataset(tmp_path / "data-singletons")["group_size_histogram"] == {1: 32}
+    assert describe_dataset(tmp_path / "data-k8")["group_size_histogram"] == {8: 32}
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["lr"]) for r in results] == [("dataset", 3e-4), ("topr", 3e-4)]
+    for result, row in zip(results, outcome["rows"]):
+        assert [p["step"] for p in result["curve"]] == [0, 1, 2]
+        best = max(result["curve"], key=lambda p: (p["validation_greedy_accuracy"], p["step"]))
+        assert (row["step"], row["test"]) == (best["step"], best["greedy_accuracy"])
+    assert "| dataset | 0.0003 |" in outcome["table"] and (tmp_path / "curves.png").is_file()
+    logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)  # nothing left to run
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2

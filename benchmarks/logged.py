@@ -1,0 +1,279 @@
+"""One response per prompt: which setting learns from production-like logs, against the peers users reach for.
+
+    python benchmarks/logged.py                      # every arm, 3 learning rates, with the TRL peers (~1 h, 2 cores)
+    python benchmarks/logged.py --quick --no-peers   # a smoke run at toy sizes (a minute)
+    python benchmarks/logged.py --arms dataset,topr --lrs 3e-4
+
+The data is the demo's behavior data (the shipped arith policy, 4096 train-split prompts x 8 samples at
+T=1, seed 0) cut to ONE response per prompt (sample_index 0, reward 0/1): what `record` -> `import`
+gives. Every arm starts from the same policy, trains on those same 4096 rows for the same number of
+optimizer steps (2 epochs of 32 rows per step = 256 steps, cosine lr to 0, AdamW without weight decay,
+gradient norm clipped at 1), and is scored like the demo: every 32 steps, greedy accuracy on 512 held-out
+TEST prompts (the curve) and on 512 train-split VALIDATION prompts that no arm trains on. Per arm the
+learning rate and the step are chosen by the validation accuracy alone; the test accuracy of that choice
+is the arm's result, and its test curve is shown. Arms:
+
+  step, dataset, constant   rec-oneside-nois, wide clip (0.6/2.0), with the baseline named (constant: 0.5)
+  topr                      TOPR (its 0.5 threshold; negatives tapered by min(rho, 1))
+  kto                       TRL KTOTrainer (prompt, completion, label = reward > 0), in TRL's own venv
+  sft-positives             TRL SFTTrainer on the positive responses (filtered behaviour cloning)
+  group-k8                  reference: the full demo data (8 responses per prompt, group baseline), lr 3e-4,
+                            256 steps of 32 groups (8x the rows per step)
+
+The peers run with their real library: TRL (PEER_REQUIREMENT) installed into its own venv under the cache
+(`files.cache_root()/bench-venvs/trl`) on first use, never into offline-rec's. Output in --out
+(default runs/logged): results.jsonl (one line per finished (arm, lr), resumable), table.md, curves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from offline_rec.algorithms import WIDE_CLIP
+
+PEER_REQUIREMENT = ("torch==2.13.0", "trl==1.16.0")
+RESULTS_FILE, TABLE_FILE, CURVES_FILE = "results.jsonl", "table.md", "curves.png"
+
+# arm: (preset, overrides) for offline-rec, or None for a peer / the reference
+ARMS: dict[str, tuple[str, dict] | None] = {
+    "step": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "step"}),
+    "dataset": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "dataset"}),
+    "constant": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "constant", "baseline_value": 0.5}),
+    "topr": ("topr", {}),
+    "kto": None,
+    "sft-positives": None,
+    "group-k8": ("rec-oneside-nois", dict(WIDE_CLIP)),
+}
+PEERS = {"kto": "kto", "sft-positives": "sft"}
+REFERENCE_LR = 3e-4  # the demo's
+
+
+@dataclass(frozen=True)
+class Scale:
+    num_prompts: int = 4096
+    epochs: int = 2
+    rows_per_step: int = 32
+    eval_every: int = 32
+    eval_prompts: int = 512
+    validation_prompts: int = 512
+    lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
+
+    @property
+    def steps(self) -> int:
+        return self.epochs * -(-self.num_prompts // self.rows_per_step)
+
+
+QUICK = Scale(num_prompts=128, epochs=2, rows_per_step=32, eval_every=4, eval_prompts=64, validation_prompts=64,
+              lrs=(3e-4,))
+
+
+def demo_settings(scale: Scale, **changes):
+    from offline_rec.demo.pipeline import DemoSettings
+
+    return DemoSettings(num_prompts=scale.num_prompts, epochs=scale.epochs, eval_prompts=scale.eval_prompts,
+                        validation_prompts=scale.validation_prompts, eval_every=scale.eval_every,
+                        prompts_per_step=scale.rows_per_step, **changes)
+
+
+def prepare_data(out: Path, policy: str, scale: Scale, log) -> dict[str, str]:
+    """The K=8 behavior data (the demo's collect), its cut to sample_index 0, and the validation prompts."""
+    from offline_rec.data.dataset import DatasetWriter, open_dataset, read_manifest
+    from offline_rec.demo.pipeline import collect_dataset, write_validation_prompts
+
+    paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}
+    if not (paths["k8"] / "manifest.json").is_file():
+        log(f"collecting {scale.num_prompts} prompts x 8 samples -> {paths['k8']}")
+        collect_dataset(policy, paths["k8"], demo_settings(scale), progress=False)
+    if not (paths["singletons"] / "manifest.json").is_file():
+        manifest = read_manifest(paths["k8"])
+        with DatasetWriter(paths["singletons"], behavior=manifest["behavior"], task=manifest["task"],
+                           atomic=True) as writer:
+            for group in open_dataset(paths["k8"]).iter_groups():
+                writer.add_group([row for row in group if row["sample_index"] == 0])
+    write_validation_prompts(paths["validation"], demo_settings(scale))
+    return {name: str(path) for name, path in paths.items()}
+
+
+def trl_python() -> str:
+    """TRL's own venv (made on first use from the package index): the peers never touch our dependencies."""
+    from offline_rec.files import cache_root
+
+    venv = cache_root() / "bench-venvs" / "trl"
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import trl, torch"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return str(python)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for requirement in PEER_REQUIREMENT:  # torch first: the CPU build on this machine, not a CUDA one
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
+                       check=True)
+    return str(python)
+
+
+def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scale: Scale) -> list[tuple[int, Path]]:
+    """Train one (arm, lr); the (step, model folder) of its checkpoints."""
+    if arm in PEERS:
+        subprocess.run([trl_python(), str(Path(__file__).with_name("_trl_peers.py")), "--trainer", PEERS[arm],
+                        "--data", paths["singletons"], "--model", policy, "--out", str(run_dir), "--lr", str(lr),
+                        "--max-steps", str(scale.steps), "--save-steps", str(scale.eval_every),
+                        "--batch-size", str(scale.rows_per_step)],
+                       check=True, stdout=open(run_dir.with_name(run_dir.name + ".log"), "w"), stderr=subprocess.STDOUT)
+        found = [(int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*")]
+        return sorted(found)
+    import contextlib
+
+    from offline_rec.demo.pipeline import train_offline
+    from offline_rec.training import checkpoint as ckpt
+
+    preset, overrides = ARMS[arm]
+    data = paths["k8"] if arm == "group-k8" else paths["singletons"]
+    settings = demo_settings(scale, algorithm=preset, wide_clip=overrides.get("eps_high") == WIDE_CLIP["eps_high"],
+                             lr=lr, **{k: v for k, v in overrides.items() if k.startswith("baseline")})
+    with open(run_dir.with_name(run_dir.name + ".log"), "w") as log, contextlib.redirect_stdout(log):
+        train_offline(policy, data, run_dir, settings, progress=False)
+    return ckpt.list_checkpoints(run_dir)
+
+
+def run_arm(arm: str, lr: float, out: Path, paths: dict, policy: str, scale: Scale, before: dict) -> dict:
+    import shutil
+
+    from offline_rec.demo.pipeline import heldout_curve
+
+    run_dir = out / "runs" / f"{arm}-lr{lr:g}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    checkpoints = train_arm(arm, lr, run_dir, paths, policy, scale)
+    trained = time.monotonic() - started
+    curve = heldout_curve(run_dir, policy, demo_settings(scale), before, paths["validation"], False, checkpoints)
+    result = {"arm": arm, "lr": lr, "curve": curve, "train_seconds": round(trained, 1),
+              "seconds": round(time.monotonic() - started, 1), "scale": asdict(scale)}
+    if arm in PEERS:
+        result["peer"] = json.loads((run_dir / "peer.json").read_text())
+    for _, path in checkpoints:  # keep the curves, not hundreds of MB of weights
+        shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
+def choose(results: list[dict]) -> list[dict]:
+    """Per arm, the (lr, step) with the best validation greedy accuracy (later step on a tie), and its test score."""
+    rows = []
+    for arm in ARMS:
+        runs = [r for r in results if r["arm"] == arm]
+        if not runs:
+            continue
+        best_run, best_point = max(((r, p) for r in runs for p in r["curve"]),
+                                   key=lambda rp: (rp[1]["validation_greedy_accuracy"], rp[1]["step"]))
+        final = {r["lr"]: r["curve"][-1] for r in runs}
+        rows.append({"arm": arm, "lr": best_run["lr"], "step": best_point["step"],
+                     "validation": best_point["validation_greedy_accuracy"], "test": best_point["greedy_accuracy"],
+                     "base": best_run["curve"][0]["greedy_accuracy"], "final_test_at_lr": final[best_run["lr"]],
+                     "final_by_lr": {lr: p["greedy_accuracy"] for lr, p in final.items()},
+                     "curve": [(p["step"], p["greedy_accuracy"]) for p in best_run["curve"]],
+                     "peer": best_run.get("peer", {}).get("trl")})
+    return rows
+
+
+def markdown_table(rows: list[dict], scale: Scale) -> str:
+    lines = [f"{scale.num_prompts} prompts x 1 response, {scale.steps} steps of {scale.rows_per_step} rows, "
+             f"lr from {', '.join(f'{lr:g}' for lr in scale.lrs)} and the step chosen on {scale.validation_prompts} "
+             f"validation prompts; greedy accuracy on {scale.eval_prompts} held-out test prompts.", "",
+             "| arm | lr | chosen step | validation | test (chosen) | gain | test at step "
+             f"{scale.steps}, per lr |", "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        per_lr = ", ".join(f"{lr:g}: {100 * acc:.1f}" for lr, acc in sorted(r["final_by_lr"].items()))
+        lines.append(f"| {r['arm']}{' (TRL ' + r['peer'] + ')' if r['peer'] else ''} | {r['lr']:g} | {r['step']} | "
+                     f"{100 * r['validation']:.1f} | {100 * r['test']:.1f} | {100 * (r['test'] - r['base']):+.1f} | "
+                     f"{per_lr} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.2), layout="constrained")
+    for r in rows:
+        steps, accuracy = zip(*r["curve"])
+        axis.plot(steps, accuracy, marker="o", markersize=3, label=f"{r['arm']} (lr {r['lr']:g})",
+                  linestyle="--" if r["arm"] in PEERS or r["arm"] == "group-k8" else "-")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel(f"greedy accuracy, {scale.eval_prompts} held-out prompts")
+    axis.set_title(f"one response per prompt ({scale.num_prompts} logged prompts), lr chosen on validation",
+                   fontsize=10)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print) -> dict:
+    from offline_rec.demo.pipeline import ensure_demo_policy, evaluate_policy
+
+    for arm in arms:
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    policy = policy or ensure_demo_policy(progress=False)
+    paths = prepare_data(out, policy, scale, log)
+    before = evaluate_policy(policy, out / "before", demo_settings(scale), 1, False)
+    results_path = out / RESULTS_FILE
+    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
+    done = [r for r in done if r["scale"] == json.loads(json.dumps(asdict(scale)))]  # lrs: a list once read
+    finished = {(r["arm"], r["lr"]) for r in done}
+    todo = [(arm, lr) for arm in arms for lr in ((REFERENCE_LR,) if arm == "group-k8" else scale.lrs)
+            if (arm, lr) not in finished]
+    log(f"{len(finished)} run(s) done, {len(todo)} to go; base greedy accuracy {before['greedy_accuracy']:.3f}")
+    for number, (arm, lr) in enumerate(todo, start=1):
+        result = run_arm(arm, lr, out, paths, policy, scale, before)
+        with open(results_path, "a") as file:
+            file.write(json.dumps(result) + "\n")
+        done.append(result)
+        curve = result["curve"]
+        log(f"[{number}/{len(todo)}] {arm:<14} lr {lr:g}: test {curve[0]['greedy_accuracy']:.3f} -> best "
+            f"{max(p['greedy_accuracy'] for p in curve):.3f} -> final {curve[-1]['greedy_accuracy']:.3f} "
+            f"({result['seconds']:.0f} s)")
+    rows = choose([r for r in done if r["arm"] in arms])
+    table = markdown_table(rows, scale)
+    (out / TABLE_FILE).write_text(table)
+    plot(rows, out / CURVES_FILE, scale)
+    return {"table": table, "rows": rows, "out": str(out)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/logged", help="output folder (finished runs in it are kept)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes: 128 prompts, 8 steps, one lr")
+    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
+    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+    parser.add_argument("--lrs", help="comma-separated learning rates (default 1e-4,3e-4,1e-3; --quick: 3e-4)")
+    parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    scale = QUICK if args.quick else Scale()
+    if args.lrs:
+        scale = replace(scale, lrs=tuple(float(x) for x in args.lrs.split(",")))
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    if args.no_peers:
+        arms = [a for a in arms if a not in PEERS]
+    started = time.monotonic()
+    outcome = run(Path(args.out), arms, scale, args.model, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(outcome["table"])
+    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
+    return outcome
+
+
+if __name__ == "__main__":
+    main()
