@@ -505,3 +505,14 @@ def test_step_diagnostics_do_not_depend_on_micro_batching(name):
         split = _step_diagnostics(spec, logp, blogp, adv, mask, size=size)
         for key in ("ess", "chi2", "filter_fraction", "clip_fraction", "ratio_mean", "kl_behavior"):
             assert split[key] == pytest.approx(whole[key]), (key, size)
+
+
+def test_list_options_names_every_preset_and_field():
+    from offline_rec.training.config import option_help
+
+    helps = {key: text for key, _, _, text in option_help()}
+    for name in PEER_PRESETS:
+        assert name in helps["algorithm"].split(": ", 1)[1].split(", ")
+    for field in ("aggregation", "max_completion_length", "dual_clip_c", "mask_low", "m2_threshold", "opsm_delta",
+                  "sapo_tau_neg"):
+        assert field in helps["algorithm_overrides"]
