@@ -11,7 +11,9 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
    with rho = exp(logp - blogp), M and W detached, R on every completion token (m, not M),
    and N the number of completion tokens of the whole optimizer step, so the losses of the
    micro-batches of a step sum to the token-mean of the step. gspo-one-side aggregates
-   seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences.
+   seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences; the
+   `aggregation` field picks another (`aggregate`). The peers' objectives (CISPO, M2PO, dual-clip,
+   IcePop, OPSM, SAPO, GMPO, DAPO, Dr. GRPO) are presets of the same family: see `ALGORITHMS`.
 3. GRPO is written in the same REC form as rec-oneside-is (-M * rho.detach() * A * logp), not as
    PPO's -min(rho*A, clip(rho)*A) with rho carrying gradient. Both forms have the same gradient
    (-M * rho * A * grad logp); only the loss VALUE differs. GRPO differs from rec-oneside-is
@@ -249,14 +251,16 @@ presets differ only in the objective; the authors use GRPO's std-normalized adva
               recommends a cap of 5, i.e. eps_high 4.0).
   m2po        M2PO (Zheng et al., arXiv 2510.01161): J = sum M * rho * A / N, no clip; M drops the
               tokens of largest (log rho)^2 until the mean of (log rho)^2 over the kept ones is
-              <= tau; gradient M * rho * A: clip m2po, weight is. tau 0.04 (the paper; Trinity-RFT and
-              AReaL m2_threshold). Selection per micro-batch (see `m2po_mask`).
+              <= tau (the M2PO objective as AReaL's docs write it); gradient M * rho * A: clip m2po,
+              weight is. tau 0.04: Trinity-RFT's value as the project's notes record it (AReaL names the
+              knob m2_threshold; its file was not read here). Selection per micro-batch (`m2po_mask`).
   dual-clip   dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0, max(-rho*A, -clip(rho)*A) capped at
               -c * A; gradient -rho * A on one-side tokens except A < 0 with rho > c: clip dual-clip,
               weight is. c 3.0 (verl clip_ratio_c and Trinity-RFT default, the paper's example),
               eps 0.2 / 0.2 (verl clip_ratio default).
-  icepop      IcePop (Ring-1T, arXiv 2510.18855): M = a <= rho <= b, W = rho (masked IS; with one update
-              per batch PPO's own ratio is 1). [a, b] = [0.5, 5.0] (the IcePop report's alpha, beta).
+  icepop      IcePop (Ring-1T, arXiv 2510.18855; INTELLECT-3 eq. 1): J = sum M(rho; a, b) A, M(k) = k inside
+              [a, b], 0 outside: M = a <= rho <= b, W = rho (with one update per batch PPO's own ratio is
+              1). [a, b] = [0.5, 5.0]: the IcePop post's alpha, beta (also prime-rl's first IcePop defaults).
   icepop-seq  Sequence masked IS (MIS; verl rollout_rs seq, TRL vllm_importance_sampling_mode
               sequence_mask): whole rows kept iff a <= prod_t rho_t <= b, W = rho. [0.5, 2.0]: verl's
               rollout_is_threshold 2.0 with its default lower bound 1 / 2.
