@@ -485,6 +485,38 @@ def _step_diagnostics(spec, logp, blogp, adv, mask, size):
     return sums.combine(_OneProcess())
 
 
+class _TwoRanks:
+    """Rank 1's view of a 2-process gather: rank 0's per-rank sums stacked above its own."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other: PassSums):
+        self.other = other
+
+    def gather(self, tensor):
+        return torch.cat([self.other.values.unsqueeze(0), tensor])
+
+
+def test_step_diagnostics_do_not_depend_on_the_ranks():
+    # rows 0-2 on rank 0 (two passes), rows 3-5 on rank 1 (one pass): the combined ess, chi2 and fractions
+    # equal those of one process running all rows
+    spec = ALGORITHMS["dual-clip"]
+    logp, blogp, adv, mask = _clean(5)
+    whole = _step_diagnostics(spec, logp, blogp, adv, mask, size=6)
+    ranks = []
+    for passes in ((slice(0, 2), slice(2, 3)), (slice(3, 6),)):
+        sums = PassSums()
+        for rows in passes:
+            _, stats = policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows], num_tokens=int(mask.sum()),
+                                   num_sequences=len(adv))
+            sums.add(stats, torch.zeros(()), {"attention_mask": mask[rows].long(),
+                                              "input_ids": torch.zeros_like(mask[rows], dtype=torch.long)})
+        ranks.append(sums)
+    combined = ranks[1].combine(_TwoRanks(ranks[0]))
+    for key in ("ess", "chi2", "filter_fraction", "clip_fraction", "loss"):
+        assert combined[key] == pytest.approx(whole[key]), key
+
+
 @pytest.mark.parametrize("name", ["opsm", "dual-clip", "icepop"])
 def test_step_diagnostics_do_not_depend_on_micro_batching(name):
     spec = ALGORITHMS[name]

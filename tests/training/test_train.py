@@ -27,7 +27,7 @@ from offline_rec.training.loop import train
 METRIC_KEYS = {"step", "epoch", "loss", "clip_fraction", "ratio_mean", "ratio_max", "kl_behavior", "staleness",
                "trained_policy_version",
                "reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction", "grad_norm",
-               "lr", "tokens_per_s", "num_tokens", "seconds", "padding_efficiency"}
+               "lr", "tokens_per_s", "num_tokens", "seconds", "padding_efficiency", "ess", "chi2", "filter_fraction"}
 
 
 @pytest.fixture(autouse=True)
