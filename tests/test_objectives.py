@@ -13,11 +13,11 @@ import math
 
 import pytest
 import torch
+from test_algorithms import batch_with_ratios, grad_of, naive_m2po_keep, ppo_clip_loss, random_batch
 
 from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm, m2po_mask, policy_loss
 from offline_rec.errors import UserError
 from offline_rec.training.metrics import PassSums, importance_diagnostics
-from tests.test_algorithms import batch_with_ratios, grad_of, naive_m2po_keep, ppo_clip_loss, random_batch
 
 torch.set_num_threads(1)
 
