@@ -3,6 +3,7 @@
     python benchmarks/paper.py --quick                 # a smoke run: 2 variants x 2 regimes x 1 seed, minutes
     python benchmarks/paper.py                         # the default grid: 5 variants x 2 regimes x 3 seeds
     python benchmarks/paper.py --full                  # every preset (and the wide clip) x 4 regimes x 3 seeds
+    python benchmarks/paper.py --peers                 # the peers' objectives and 2 controls x 2 regimes x 3 seeds
     python benchmarks/paper.py --variants reinforce,opmd --regimes offline --seeds 1
 
 Regimes (Yao et al. 2025, "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm", sec. 5), with
@@ -66,6 +67,10 @@ WIDE = "rec-oneside-nois-wide"
 VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in ALGORITHMS}
 VARIANTS[WIDE] = ("rec-oneside-nois", dict(WIDE_CLIP))
 DEFAULT_VARIANTS = ("reinforce", "grpo", "rec-oneside-nois", WIDE, "opmd")
+# The peers' objectives (offline_rec.algorithms), with two controls of the default grid (rec-oneside-nois, grpo):
+# a grid run into the default grid's --out reuses their finished runs.
+PEER_VARIANTS = ("rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop", "icepop-seq", "opsm", "sapo",
+                 "gmpo", "dapo", "dr-grpo")
 REGIMES = ("offline", "stale", "lagged", "on-policy")
 DEFAULT_REGIMES = ("offline", "stale")
 
@@ -294,7 +299,8 @@ def _read_jsonl(path: Path) -> list[dict]:
 def summarize_training(lines: list[dict]) -> dict:
     """Means over the run of the training metrics the paper discusses (clipping, drift from behavior)."""
     summary = {"steps": len(lines)}
-    for key in ("clip_fraction", "kl_behavior", "ratio_max", "grad_norm", "reward_mean", "staleness"):
+    for key in ("clip_fraction", "kl_behavior", "ratio_max", "grad_norm", "reward_mean", "staleness", "ess", "chi2",
+                "filter_fraction"):
         values = [line[key] for line in lines if isinstance(line.get(key), (int, float)) and math.isfinite(line[key])]
         if values:
             summary[f"{key}_mean"] = sum(values) / len(values)
@@ -326,6 +332,9 @@ def aggregate(results: list[dict], threshold: float) -> list[dict]:
             "reached": len(hit), "steps_to_threshold": statistics.median(hit) if hit else None,
             "clip_fraction": statistics.mean(r["train"].get("clip_fraction_mean", 0.0) for r in runs),
             "kl_behavior": statistics.mean(r["train"].get("kl_behavior_mean", 0.0) for r in runs),
+            # runs logged before the ess metric existed have none: None, shown as "-"
+            "ess": statistics.mean(r["train"]["ess_mean"] for r in runs)
+            if all("ess_mean" in r["train"] for r in runs) else None,
             "minutes": sum(r["seconds"] for r in runs) / 60,
         })
     return rows
@@ -339,8 +348,8 @@ def _variant_order(name: str) -> int:
 def markdown_table(rows: list[dict], threshold: float) -> str:
     lines = [
         f"| regime | variant | seeds | final greedy acc | best | drop best->final | final acc T=1 | "
-        f"steps to {100 * threshold:.0f}% (seeds reaching) | clip frac | KL to behavior |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"steps to {100 * threshold:.0f}% (seeds reaching) | clip frac | KL to behavior | ESS |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         steps = "-" if row["steps_to_threshold"] is None else f"{row['steps_to_threshold']:.0f}"
@@ -348,7 +357,8 @@ def markdown_table(rows: list[dict], threshold: float) -> str:
             f"| {row['regime']} | {row['variant']} | {row['seeds']} | "
             f"{100 * row['final']:.1f} ± {100 * row['final_sd']:.1f} | "
             f"{100 * row['best']:.1f} | {100 * row['drop']:.1f} | {100 * row['final_t1']:.1f} | "
-            f"{steps} ({row['reached']}/{row['seeds']}) | {row['clip_fraction']:.3f} | {row['kl_behavior']:.4f} |"
+            f"{steps} ({row['reached']}/{row['seeds']}) | {row['clip_fraction']:.3f} | {row['kl_behavior']:.4f} | "
+            + ("-" if row.get("ess") is None else f"{row['ess']:.3f}") + " |"
         )
     return "\n".join(lines) + "\n"
 
@@ -462,6 +472,8 @@ def main(argv: list[str] | None = None) -> dict:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="2 variants x 2 regimes x 1 seed at a small scale (minutes)")
     size.add_argument("--full", action="store_true", help="every preset and the wide clip, all four regimes")
+    size.add_argument("--peers", action="store_true",
+                      help="the peers' objectives (cispo ... dr-grpo) and 2 controls, offline and stale, 3 seeds")
     parser.add_argument("--variants", help=f"comma-separated, from: {', '.join(VARIANTS)}")
     parser.add_argument("--regimes", help=f"comma-separated, from: {', '.join(REGIMES)}")
     parser.add_argument("--seeds", type=int, help="number of seeds, 0..N-1 (default 3; 1 with --quick)")
@@ -495,6 +507,8 @@ def main(argv: list[str] | None = None) -> dict:
         variants, regimes, seeds = ("reinforce", "rec-oneside-nois"), DEFAULT_REGIMES, 1
     elif args.full:
         variants, regimes, seeds = tuple(VARIANTS), REGIMES, 3
+    elif args.peers:
+        variants, regimes, seeds = PEER_VARIANTS, DEFAULT_REGIMES, 3
     else:
         variants, regimes, seeds = DEFAULT_VARIANTS, DEFAULT_REGIMES, 3
     variants = args.variants.split(",") if args.variants else variants

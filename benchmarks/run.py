@@ -17,6 +17,8 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   collect_vllm_vs_bare_vllm   collect samples/s, vLLM backend / one bare LLM.generate call  >= 0.9
   collect_dp2_vs_dp1          collect samples/s, 2 vLLM engine processes / 1 engine         (2.0 = linear)
   ddp_scaling                 trainer tokens/s, 2 processes x 1 thread / 1 x 1             (2.0 = linear)
+  objectives_step_ratio_max   step seconds of each peer preset (cispo ... dr-grpo) / rec-oneside-nois, the worst
+                                                                                            <= 1.05
   record_throughput_vs_direct chat requests/s through `offline-rec record` / straight to vLLM >= 0.95
                               (half the clients each way at the same time)
   record_added_p50_latency_ms client-seen p50 latency through the proxy minus straight      (reported)
@@ -25,7 +27,7 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   store_copies_2_ranks        row-store bytes on disk, 2 local processes / 1                1.0
   data_scale_rss_growth_*     peak RSS building / reusing the store, 4x rows / 1x           <= 1.2 (flat)
 
-How each is measured is in the docstrings of benchmarks/_train_bench.py, _data_bench.py,
+How each is measured is in the docstrings of benchmarks/_train_bench.py, _objectives_bench.py, _data_bench.py,
 _collect_bench.py, _record_bench.py, _scale_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed
 part runs in a
 fresh process with the same number of torch threads (--threads, default 1; DDP ranks always use 1). Noisy
@@ -162,6 +164,8 @@ KEYS = (
     ("record_throughput_vs_direct_alternating", "", "the ratio from rounds that alternate direct and proxy"),
     ("record_direct_requests_per_s", "", "chat requests/s straight to vLLM (64 concurrent clients)"),
     ("record_proxy_cpu_ms_per_request", "", "CPU ms the proxy process spends per request (whole responses)"),
+    ("objectives_step_ratio_max", "<= 1.05", "step seconds, worst peer preset / rec-oneside-nois (bare chunked loop)"),
+    ("objectives_loss_added_max", "<= 0.05", "worst preset's extra policy_loss fwd+bwd seconds / baseline step"),
     ("ddp_scaling", "(2 = linear)", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 1 thread (gloo)"),
     ("ddp_vs_threads", "", "trainer tokens/s, 2 procs x 1 thread / 1 proc x 2 threads"),
     ("validate_1m_rows_seconds", "", "offline-rec validate --json, 1M narrow rows"),
@@ -214,6 +218,22 @@ def part_train(context: dict) -> dict:
         "tokens_per_step",
     )
     return {key: result[key] for key in keys}
+
+
+def part_objectives(context: dict) -> dict:
+    sizes = context["sizes"]
+    kwargs = dict(model=context["model"]["path"], data=context["train_data"]["path"],
+                  workdir=str(context["workdir"] / "objectives"), repeats=context["repeats"],
+                  threads=context["threads"], **sizes["train"])
+    result = run_child("_objectives_bench", "objectives_child", kwargs, threads=context["threads"])
+    context["notes"].append(
+        f"objectives: {result['tokens_per_step']:.0f} tokens/step; step seconds / rec-oneside-nois per preset "
+        + ", ".join(f"{name} {ratio:.3f}" for name, ratio in result["objectives_step_ratios"].items())
+        + f"; worst {result['objectives_worst']}; loss alone adds (share of the baseline step, "
+        f"{result['baseline_step_seconds']:.3f} s) "
+        + ", ".join(f"{name} {share:+.4f}" for name, share in result["objectives_loss_added"].items())
+    )
+    return {key: result[key] for key in ("objectives_step_ratio_max", "objectives_loss_added_max")}
 
 
 def part_ddp(context: dict) -> dict:
@@ -499,6 +519,7 @@ PARTS = (
     ("collect dp", part_collect_dp),
     ("record", part_record),
     ("training", part_train),
+    ("objectives", part_objectives),
     ("ddp", part_ddp),
     ("data scale", part_data_scale),
 )

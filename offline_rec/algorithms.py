@@ -11,7 +11,9 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
    with rho = exp(logp - blogp), M and W detached, R on every completion token (m, not M),
    and N the number of completion tokens of the whole optimizer step, so the losses of the
    micro-batches of a step sum to the token-mean of the step. gspo-one-side aggregates
-   seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences.
+   seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences; the
+   `aggregation` field picks another (`aggregate`). The peers' objectives (CISPO, M2PO, dual-clip,
+   IcePop, OPSM, SAPO, GMPO, DAPO, Dr. GRPO) are presets of the same family: see `ALGORITHMS`.
 3. GRPO is written in the same REC form as rec-oneside-is (-M * rho.detach() * A * logp), not as
    PPO's -min(rho*A, clip(rho)*A) with rho carrying gradient. Both forms have the same gradient
    (-M * rho * A * grad logp); only the loss VALUE differs. GRPO differs from rec-oneside-is
@@ -39,8 +41,9 @@ from offline_rec.coerce import coerce_scalar
 if typing.TYPE_CHECKING:
     import torch
 
-CLIPS = ("none", "one-side", "two-side", "ring", "gspo-one-side")
-WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage", "topr", "topr-seq")
+CLIPS = ("none", "one-side", "two-side", "ring", "gspo-one-side", "dual-clip", "icepop", "icepop-seq", "m2po", "opsm")
+WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage", "topr", "topr-seq", "cispo", "sapo", "gmpo")
+AGGREGATIONS = ("auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "dr-grpo")
 REGULARIZERS = ("none", "k2", "forward-kl")
 DROPS = ("none", "balance")
 BASELINES = ("group", "step", "dataset", "constant")
@@ -75,6 +78,10 @@ METRIC_KEYS = (
     "ratio_max",
     "kl_behavior",
     "weight_mean",
+    "ratio_sq_mean",
+    "ess",
+    "chi2",
+    "filter_fraction",
     "num_tokens",
     "num_sequences",
 )
@@ -117,6 +124,25 @@ class AlgorithmSpec:
     group_mean: bool = True
     """Groups of >= 2 kept rows are centred on their own mean and `baseline` serves the singletons; False:
     every row uses `baseline` (TOPR: its reward threshold, never the group mean)."""
+    aggregation: str = "auto"
+    """How per-token terms become the loss (see `aggregate`): auto (seq-mean-token-mean for gspo-one-side,
+    token-mean otherwise) | token-mean | seq-mean-token-mean | seq-mean-token-sum | dr-grpo."""
+    max_completion_length: int = 0
+    """dr-grpo's constant L: loss = sum / (num_sequences * L); must be > 0 with aggregation=dr-grpo."""
+    dual_clip_c: float = 3.0
+    """dual-clip: for A < 0 the PPO loss is capped at -c * A, so tokens with rho > c lose their gradient; c > 1."""
+    mask_low: float = 0.5
+    """icepop / icepop-seq: lower bound a of the kept ratio band [a, b] (absolute, not 1 - eps)."""
+    mask_high: float = 5.0
+    """icepop / icepop-seq: upper bound b of the kept ratio band [a, b]; b >= a."""
+    m2_threshold: float = 0.04
+    """m2po: tau, the bound on the mean of (log rho)^2 over the kept tokens."""
+    opsm_delta: float = 0.1
+    """opsm: sequences with A < 0 and mean_t(blogp - logp) > delta are dropped."""
+    sapo_tau_pos: float = 1.0
+    """sapo: gate temperature for A > 0."""
+    sapo_tau_neg: float = 1.05
+    """sapo: gate temperature for A <= 0."""
 
     def __post_init__(self):
         for field, valid in _CHOICES.items():
@@ -132,6 +158,7 @@ class AlgorithmSpec:
             object.__setattr__(self, field, float(value))
         if self.temp == 0:
             raise ValueError("temp must be > 0")
+        self._check_objective_fields()
         for field in ("std_normalize", "group_mean"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
@@ -153,8 +180,25 @@ class AlgorithmSpec:
             )
 
 
-_CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES}
-_FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp")
+    def _check_objective_fields(self):
+        """The fields of the peers' objectives (aggregation, dual-clip, icepop, m2po, opsm, sapo)."""
+        length = self.max_completion_length
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"max_completion_length must be an integer >= 0, got {length!r}")
+        if self.aggregation == "dr-grpo" and length == 0:
+            raise ValueError("aggregation dr-grpo needs max_completion_length > 0 (its constant denominator)")
+        if self.clip == "dual-clip" and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.mask_high < self.mask_low:
+            raise ValueError(f"mask_high must be >= mask_low, got {self.mask_low} / {self.mask_high}")
+        if self.sapo_tau_pos == 0 or self.sapo_tau_neg == 0:
+            raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
+
+
+_CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES,
+            "aggregation": AGGREGATIONS}
+_FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
+                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg")
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.name: spec
@@ -178,9 +222,68 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         # midpoint of 0/1 rewards (the paper's +-1 rewards with threshold 0); set baseline_value to yours.
         AlgorithmSpec("topr", weight="topr", baseline="constant", baseline_value=0.5, group_mean=False),
         AlgorithmSpec("topr-seq", weight="topr-seq", baseline="constant", baseline_value=0.5, group_mean=False),
+        # The peers' objectives (see the docstring below for each formula and the source of each default).
+        AlgorithmSpec("cispo", weight="cispo", eps_low=1.0, eps_high=0.28),
+        AlgorithmSpec("m2po", clip="m2po", weight="is", m2_threshold=0.04),
+        AlgorithmSpec("dual-clip", clip="dual-clip", weight="is", dual_clip_c=3.0),
+        AlgorithmSpec("icepop", clip="icepop", weight="is", mask_low=0.5, mask_high=5.0),
+        AlgorithmSpec("icepop-seq", clip="icepop-seq", weight="is", mask_low=0.5, mask_high=2.0),
+        AlgorithmSpec("opsm", clip="opsm", weight="is", opsm_delta=0.1),
+        AlgorithmSpec("sapo", weight="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
+        AlgorithmSpec("gmpo", clip="one-side", weight="gmpo", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1,
+                      aggregation="seq-mean-token-mean"),
+        AlgorithmSpec("dapo", clip="one-side", weight="is", eps_low=0.2, eps_high=0.28, aggregation="token-mean"),
+        AlgorithmSpec("dr-grpo", clip="one-side", weight="is", aggregation="dr-grpo", max_completion_length=1024),
     )
 }
-"""The paper's variants with the reference implementation's defaults, and TOPR."""
+"""The paper's variants with the reference implementation's defaults, TOPR, and the peers' objectives.
+
+The peers' objectives, each in the REC form -M * W * A * logp (M, W detached) whose GRADIENT equals
+the gradient of the authors' objective (tests/test_objectives.py checks each against autograd on
+the authors' formula). Advantages stay the project's group mean without std division, so that the
+presets differ only in the objective; the authors use GRPO's std-normalized advantages
+(`--set algorithm.std_normalize=true`), Dr. GRPO none. rho = pi / mu, mu the logged behavior.
+
+  cispo       CISPO (MiniMax-M1, arXiv 2506.13585): -sg(clamp(rho, 1-eps_low, 1+eps_high)) * A * logp,
+              no mask. eps_low 1.0 (no lower bound: the paper "did not impose a lower bound"; Trinity-RFT
+              cispo default clip_range_low 1.0), eps_high 0.28 (Trinity-RFT default clip_range_high; the
+              paper tunes it without a published value; ScaleRL arXiv 2510.13786 via TRL's docs
+              recommends a cap of 5, i.e. eps_high 4.0).
+  m2po        M2PO (Zheng et al., arXiv 2510.01161): J = sum M * rho * A / N, no clip; M drops the
+              tokens of largest (log rho)^2 until the mean of (log rho)^2 over the kept ones is
+              <= tau (the M2PO objective as AReaL's docs write it); gradient M * rho * A: clip m2po,
+              weight is. tau 0.04: Trinity-RFT's value as the project's notes record it (AReaL names the
+              knob m2_threshold; its file was not read here). Selection per micro-batch (`m2po_mask`).
+  dual-clip   dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0, max(-rho*A, -clip(rho)*A) capped at
+              -c * A; gradient -rho * A on one-side tokens except A < 0 with rho > c: clip dual-clip,
+              weight is. c 3.0 (verl clip_ratio_c and Trinity-RFT default, the paper's example),
+              eps 0.2 / 0.2 (verl clip_ratio default).
+  icepop      IcePop (Ring-1T, arXiv 2510.18855; INTELLECT-3 eq. 1): J = sum M(rho; a, b) A, M(k) = k inside
+              [a, b], 0 outside: M = a <= rho <= b, W = rho (with one update per batch PPO's own ratio is
+              1). [a, b] = [0.5, 5.0]: the IcePop post's alpha, beta (also prime-rl's first IcePop defaults).
+  icepop-seq  Sequence masked IS (MIS; verl rollout_rs seq, TRL vllm_importance_sampling_mode
+              sequence_mask): whole rows kept iff a <= prod_t rho_t <= b, W = rho. [0.5, 2.0]: verl's
+              rollout_is_threshold 2.0 with its default lower bound 1 / 2.
+  opsm        Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9) on GRPO: one-side,
+              and rows with A < 0 and mean_t(blogp - logp) > delta dropped; W = rho. delta 0.1
+              (Trinity-RFT delta_sequence_masking default; TRL's docs suggest e.g. 0.5).
+  sapo        SAPO (arXiv 2511.20347): J = (4/tau) * sigmoid(tau * (rho - 1)) * A, tau = tau_pos if A > 0
+              else tau_neg, rho carrying gradient; d/dlogp = 4 * s * (1 - s) * rho * A with
+              s = sigmoid(tau * (rho - 1)): weight sapo, no clip, seq-mean-token-mean (verl and TRL
+              aggregate SAPO so). tau_pos 1.0, tau_neg 1.05 (the paper; TRL and verl defaults).
+  gmpo        GMPO (arXiv 2507.20673): J_i = A * exp(mean_t clip_sgn(log rho)), the log ratio clipped to
+              [-0.4, 0.4] on the side sign(A) points to; d/dlogp_t = A * R_i / n_i on unclipped tokens:
+              clip one-side with eps_low = 1 - e^-0.4, eps_high = e^0.4 - 1 (the same band in log
+              space), weight gmpo (W = R_i), seq-mean-token-mean (verl geo_mean averages over
+              sequences). Clip range (e^-0.4, e^0.4): the GMPO paper.
+  dapo        DAPO (arXiv 2503.14476): clip-higher, eps_low 0.2, eps_high 0.28 (the paper, sec. 4.1; TRL's
+              docs), token-mean over the step (the paper's token-level loss). Dynamic sampling and the
+              overlong penalty are data-side and not part of this loss.
+  dr-grpo     Dr. GRPO (arXiv 2503.20783): no std division, loss = sum / (num_sequences * L), L the max
+              completion length (TRL loss_type dr_grpo; verl seq-mean-token-sum-norm); one-side, W = rho,
+              eps 0.2 / 0.2. L 1024: the paper setting's (Yao et al.) max response tokens (TRL's
+              default max_completion_length is 256); L only scales the step size.
+"""
 
 
 def get_algorithm(name: str, **overrides) -> AlgorithmSpec:
@@ -222,16 +325,24 @@ def _one_side(ratio: torch.Tensor, advantages: torch.Tensor, spec: AlgorithmSpec
 
 
 def clip_mask(
-    spec: AlgorithmSpec, rho: torch.Tensor, seq_ratio: torch.Tensor, advantages: torch.Tensor
+    spec: AlgorithmSpec, rho: torch.Tensor, seq_ratio: torch.Tensor, advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """M, a bool [B, T]: the tokens whose policy-gradient term is kept.
 
-    rho [B, T] token ratios, seq_ratio [B, 1] sequence ratios, advantages [B, 1].
+    rho [B, T] token ratios (1 off the completion mask), seq_ratio [B, 1] sequence ratios, advantages
+    [B, 1], mask [B, T] the completion tokens (m2po's population; default all).
       none           M = 1
       one-side       M = (A >= 0 and rho <= 1+eps_high) or (A <= 0 and rho >= 1-eps_low)
       two-side       M = 1-eps_low <= rho <= 1+eps_high
       ring           M = two-side or (A >= 0 and rho <= 1-eps_low') or (A <= 0 and rho >= 1+eps_high')
       gspo-one-side  one-side with s_i in place of rho (whole sequences kept or masked)
+      dual-clip      one-side and not (A < 0 and rho > c)              (dual-clip PPO's cap at -c*A)
+      icepop         M = a <= rho <= b                                  (a, b = mask_low, mask_high)
+      icepop-seq     M = a <= prod_t rho_t <= b                         (whole rows)
+      m2po           M = `m2po_mask`: the tokens of largest (log rho)^2 dropped until the mean of
+                     (log rho)^2 over the kept tokens is <= m2_threshold
+      opsm           one-side and not (A < 0 and mean_t(blogp - logp) > opsm_delta)   (whole rows)
     """
     import torch
 
@@ -241,6 +352,20 @@ def clip_mask(
         return _one_side(rho, advantages, spec)
     if spec.clip == "gspo-one-side":
         return _one_side(seq_ratio, advantages, spec).expand_as(rho)
+    if spec.clip == "dual-clip":
+        return _one_side(rho, advantages, spec) & ~((advantages < 0) & (rho > spec.dual_clip_c))
+    if spec.clip == "icepop":
+        return (rho >= spec.mask_low) & (rho <= spec.mask_high)
+    if spec.clip == "icepop-seq":
+        product = rho.log().sum(dim=1, keepdim=True).exp()  # [B, 1]; rho is 1 off the mask
+        return ((product >= spec.mask_low) & (product <= spec.mask_high)).expand_as(rho)
+    if spec.clip == "m2po":
+        return m2po_mask(rho.log(), torch.ones_like(rho, dtype=torch.bool) if mask is None else mask,
+                         spec.m2_threshold)
+    if spec.clip == "opsm":
+        # seq_ratio = exp(mean_t log rho), so -log(seq_ratio) = mean_t (blogp - logp), the k1 estimate of KL(mu || pi)
+        far = (advantages < 0) & (-seq_ratio.log() > spec.opsm_delta)  # [B, 1]
+        return _one_side(rho, advantages, spec) & ~far
     band = (rho >= 1 - spec.eps_low) & (rho <= 1 + spec.eps_high)  # [B, T]
     if spec.clip == "two-side":
         return band
@@ -252,8 +377,30 @@ def clip_mask(
     )
 
 
+def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's keep mask [B, T] (bool): drop the completion tokens of largest (log rho)^2 until the mean of
+    (log rho)^2 over the kept ones is <= threshold (all dropped if even the smallest one exceeds it).
+
+    Dropping from the top keeps the j smallest values for the largest j whose mean is <= threshold (the
+    prefix means of the ascending values never decrease). Sorted on the tensors' device, no host sync.
+    The population is the tokens passed in: the trainer passes one micro-batch, so the selection is per
+    micro-batch (the step's log-probs exist only micro-batch by micro-batch; selecting over the whole
+    step would need a second forward pass). Ties at the cut are kept in sort order.
+    """
+    import torch
+
+    second = torch.where(mask, log_ratio.detach() ** 2, math.inf).flatten()  # [B*T]; others sort last
+    values, order = torch.sort(second)
+    counts = torch.arange(1, len(values) + 1, device=values.device, dtype=values.dtype)
+    prefix_mean = values.cumsum(0) / counts  # inf once a non-completion position is included
+    keep_sorted = (prefix_mean <= threshold).int().cumprod(0).bool()  # a prefix, even under rounding
+    keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+    return keep.view_as(mask) & mask
+
+
 def token_weights(
-    spec: AlgorithmSpec, rho: torch.Tensor, seq_ratio: torch.Tensor, advantages: torch.Tensor
+    spec: AlgorithmSpec, rho: torch.Tensor, seq_ratio: torch.Tensor, advantages: torch.Tensor,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """W, a [B, T] float: the detached per-token weight of the policy-gradient term.
 
@@ -264,6 +411,12 @@ def token_weights(
       advantage  W = exp(A / temp)   (RED-Weight; the exponent clamped to +-EXPONENT_LIMIT)
       topr       W = 1 if A >= 0, else clamp(rho, 0, 1)          (TOPR, per token)
       topr-seq   W = 1 if A >= 0, else min(prod_t rho_t, 1)      (TOPR on the whole response's ratio)
+      cispo      W = clamp(rho, 1-eps_low, 1+eps_high)           (CISPO: the band clamps W, masks nothing)
+      sapo       W = 4 * s * (1 - s) * rho, s = sigmoid(tau * (rho - 1)), tau = tau_pos if A > 0 else tau_neg:
+                 the derivative of SAPO's gate (4/tau) * sigmoid(tau * (rho - 1)) with respect to logp
+      gmpo       W = R_i = exp(mean_t g_t), g_t = min(log rho, log(1+eps_high)) if A > 0,
+                 max(log rho, log(1-eps_low)) if A < 0, 0 if A = 0 (GMPO's geometric mean of the
+                 sign-aware clipped ratios; the mean over the completion tokens of `mask`)
     TOPR keeps plain REINFORCE (SFT-like) on positives and tapers negatives by their truncated
     ratio, so a negative the policy already moved away from stops pushing it further.
     """
@@ -279,6 +432,21 @@ def token_weights(
         return seq_ratio.expand_as(rho)
     if spec.weight == "topr":
         return torch.where(advantages >= 0, 1.0, rho.clamp(max=1.0))
+    if spec.weight == "cispo":
+        return rho.clamp(1 - spec.eps_low, 1 + spec.eps_high)
+    if spec.weight == "sapo":
+        tau = torch.where(advantages > 0, spec.sapo_tau_pos, spec.sapo_tau_neg)  # [B, 1]
+        gate = torch.sigmoid(tau * (rho - 1))  # [B, T]
+        return 4 * gate * (1 - gate) * rho
+    if spec.weight == "gmpo":
+        log_ratio = rho.log()  # [B, T], 0 off the mask
+        lower = math.log(1 - spec.eps_low) if spec.eps_low < 1 else -math.inf
+        clipped = torch.where(advantages > 0, log_ratio.clamp(max=math.log(1 + spec.eps_high)),
+                              torch.where(advantages < 0, log_ratio.clamp(min=lower), 0.0))  # [B, T]
+        if mask is not None:
+            clipped = torch.where(mask, clipped, 0.0)
+        lengths = (torch.ones_like(rho) if mask is None else mask.to(rho.dtype)).sum(dim=1, keepdim=True)
+        return (clipped.sum(dim=1, keepdim=True) / lengths.clamp(min=1)).exp().expand_as(rho)
     if spec.weight == "topr-seq":
         # rho is 1 off the completion mask, so the row's log-ratio sum is over its own tokens only
         sequence = rho.log().sum(dim=1, keepdim=True).clamp(max=0.0).exp()  # [B, 1], <= 1
@@ -309,18 +477,26 @@ def aggregate(
     num_tokens: float | torch.Tensor | None = None,
     num_sequences: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The scalar loss from per_token [B, T] and the completion mask m [B, T] (bool).
+    """The scalar loss from per_token [B, T] and the completion mask m [B, T] (bool), by spec.aggregation.
 
-      token-mean (every clip but gspo-one-side):  sum_{i,t} per_token * m / num_tokens
-      seq-mean-token-mean (gspo-one-side):        sum_i (sum_t per_token * m / n_i) / num_sequences
-    num_tokens defaults to m.sum() and num_sequences to B. Pass the counts of the whole optimizer
+      token-mean (auto: every clip but gspo-one-side):  sum_{i,t} per_token * m / num_tokens
+      seq-mean-token-mean (auto for gspo-one-side):     sum_i (sum_t per_token * m / n_i) / num_sequences
+      seq-mean-token-sum:                               sum_i (sum_t per_token * m) / num_sequences
+      dr-grpo:                                          sum_{i,t} per_token * m / (num_sequences * L)
+    (n_i: row i's completion tokens, L: max_completion_length). num_tokens defaults to m.sum() and
+    num_sequences to B. Pass the counts of the whole optimizer
     step (all micro-batches, all ranks) so that summing the micro-batch losses gives the step's
     mean, whatever the packing. A batch with no completion tokens gives 0.
     """
     import torch
 
     per_token = torch.where(mask, per_token, 0.0)  # [B, T]
-    if spec.clip == "gspo-one-side":
+    mode = aggregation_of(spec)
+    if mode in ("seq-mean-token-sum", "dr-grpo"):
+        sequences = max(per_token.shape[0], 1) if num_sequences is None else _positive(num_sequences, "num_sequences")
+        scale = spec.max_completion_length if mode == "dr-grpo" else 1
+        return per_token.sum() / (sequences * scale)
+    if mode == "seq-mean-token-mean":
         lengths = mask.sum(dim=1).clamp(min=1)  # [B]
         per_sequence = per_token.sum(dim=1) / lengths  # [B]
         if num_sequences is None:
@@ -328,6 +504,13 @@ def aggregate(
         return per_sequence.sum() / _positive(num_sequences, "num_sequences")
     denominator = mask.sum().clamp(min=1) if num_tokens is None else _positive(num_tokens, "num_tokens")
     return per_token.sum() / denominator
+
+
+def aggregation_of(spec: AlgorithmSpec) -> str:
+    """The aggregation `spec` uses: its own, or for auto seq-mean-token-mean under gspo-one-side, else token-mean."""
+    if spec.aggregation != "auto":
+        return spec.aggregation
+    return "seq-mean-token-mean" if spec.clip == "gspo-one-side" else "token-mean"
 
 
 def _positive(count, name: str):
@@ -361,7 +544,12 @@ def policy_loss(
     both normalized like the loss, so they too sum over micro-batches; over this batch's
     completion tokens: clip_fraction (share with M = 0), ratio_mean/min/max of rho,
     kl_behavior = mean(rho - 1 - log rho), the k3 estimate of KL(behavior || policy) from the
-    behavior's samples (non-negative, unbiased), weight_mean (mean W); num_tokens and
+    behavior's samples (non-negative, unbiased), weight_mean (mean W), ratio_sq_mean (mean rho^2),
+    ess = mean(rho)^2 / mean(rho^2) = (sum rho)^2 / (n sum rho^2), the effective sample size of the
+    token importance weights as a fraction (0..1], chi2 = mean(rho^2) - 1, the token-level estimate of
+    the chi-square divergence chi2(pi || mu) (E_mu[rho^2] - 1), filter_fraction (share removed by
+    dual-clip's cap or opsm's sequence filter on top of the one-side mask; 0 for other clips; its
+    share is inside clip_fraction); num_tokens and
     num_sequences of this batch (weight the per-token means by num_tokens when combining
     micro-batches). With no completion tokens the ratios read 1 and the rest 0.
     """
@@ -384,8 +572,8 @@ def policy_loss(
     log_ratio = (logp.detach() - blogp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)  # [B, T], 0 off the mask
     rho = log_ratio.exp()  # [B, T]
     seq_ratio = sequence_ratio(log_ratio, mask)  # [B, 1]
-    kept = clip_mask(spec, rho, seq_ratio, adv) & mask  # [B, T]
-    weight = token_weights(spec, rho, seq_ratio, adv)  # [B, T]
+    kept = clip_mask(spec, rho, seq_ratio, adv, mask) & mask  # [B, T]
+    weight = token_weights(spec, rho, seq_ratio, adv, mask)  # [B, T]
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
     coef = torch.where(kept, weight * adv, 0.0)  # [B, T], M * W * A, detached
     pg = -coef * logp  # [B, T]
@@ -411,13 +599,18 @@ def policy_loss(
             "ratio_max": torch.where(mask, rho, -math.inf).amax(),
             "kl_behavior": masked_mean(rho - 1 - log_ratio),  # k3
             "weight_mean": masked_mean(weight),
+            "ratio_sq_mean": (ratio_sq_mean := masked_mean(rho**2)),
+            "ess": masked_mean(rho) ** 2 / ratio_sq_mean.clamp(min=torch.finfo(dtype).tiny),
+            "chi2": ratio_sq_mean - 1,
+            "filter_fraction": masked_mean((_one_side(rho, adv, spec) & ~kept).to(dtype))
+            if spec.clip in ("dual-clip", "opsm") else torch.zeros((), dtype=dtype, device=rho.device),
             "num_tokens": count.to(dtype),
         }
         values = torch.stack(list(named.values())).tolist()  # one device sync for all metrics
     metrics = dict(zip(named, values))
     metrics["num_sequences"] = float(logprobs.shape[0])
     if metrics["num_tokens"] == 0:
-        metrics.update(ratio_min=1.0, ratio_max=1.0, ratio_mean=1.0)
+        metrics.update(ratio_min=1.0, ratio_max=1.0, ratio_mean=1.0, ratio_sq_mean=1.0, ess=1.0, chi2=0.0)
     return loss, metrics
 
 

@@ -124,6 +124,13 @@ def eval_summary_table(summary: dict) -> Table:
         table.add_row("effective sample size", f"{metrics['ess']:.1f} ({metrics['ess_fraction']:.1%} of n)", "")
         table.add_row("KL(mu || pi) per sequence", f"{metrics['kl_sequence']:.4f}", "")
         table.add_row("KL(mu || pi) per token", f"{metrics['kl_per_token']:.4f}", "")
+        if "ess_token" in metrics:  # the losses' view: token ratios pi/mu, and what each preset's mask removes
+            table.add_row("token ESS (share of tokens)", f"{metrics['ess_token']:.1%}", "")
+            table.add_row("chi-square(pi || mu) per token", f"{metrics['chi2_token']:.4f}", "")
+            for key, value in metrics.items():
+                if key.startswith("masked_fraction_"):
+                    table.add_row(escape(f"tokens {key.removeprefix('masked_fraction_')}'s mask removes"),
+                                  f"{value:.1%}", "")
         return table
     table = Table(
         title=escape(

@@ -6,6 +6,10 @@ against the logged behavior log-probs; `offline_rec.eval.offpolicy` turns them i
 self-normalized IS estimates of the policy's mean reward, ESS and bootstrap intervals, and
 KL(mu || pi) on the logged tokens. The estimate is for the policy sampled at the scoring
 temperature (default: the data's sampling temperature) WITHOUT top-k/top-p truncation.
+
+Before training, the same token ratios rho = pi / mu say how off-policy the data is for the loss
+(`objective_diagnostics`): the token-level ESS and chi-square estimate a training step logs, and
+the share of logged tokens each preset's mask would remove at the policy's current weights.
 """
 
 from __future__ import annotations
@@ -79,7 +83,7 @@ def offline_evaluate(config: EvalConfig) -> dict:
 
     policy = load_model(model, dtype=config.dtype, device="cuda" if cuda_available() else None)
     check_model_tokenizer(policy, tokenizer, f" of {model}")
-    log_weights, token_counts = policy_log_weights(
+    token_log_ratios = policy_token_log_ratios(
         policy,
         tokenizer,
         logged["prompt_ids"],
@@ -89,9 +93,12 @@ def offline_evaluate(config: EvalConfig) -> dict:
         config.batch_size,
         temperature,
     )
+    log_weights = [float(ratios.sum()) for ratios in token_log_ratios]
+    token_counts = [len(ratios) for ratios in token_log_ratios]
     metrics = offpolicy_estimates(log_weights, logged["rewards"], num_bootstrap=config.num_bootstrap,
                                   seed=config.seed, alpha=config.alpha)
     metrics.update(behavior_kl(log_weights, token_counts))
+    metrics.update(objective_diagnostics(token_log_ratios, logged["rewards"], logged["row_groups"]))
     metrics["groups"] = logged["groups"]
     metrics["null_reward_rows"] = logged["null_rewards"]
     summary = {
@@ -119,20 +126,62 @@ def policy_log_weights(policy, tokenizer, prompt_ids, completion_ids, behavior_l
     log pi is teacher-forced by `models.teacher_forced.teacher_forced_logprobs` at `temperature`; a loss_mask
     of None means every completion token is the policy's. Returns two lists aligned with the inputs.
     """
+    ratios = policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
+                                     batch_size, temperature)
+    return [float(r.sum()) for r in ratios], [len(r) for r in ratios]
+
+
+def policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
+                            batch_size: int = 8, temperature: float = 1.0) -> list:
+    """Per sequence, log pi - log mu (float64 array) on its policy tokens (loss_mask 1; None: all), in order."""
     import numpy as np
 
     from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
     policy_logprobs = teacher_forced_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
                                      temperature=temperature)
-    log_weights, token_counts = [], []
+    ratios = []
     for pi, mu, mask in zip(policy_logprobs, behavior_logprobs, loss_masks):
         pi = np.asarray(pi, dtype=np.float64)  # [C]
         mu = np.asarray(mu, dtype=np.float64)  # [C]
         keep = np.ones(len(pi), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [C]
-        log_weights.append(float((pi - mu)[keep].sum()))
-        token_counts.append(int(keep.sum()))
-    return log_weights, token_counts
+        ratios.append((pi - mu)[keep])
+    return ratios
+
+
+MASKED_PREFIX = "masked_fraction_"
+"""objective_diagnostics' key of a preset's masked share: masked_fraction_<preset>."""
+
+
+def objective_diagnostics(token_log_ratios, rewards, group_ids) -> dict:
+    """How off-policy logged tokens are for the losses, at the policy's current weights.
+
+    Over all policy tokens, rho = exp(log pi - log mu): ess_token = (sum rho)^2 / (n sum rho^2) and
+    chi2_token = mean(rho^2) - 1 (what training logs per step as ess and chi2), and for every preset
+    with a clip mask, masked_fraction_<preset>: the share of tokens its mask M removes (`policy_loss`'s
+    clip_fraction), with the sign of A from the group-mean advantage of the logged rewards (the sign is
+    all a mask reads; std division does not change it). M2PO selects over all these tokens at once
+    (training: over one micro-batch).
+    """
+    import torch
+
+    from offline_rec.algorithms import ALGORITHMS, group_advantages, policy_loss
+
+    lengths = torch.tensor([len(r) for r in token_log_ratios], dtype=torch.long)  # [N]
+    width = int(lengths.max()) if len(lengths) else 0
+    mask = torch.arange(width)[None, :] < lengths[:, None]  # [N, C]
+    log_ratio = torch.zeros(len(token_log_ratios), width, dtype=torch.float64)  # [N, C]
+    for i, ratios in enumerate(token_log_ratios):
+        log_ratio[i, : len(ratios)] = torch.as_tensor(ratios, dtype=torch.float64)
+    advantages, _ = group_advantages(ALGORITHMS["reinforce"], torch.tensor(rewards, dtype=torch.float64), group_ids)
+    zeros = torch.zeros_like(log_ratio)
+    _, stats = policy_loss(ALGORITHMS["reinforce"], log_ratio, zeros, advantages, mask)  # rho = exp(log_ratio - 0)
+    diagnostics = {"ess_token": stats["ess"], "chi2_token": stats["chi2"]}
+    for name, spec in ALGORITHMS.items():
+        if spec.clip != "none":
+            _, stats = policy_loss(spec, log_ratio, zeros, advantages, mask)
+            diagnostics[MASKED_PREFIX + name] = stats["clip_fraction"]
+    return diagnostics
 
 
 def _read_holdout(run: Path) -> dict:
@@ -154,7 +203,7 @@ def _read_logged(datasets, group_ids: set[str] | None, context: int | None = Non
     """The logged rows to estimate from: tokens, behavior log-probs, masks, rewards (null-reward rows left out)."""
     columns = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD]
     logged = {"prompt_ids": [], "completion_ids": [], "behavior_logprobs": [], "loss_masks": [], "rewards": [],
-              "groups": 0, "null_rewards": 0, "max_token_id": -1}
+              "row_groups": [], "groups": 0, "null_rewards": 0, "max_token_id": -1}
     found: set[str] = set()
     for dataset in datasets:
         for rows in dataset.iter_groups(columns):
@@ -180,6 +229,7 @@ def _read_logged(datasets, group_ids: set[str] | None, context: int | None = Non
                 logged["behavior_logprobs"].append(row[S.BEHAVIOR_LOGPROBS])
                 logged["loss_masks"].append(row[S.LOSS_MASK])
                 logged["rewards"].append(row[S.REWARD])
+                logged["row_groups"].append(group_id)
                 logged["max_token_id"] = max(logged["max_token_id"], *row[S.PROMPT_IDS], *row[S.COMPLETION_IDS])
     logged["groups"] = len(found)
     where = ", ".join(str(d.path) for d in datasets)

@@ -29,6 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
 
@@ -61,10 +62,11 @@ class TrainConfig:
     data: list[str] = _option([], "dataset directories to train on (repeat --data; tokenizers must agree)")
     model: str = _option("", "policy to start from: a local transformers model folder or a Hub model id")
     algorithm: str = _option(
-        "", "loss preset, e.g. rec-oneside-nois, grpo, opmd (see offline_rec.algorithms.ALGORITHMS)"
+        "", "loss preset (formulas: README, offline_rec.algorithms.ALGORITHMS): " + ", ".join(ALGORITHMS)
     )
     algorithm_overrides: dict = _option(
-        {}, "preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6"
+        {}, "preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6; keys: "
+        + ", ".join(f.name for f in dataclasses.fields(AlgorithmSpec) if f.name != "name")
     )
     out: str = _option("", "run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json")
     resume: bool = _option(

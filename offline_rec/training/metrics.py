@@ -22,7 +22,8 @@ class PassSums:
     """One rank's sums over the passes of a step; `combine` gathers them over ranks ONCE, at the step's end."""
 
     KEYS = ("loss", "pg_loss", "reg_loss", "kl_initial", "clipped", "ratio_sum", "kl_behavior_sum",
-            "weight_sum", "tokens", "model_tokens", "padded_tokens", "ratio_max", "neg_ratio_min")
+            "weight_sum", "tokens", "model_tokens", "padded_tokens", "ratio_max", "neg_ratio_min", "ratio_sq_sum",
+            "filtered")
 
     def __init__(self):
         self.values = torch.zeros(len(self.KEYS), dtype=torch.float64)
@@ -40,6 +41,8 @@ class PassSums:
             "ratio_sum": stats["ratio_mean"] * n,
             "kl_behavior_sum": stats["kl_behavior"] * n,
             "weight_sum": stats["weight_mean"] * n,
+            "ratio_sq_sum": stats["ratio_sq_mean"] * n,  # ess and chi2 come from these sums: micro-batch and rank
+            "filtered": stats["filter_fraction"] * n,  # invariant, unlike an average of per-pass ratios
             "tokens": n,
             # A padding-free batch has no attention_mask: its real tokens are its sequences' lengths.
             "model_tokens": int(batch["attention_mask"].sum() if "attention_mask" in batch
@@ -70,9 +73,21 @@ class PassSums:
             "ratio_max": float(gathered[:, self.KEYS.index("ratio_max")].max()) if total["tokens"] else 1.0,
             "kl_behavior": total["kl_behavior_sum"] / tokens,
             "weight_mean": total["weight_sum"] / tokens,
+            **importance_diagnostics(total["ratio_sum"], total["ratio_sq_sum"], total["tokens"]),
+            "filter_fraction": total["filtered"] / tokens,
             "padding_efficiency": total["model_tokens"] / total["padded_tokens"] if total["padded_tokens"] else 1.0,
             "model_tokens": total["model_tokens"],  # prompt + completion tokens that went through the model
         }
+
+
+def importance_diagnostics(ratio_sum: float, ratio_sq_sum: float, count: float) -> dict:
+    """ess and chi2 of the importance weights rho = pi/mu from summable sums over n completion tokens:
+    ess = (sum rho)^2 / (n * sum rho^2) in (0, 1] (1: on-policy; k/n: the weight sits on k of n tokens),
+    chi2 = sum rho^2 / n - 1, the token-level estimate of the chi-square divergence E_mu[rho^2] - 1.
+    No tokens: ess 1, chi2 0."""
+    if not count or not ratio_sq_sum:
+        return {"ess": 1.0, "chi2": 0.0}
+    return {"ess": ratio_sum**2 / (count * ratio_sq_sum), "chi2": ratio_sq_sum / count - 1.0}
 
 
 def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: int, seconds: float) -> dict:
@@ -103,7 +118,8 @@ def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: 
 # Namespaces of the TensorBoard / wandb keys (metrics.jsonl stays flat).
 _NAMESPACES = {
     "losses": ("loss", "pg_loss", "reg_loss", "kl_initial"),
-    "policy": ("clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "kl_behavior", "weight_mean", "grad_norm"),
+    "policy": ("clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "kl_behavior", "weight_mean", "grad_norm",
+               "ess", "chi2", "filter_fraction"),
     "data": ("reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction",
              "policy_version_mean", "policy_version_max", "trained_policy_version", "staleness", "staleness_max",
              "num_tokens", "groups"),
@@ -120,7 +136,10 @@ class MetricsLog:
     Per step: loss, pg_loss, reg_loss, kl_initial (the step's token-means, summed over micro-batches
     and ranks); over its completion tokens: clip_fraction (share with clip mask 0), ratio_mean /
     ratio_min / ratio_max of pi/mu, kl_behavior (k3 estimate of KL(behavior || policy)),
-    weight_mean; over its rows: reward_mean, dropped_fraction (RED-Drop), policy_version_mean/max
+    weight_mean, ess (effective sample size of pi/mu as a fraction, 0..1), chi2 (mean (pi/mu)^2 - 1,
+    token-level chi-square divergence estimate), filter_fraction (share removed by dual-clip's cap or
+    opsm's filter beyond the one-side mask); over its rows: reward_mean, dropped_fraction (RED-Drop),
+    policy_version_mean/max
     (of the behavior policies), trained_policy_version (updates the trained weights had before
     the step: step - 1, plus the init_from checkpoint's version) and staleness
     (= trained_policy_version - policy_version, mean and max); over its groups:

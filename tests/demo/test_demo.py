@@ -250,6 +250,10 @@ def test_regimes_follow_the_scale():
     assert (paper.make_regime("lagged", scale).interval, paper.make_regime("lagged", scale).offset) == (1, 10)
     assert paper.make_regime("offline", scale).interval is None
     assert paper.VARIANTS[paper.WIDE] == ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 2.0})
+    # the peers' grid: every peer preset, plus two controls of the default grid
+    assert set(paper.PEER_VARIANTS) == {"rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop",
+                                        "icepop-seq", "opsm", "sapo", "gmpo", "dapo", "dr-grpo"}
+    assert all(paper.VARIANTS[name] == (name, {}) for name in paper.PEER_VARIANTS)
 
 
 def test_aggregate_worked_by_hand():
@@ -283,6 +287,11 @@ def test_aggregate_worked_by_hand():
     assert (row["reached"], row["steps_to_threshold"]) == (1, 10)  # only seed 0 reaches 0.6, at step 10
     assert row["final_t1"] == pytest.approx(0.25)
     assert row["minutes"] == pytest.approx(2.0)
+    assert row["ess"] is None and "| - |" in paper.markdown_table([row], 0.6)  # runs from before the ess metric
+    for result, ess in zip(results, (0.9, 0.7)):
+        result["train"]["ess_mean"] = ess
+    (row,) = paper.aggregate(results, threshold=0.6)
+    assert row["ess"] == pytest.approx(0.8) and paper.markdown_table([row], 0.6).endswith("| 0.800 |\n")
 
 
 @pytest.mark.slow  # 5-15 s: 6 short trainings, 6 collections, 5 evaluations of a random tiny model

@@ -185,6 +185,11 @@ def test_policy_equal_to_behavior_gives_the_logged_mean_and_full_ess(tmp_path, b
     assert estimates["snis"] == estimates["is"] == estimates["logged_reward_mean"]
     assert estimates["ess"] == 12.0
     assert estimates["kl_sequence"] == 0.0 and estimates["kl_per_token"] == 0.0
+    # the losses' view: every token ratio is 1, so no preset's mask removes anything
+    assert estimates["ess_token"] == 1.0 and estimates["chi2_token"] == 0.0
+    masked = {k: v for k, v in estimates.items() if k.startswith("masked_fraction_")}
+    assert set(masked) >= {"masked_fraction_rec-oneside-nois", "masked_fraction_m2po", "masked_fraction_icepop"}
+    assert set(masked.values()) == {0.0}
 
 
 def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, behavior_model, other_model):
@@ -220,7 +225,7 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
     policy = load_model(other_model)
     # the logged log-probs as stored (float32)
     stored = {(r[S.GROUP_ID], r[S.SAMPLE_INDEX]): r for r in open_dataset(data).to_table().to_pylist()}
-    expected_log_w, expected_rewards, tokens = [], [], 0
+    expected_log_w, expected_rewards, tokens, token_ratios = [], [], 0, []
     for g in (2, 3):
         for row in groups[g]:
             if row[S.REWARD] is None:
@@ -234,6 +239,7 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
             mu = torch.tensor(stored_row[S.BEHAVIOR_LOGPROBS], dtype=torch.float64)
             mask = torch.tensor(row[S.LOSS_MASK] or [1] * len(row[S.COMPLETION_IDS]), dtype=torch.bool)
             expected_log_w.append(float((pi - mu)[mask].sum()))
+            token_ratios.append((pi - mu)[mask].exp())
             expected_rewards.append(row[S.REWARD])
             tokens += int(mask.sum())
     expected = offpolicy_estimates(expected_log_w, expected_rewards, num_bootstrap=300, seed=4)
@@ -241,6 +247,14 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
         assert estimates[key] == pytest.approx(expected[key], abs=1e-4), key
     assert estimates["kl_per_token"] == pytest.approx(-sum(expected_log_w) / tokens, abs=1e-4)
     assert abs(expected_log_w[0]) > 0.1  # the two policies differ: a real test of the weights
+    # token-level diagnostics from the same ratios: ess = (sum rho)^2 / (n sum rho^2), chi2 = mean(rho^2) - 1;
+    # two-side's mask removes the tokens outside [0.8, 1.2] whatever the advantage
+    rho = torch.cat(token_ratios)
+    assert estimates["ess_token"] == pytest.approx(float(rho.sum() ** 2 / (len(rho) * (rho**2).sum())), abs=1e-5)
+    assert estimates["chi2_token"] == pytest.approx(float((rho**2).mean() - 1), abs=1e-4)
+    outside = float(((rho < 0.8) | (rho > 1.2)).double().mean())
+    assert estimates["masked_fraction_rec-twoside-nois"] == pytest.approx(outside)
+    assert 0 < estimates["ess_token"] < 1
 
 
 
@@ -252,6 +266,7 @@ def test_cli_offline(tmp_path, behavior_model, capsys):
                              tmp_path / "e", "--num-bootstrap", 50)
     assert code == 0, err
     assert "self-normalized IS estimate" in out and "effective sample size" in out
+    assert "token ESS" in out and "tokens m2po's mask removes" in out
     summary = json.loads((tmp_path / "e" / "summary.json").read_text())
     assert summary["kind"] == "offline" and summary["metrics"]["n"] == 4
 

@@ -27,7 +27,7 @@ from offline_rec.training.loop import train
 METRIC_KEYS = {"step", "epoch", "loss", "clip_fraction", "ratio_mean", "ratio_max", "kl_behavior", "staleness",
                "trained_policy_version",
                "reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction", "grad_norm",
-               "lr", "tokens_per_s", "num_tokens", "seconds", "padding_efficiency"}
+               "lr", "tokens_per_s", "num_tokens", "seconds", "padding_efficiency", "ess", "chi2", "filter_fraction"}
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +136,8 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
 
 
 @pytest.mark.parametrize("padding_free", [False, True])
-def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, data_dir, padding_free):
+@pytest.mark.parametrize("algorithm", ["rec-oneside-is", "sapo", "gmpo"])  # token-mean; seq-mean, row-level W
+def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, data_dir, padding_free, algorithm):
     """The loop itself: one step with budgets giving 1 row per micro-batch, a few, or all rows at once.
 
     With adam_eps = 1 the first AdamW update is lr * g / (|g| + 1), an elementwise increasing
@@ -144,23 +145,26 @@ def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, dat
     update would be lr * sign(g) and hide the gradient's scale).
     """
     before = state_dict_of(model_dir)
-    deltas, norms, efficiencies = [], [], []
+    deltas, norms, efficiencies, diagnostics = [], [], [], []
     for budget in (1, 40, 100_000):
         out = tmp_path / f"b{budget}"
         train(config(tmp_path, model_dir, data_dir, out=str(out), micro_batch_tokens=budget, max_steps=1,
-                     lr=1.0, adam_eps=1.0, weight_decay=0.0, max_grad_norm=0.0, algorithm="rec-oneside-is",
+                     lr=1.0, adam_eps=1.0, weight_decay=0.0, max_grad_norm=0.0, algorithm=algorithm,
                      padding_free=padding_free))
         after = state_dict_of(out / "final")
         deltas.append(torch.cat([(after[k] - before[k]).flatten() for k in before]))
         (step,) = metrics_of(out)
         norms.append(step["grad_norm"])
         efficiencies.append(step["padding_efficiency"])
+        diagnostics.append((step["ess"], step["chi2"], step["filter_fraction"]))
     # the packings really differed (padding-free here packs rows no longer than the longest sequence: their tails)
     assert efficiencies[0] == 1.0 and efficiencies[2] < 1.0
     assert deltas[0].abs().max() > 1e-4
     for delta, norm in zip(deltas[1:], norms[1:]):
         torch.testing.assert_close(delta, deltas[0], atol=1e-6, rtol=1e-4)
         assert norm == pytest.approx(norms[0], rel=1e-5)
+    for values in diagnostics[1:]:  # ess and chi2 come from sums over micro-batches
+        assert values == pytest.approx(diagnostics[0], rel=1e-5)
 
 
 def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, capsys, monkeypatch):

@@ -1,0 +1,550 @@
+"""Tests of the peers' objectives (cispo, m2po, dual-clip, icepop, icepop-seq, opsm, sapo, gmpo, dapo,
+dr-grpo): hand-computed losses and gradients, the gradient of each against autograd on the AUTHORS'
+formula (rho carrying gradient where theirs does), coincidences with other presets, the direction of
+the update, M2PO's per-micro-batch selection, and the per-step diagnostics (ess, chi2, filter_fraction).
+
+The naive per-token reference and the micro-batch invariance of every preset are in test_algorithms.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from test_algorithms import batch_with_ratios, grad_of, naive_m2po_keep, ppo_clip_loss, random_batch
+
+from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm, m2po_mask, policy_loss
+from offline_rec.errors import UserError
+from offline_rec.training.metrics import PassSums, importance_diagnostics
+
+torch.set_num_threads(1)
+
+PEER_PRESETS = ("cispo", "m2po", "dual-clip", "icepop", "icepop-seq", "opsm", "sapo", "gmpo", "dapo", "dr-grpo")
+
+
+def test_peer_presets_are_built_from_separate_choices():
+    # name: (clip, weight, aggregation, changed fields beyond the defaults)
+    expected = {
+        "cispo": ("none", "cispo", "auto", dict(eps_low=1.0, eps_high=0.28)),
+        "m2po": ("m2po", "is", "auto", dict(m2_threshold=0.04)),
+        "dual-clip": ("dual-clip", "is", "auto", dict(dual_clip_c=3.0)),
+        "icepop": ("icepop", "is", "auto", dict(mask_low=0.5, mask_high=5.0)),
+        "icepop-seq": ("icepop-seq", "is", "auto", dict(mask_low=0.5, mask_high=2.0)),
+        "opsm": ("opsm", "is", "auto", dict(opsm_delta=0.1)),
+        "sapo": ("none", "sapo", "seq-mean-token-mean", dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05)),
+        "gmpo": ("one-side", "gmpo", "seq-mean-token-mean",
+                 dict(eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1)),
+        "dapo": ("one-side", "is", "token-mean", dict(eps_high=0.28)),
+        "dr-grpo": ("one-side", "is", "dr-grpo", dict(max_completion_length=1024)),
+    }
+    assert set(PEER_PRESETS) == set(expected) and set(PEER_PRESETS) <= set(ALGORITHMS)
+    for name, (clip, weight, aggregation, fields) in expected.items():
+        spec = ALGORITHMS[name]
+        assert (spec.clip, spec.weight, spec.aggregation, spec.regularizer, spec.std_normalize) == (
+            clip, weight, aggregation, "none", False), name
+        assert spec == AlgorithmSpec(name, clip=clip, weight=weight, aggregation=aggregation, **fields), name
+    # the GMPO band is (e^-0.4, e^0.4) on rho, i.e. [-0.4, 0.4] on log rho
+    gmpo = ALGORITHMS["gmpo"]
+    assert (math.log(1 - gmpo.eps_low), math.log(1 + gmpo.eps_high)) == pytest.approx((-0.4, 0.4))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(clip="dual-clip", dual_clip_c=1.0), "dual_clip_c must be > 1"),
+        (dict(aggregation="dr-grpo"), "needs max_completion_length > 0"),
+        (dict(max_completion_length=-1), "max_completion_length must be an integer >= 0"),
+        (dict(max_completion_length=2.5), "max_completion_length must be an integer"),
+        (dict(mask_low=2.0, mask_high=1.0), "mask_high must be >= mask_low"),
+        (dict(sapo_tau_neg=0.0), "sapo_tau_pos and sapo_tau_neg must be > 0"),
+        (dict(m2_threshold=-0.1), "m2_threshold must be finite and >= 0"),
+        (dict(aggregation="seq-sum"), "unknown aggregation 'seq-sum'; valid: auto, token-mean"),
+    ],
+)
+def test_objective_fields_are_validated(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        AlgorithmSpec(**overrides)
+
+
+def test_overrides_from_the_command_line_are_coerced():
+    spec = get_algorithm("dr-grpo", max_completion_length="512", aggregation="seq-mean-token-sum")
+    assert (spec.max_completion_length, spec.aggregation) == (512, "seq-mean-token-sum")
+    with pytest.raises(UserError, match="max_completion_length expects an integer"):
+        get_algorithm("dr-grpo", max_completion_length="1.5")
+    with pytest.raises(UserError, match="algorithm 'dr-grpo': aggregation dr-grpo needs max_completion_length"):
+        get_algorithm("dr-grpo", max_completion_length=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Hand-computed losses and gradients (logp = -1 everywhere unless stated: -W*A*logp = W*A).
+
+
+def test_cispo_by_hand():
+    # W = clamp(rho, 1 - 1.0, 1 + 0.28) = clamp(rho, 0, 1.28): rho [0.5, 1.0, 2.0] -> [0.5, 1.0, 1.28], nothing masked.
+    # A = +1: loss = (0.5 + 1 + 1.28) / 3 = 0.92667; dL/dlogp = -W * A / 3 = [-1/6, -1/3, -0.42667]
+    logp, blogp, adv, mask = batch_with_ratios([[0.5, 1.0, 2.0]], [[-1.0]], [1.0])
+    loss, grad, metrics = grad_of(ALGORITHMS["cispo"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(2.78 / 3)
+    torch.testing.assert_close(grad, torch.tensor([[-0.5, -1.0, -1.28]], dtype=torch.float64) / 3)
+    assert metrics["clip_fraction"] == 0
+
+
+def test_dual_clip_by_hand():
+    # A = -1, rho [0.5, 1.0, 2.0, 4.0]: one-side keeps rho >= 0.8 -> [0, 1, 1, 1]; the cap c = 3 drops 4.0:
+    # M = [0, 1, 1, 0].
+    # W = rho: per token -M*rho*A*logp = -M*rho -> [0, -1, -2, 0]; loss = -3/4; dL/dlogp = -M*rho*A/4 = [0, .25, .5, 0]
+    logp, blogp, adv, mask = batch_with_ratios([[0.5, 1.0, 2.0, 4.0]], [[-1.0]], [-1.0])
+    loss, grad, metrics = grad_of(ALGORITHMS["dual-clip"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(-0.75)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, 0.25, 0.5, 0.0]], dtype=torch.float64))
+    assert metrics["clip_fraction"] == pytest.approx(0.5)
+    assert metrics["filter_fraction"] == pytest.approx(0.25)  # the capped token; the one-side one is not counted
+
+
+def test_icepop_by_hand():
+    # band [0.5, 5]: rho [0.3, 0.6, 1.0, 4.0, 6.0] -> M [0, 1, 1, 1, 0]; W = rho; A = +1:
+    # loss = (0.6 + 1 + 4) / 5 = 1.12; dL/dlogp = -M*rho/5
+    logp, blogp, adv, mask = batch_with_ratios([[0.3, 0.6, 1.0, 4.0, 6.0]], [[-1.0]], [1.0])
+    loss, grad, metrics = grad_of(ALGORITHMS["icepop"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(1.12)
+    torch.testing.assert_close(grad, -torch.tensor([[0.0, 0.6, 1.0, 4.0, 0.0]], dtype=torch.float64) / 5)
+    assert metrics["clip_fraction"] == pytest.approx(0.4)
+
+
+def test_icepop_seq_by_hand():
+    # band [0.5, 2] on the row's product: row 0 [1.5, 1.2] -> 1.8 kept; row 1 [2.0, 1.5] -> 3.0 dropped;
+    # row 2 [0.5, 0.8] -> 0.4 dropped. A = +1, W = rho: loss = (1.5 + 1.2) / 6 = 0.45
+    logp, blogp, adv, mask = batch_with_ratios([[1.5, 1.2], [2.0, 1.5], [0.5, 0.8]], [[-1.0]] * 3, [1.0] * 3)
+    loss, grad, metrics = grad_of(ALGORITHMS["icepop-seq"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(0.45)
+    torch.testing.assert_close(grad, -torch.tensor([[1.5, 1.2], [0, 0], [0, 0]], dtype=torch.float64) / 6)
+    assert metrics["clip_fraction"] == pytest.approx(4 / 6)
+
+
+def test_m2po_by_hand():
+    # log rho [0.1, -0.1, 0.3, 0.5] -> (log rho)^2 [0.01, 0.01, 0.09, 0.25], mean 0.09 > 0.04: drop 0.25;
+    # mean of [0.01, 0.01, 0.09] = 0.0367 <= 0.04: stop. W = rho, A = +1:
+    # loss = (e^0.1 + e^-0.1 + e^0.3) / 4 = (1.10517 + 0.90484 + 1.34986) / 4 = 0.83997
+    log_ratio = [0.1, -0.1, 0.3, 0.5]
+    logp, blogp, adv, mask = batch_with_ratios([[math.exp(x) for x in log_ratio]], [[-1.0]], [1.0])
+    loss, grad, metrics = grad_of(ALGORITHMS["m2po"], logp, blogp, adv, mask)
+    kept = [math.exp(0.1), math.exp(-0.1), math.exp(0.3), 0.0]
+    assert loss.item() == pytest.approx(sum(kept) / 4)
+    torch.testing.assert_close(grad, -torch.tensor([kept], dtype=torch.float64) / 4)
+    assert metrics["clip_fraction"] == pytest.approx(0.25)
+    # a batch whose mean is within the bound keeps everything; one whose smallest value exceeds it keeps nothing
+    square = torch.tensor([[0.2, -0.2]], dtype=torch.float64)  # (log rho)^2 = 0.04 each
+    assert m2po_mask(square, torch.ones(1, 2, dtype=torch.bool), 0.0401).tolist() == [[True, True]]
+    assert m2po_mask(square, torch.ones(1, 2, dtype=torch.bool), 0.0399).tolist() == [[False, False]]
+
+
+def test_opsm_by_hand():
+    # row 0: A = -1, log rho [-0.2, -0.2]: mean(blogp - logp) = 0.2 > 0.1 -> dropped (one-side alone keeps it:
+    #        rho = 0.8187 >= 0.8); row 1: A = -1, log rho -0.05: KL 0.05 -> kept; row 2: A = +1, log rho -0.2: kept
+    #        (positives are never dropped). W = rho, per token -M*rho*A*logp = M*rho*A:
+    # loss = (2 * e^-0.05 * (-1) + 2 * e^-0.2 * (+1)) / 6 = (-1.90246 + 1.63746) / 6 = -0.044167
+    rhos = [[math.exp(-0.2)] * 2, [math.exp(-0.05)] * 2, [math.exp(-0.2)] * 2]
+    logp, blogp, adv, mask = batch_with_ratios(rhos, [[-1.0]] * 3, [-1.0, -1.0, 1.0])
+    loss, grad, metrics = grad_of(ALGORITHMS["opsm"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx((-2 * math.exp(-0.05) + 2 * math.exp(-0.2)) / 6)
+    expected = torch.tensor([[0.0, 0.0], [math.exp(-0.05)] * 2, [-math.exp(-0.2)] * 2], dtype=torch.float64) / 6
+    torch.testing.assert_close(grad, expected)
+    assert metrics["clip_fraction"] == pytest.approx(2 / 6) and metrics["filter_fraction"] == pytest.approx(2 / 6)
+
+
+def test_sapo_by_hand():
+    # row 0: A = +1, rho 1.5, tau 1:    s = sigmoid(0.5) = 0.622459, W = 4 s (1-s) rho = 4 * 0.235004 * 1.5 = 1.410022
+    # row 1: A = -1, rho 0.5, tau 1.05: s = sigmoid(-0.525) = 0.371684, W = 4 * 0.233535 * 0.5 = 0.467070
+    # one token per row, seq-mean-token-mean over 2 rows: loss = (W0 * 1 + W1 * (-1)) / 2 = 0.471476
+    logp, blogp, adv, mask = batch_with_ratios([[1.5], [0.5]], [[-1.0], [-1.0]], [1.0, -1.0])
+    loss, grad, _ = grad_of(ALGORITHMS["sapo"], logp, blogp, adv, mask)
+    w0, w1 = 1.410022, 0.467070
+    assert loss.item() == pytest.approx((w0 - w1) / 2, abs=1e-6)
+    torch.testing.assert_close(grad, torch.tensor([[-w0 / 2], [w1 / 2]], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_gmpo_by_hand():
+    # A = +1, log rho [0.2, 0.6]: clipped from above at 0.4 -> [0.2, 0.4], mean 0.3, R = e^0.3 = 1.349859;
+    # token 1 (log rho 0.6 > 0.4) is clipped: M [1, 0]. seq-mean-token-mean, n = 2, B = 1:
+    # loss = (R * 1 + 0) / 2 = 0.674929; dL/dlogp = [-R / 2, 0]
+    logp, blogp, adv, mask = batch_with_ratios([[math.exp(0.2), math.exp(0.6)]], [[-1.0]], [1.0])
+    loss, grad, _ = grad_of(ALGORITHMS["gmpo"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(math.exp(0.3) / 2)
+    torch.testing.assert_close(grad, torch.tensor([[-math.exp(0.3) / 2, 0.0]], dtype=torch.float64))
+    # A = -1, log rho [-0.6, 0.2]: clipped from below at -0.4 -> mean(-0.4, 0.2) = -0.1, R = e^-0.1; token 0 clipped
+    logp, blogp, adv, mask = batch_with_ratios([[math.exp(-0.6), math.exp(0.2)]], [[-1.0]], [-1.0])
+    _, grad, _ = grad_of(ALGORITHMS["gmpo"], logp, blogp, adv, mask)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, math.exp(-0.1) / 2]], dtype=torch.float64))
+
+
+def test_dapo_by_hand():
+    # eps 0.2 / 0.28: row 0 A = +1, rho [1.25, 1.3] -> [kept, masked]; row 1 A = -1, rho [0.79, 0.81] -> [masked, kept]
+    # loss = (1.25 * 1 + 0.81 * (-1)) / 4 = 0.11
+    logp, blogp, adv, mask = batch_with_ratios([[1.25, 1.3], [0.79, 0.81]], [[-1.0], [-1.0]], [1.0, -1.0])
+    loss, grad, _ = grad_of(ALGORITHMS["dapo"], logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(0.11)
+    torch.testing.assert_close(grad, torch.tensor([[-1.25, 0], [0, 0.81]], dtype=torch.float64) / 4)
+
+
+def test_dr_grpo_and_seq_mean_token_sum_by_hand():
+    # rows of 3 and 1 completion tokens, rho = 1, A = +1 / -1, logp = -1: per token -A*logp = A -> sums 3 and -1.
+    #   dr-grpo:            (3 - 1) / (2 rows * L = 1024) = 2 / 2048
+    #   seq-mean-token-sum: (3 + (-1)) / 2 = 1
+    #   token-mean:         (3 - 1) / 4 tokens = 0.5
+    logp = torch.full((2, 3), -1.0, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    losses = {}
+    for aggregation in ("dr-grpo", "seq-mean-token-sum", "token-mean"):
+        spec = dataclasses.replace(ALGORITHMS["dr-grpo"], aggregation=aggregation)
+        losses[aggregation], grad, _ = grad_of(spec, logp, logp.detach(), adv, mask)
+        scale = {"dr-grpo": 2 * 1024, "seq-mean-token-sum": 2, "token-mean": 4}[aggregation]
+        torch.testing.assert_close(grad, torch.where(mask, -adv[:, None], 0.0) / scale)
+    assert losses["dr-grpo"].item() == pytest.approx(2 / 2048)
+    assert losses["seq-mean-token-sum"].item() == pytest.approx(1.0)
+    assert losses["token-mean"].item() == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------------------------
+# The gradient of each preset equals the gradient of its authors' objective (autograd, rho with gradient).
+
+
+def _clean(seed):
+    """random_batch with padding zeroed (the authors' formulas below do not guard against nan padding)."""
+    logp, blogp, adv, mask = random_batch(seed=seed)
+    return torch.where(mask, logp.detach(), 0.0).requires_grad_(), torch.where(mask, blogp, 0.0), adv, mask
+
+
+def _seq_mean_token_mean(per_token, mask):
+    return (torch.where(mask, per_token, 0.0).sum(1) / mask.sum(1)).mean()
+
+
+def _token_mean(per_token, mask):
+    return torch.where(mask, per_token, 0.0).sum() / mask.sum()
+
+
+def dual_clip_authors(spec, logp, blogp, adv, mask):
+    """Dual-clip PPO as verl writes it: for A < 0, min(-c*A, max(-rho*A, -clip(rho)*A)); token-mean."""
+    rho, A = torch.exp(logp - blogp), adv[:, None]
+    clipped = torch.maximum(-rho * A, -rho.clamp(1 - spec.eps_low, 1 + spec.eps_high) * A)
+    return _token_mean(torch.where(A < 0, torch.minimum(-spec.dual_clip_c * A, clipped), clipped), mask)
+
+
+def sapo_authors(spec, logp, blogp, adv, mask):
+    """SAPO: -(4/tau) sigmoid(tau (rho - 1)) A, tau by the sign of A; seq-mean-token-mean."""
+    rho, A = torch.exp(logp - blogp), adv[:, None]
+    tau = torch.where(A > 0, spec.sapo_tau_pos, spec.sapo_tau_neg)
+    return _seq_mean_token_mean(-(4 / tau) * torch.sigmoid(tau * (rho - 1)) * A, mask)
+
+
+def gmpo_authors(spec, logp, blogp, adv, mask):
+    """GMPO as verl's geo_mean: -A * exp(mean_t sgn(A) min(sgn(A) lr, sgn(A) clamp(lr, -0.4, 0.4))), mean over rows."""
+    log_ratio, sign = logp - blogp, torch.sign(adv)[:, None]
+    bounded = log_ratio.clamp(math.log(1 - spec.eps_low), math.log(1 + spec.eps_high))
+    chosen = sign * torch.minimum(sign * log_ratio, sign * bounded)
+    ratio = torch.exp(torch.where(mask, chosen, 0.0).sum(1) / mask.sum(1))
+    return (-adv * ratio).mean()
+
+
+def m2po_authors(spec, logp, blogp, adv, mask):
+    """M2PO: -sum M * rho * A / N, M from the greedy rule on (log rho)^2 written as a loop; no clip."""
+    B, T = logp.shape
+    log_ratio = (logp.detach() - blogp).tolist()
+    keep = naive_m2po_keep(log_ratio, [[t for t in range(T) if mask[i, t]] for i in range(B)], spec.m2_threshold)
+    M = torch.tensor([[(i, t) in keep for t in range(T)] for i in range(B)])
+    return _token_mean(-M.double() * torch.exp(logp - blogp) * adv[:, None], mask)
+
+
+def icepop_authors(spec, logp, blogp, adv, mask):
+    """IcePop: -M(k) k * min(r A, clip(r) A), k = pi/mu (no gradient), r = pi_theta / pi_old = 1 with gradient."""
+    k, A = torch.exp(logp.detach() - blogp), adv[:, None]
+    r = torch.exp(logp - logp.detach())
+    ppo = torch.minimum(r * A, r.clamp(1 - spec.eps_low, 1 + spec.eps_high) * A)
+    M = (k >= spec.mask_low) & (k <= spec.mask_high)
+    return _token_mean(-M.double() * k * ppo, mask)
+
+
+def opsm_authors(spec, logp, blogp, adv, mask):
+    """DeepSeek-V3.2's GRPO with the off-policy sequence mask: -M_i min(rho A, clip(rho) A), token-mean."""
+    rho, A = torch.exp(logp - blogp), adv[:, None]
+    kl = torch.where(mask, blogp - logp.detach(), 0.0).sum(1, keepdim=True) / mask.sum(1, keepdim=True)
+    M = (A >= 0) | (kl <= spec.opsm_delta)
+    return _token_mean(-M.double() * torch.minimum(rho * A, rho.clamp(1 - spec.eps_low, 1 + spec.eps_high) * A), mask)
+
+
+def dr_grpo_authors(spec, logp, blogp, adv, mask):
+    """Dr. GRPO: PPO-clip summed over tokens, divided by (sequences x max completion length)."""
+    rho, A = torch.exp(logp - blogp), adv[:, None]
+    per_token = -torch.minimum(rho * A, rho.clamp(1 - spec.eps_low, 1 + spec.eps_high) * A)
+    return torch.where(mask, per_token, 0.0).sum() / (len(adv) * spec.max_completion_length)
+
+
+def cispo_authors(spec, logp, blogp, adv, mask):
+    """CISPO as verl writes it: -sg(clamp(rho, 1-eps_low, 1+eps_high)) * A * logp, token-mean."""
+    rho = torch.exp(logp.detach() - blogp).clamp(1 - spec.eps_low, 1 + spec.eps_high)
+    return _token_mean(-rho * adv[:, None] * logp, mask)
+
+
+AUTHORS = {
+    "dual-clip": dual_clip_authors, "sapo": sapo_authors, "gmpo": gmpo_authors, "m2po": m2po_authors,
+    "icepop": icepop_authors, "opsm": opsm_authors, "dr-grpo": dr_grpo_authors, "cispo": cispo_authors,
+    "dapo": lambda spec, *batch: ppo_clip_loss(spec, *batch),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AUTHORS))
+@pytest.mark.parametrize("seed", [5, 6, 9])
+def test_gradient_equals_the_authors_objective(name, seed):
+    spec = ALGORITHMS[name]
+    if name == "opsm":  # the random rows' mean KL is ~0.05 to 0.3: a smaller delta drops some negatives
+        spec = dataclasses.replace(spec, opsm_delta=0.02)
+    logp, blogp, adv, mask = _clean(seed)
+    _, grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    logp.grad = None
+    AUTHORS[name](spec, logp, blogp, adv, mask).backward()
+    torch.testing.assert_close(grad, torch.where(mask, logp.grad, 0.0))
+    assert (grad != 0).any()
+
+
+def test_sapo_and_dual_clip_differ_from_their_base_where_they_should():
+    # dual-clip removes gradient that rec-oneside-is keeps (A < 0, rho > c); SAPO differs from plain IS off rho = 1.
+    logp, blogp, adv, mask = batch_with_ratios([[0.9, 3.5]], [[-1.0]], [-1.0])
+    _, dual, _ = grad_of(ALGORITHMS["dual-clip"], logp, blogp, adv, mask)
+    _, oneside, _ = grad_of(ALGORITHMS["rec-oneside-is"], logp, blogp, adv, mask)
+    assert dual[0, 1] == 0 and oneside[0, 1] != 0 and dual[0, 0] == oneside[0, 0]
+
+
+# --------------------------------------------------------------------------------------------
+# Coincidences.
+
+
+def _same(spec_a, spec_b, seed=6, loss_too=True):
+    logp, blogp, adv, mask = random_batch(seed=seed)
+    loss_a, grad_a, _ = grad_of(spec_a, logp, blogp, adv, mask)
+    loss_b, grad_b, _ = grad_of(spec_b, logp, blogp, adv, mask)
+    torch.testing.assert_close(grad_a, grad_b)
+    if loss_too:
+        torch.testing.assert_close(loss_a, loss_b)
+
+
+def test_cispo_with_a_wide_band_is_reinforce_with_is():
+    _same(dataclasses.replace(ALGORITHMS["cispo"], eps_low=1.0, eps_high=1e6), AlgorithmSpec(weight="is"))
+
+
+def test_dapo_is_rec_oneside_is_with_clip_higher():
+    _same(ALGORITHMS["dapo"], dataclasses.replace(ALGORITHMS["rec-oneside-is"], eps_high=0.28))
+
+
+def test_icepop_token_is_the_two_side_mask():
+    _same(dataclasses.replace(ALGORITHMS["icepop"], mask_low=0.8, mask_high=1.2), ALGORITHMS["rec-twoside-is"])
+
+
+def test_wide_filters_reduce_to_their_base():
+    oneside_is = ALGORITHMS["rec-oneside-is"]
+    _same(dataclasses.replace(ALGORITHMS["dual-clip"], dual_clip_c=1e6), oneside_is)
+    _same(dataclasses.replace(ALGORITHMS["opsm"], opsm_delta=1e6), oneside_is)
+    _same(dataclasses.replace(ALGORITHMS["m2po"], m2_threshold=1e6), AlgorithmSpec(weight="is"))
+    _same(dataclasses.replace(ALGORITHMS["icepop-seq"], mask_low=0.0, mask_high=1e30), AlgorithmSpec(weight="is"))
+
+
+def test_dr_grpo_is_token_mean_rescaled():
+    # same per-token terms; only the constant normalizer differs: grad_dr = grad_token_mean * N / (B * L)
+    logp, blogp, adv, mask = random_batch(seed=7)
+    _, grad_dr, _ = grad_of(ALGORITHMS["dr-grpo"], logp, blogp, adv, mask)
+    token_mean = dataclasses.replace(ALGORITHMS["dr-grpo"], aggregation="token-mean")
+    _, grad_tm, _ = grad_of(token_mean, logp, blogp, adv, mask)
+    torch.testing.assert_close(grad_dr, grad_tm * mask.sum() / (len(adv) * 1024))
+
+
+def test_seq_mean_token_sum_weighs_long_rows_more_than_seq_mean_token_mean():
+    # per row: token-sum = n_i * token-mean, so the gradient of row i scales by n_i
+    logp, blogp, adv, mask = random_batch(seed=8)
+    base = ALGORITHMS["rec-oneside-is"]
+    _, grad_sum, _ = grad_of(dataclasses.replace(base, aggregation="seq-mean-token-sum"), logp, blogp, adv, mask)
+    _, grad_mean, _ = grad_of(dataclasses.replace(base, aggregation="seq-mean-token-mean"), logp, blogp, adv, mask)
+    torch.testing.assert_close(grad_sum, grad_mean * mask.sum(1, keepdim=True))
+
+
+def test_on_policy_data_makes_the_soft_and_geometric_weights_one():
+    # rho = 1 everywhere: SAPO's gate derivative 4 * 0.5 * 0.5 * 1 = 1, GMPO's R = e^0 = 1, CISPO's clamp(1) = 1:
+    # each is REINFORCE under its aggregation.
+    logp, _, adv, mask = random_batch(seed=3)
+    blogp = logp.detach()
+    for name in ("sapo", "gmpo", "cispo"):
+        spec = ALGORITHMS[name]
+        reinforce = AlgorithmSpec(aggregation=spec.aggregation)
+        _, grad_a, metrics = grad_of(spec, logp, blogp, adv, mask)
+        _, grad_b, _ = grad_of(reinforce, logp, blogp, adv, mask)
+        torch.testing.assert_close(grad_a, grad_b)
+        assert metrics["ess"] == pytest.approx(1.0) and metrics["chi2"] == pytest.approx(0.0, abs=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# Direction: a gradient step raises the log-prob of positive-advantage tokens and lowers the negatives'.
+
+
+@pytest.mark.parametrize("name", PEER_PRESETS)
+def test_descent_favours_higher_advantages(name):
+    # Every token the objective keeps is pushed along sign(A): a descent step raises the log-probs of
+    # positive-advantage tokens, lowers the negatives', and so raises sum_i A_i logp_i; raising one row's
+    # advantage (same rho, same mask) pushes that row's tokens harder.
+    spec = ALGORITHMS[name]
+    logp, blogp, adv, mask = random_batch(seed=9)
+    _, grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    signs = torch.sign(adv)[:, None].expand_as(grad)
+    moving = grad != 0
+    assert moving.any()
+    assert (torch.sign(-grad[moving]) == signs[moving]).all()
+    assert -(torch.where(mask, grad, 0.0) * adv[:, None]).sum() > 0
+    row = int(torch.nonzero(moving.any(dim=1) & (adv > 0))[0])
+    higher = adv.clone()
+    higher[row] *= 1.5
+    _, grad_higher, _ = grad_of(spec, logp, blogp, higher, mask)
+    assert (-grad_higher[row][moving[row]] > -grad[row][moving[row]]).all()
+
+
+# --------------------------------------------------------------------------------------------
+# M2PO: the selection on the device equals the greedy rule, and it is per micro-batch.
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_m2po_mask_equals_the_greedy_rule(seed):
+    g = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.3
+    log_ratio[0, :3] = 0.25  # ties at one value
+    mask = torch.rand(5, 7, generator=g) < 0.8
+    threshold = [0.01, 0.04, 0.1][seed % 3]
+    keep = naive_m2po_keep(log_ratio.tolist(), [[t for t in range(7) if mask[i, t]] for i in range(5)], threshold)
+    got = m2po_mask(log_ratio, mask, threshold)
+    assert got.sum() == len(keep)
+    kept_values = sorted((log_ratio[got] ** 2).tolist())
+    assert kept_values == pytest.approx(sorted(log_ratio[i, t].item() ** 2 for i, t in keep))
+    assert not (got & ~mask).any()
+
+
+def test_m2po_selects_within_each_micro_batch():
+    # The trainer calls policy_loss once per micro-batch with the step's N: each micro-batch selects over its own
+    # tokens. Splitting the step therefore gives the sum of the per-chunk selections, not the one-batch loss.
+    spec = ALGORITHMS["m2po"]
+    logp, blogp, adv, mask = _clean(6)
+    num_tokens = mask.sum()
+    total, reference = 0.0, 0.0
+    for rows in (slice(0, 3), slice(3, 6)):
+        total = total + policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows], num_tokens=num_tokens)[0]
+        chunk = m2po_authors(spec, logp[rows], blogp[rows], adv[rows], mask[rows])  # its own greedy selection
+        reference = reference + chunk * mask[rows].sum() / num_tokens
+    (split_grad,) = torch.autograd.grad(total, logp)
+    (reference_grad,) = torch.autograd.grad(reference, logp)
+    torch.testing.assert_close(split_grad, reference_grad)
+    # ... and may differ from the one-batch selection: row 0 log rho [0.3, 0.3] ((log rho)^2 0.09 each), row 1 [0, 0].
+    # Whole batch: mean 0.045 > 0.04, drop one 0.09 -> mean 0.03: 3 kept. Row 0 alone: 0.09 > 0.04 twice -> none
+    # kept; row 1 alone keeps both: 2 kept.
+    logp, blogp, adv, mask = batch_with_ratios([[math.exp(0.3)] * 2, [1.0] * 2], [[-1.0], [-1.0]], [1.0, 1.0])
+    assert policy_loss(spec, logp, blogp, adv, mask)[1]["clip_fraction"] == 0.25
+    assert [policy_loss(spec, logp[i:i + 1], blogp[i:i + 1], adv[i:i + 1], mask[i:i + 1])[1]["clip_fraction"]
+            for i in (0, 1)] == [1.0, 0.0]
+
+
+# --------------------------------------------------------------------------------------------
+# Diagnostics: ess, chi2 and filter_fraction by hand, and their step values from summable sums.
+
+
+def test_ess_and_chi2_by_hand():
+    # rho [0.5, 1, 2, 4.5]: sum 8, sum of squares 0.25 + 1 + 4 + 20.25 = 25.5, n = 4
+    # ess = 64 / (4 * 25.5) = 0.627451; chi2 = 25.5 / 4 - 1 = 5.375
+    logp, blogp, adv, mask = batch_with_ratios([[0.5, 1.0, 2.0, 4.5]], [[-1.0]], [1.0])
+    _, metrics = policy_loss(ALGORITHMS["reinforce"], logp, blogp, adv, mask)
+    assert metrics["ess"] == pytest.approx(64 / 102)
+    assert metrics["chi2"] == pytest.approx(5.375)
+    assert metrics["ratio_sq_mean"] == pytest.approx(25.5 / 4)
+    assert importance_diagnostics(8.0, 25.5, 4) == pytest.approx({"ess": 64 / 102, "chi2": 5.375})
+    assert importance_diagnostics(0.0, 0.0, 0) == {"ess": 1.0, "chi2": 0.0}
+
+
+class _OneProcess:
+    """The accelerator PassSums.combine needs: gather of one process is the identity."""
+
+    device = torch.device("cpu")
+
+    @staticmethod
+    def gather(tensor):
+        return tensor
+
+
+def _step_diagnostics(spec, logp, blogp, adv, mask, size):
+    """PassSums over micro-batches of `size` rows, as run_step accumulates them."""
+    sums = PassSums()
+    for start in range(0, len(adv), size):
+        rows = slice(start, start + size)
+        _, stats = policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows], num_tokens=int(mask.sum()),
+                               num_sequences=len(adv))
+        batch = {"attention_mask": mask[rows].long(), "input_ids": torch.zeros_like(mask[rows], dtype=torch.long)}
+        sums.add(stats, torch.zeros(()), batch)
+    return sums.combine(_OneProcess())
+
+
+class _TwoRanks:
+    """Rank 1's view of a 2-process gather: rank 0's per-rank sums stacked above its own."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, other: PassSums):
+        self.other = other
+
+    def gather(self, tensor):
+        return torch.cat([self.other.values.unsqueeze(0), tensor])
+
+
+def test_step_diagnostics_do_not_depend_on_the_ranks():
+    # rows 0-2 on rank 0 (two passes), rows 3-5 on rank 1 (one pass): the combined ess, chi2 and fractions
+    # equal those of one process running all rows
+    spec = ALGORITHMS["dual-clip"]
+    logp, blogp, adv, mask = _clean(5)
+    whole = _step_diagnostics(spec, logp, blogp, adv, mask, size=6)
+    ranks = []
+    for passes in ((slice(0, 2), slice(2, 3)), (slice(3, 6),)):
+        sums = PassSums()
+        for rows in passes:
+            _, stats = policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows], num_tokens=int(mask.sum()),
+                                   num_sequences=len(adv))
+            sums.add(stats, torch.zeros(()), {"attention_mask": mask[rows].long(),
+                                              "input_ids": torch.zeros_like(mask[rows], dtype=torch.long)})
+        ranks.append(sums)
+    combined = ranks[1].combine(_TwoRanks(ranks[0]))
+    for key in ("ess", "chi2", "filter_fraction", "clip_fraction", "loss"):
+        assert combined[key] == pytest.approx(whole[key]), key
+
+
+@pytest.mark.parametrize("name", ["opsm", "dual-clip", "icepop"])
+def test_step_diagnostics_do_not_depend_on_micro_batching(name):
+    spec = ALGORITHMS[name]
+    logp, blogp, adv, mask = _clean(9)
+    # row 4 (A = -1.5, two tokens): opsm: rho = e^-0.15 on both (one-side keeps them, mean KL 0.15 > 0.1 drops
+    # the row); dual-clip: rho = 3.5 on its first token (above c = 3)
+    blogp[4] = torch.where(mask[4], logp.detach()[4] + 0.15, 0.0) if name == "opsm" else blogp[4]
+    if name == "dual-clip":
+        blogp[4, 0] = logp.detach()[4, 0] - math.log(3.5)
+    whole = _step_diagnostics(spec, logp, blogp, adv, mask, size=6)
+    rho = torch.exp(logp.detach() - blogp)[mask]
+    assert whole["ess"] == pytest.approx((rho.sum() ** 2 / (len(rho) * (rho**2).sum())).item())
+    assert whole["chi2"] == pytest.approx(((rho**2).mean() - 1).item())
+    assert 0 < whole["ess"] < 1 and whole["chi2"] > 0
+    if name != "icepop":
+        assert whole["filter_fraction"] > 0
+    for size in (1, 2, 4):
+        split = _step_diagnostics(spec, logp, blogp, adv, mask, size=size)
+        for key in ("ess", "chi2", "filter_fraction", "clip_fraction", "ratio_mean", "kl_behavior"):
+            assert split[key] == pytest.approx(whole[key]), (key, size)
+
+
+def test_list_options_names_every_preset_and_field():
+    from offline_rec.training.config import option_help
+
+    helps = {key: text for key, _, _, text in option_help()}
+    for name in PEER_PRESETS:
+        assert name in helps["algorithm"].split(": ", 1)[1].split(", ")
+    for field in ("aggregation", "max_completion_length", "dual_clip_c", "mask_low", "m2_threshold", "opsm_delta",
+                  "sapo_tau_neg"):
+        assert field in helps["algorithm_overrides"]
