@@ -1,20 +1,22 @@
 """One response per prompt: which setting learns from production-like logs, against the peers users reach for.
 
-    python benchmarks/logged.py                      # every arm, 3 learning rates, with the TRL peers (~1 h, 2 cores)
+    python benchmarks/logged.py                      # every arm, 3 learning rates, with the TRL peers (~40 min)
     python benchmarks/logged.py --quick --no-peers   # a smoke run at toy sizes (a minute)
     python benchmarks/logged.py --arms dataset,topr --lrs 3e-4
 
 The data is the demo's behavior data (the shipped arith policy, 4096 train-split prompts x 8 samples at
 T=1, seed 0) cut to ONE response per prompt (sample_index 0, reward 0/1): what `record` -> `import`
 gives. Every arm starts from the same policy, trains on those same 4096 rows for the same number of
-optimizer steps (2 epochs of 32 rows per step = 256 steps, cosine lr to 0, AdamW without weight decay,
-gradient norm clipped at 1), and is scored like the demo: every 32 steps, greedy accuracy on 512 held-out
+optimizer steps (256: 8 epochs of 128 rows per step; SFT 32 of its positives per step, about as many
+passes over them; cosine lr to 0, AdamW without weight decay, gradient norm clipped at 1), and is scored
+like the demo: every 64 steps, greedy accuracy on 512 held-out
 TEST prompts (the curve) and on 512 train-split VALIDATION prompts that no arm trains on. Per arm the
 learning rate and the step are chosen by the validation accuracy alone; the test accuracy of that choice
 is the arm's result, and its test curve is shown. Arms:
 
   step, dataset, constant   rec-oneside-nois, wide clip (0.6/2.0), with the baseline named (constant: 0.5)
   topr                      TOPR (its 0.5 threshold; negatives tapered by min(rho, 1))
+  topr-dataset              TOPR's taper with the dataset baseline (the training rewards' mean) as threshold
   kto                       TRL KTOTrainer (prompt, completion, label = reward > 0), in TRL's own venv
   sft-positives             TRL SFTTrainer on the positive responses (filtered behaviour cloning)
   group-k8                  reference: the full demo data (8 responses per prompt, group baseline), lr 3e-4,
@@ -47,6 +49,7 @@ ARMS: dict[str, tuple[str, dict] | None] = {
     "dataset": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "dataset"}),
     "constant": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "constant", "baseline_value": 0.5}),
     "topr": ("topr", {}),
+    "topr-dataset": ("topr", {"baseline": "dataset"}),
     "kto": None,
     "sft-positives": None,
     "group-k8": ("rec-oneside-nois", dict(WIDE_CLIP)),
@@ -57,29 +60,37 @@ REFERENCE_LR = 3e-4  # the demo's
 
 @dataclass(frozen=True)
 class Scale:
+    """Sizes: every arm takes `steps` optimizer steps and sees its training rows about `epochs` times."""
+
     num_prompts: int = 4096
-    epochs: int = 2
-    rows_per_step: int = 32
-    eval_every: int = 32
+    epochs: int = 8
+    rows_per_step: int = 128
+    """Logged rows per step (offline-rec arms and KTO); SFT takes `positives_per_step` positives instead."""
+    positives_per_step: int = 32
+    """SFT on the positives (~22% of the rows): 32 per step gives about as many passes over them as the others."""
+    reference_groups_per_step: int = 32
+    """group-k8: the demo's 32 groups of 8 per step, 2 epochs over the 4096 prompts (256 steps)."""
+    eval_every: int = 64
     eval_prompts: int = 512
     validation_prompts: int = 512
-    lrs: tuple[float, ...] = (1e-4, 3e-4, 1e-3)
+    lrs: tuple[float, ...] = (3e-5, 1e-4, 3e-4)
 
     @property
     def steps(self) -> int:
         return self.epochs * -(-self.num_prompts // self.rows_per_step)
 
 
-QUICK = Scale(num_prompts=128, epochs=2, rows_per_step=32, eval_every=4, eval_prompts=64, validation_prompts=64,
-              lrs=(3e-4,))
+QUICK = Scale(num_prompts=128, epochs=2, rows_per_step=32, positives_per_step=8, reference_groups_per_step=32,
+              eval_every=4, eval_prompts=64, validation_prompts=64, lrs=(3e-4,))
 
 
 def demo_settings(scale: Scale, **changes):
+    """The demo's settings at this scale: the singleton arms' training (one row per prompt) and the evaluations."""
     from offline_rec.demo.pipeline import DemoSettings
 
-    return DemoSettings(num_prompts=scale.num_prompts, epochs=scale.epochs, eval_prompts=scale.eval_prompts,
-                        validation_prompts=scale.validation_prompts, eval_every=scale.eval_every,
-                        prompts_per_step=scale.rows_per_step, **changes)
+    return DemoSettings(**{**dict(num_prompts=scale.num_prompts, epochs=scale.epochs, eval_prompts=scale.eval_prompts,
+                                  validation_prompts=scale.validation_prompts, eval_every=scale.eval_every,
+                                  prompts_per_step=scale.rows_per_step), **changes})
 
 
 def prepare_data(out: Path, policy: str, scale: Scale, log) -> dict[str, str]:
@@ -123,7 +134,7 @@ def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scal
         subprocess.run([trl_python(), str(Path(__file__).with_name("_trl_peers.py")), "--trainer", PEERS[arm],
                         "--data", paths["singletons"], "--model", policy, "--out", str(run_dir), "--lr", str(lr),
                         "--max-steps", str(scale.steps), "--save-steps", str(scale.eval_every),
-                        "--batch-size", str(scale.rows_per_step)],
+                        "--batch-size", str(scale.rows_per_step if arm == "kto" else scale.positives_per_step)],
                        check=True, stdout=open(run_dir.with_name(run_dir.name + ".log"), "w"), stderr=subprocess.STDOUT)
         found = [(int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*")]
         return sorted(found)
@@ -134,8 +145,12 @@ def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scal
 
     preset, overrides = ARMS[arm]
     data = paths["k8"] if arm == "group-k8" else paths["singletons"]
+    # group-k8 takes the demo's steps of 32 groups of 8 for 2 epochs: the same number of steps
+    shape = (dict(prompts_per_step=scale.reference_groups_per_step,
+                  epochs=scale.steps * scale.reference_groups_per_step // scale.num_prompts)
+             if arm == "group-k8" else {})
     settings = demo_settings(scale, algorithm=preset, wide_clip=overrides.get("eps_high") == WIDE_CLIP["eps_high"],
-                             lr=lr, **{k: v for k, v in overrides.items() if k.startswith("baseline")})
+                             lr=lr, **shape, **{k: v for k, v in overrides.items() if k.startswith("baseline")})
     with open(run_dir.with_name(run_dir.name + ".log"), "w") as log, contextlib.redirect_stdout(log):
         train_offline(policy, data, run_dir, settings, progress=False)
     return ckpt.list_checkpoints(run_dir)
@@ -253,10 +268,10 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print) -> 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/logged", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 128 prompts, 8 steps, one lr")
+    parser.add_argument("--quick", action="store_true", help="toy sizes: 128 prompts, 8 steps of 32 rows, one lr")
     parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
     parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
-    parser.add_argument("--lrs", help="comma-separated learning rates (default 1e-4,3e-4,1e-3; --quick: 3e-4)")
+    parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-5,1e-4,3e-4; --quick: 3e-4)")
     parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
     args = parser.parse_args(argv)
     import torch
