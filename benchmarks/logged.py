@@ -15,6 +15,8 @@ learning rate and the step are chosen by the validation accuracy alone; the test
 is the arm's result, and its test curve is shown. Arms:
 
   step, dataset, constant   rec-oneside-nois, wide clip (0.6/2.0), with the baseline named (constant: 0.5)
+  dataset-asym              rec-oneside-nois with the dataset baseline and clip-higher: eps_low 0.2 (negatives
+                            stop once pushed below 0.8 rho), eps_high 2.0 (positives learn on, as in SFT)
   topr                      TOPR (its 0.5 threshold; negatives tapered by min(rho, 1))
   topr-dataset              TOPR's taper with the dataset baseline (the training rewards' mean) as threshold
   kto                       TRL KTOTrainer (prompt, completion, label = reward > 0), in TRL's own venv
@@ -48,6 +50,8 @@ ARMS: dict[str, tuple[str, dict] | None] = {
     "step": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "step"}),
     "dataset": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "dataset"}),
     "constant": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "constant", "baseline_value": 0.5}),
+    # clip-higher: the negatives' side stays at the preset's 0.2, the positives' side opens to 2.0
+    "dataset-asym": ("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0, "baseline": "dataset"}),
     "topr": ("topr", {}),
     "topr-dataset": ("topr", {"baseline": "dataset"}),
     "kto": None,
@@ -149,8 +153,10 @@ def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scal
     shape = (dict(prompts_per_step=scale.reference_groups_per_step,
                   epochs=scale.steps * scale.reference_groups_per_step // scale.num_prompts)
              if arm == "group-k8" else {})
-    settings = demo_settings(scale, algorithm=preset, wide_clip=overrides.get("eps_high") == WIDE_CLIP["eps_high"],
-                             lr=lr, **shape, **{k: v for k, v in overrides.items() if k.startswith("baseline")})
+    settings = demo_settings(scale, algorithm=preset, wide_clip=False, lr=lr, **shape,
+                             **{k: v for k, v in overrides.items() if k.startswith("baseline")})
+    settings = replace(settings, extra_overrides=tuple((k, v) for k, v in overrides.items()
+                                                       if not k.startswith("baseline")))
     with open(run_dir.with_name(run_dir.name + ".log"), "w") as log, contextlib.redirect_stdout(log):
         train_offline(policy, data, run_dir, settings, progress=False)
     return ckpt.list_checkpoints(run_dir)

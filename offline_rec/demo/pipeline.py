@@ -93,6 +93,8 @@ class DemoSettings:
     """`AlgorithmSpec.baseline` (group, step, dataset, constant); None: the preset's."""
     baseline_value: float | None = None
     """`AlgorithmSpec.baseline_value` for baseline=constant; None: the preset's."""
+    extra_overrides: tuple[tuple[str, object], ...] = ()
+    """Other `AlgorithmSpec` fields as (name, value) pairs, applied last (benchmarks use them)."""
     lr: float = 3e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
@@ -141,7 +143,7 @@ class DemoSettings:
             overrides["baseline"] = self.baseline
         if self.baseline_value is not None:
             overrides["baseline_value"] = self.baseline_value
-        return overrides
+        return {**overrides, **dict(self.extra_overrides)}
 
     @property
     def collect_samples(self) -> int:
@@ -150,7 +152,8 @@ class DemoSettings:
 
     @property
     def algorithm_label(self) -> str:
-        extra = [f"{k} {v}" for k, v in self.algorithm_overrides.items() if k.startswith("baseline")]
+        extra = [f"{k} {v}" for k, v in self.algorithm_overrides.items()
+                 if k.startswith("baseline") or (k, v) in self.extra_overrides]
         return (self.algorithm + (" (wide clip 0.6/2.0)" if self.wide_clip else "")
                 + (f", {', '.join(extra)}" if extra else ""))
 
