@@ -157,7 +157,9 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, overwrit
 
     from offline_rec.algorithms import get_algorithm
     from offline_rec.rollout.backends import check_backend_name
+    from offline_rec.training.distributed import import_deepspeed_only_when_used
 
+    import_deepspeed_only_when_used()  # the demo trains in one process: no DeepSpeed, nor its CPU warning in the log
     config = DemoSettings(**{**(QUICK if quick else {}), **settings})
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
     get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work

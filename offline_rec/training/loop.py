@@ -65,6 +65,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars would drown the step bar
+    distributed.import_deepspeed_only_when_used()
     hooks = hooks or TrainHooks()
     started, run_dir = time.time(), Path(config.out)
 
