@@ -134,8 +134,8 @@ class MetricsLog:
     checkpoint's own step is restored from its trainer_state if the crash came before its line.
 
     The trackers get each line's numbers under namespaced keys (`losses/loss`, `policy/clip_fraction`, ...)
-    and the resolved configuration as their run's config (mlflow: params). wandb and trackio continue the
-    run of the same output folder on resume; mlflow starts a new run, tagged with the folder.
+    and the resolved configuration as their run's config (mlflow: params). A resumed run continues the
+    tracker runs of its output folder.
     """
 
     def __init__(self, run_dir: Path, config: TrainConfig, start_step: int, active: bool,
@@ -208,16 +208,22 @@ class MetricsLog:
 
 def _mlflow_tracker(run_dir: Path, config: TrainConfig):
     """An mlflow run (accelerate's MLflowTracker) in config.mlflow_tracking_uri, $MLFLOW_TRACKING_URI, or else
-    a sqlite store in the output folder; the resolved config as its params."""
+    a sqlite store in the output folder; the resolved config as its params. A resumed run continues the mlflow
+    run tagged with its folder; the params it already has keep their first values (mlflow refuses a change)."""
     import mlflow
     from accelerate.tracking import MLflowTracker
 
     uri = config.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
-    tracker = MLflowTracker(experiment_name=config.mlflow_experiment, run_name=run_dir.name,
-                            tags={"offline_rec.run_dir": str(run_dir.resolve())})
+    tag, folder = "offline_rec.run_dir", str(run_dir.resolve())
+    tracker = MLflowTracker(experiment_name=config.mlflow_experiment, run_name=run_dir.name, tags={tag: folder})
+    earlier = mlflow.search_runs(experiment_names=[tracker.experiment_name], output_format="list",
+                                 filter_string=f"tags.`{tag}` = '{folder}'") if "'" not in folder else []
+    logged = {}
+    if earlier and tracker.run_id is None:  # (unless $MLFLOW_RUN_ID names the run)
+        tracker.run_id, logged = earlier[0].info.run_id, earlier[0].data.params
     tracker.start()
-    tracker.store_init_configuration(config.to_dict())
+    tracker.store_init_configuration({k: v for k, v in config.to_dict().items() if k not in logged})
     return tracker
 
 

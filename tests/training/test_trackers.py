@@ -1,16 +1,17 @@
 """report_to: mlflow, trackio and wandb, each with its real library writing to a local store.
 
-One 2-step `offline-rec train` reports to all three at once (mlflow: the default sqlite store in the run
-folder; trackio: $TRACKIO_DIR; wandb: offline mode); each store is read back and must hold every number
-of metrics.jsonl, at its step, under the namespaced key (`losses/loss`, ...) TensorBoard gets, and the
-resolved configuration (config.yaml) as the run's config (mlflow: its params). A tracker whose package
-is missing is refused before anything runs, naming the extra that installs it.
+One 2-step `offline-rec train`, cut short and resumed, reports to all three at once (mlflow: the default
+sqlite store in the run folder; trackio: $TRACKIO_DIR; wandb: offline mode); each store is read back and
+must hold, in one run, every number of metrics.jsonl at its step under the namespaced key (`losses/loss`,
+...) TensorBoard gets, and the resolved configuration (config.yaml) as the run's config (mlflow: params).
+A tracker whose package is missing is refused before anything runs, naming the extra that installs it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -34,7 +35,10 @@ def _namespaced(key: str) -> str:
 
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
-    """The run folder, its metrics.jsonl lines and config.yaml, and the trackio folder."""
+    """The run folder, its metrics.jsonl lines and config.yaml, and the trackio folder.
+
+    The run is cut short after step 2's metrics line, before its checkpoint (its last checkpoint and final/
+    removed, as a crash leaves them), then resumed: step 2 runs again into the same tracker runs."""
     for name in TRACKERS:
         pytest.importorskip(name)
     root = tmp_path_factory.mktemp("trackers")
@@ -46,22 +50,34 @@ def tracked_run(tmp_path_factory):
            "TRACKIO_DIR": str(root / "trackio")}
     for inherited in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID"):
         env.pop(inherited, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "offline_rec", "train", "--data", data, "--model", model, "--algorithm",
-         "rec-oneside-is", "--out", str(run), "--max-steps", str(STEPS), "--set", "prompts_per_step=4",
-         "--set", "micro_batch_tokens=64", "--set", "progress=false", "--set", "cpu=true",
-         "--set", f"report_to=[{','.join(TRACKERS)}]"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    lines = [json.loads(line) for line in (run / ckpt.METRICS_FILE).read_text().splitlines()]
+
+    def train(*argv):
+        result = subprocess.run([sys.executable, "-m", "offline_rec", "train", "--out", str(run), *map(str, argv)],
+                                env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    train("--data", data, "--model", model, "--algorithm", "rec-oneside-is", "--max-steps", STEPS,
+          "--set", "prompts_per_step=4", "--set", "micro_batch_tokens=64", "--set", "progress=false",
+          "--set", "cpu=true", "--set", "save_every=1", "--set", f"report_to=[{','.join(TRACKERS)}]")
+    first = _metrics_lines(run)
+    shutil.rmtree(run / ckpt.FINAL_DIR)
+    shutil.rmtree(ckpt.latest_checkpoint(run))
+    train("--resume")
+    lines = _metrics_lines(run)
+    timing = ("seconds", "tokens_per_s")
+    assert [{k: v for k, v in line.items() if k not in timing} for line in lines] == [
+        {k: v for k, v in line.items() if k not in timing} for line in first]  # resumed bit for bit
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
     config = yaml.safe_load((run / "config.yaml").read_text())
     return {"run": run, "lines": lines, "config": config, "trackio": root / "trackio"}
 
 
+def _metrics_lines(run) -> list[dict]:
+    return [json.loads(line) for line in (run / ckpt.METRICS_FILE).read_text().splitlines()]
+
+
 def _assert_all_metrics(lines: list[dict], logged: dict[int, dict]) -> None:
-    """`logged`: step -> {key: value} as a tracker stored them."""
+    """`logged`: step -> {key: value} as a tracker stored them, the resumed run's values last."""
     assert sorted(logged) == [line["step"] for line in lines]
     for line in lines:
         numbers = {_namespaced(k): v for k, v in line.items() if k != "step" and isinstance(v, (int, float))}
@@ -79,11 +95,14 @@ def test_mlflow_run_holds_the_metrics_and_the_config_as_params(tracked_run):
     assert found.data.tags["offline_rec.run_dir"] == str(run.resolve())
     logged: dict[int, dict] = {}
     for key in found.data.metrics:
-        for point in client.get_metric_history(found.info.run_id, key):
+        for point in sorted(client.get_metric_history(found.info.run_id, key), key=lambda point: point.timestamp):
             logged.setdefault(point.step, {})[key] = point.value
     _assert_all_metrics(tracked_run["lines"], logged)
-    # mlflow keeps params as text: str() of each resolved value
-    assert found.data.params == {key: str(value) for key, value in tracked_run["config"].items()}
+    # mlflow keeps params as text, str() of each resolved value, and refuses to change one: the first
+    # process's values stay (resume was false then)
+    first = {**tracked_run["config"], "resume": False}
+    assert tracked_run["config"]["resume"] is True
+    assert found.data.params == {key: str(value) for key, value in first.items()}
 
 
 def test_trackio_run_holds_the_metrics_and_the_config(tracked_run):
@@ -129,9 +148,10 @@ def _wandb_records(path):
 
 
 def test_wandb_offline_run_holds_the_metrics_and_the_config(tracked_run):
-    (path,) = (tracked_run["run"] / "wandb").glob("offline-run-*/run-*.wandb")
+    paths = sorted((tracked_run["run"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(paths) == 2 and len({path.name for path in paths}) == 1  # the resumed process continued the run id
     logged, config = {}, {}
-    for record in _wandb_records(path):
+    for record in (record for path in paths for record in _wandb_records(path)):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
