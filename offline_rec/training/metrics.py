@@ -213,8 +213,14 @@ def _mlflow_tracker(run_dir: Path, config: TrainConfig):
     import mlflow
     from accelerate.tracking import MLflowTracker
 
-    uri = config.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    mlflow.set_tracking_uri(uri or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    chosen = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(config.mlflow_tracking_uri or chosen or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    # set_tracking_uri also writes $MLFLOW_TRACKING_URI (for child processes): put the user's back, the default
+    # of a later run in this process (mlflow itself reads the URI it was set to first)
+    if chosen is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = chosen
     tag, folder = "offline_rec.run_dir", str(run_dir.resolve())
     tracker = MLflowTracker(experiment_name=config.mlflow_experiment, run_name=run_dir.name, tags={tag: folder})
     earlier = mlflow.search_runs(experiment_names=[tracker.experiment_name], output_format="list",

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from cli_support import run_cli
 from paths import REPO, TESTS
-from train_support import tiny_model, write_dataset
+from train_support import config, tiny_model, write_dataset
 
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.metrics import _NAMESPACE_OF
@@ -68,8 +68,8 @@ def tracked_run(tmp_path_factory):
     assert [{k: v for k, v in line.items() if k not in timing} for line in lines] == [
         {k: v for k, v in line.items() if k not in timing} for line in first]  # resumed bit for bit
     assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    return {"run": run, "lines": lines, "config": config, "trackio": root / "trackio"}
+    resolved = yaml.safe_load((run / "config.yaml").read_text())
+    return {"run": run, "lines": lines, "config": resolved, "trackio": root / "trackio"}
 
 
 def _metrics_lines(run) -> list[dict]:
@@ -86,6 +86,7 @@ def _assert_all_metrics(lines: list[dict], logged: dict[int, dict]) -> None:
         assert got == pytest.approx(numbers, rel=1e-6), line["step"]
 
 
+@pytest.mark.slow  # the module's run: two train processes, ~1 min on 2 cores
 def test_mlflow_run_holds_the_metrics_and_the_config_as_params(tracked_run):
     from mlflow.tracking import MlflowClient
 
@@ -105,6 +106,7 @@ def test_mlflow_run_holds_the_metrics_and_the_config_as_params(tracked_run):
     assert found.data.params == {key: str(value) for key, value in first.items()}
 
 
+@pytest.mark.slow
 def test_trackio_run_holds_the_metrics_and_the_config(tracked_run):
     code = (
         "import json, sys\n"
@@ -120,8 +122,8 @@ def test_trackio_run_holds_the_metrics_and_the_config(tracked_run):
     stored = json.loads(result.stdout.splitlines()[-1])
     assert stored["run"].startswith("run-")
     _assert_all_metrics(tracked_run["lines"], {entry["step"]: entry for entry in stored["logs"]})
-    config = {key: value for key, value in stored["config"].items() if not key.startswith("_")}  # trackio's own
-    assert config == tracked_run["config"]
+    own = {key: value for key, value in stored["config"].items() if not key.startswith("_")}  # _: trackio's own
+    assert own == tracked_run["config"]
 
 
 def _wandb_records(path):
@@ -147,19 +149,20 @@ def _wandb_records(path):
             yield record
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_holds_the_metrics_and_the_config(tracked_run):
     paths = sorted((tracked_run["run"] / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(paths) == 2 and len({path.name for path in paths}) == 1  # the resumed process continued the run id
-    logged, config = {}, {}
+    logged, run_config = {}, {}
     for record in (record for path in paths for record in _wandb_records(path)):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             logged[items.pop("_step")] = items
         elif kind == "run":
-            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+            run_config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
     _assert_all_metrics(tracked_run["lines"], logged)
-    assert {key: value for key, value in config.items() if not key.startswith("_")} == tracked_run["config"]
+    assert {key: value for key, value in run_config.items() if not key.startswith("_")} == tracked_run["config"]
 
 
 @pytest.mark.parametrize("name", TRACKERS)
@@ -170,3 +173,30 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, capsys
     assert code == 2
     assert err.strip() == f"error: report_to: {name} needs {name}: pip install 'offline-rec[{name}]'"
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # two mlflow sqlite stores created: ~10 s each
+def test_mlflow_store_is_the_option_else_the_environment(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from offline_rec.training.metrics import MetricsLog
+
+    option, environment = (f"sqlite:///{tmp_path / name}" for name in ("option.db", "environment.db"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", environment)
+    for name, uri in (("first", option), ("second", None)):
+        run = tmp_path / name
+        run.mkdir()
+        log = MetricsLog(run, config(tmp_path, "model", "data", out=str(run), report_to=["mlflow"],
+                                     mlflow_tracking_uri=uri), start_step=0, active=True)
+        log.write({"step": 1, "loss": 0.25, "lr": 1e-3})
+        log.close()
+        assert not (run / "mlflow.db").exists()
+    # the first run's explicit store did not become the second's (mlflow.set_tracking_uri also sets the variable)
+    for uri, name, param in ((option, "first", option), (environment, "second", "None")):
+        client = MlflowClient(tracking_uri=uri)
+        (found,) = client.search_runs([client.get_experiment_by_name("offline-rec").experiment_id])
+        assert found.info.run_name == name
+        assert found.data.metrics == {"losses/loss": 0.25, "charts/lr": 1e-3}
+        assert found.data.params["mlflow_tracking_uri"] == param
+    assert os.environ["MLFLOW_TRACKING_URI"] == environment
