@@ -84,10 +84,11 @@ def state_dict_of(model_dir) -> dict:
     return {k: v.clone() for k, v in AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict().items()}
 
 
-def bpe_tiny_model(directory, vocab_size: int = 2000) -> str:
+def bpe_tiny_model(directory, vocab_size: int = 2000, tie_word_embeddings: bool = False) -> str:
     """A 2-layer, hidden-64 llama with a byte-level BPE tokenizer of about `vocab_size` tokens trained on
     seeded random words (ASCII and non-ASCII). At 2000 tokens its embedding and lm_head have 128k
-    parameters each: above DeepSpeed's ZeRO-3 persistence threshold (1e5), so ZeRO-3 partitions them."""
+    parameters each: above DeepSpeed's ZeRO-3 persistence threshold (1e5), so ZeRO-3 partitions them.
+    `tie_word_embeddings`: one matrix for both."""
     from offline_rec.models.tiny import build_bpe_tokenizer, build_tiny_model, save_tiny
 
     rng = np.random.default_rng(0)
@@ -95,7 +96,8 @@ def bpe_tiny_model(directory, vocab_size: int = 2000) -> str:
     words = ["".join(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(6000)]
     texts = [" ".join(words[i:i + 50]) for i in range(0, len(words), 50)]
     tokenizer = build_bpe_tokenizer(texts, vocab_size=vocab_size)
-    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=128)
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, num_heads=2, max_position_embeddings=128,
+                             tie_word_embeddings=tie_word_embeddings)
     return save_tiny(model, tokenizer, Path(directory))
 
 

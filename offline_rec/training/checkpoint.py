@@ -200,11 +200,26 @@ def write_model(accelerator, scorer, tokenizer, directory: Path) -> None:
     if accelerator.is_main_process:
         policy = accelerator.unwrap_model(scorer).policy
         prefix = "policy."
+        tied = tied_names(policy)
         policy.save_pretrained(
-            directory, state_dict={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
-            safe_serialization=True,
+            directory, safe_serialization=True,
+            state_dict={k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)
+                        and k[len(prefix):] not in tied},
         )
         tokenizer.save_pretrained(directory)
+
+
+def tied_names(model) -> set[str]:
+    """Names under which `model` holds a parameter it already holds under an earlier name (a tied lm_head:
+    `lm_head.weight` beside `model.embed_tokens.weight`). `save_pretrained` stores a tied weight once by
+    finding tensors that share memory; the state dict gathered under FSDP2 or ZeRO-2 holds a separate
+    copy per name, so the copies are dropped by name, keeping the name save_pretrained keeps (the first)."""
+    seen, tied = set(), set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            tied.add(name)
+        seen.add(id(parameter))
+    return tied
 
 
 def _write_model_description(policy, tokenizer, directory: Path) -> None:

@@ -90,7 +90,8 @@ def check_optional_features(config: TrainConfig, hooks) -> None:
     """Features that need an extra package, or a hook the caller must wire in: refuse them up front, with the fix."""
     needs = [
         (config.lora_r > 0, "peft", "lora_r > 0 needs peft: pip install 'offline-rec[lora]'"),
-        ("wandb" in config.report_to, "wandb", "report_to: wandb needs wandb: pip install 'offline-rec[wandb]'"),
+        *((name in config.report_to, name, f"report_to: {name} needs {name}: pip install 'offline-rec[{name}]'")
+          for name in ("wandb", "mlflow", "trackio")),
     ]
     for wanted, module, message in needs:
         if wanted and importlib.util.find_spec(module) is None:

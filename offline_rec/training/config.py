@@ -37,12 +37,13 @@ ALGORITHM_PREFIX = "algorithm."
 LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISIONS = ("no", "bf16")
 MODEL_DTYPES = ("float32", "bfloat16")
-REPORTERS = ("tensorboard", "wandb")
+REPORTERS = ("tensorboard", "wandb", "mlflow", "trackio")
 
 # Keys that may differ between a run's saved config and the command that resumes it: they
 # change how long the run goes and what it logs, not the trajectory of the steps already taken.
 RESUMABLE_CHANGES = frozenset(
-    {"resume", "epochs", "max_steps", "save_every", "keep_last", "report_to", "wandb_project",
+    {"resume", "epochs", "max_steps", "save_every", "keep_last", "report_to", "wandb_project", "mlflow_experiment",
+     "mlflow_tracking_uri", "trackio_project",
      "progress", "eval_every", "eval_task", "push_to_hub", "reader_cache_dir"}
 )
 
@@ -137,8 +138,15 @@ class TrainConfig:
     # -- checkpoints and logs
     save_every: int = _option(50, "save a checkpoint every this many steps (0 = only at the end)")
     keep_last: int = _option(3, "keep only the newest N step checkpoints (0 = keep all)")
-    report_to: list[str] = _option(["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb (or [])")
+    report_to: list[str] = _option(
+        ["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb, mlflow, trackio (or [])"
+    )
     wandb_project: str = _option("offline-rec", "wandb project, with report_to: [wandb]")
+    mlflow_experiment: str = _option("offline-rec", "mlflow experiment, with report_to: [mlflow]")
+    mlflow_tracking_uri: str | None = _option(
+        None, "mlflow tracking URI (null: $MLFLOW_TRACKING_URI, else a sqlite store RUN/mlflow.db)"
+    )
+    trackio_project: str = _option("offline-rec", "trackio project, with report_to: [trackio] (stored in $TRACKIO_DIR)")
     progress: bool = _option(True, "show a progress bar")
     eval_every: int = _option(0, "evaluate a checkpoint every this many steps (0 = off); needs eval_task")
     eval_task: str | None = _option(None, "task evaluated with eval_every")

@@ -22,6 +22,7 @@ Per backend (what `configure` sets before `accelerator.prepare`, and why):
 from __future__ import annotations
 
 import os
+import sys
 
 from offline_rec.errors import UserError
 
@@ -37,6 +38,25 @@ def launched_backend() -> str | None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         return "DEEPSPEED"
     return None
+
+
+def import_deepspeed_only_when_used() -> None:
+    """Keep DeepSpeed unimported until a DeepSpeed backend imports it.
+
+    accelerate 1.16 imports DeepSpeed, whenever it is installed, each time it unwraps a model
+    (`accelerator.unwrap_model`, `get_state_dict`, and transformers' `save_pretrained` through it), only to
+    ask whether the model is a DeepSpeedEngine. That import costs ~0.6 s and, on a machine without GPUs,
+    prints DeepSpeed's "Setting accelerator to CPU" warning into every train and demo log. No model is a
+    DeepSpeedEngine before DeepSpeed was imported (a DeepSpeed backend imports it when the Accelerator
+    starts), so accelerate's question is asked of sys.modules instead: same answer, no import.
+    """
+    import accelerate.utils.other
+
+    accelerate.utils.other.is_deepspeed_available = _deepspeed_imported
+
+
+def _deepspeed_imported() -> bool:
+    return "deepspeed" in sys.modules
 
 
 def _gpu_available() -> bool:

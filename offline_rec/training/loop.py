@@ -65,16 +65,17 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars would drown the step bar
+    distributed.import_deepspeed_only_when_used()
     hooks = hooks or TrainHooks()
     started, run_dir = time.time(), Path(config.out)
 
     # ---- 1. Checks: everything a user can get wrong fails here, before RUN is touched.
     spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
+    checks.check_optional_features(config, hooks)
     datasets, tokenizer = checks.open_training_data(config)
     if config.resume and (run_dir / ckpt.FINAL_DIR).is_dir():
         return ckpt.finished_summary(run_dir)
     checks.check_run_dir(config, run_dir)
-    checks.check_optional_features(config, hooks)
     resume_from = ckpt.latest_checkpoint(run_dir) if config.resume else None
     # A resumed continuation starts from its own checkpoint: the run it continued may be gone by now.
     init_from = checks.check_init_from(config, tokenizer) if config.init_from and resume_from is None else None

@@ -1,4 +1,5 @@
-"""What a training run reports: per-step metrics (one function), metrics.jsonl / TensorBoard / wandb, the settings."""
+"""What a training run reports: per-step metrics (one function), metrics.jsonl and the trackers of `report_to`
+(TensorBoard, wandb, mlflow, trackio), the settings."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -115,7 +117,7 @@ def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: 
     )
 
 
-# Namespaces of the TensorBoard / wandb keys (metrics.jsonl stays flat).
+# Namespaces of the trackers' keys (metrics.jsonl stays flat): every tracker gets the same names.
 _NAMESPACES = {
     "losses": ("loss", "pg_loss", "reg_loss", "kl_initial"),
     "policy": ("clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "kl_behavior", "weight_mean", "grad_norm",
@@ -131,7 +133,7 @@ _NAMESPACE_OF = {key: space for space, keys in _NAMESPACES.items() for key in ke
 
 
 class MetricsLog:
-    """metrics.jsonl (flat, one line per step), TensorBoard and wandb; main process only.
+    """metrics.jsonl (flat, one line per step) and the trackers of `report_to`; main process only.
 
     Per step: loss, pg_loss, reg_loss, kl_initial (the step's token-means, summed over micro-batches
     and ranks); over its completion tokens: clip_fraction (share with clip mask 0), ratio_mean /
@@ -149,12 +151,17 @@ class MetricsLog:
 
     On resume, lines of steps after the checkpoint (written before the crash) are removed, and the
     checkpoint's own step is restored from its trainer_state if the crash came before its line.
+
+    The trackers get each line's numbers under namespaced keys (`losses/loss`, `policy/clip_fraction`, ...)
+    and the resolved configuration as their run's config (mlflow: params). A resumed run continues the
+    tracker runs of its output folder.
     """
 
     def __init__(self, run_dir: Path, config: TrainConfig, start_step: int, active: bool,
                  checkpoint_metrics: dict | None = None):
         self.active = active
         self.tensorboard = self.wandb = None
+        self.trackers = []  # accelerate's tracker objects (mlflow, trackio)
         if not active:
             return
         path = run_dir / ckpt.METRICS_FILE
@@ -169,12 +176,24 @@ class MetricsLog:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(str(run_dir / ckpt.TENSORBOARD_DIR), purge_step=start_step + 1)
+        # One id per output folder: a resumed run continues its tracker run.
+        run_id = hashlib.sha256(str(run_dir.resolve()).encode() + b"\0").hexdigest()[:16]
         if "wandb" in config.report_to:
             import wandb
 
-            run_id = hashlib.sha256(str(run_dir.resolve()).encode() + b"\0").hexdigest()[:16]
             self.wandb = wandb.init(project=config.wandb_project, dir=str(run_dir), config=config.to_dict(),
                                     resume="allow", id=run_id)
+        if "mlflow" in config.report_to:
+            self.trackers.append(_mlflow_tracker(run_dir, config))
+        if "trackio" in config.report_to:
+            from accelerate.tracking import TrackioTracker
+
+            # The config goes to trackio.init: accelerate's store_init_configuration would add its
+            # allow_val_change keyword to trackio's config dict as a key.
+            tracker = TrackioTracker(config.trackio_project, name=f"{run_dir.name}-{run_id}", config=config.to_dict(),
+                                     resume="allow")
+            tracker.start()
+            self.trackers.append(tracker)
 
     def write(self, metrics: dict) -> None:
         if not self.active:
@@ -191,6 +210,8 @@ class MetricsLog:
                 self.tensorboard.add_scalar(key, value, metrics["step"])
         if self.wandb is not None:
             self.wandb.log(namespaced, step=metrics["step"])
+        for tracker in self.trackers:
+            tracker.log(namespaced, step=metrics["step"])
 
     def close(self) -> None:
         if not self.active:
@@ -200,6 +221,35 @@ class MetricsLog:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.finish()
+
+
+def _mlflow_tracker(run_dir: Path, config: TrainConfig):
+    """An mlflow run (accelerate's MLflowTracker) in config.mlflow_tracking_uri, $MLFLOW_TRACKING_URI, or else
+    a sqlite store in the output folder; the resolved config as its params. A resumed run continues the mlflow
+    run tagged with its folder; the params it already has keep their first values (mlflow refuses a change)."""
+    import mlflow
+    from accelerate.tracking import MLflowTracker
+
+    chosen = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(config.mlflow_tracking_uri or chosen or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+    # set_tracking_uri also writes $MLFLOW_TRACKING_URI (for child processes): put the user's back, the default
+    # of a later run in this process (mlflow itself reads the URI it was set to first)
+    if chosen is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = chosen
+    tag, folder = "offline_rec.run_dir", str(run_dir.resolve())
+    tracker = MLflowTracker(experiment_name=config.mlflow_experiment, run_name=run_dir.name, tags={tag: folder})
+    earlier = mlflow.search_runs(experiment_names=[tracker.experiment_name], output_format="list",
+                                 filter_string=f"tags.`{tag}` = '{folder}'") if "'" not in folder else []
+    logged = {}
+    if earlier and tracker.run_id is None:  # (unless $MLFLOW_RUN_ID names the run)
+        tracker.run_id, logged = earlier[0].info.run_id, earlier[0].data.params
+    tracker.start()
+    tracker.store_init_configuration({k: v for k, v in config.to_dict().items() if k not in logged})
+    return tracker
 
 
 def _line_step(line: str):

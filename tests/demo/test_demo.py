@@ -140,6 +140,22 @@ def test_choose_checkpoint_reads_only_validation_scores():
     assert (final["step"], final["model"], final["select"]) == (64, "run/final", "final")
 
 
+def test_step_lines_carry_a_sparkline_of_the_accuracy_so_far():
+    from offline_rec.demo.pipeline import curve_line, sparkline
+
+    # 8 levels over [0, 1]: level = int(7 v + 0.5); 0.5 -> 4 (the fifth glyph), 0.07 -> 0, 0.08 -> 1
+    assert sparkline([0.0, 0.07, 0.08, 0.5, 0.93, 1.0]) == "▁▁▂▅██"
+    assert sparkline([-0.2, 1.3]) == "▁█"  # clamped to the scale
+    assert sparkline([2.0, 3.0, 4.0], low=2.0, high=4.0) == "▁▅█"
+    assert sparkline([]) == ""
+    curve = [{"step": 0, "greedy_accuracy": 0.0, "accuracy": 0.1},
+             {"step": 2, "greedy_accuracy": 0.25, "accuracy": 0.3, "validation_greedy_accuracy": 0.375}]
+    assert curve_line(curve) == ("  step 2: held-out greedy accuracy 0.250, accuracy at T=1 0.300, validation greedy "
+                                 "accuracy 0.375  held-out greedy so far ▁▃")  # 0.25 * 7 + 0.5 = 2.25 -> level 2
+    assert curve_line(curve[:1]) == ("  step 0: held-out greedy accuracy 0.000, accuracy at T=1 0.100  "
+                                     "held-out greedy so far ▁")
+
+
 @pytest.mark.slow
 def test_an_existing_output_is_refused_unless_it_is_a_demo_and_overwrite_is_given(demo, tmp_path, tiny_policy):
     from offline_rec.demo.pipeline import run_demo

@@ -70,7 +70,7 @@ def test_typos_get_a_suggestion(tmp_path):
 
 def test_bad_values_are_refused():
     bad = [dict(algorithm="grpoo"), dict(algorithm_overrides={"eps_hihg": 1.0}), dict(holdout=1.5),
-           dict(lr_schedule="linear"), dict(prompts_per_step=0), dict(report_to=["mlflow"]),
+           dict(lr_schedule="linear"), dict(prompts_per_step=0), dict(report_to=["comet_ml"]),
            dict(eval_every=10), dict(betas=[0.9]), dict(lr=-1.0), dict(mixed_precision="fp8")]
     for change in bad:
         with pytest.raises(UserError):

@@ -10,7 +10,8 @@ Every run must end at the one-process weights (float rounding), record what ran 
 "fsdp_version" / "zero_stage") and take exactly one optimizer step per training step
 ("optimizer_steps", read from the optimizer's own state). The model has a 2000-token byte-level BPE
 vocabulary, so that ZeRO-3 really partitions the embedding and the lm_head (above DeepSpeed's
-persistence threshold): the chunked log-prob head must work on a partitioned weight.
+persistence threshold): the chunked log-prob head must work on a partitioned weight. The lm_head is
+tied to the embedding (as in Qwen2.5 up to 3B): every final/ stores it once, as a one-process run does.
 
 Also here: FSDP2 killed with SIGKILL (every process of the job) right after publishing a sharded
 checkpoint, resumed from it to the uninterrupted weights; and, under FSDP2 and ZeRO-3, no op
@@ -77,7 +78,7 @@ def _needs(name: str) -> None:
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("backends")
-    model = bpe_tiny_model(root / "model")
+    model = bpe_tiny_model(root / "model", tie_word_embeddings=True)
     data = write_dataset(root / "data", model, num_groups=9, loss_masks=True)
 
     def settings(out: Path, **overrides) -> dict:
@@ -113,6 +114,8 @@ def _metrics(run: Path) -> list[dict]:
 
 def _assert_same_weights(run: Path, reference: Path) -> None:
     a, b = (load_file(r / ckpt.FINAL_DIR / "model.safetensors") for r in (reference, run))
+    # the tied output layer is stored once, as save_pretrained stores it in one process
+    assert "model.embed_tokens.weight" in a and "lm_head.weight" not in a
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0, msg=key)
@@ -137,8 +140,12 @@ def test_two_processes_under_each_config_match_one_process(setup, name):
     assert [m["num_tokens"] for m in metrics] == [m["num_tokens"] for m in one_metrics]
     assert all(m["num_tokens"] > 2 * MICRO_BATCH_TOKENS for m in metrics[:2])  # several micro-batches per rank
     for a, b in zip(one_metrics, metrics):
-        for key in ("loss", "grad_norm", "lr", "clip_fraction", "ratio_mean", "kl_behavior", "kl_initial"):
+        for key in ("loss", "lr", "clip_fraction", "ratio_mean", "kl_behavior", "kl_initial"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        # The one-process norm is torch's float32 one: over the tied [2000, 64] embedding gradient it was measured
+        # 1.8e-5 below the float64 norm of the same gradients (0.5280560 vs 0.5280654 at step 1), which ZeRO-2's
+        # own norm matched to 2e-7.
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=5e-5), "grad_norm"
     _assert_same_weights(run, one)
 
     # Checkpoints of sharded backends hold each rank's shards and no gathered weights; final/ is a

@@ -1,6 +1,7 @@
 """The training loop on a tiny CPU model: outputs, learning, normalization, data rules, resume, errors."""
 
 import importlib.machinery
+import importlib.util
 import json
 import sys
 import types
@@ -468,6 +469,32 @@ def test_cli_trains(tmp_path, model_dir, data_dir, capsys):
     assert exit_info.value.code == 0
     assert "trained 2 steps" in capsys.readouterr().out
     assert len(metrics_of(tmp_path / "run")) == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="the check is of an installed DeepSpeed")
+def test_a_one_process_train_log_has_no_deepspeed_line(tmp_path, model_dir, data_dir):
+    """accelerate imports an installed DeepSpeed wherever it unwraps a model (checkpoints, save_pretrained); on a
+    CPU machine that prints DeepSpeed's "Setting accelerator to CPU" warning. Without a DeepSpeed backend the
+    process must never import it (a fresh process: this one has imported it long ago)."""
+    import subprocess
+
+    script = f"""
+import sys
+from offline_rec.cli import main
+try:
+    main(["train", "--data", {str(data_dir)!r}, "--model", {str(model_dir)!r}, "--algorithm", "grpo", "--out",
+          {str(tmp_path / "run")!r}, "--max-steps", "1", "--set", "progress=false", "--set", "cpu=true"])
+except SystemExit as done:
+    assert done.code in (0, None), done.code
+print("imported:", sorted(name for name in sys.modules if name.split(".")[0] == "deepspeed"))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    *log, imported = (done.stderr + done.stdout).strip().splitlines()
+    assert imported == "imported: []"
+    assert "trained 1 steps" in " ".join(done.stdout.split())  # the log of a finished run, checkpoint and final/ saved
+    assert not [line for line in log if "deepspeed" in line.lower()]
 
 
 def test_a_process_group_made_by_someone_else_outlives_the_run(tmp_path, model_dir, data_dir):
