@@ -1,0 +1,189 @@
+"""`offline-rec view` in a real browser: headless Chromium opens the page from disk (file://) and the test reads
+the DOM it rendered, then takes a screenshot.
+
+The dataset (tests/view_support.py) holds CJK, emoji and Arabic text cut into partial-UTF-8 tokens, a tool
+episode with environment tokens (loss_mask 0), a completion that tries to run a script and to change the title,
+and behavior log-probs that put known tokens outside the clip band of the policy (--model, the same checkpoint).
+Chromium comes from Debian's `chromium` package (scripts/test.sh installs it where missing); the tests are
+skipped where it is absent, and fail in CI.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+
+import pytest
+from cli_support import cli_exit_code
+from view_support import SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
+
+pytestmark = pytest.mark.browser
+
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--virtual-time-budget=5000")
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI; scripts/test.sh installs Debian's chromium package")
+        pytest.skip("chromium is not installed (apt-get install chromium chromium-driver)")
+    return found
+
+
+def run_chromium(url: str, *arguments: str) -> str:
+    """Chromium's stdout for `url` (with --dump-dom: the DOM after the page's scripts ran), in a fresh profile."""
+    with tempfile.TemporaryDirectory(prefix="view-chromium-") as profile:
+        result = subprocess.run([chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *arguments, url],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+@dataclass
+class Node:
+    tag: str
+    attrs: dict
+    children: list = field(default_factory=list)  # Node or str
+
+    def classes(self) -> set[str]:
+        return set((self.attrs.get("class") or "").split())
+
+    def text(self) -> str:
+        return "".join(child if isinstance(child, str) else child.text() for child in self.children)
+
+    def find_all(self, tag: str, cls: str | None = None) -> list[Node]:
+        found = []
+        for child in self.children:
+            if isinstance(child, Node):
+                if child.tag == tag and (cls is None or cls in child.classes()):
+                    found.append(child)
+                found += child.find_all(tag, cls)
+        return found
+
+
+class _Tree(HTMLParser):
+    VOID = {"meta", "link", "input", "br", "img", "hr", "source", "area", "base", "col", "embed", "wbr"}
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.root = Node("#document", {})
+        self.stack = [self.root]
+
+    def handle_starttag(self, tag, attrs):
+        node = Node(tag, dict(attrs))
+        self.stack[-1].children.append(node)
+        if tag not in self.VOID:
+            self.stack.append(node)
+
+    def handle_endtag(self, tag):
+        for depth in range(len(self.stack) - 1, 0, -1):
+            if self.stack[depth].tag == tag:
+                del self.stack[depth:]
+                return
+
+    def handle_data(self, data):
+        self.stack[-1].children.append(data)
+
+
+def dom(url: str) -> Node:
+    tree = _Tree()
+    tree.feed(run_chromium(url, "--dump-dom"))
+    return tree.root
+
+
+def shown_bytes(completion: Node) -> bytes:
+    """The bytes the tokens of a completion show: text as UTF-8, hex boxes as their bytes."""
+    data = b""
+    for token in completion.find_all("span", "tok"):
+        for part in token.children:
+            if isinstance(part, str):
+                data += part.encode("utf-8")
+            elif "hex" in part.classes():
+                data += bytes.fromhex(part.text().strip("\u27e8\u27e9"))
+            else:
+                data += part.text().encode("utf-8")
+    return data
+
+
+@pytest.fixture(scope="module")
+def page(vllm_tiny_model, tmp_path_factory):
+    """The page of the test dataset with --model (2 groups a page: page 0 inline, pages 1-3 as page files)."""
+    chromium()
+    folder = tmp_path_factory.mktemp("view-browser")
+    dataset, plan = write_view_dataset(folder / "ds", vllm_tiny_model)
+    out = folder / "page.html"
+    code = cli_exit_code("view", dataset, "--model", vllm_tiny_model, "--out", out, "--groups-per-page", 2, "-q")
+    assert code == 0
+    return out, plan
+
+
+def _rows_by_key(root: Node) -> dict[tuple[str, int], Node]:
+    return {(group.attrs["data-group"], int(row.attrs["data-sample"])): row
+            for group in root.find_all("section", "group") for row in group.find_all("div", "row")}
+
+
+def test_the_first_page_renders_every_token_and_runs_no_data(page):
+    out, plan = page
+    root = dom(out.as_uri())
+    (title,) = root.find_all("title")
+    assert title.text() == "offline-rec view: ds"  # the completion's <script> and onerror would set "pwned"
+    (body,) = root.find_all("body")
+    assert body.attrs.get("data-rendered") == "2"
+    groups = [section.attrs["data-group"] for section in root.find_all("section", "group")]
+    assert groups == ["g-cjk", "g-tool"]
+    assert not root.find_all("img")  # the completion's <img onerror> is text, not an element
+    assert len(root.find_all("script")) == 5  # meta, index, page 0, and the page's two scripts
+    rows = _rows_by_key(root)
+    for planned in plan[0] + plan[1]:
+        row = rows[(planned.group, planned.sample)]
+        (completion,) = row.find_all("div", "completion")
+        assert completion.attrs.get("dir") == "auto"
+        tokens = completion.find_all("span", "tok")
+        assert len(tokens) == len(planned.completion_ids)
+        environment = [i for i, token in enumerate(tokens) if "env" in token.classes()]
+        assert environment == planned.env_positions
+        dropped = [i for i, token in enumerate(tokens) if "drop" in token.classes()]
+        assert dropped == (list(SHIFT_UP) if planned.sample == 0 else list(SHIFT_DOWN))  # A > 0, then A < 0
+        assert shown_bytes(completion) == planned.text.encode("utf-8")  # every byte, partial characters as hex
+        (prompt,) = row.find_all("details", "prompt")
+        assert "open" not in prompt.attrs  # the prompt is collapsed
+        head = row.find_all("div", "row-head")[0].text()
+        assert f"reward {planned.reward:.3f}" in head and "policy_version 0" in head
+    cjk = rows[("g-cjk", 0)].find_all("div", "completion")[0]
+    assert cjk.find_all("span", "hex"), "the CJK/emoji row must hold partial-UTF-8 tokens"
+    assert "\ufffd" not in cjk.text()
+    script_row = rows[("g-tool", 1)].find_all("div", "completion")[0]
+    markup = SCRIPT_COMPLETION.split("\u2028")[0]  # the markup before the line separator (cut into bytes)
+    assert "".join(t.text() for t in script_row.find_all("span", "tok")).startswith(markup)  # shown as text
+
+
+def test_later_pages_load_their_page_files_and_filters_apply(page):
+    out, _ = page
+    root = dom(out.as_uri() + "#page=2")
+    assert [s.attrs["data-group"] for s in root.find_all("section", "group")] == ["g-fill-1", "g-fill-2"]
+    assert len(root.find_all("script")) == 6  # page-00002.js was loaded
+    root = dom(out.as_uri() + "#signal=-1")
+    assert [s.attrs["data-group"] for s in root.find_all("section", "group")] == ["g-cut"]
+    (status,) = [n for n in root.find_all("span") if n.attrs.get("id") == "status"]
+    assert status.text() == "1 of 8 groups match"
+    root = dom(out.as_uri() + "#rmin=0.4&rmax=0.45")  # mean rewards: 0.5, 0.375, none, 0.5 ...: none match
+    assert not root.find_all("section", "group")
+    (status,) = [n for n in root.find_all("span") if n.attrs.get("id") == "status"]
+    assert status.text() == "0 of 8 groups match"
+
+
+def test_screenshot(page, tmp_path):
+    out, _ = page
+    shot = tmp_path / "view.png"
+    run_chromium(out.as_uri(), f"--screenshot={shot}", "--window-size=1280,900")
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a drawn page, not a blank one
+    if os.environ.get("VIEW_SCREENSHOT"):  # keep it to look at
+        shutil.copy(shot, os.environ["VIEW_SCREENSHOT"])
