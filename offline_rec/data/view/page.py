@@ -202,36 +202,48 @@ def page_folder(out: Path) -> Path:
     return out.with_name(out.stem + "_files")
 
 
-def write_view(config: ViewConfig, warn=lambda message: None, progress: bool = True, on_page=None) -> dict:
-    """Write the page `config.out` (first) and then its page files; `on_page(path)` is called once the HTML
-    is there (the page opens from then on). Returns a summary: path, folder, pages, groups, rows."""
-    from offline_rec.progress import ProgressBar
-
-    view = open_view(config, warn)
-    out = config.out
-    folder = page_folder(out)
+def write_page(view: View, out: Path) -> Path:
+    """Write the HTML of `view` to `out` (atomically): its first `inline_pages` pages inline, the rest left to
+    page files in `page_folder(out)`. The page opens from then on."""
     if out.exists() and out.is_dir():
         raise UserError(f"--out {out} is a directory; give the HTML file's name")
     out.parent.mkdir(parents=True, exist_ok=True)
-    inline = {number: view.page(number) for number in range(min(config.inline_pages, view.num_pages))}
-    meta = view.meta(serve=False, page_dir=folder.name)
+    inline = {number: view.page(number) for number in range(min(view.config.inline_pages, view.num_pages))}
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(render_html(meta, view.index.to_json(), inline), encoding="utf-8")
+    tmp.write_text(render_html(view.meta(serve=False, page_dir=page_folder(out).name), view.index.to_json(), inline),
+                   encoding="utf-8")
     os.replace(tmp, out)
-    if on_page is not None:
-        on_page(out)
-    if folder.exists():  # page files of an earlier page of the same name
+    return out
+
+
+def write_page_files(view: View, out: Path, progress: bool = True) -> Path | None:
+    """Write the page files of the pages `out` does not hold inline (earlier ones of the same name are removed);
+    their folder, or None when every page is inline."""
+    from offline_rec.progress import ProgressBar
+
+    folder = page_folder(out)
+    if folder.exists():
         for old in folder.glob("page-*.js"):
             old.unlink()
-    rest = range(len(inline), view.num_pages)
-    if len(rest):
-        folder.mkdir(exist_ok=True)
-    elif folder.exists() and not any(folder.iterdir()):
-        folder.rmdir()
-    with ProgressBar("view pages", len(rest), enabled=progress and len(rest) > 0) as bar:
+    rest = range(min(view.config.inline_pages, view.num_pages), view.num_pages)
+    if not len(rest):
+        if folder.exists() and not any(folder.iterdir()):
+            folder.rmdir()
+        return None
+    folder.mkdir(exist_ok=True)
+    with ProgressBar("view pages", len(rest), enabled=progress) as bar:
         for number in rest:
             (folder / PAGE_FILE.format(number=number)).write_text(page_file_text(number, view.page(number)),
                                                                   encoding="utf-8")
             bar.advance(1)
-    return {"page": str(out), "page_files": str(folder) if len(rest) else None, "pages": view.num_pages,
+    return folder
+
+
+def write_view(config: ViewConfig, warn=lambda message: None, progress: bool = True) -> dict:
+    """`offline-rec view --out`: the page first (it opens from then on), then its page files.
+    Returns a summary: page, page_files (folder or None), pages, groups, rows."""
+    view = open_view(config, warn)
+    out = write_page(view, config.out)
+    folder = write_page_files(view, out, progress)
+    return {"page": str(out), "page_files": None if folder is None else str(folder), "pages": view.num_pages,
             "groups": view.index.num_groups, "rows": int(sum(view.index.size))}
