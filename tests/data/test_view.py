@@ -212,6 +212,15 @@ def test_out_writes_inline_pages_and_page_files(view_data, tmp_path):
     assert not folder.exists()
 
 
+def test_a_group_carries_its_prompt_once(tmp_path):
+    groups = make_rows([3])
+    groups[0][2]["prompt"] = "another prompt \u202e"
+    path = write_dataset(tmp_path / "ds", groups)
+    (group,) = open_view(ViewConfig(dataset=path, out=tmp_path / "p.html")).page(0)["groups"]
+    assert group["prompt"] == groups[0][0]["prompt"]
+    assert [row["prompt"] for row in group["rows"]] == [None, None, "another prompt \u202e"]
+
+
 def test_tokens_ids_masks_and_advantages_without_a_model(view_data, tmp_path):
     path, plan, _ = view_data
     rows = _rows(open_view(_config(path, tmp_path)))
@@ -295,6 +304,29 @@ def test_cli_errors_exit_2(capsys, tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # --serve
+
+
+def test_the_serve_command_announces_its_address_and_stops_on_ctrl_c(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from paths import REPO
+
+    write_dataset(tmp_path / "ds", make_rows([2, 2]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    server = subprocess.Popen([sys.executable, "-m", "offline_rec", "view", str(tmp_path / "ds"), "--serve", "--port",
+                               "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = server.stdout.readline()
+        url = line.split(" on ", 1)[1].split()[0]
+        assert url.startswith("http://127.0.0.1:") and "2 groups" in line
+        with urllib.request.urlopen(url + "pages/0", timeout=30) as response:
+            assert [g["id"] for g in json.loads(response.read())["groups"]] == ["g0000", "g0001"]
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0, server.stderr.read()
 
 
 def test_serve_answers_the_page_and_pages_as_json_on_loopback(view_data, tmp_path):

@@ -187,3 +187,24 @@ def test_screenshot(page, tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000  # a drawn page, not a blank one
     if os.environ.get("VIEW_SCREENSHOT"):  # keep it to look at
         shutil.copy(shot, os.environ["VIEW_SCREENSHOT"])
+
+
+def test_served_pages_load_through_the_server(page):
+    """--serve: the same page from the loopback server, later pages fetched as JSON."""
+    import threading
+
+    from offline_rec.data.view.config import ViewConfig
+    from offline_rec.data.view.page import open_view
+    from offline_rec.data.view.serve import make_server
+
+    out, _ = page
+    dataset = out.parent / "ds"
+    server = make_server(open_view(ViewConfig(dataset=dataset, serve=True, groups_per_page=2)), "127.0.0.1", 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        root = dom(f"http://127.0.0.1:{server.server_address[1]}/#page=3")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [s.attrs["data-group"] for s in root.find_all("section", "group")] == ["g-fill-3", "g-fill-4"]
+    assert len(root.find_all("script")) == 5  # fetched, not loaded as scripts

@@ -208,7 +208,7 @@ SCRIPT = r"""
     return span;
   }
 
-  function drawRow(row, text) {
+  function drawRow(row, text, groupPrompt) {
     const box = element("div", "row" + (row.droppedRow ? " dropped-row" : ""));
     box.dataset.sample = String(row.sample);
     const head = element("div", "row-head");
@@ -225,7 +225,7 @@ SCRIPT = r"""
     box.appendChild(head);
     const prompt = element("details", "prompt");
     prompt.appendChild(element("summary", null, "prompt (" + row.promptTokens + " tokens), task " + row.task));
-    const promptText = element("pre", null, row.prompt);
+    const promptText = element("pre", null, row.prompt === null ? groupPrompt : row.prompt);
     promptText.dir = "auto";
     prompt.appendChild(promptText);
     if (row.meta && row.meta !== "{}") prompt.appendChild(element("pre", "meta", "meta " + row.meta));
@@ -252,7 +252,7 @@ SCRIPT = r"""
     const signal = { "1": "signal", "0": "no signal", "-1": "unrewarded" }[String(index.signal[number_])];
     section.appendChild(element("h2", null, "group " + group.id + " \u00b7 " + group.rows.length
       + " responses \u00b7 mean reward " + number(index.rewardMean[number_], 3) + " \u00b7 " + signal));
-    for (const row of group.rows) section.appendChild(drawRow(row, text));
+    for (const row of group.rows) section.appendChild(drawRow(row, text, group.prompt));
     return section;
   }
 

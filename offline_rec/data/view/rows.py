@@ -173,10 +173,10 @@ def scan_index(dataset: Dataset, groups_per_page: int) -> GroupIndex:
             low = np.fmin.reduceat(rewards, starts)
             high = np.fmax.reduceat(rewards, starts)
         mean = total / counts
-        reasons = table.column(S.FINISH_REASON).to_pylist()
-        for reason in set(reasons):
-            reason_bit.setdefault(reason, len(reason_bit))
-        bits = np.array([1 << reason_bit[reason] for reason in reasons], dtype=np.int64)
+        encoded = pc.dictionary_encode(table.column(S.FINISH_REASON).combine_chunks())
+        bit_of_code = np.array([reason_bit.setdefault(reason, len(reason_bit))
+                                for reason in encoded.dictionary.to_pylist()], dtype=np.int64)
+        bits = np.left_shift(1, bit_of_code[encoded.indices.to_numpy(zero_copy_only=False)])  # [rows]
         signal = np.where(missing, UNREWARDED, np.where((counts > 1) & (high > low), SIGNAL, NO_SIGNAL))
         first_group = index.num_groups
         index.size += counts.tolist()
@@ -294,7 +294,8 @@ def page_payload(rows: list[dict], text: TokenText, spec, scorer: PolicyScorer |
     groups: list[dict] = []
     for i, row in enumerate(rows):
         if not groups or groups[-1]["id"] != row[S.GROUP_ID]:
-            groups.append({"id": row[S.GROUP_ID], "rows": []})
+            # the prompt once per group (an agent's prompt can be long): a row holds its own only if it differs
+            groups.append({"id": row[S.GROUP_ID], "prompt": row[S.PROMPT], "rows": []})
         ids = row[S.COMPLETION_IDS]
         for token in ids:
             key = str(token)
@@ -305,7 +306,8 @@ def page_payload(rows: list[dict], text: TokenText, spec, scorer: PolicyScorer |
             "sample": row[S.SAMPLE_INDEX], "reward": _rounded(row[S.REWARD], REWARD_DIGITS),
             "advantage": _rounded(advantages[i], REWARD_DIGITS), "finish": row[S.FINISH_REASON],
             "behavior": row[S.BEHAVIOR], "policyVersion": row[S.POLICY_VERSION], "task": row[S.TASK],
-            "prompt": row[S.PROMPT], "promptTokens": len(row[S.PROMPT_IDS]), "meta": row[S.META],
+            "prompt": None if row[S.PROMPT] == groups[-1]["prompt"] else row[S.PROMPT],
+            "promptTokens": len(row[S.PROMPT_IDS]), "meta": row[S.META],
             "completion": row[S.COMPLETION], "ids": ids,
             "logp": [_rounded(v, LOGPROB_DIGITS) for v in row[S.BEHAVIOR_LOGPROBS]],
             "lossMask": mask,
