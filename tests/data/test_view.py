@@ -274,6 +274,21 @@ def test_an_unloadable_behavior_model_shows_token_ids_with_a_warning(tmp_path):
     assert payload["text"][str(first)] == [[UNKNOWN, f"#{first}"]]
 
 
+def test_data_the_policy_cannot_score_is_refused_in_one_line(vllm_tiny_model, tmp_path):
+    groups = make_rows([2, 2], vocab_size=50)
+    groups[1][0]["completion_ids"][0] = 5000  # beyond the chat model's 1200 embeddings
+    path = write_dataset(tmp_path / "ds", groups, groups_per_shard=1)
+    view = open_view(ViewConfig(dataset=path, out=tmp_path / "p.html", model=vllm_tiny_model))
+    assert "policyLogp" in view.page(0)["groups"][0]["rows"][0]
+    with pytest.raises(UserError, match="token id 5000 but .* has 1200 embeddings"):
+        view.page(1)
+    groups = make_rows([1], vocab_size=50, prompt_lengths=[[0]])
+    path = write_dataset(tmp_path / "empty", groups)
+    view = open_view(ViewConfig(dataset=path, out=tmp_path / "p.html", model=vllm_tiny_model))
+    with pytest.raises(UserError, match="sample 0: empty prompt"):
+        view.page(0)
+
+
 # --------------------------------------------------------------------------------------------
 # options and errors
 

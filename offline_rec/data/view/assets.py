@@ -66,8 +66,10 @@ SCRIPT = r"""
       promise = Promise.resolve(JSON.parse(inline.textContent));
     } else if (meta.serve) {
       promise = fetch("pages/" + number).then((response) => {
-        if (!response.ok) throw new Error("page " + number + ": HTTP " + response.status);
-        return response.json();
+        if (response.ok) return response.json();
+        return response.text().then((text) => {
+          throw new Error("page " + number + ": HTTP " + response.status + " " + text);
+        });
       });
     } else {
       promise = new Promise((resolve, reject) => {
@@ -116,10 +118,7 @@ SCRIPT = r"""
 
   function readHash() {
     const params = new URLSearchParams(location.hash.slice(1));
-    for (const name of FIELDS.slice(0, 6)) {
-      const input = $("f-" + name);
-      if (params.has(name)) input.value = params.get(name);
-    }
+    for (const name of FIELDS.slice(0, 6)) $("f-" + name).value = params.get(name) || "";
     return Math.max(0, parseInt(params.get("page") || "0", 10) || 0);
   }
 

@@ -99,7 +99,7 @@ def open_view(config: ViewConfig, warn=lambda message: None) -> View:
         model = load_model(config.model, dtype=config.dtype or "auto", device=config.device)
         check_model_tokenizer(model, tokenizer, f" of {config.model}")
         check_tokenizers([dataset], tokenizer, config.model)
-        scorer = PolicyScorer(model, tokenizer, float(temperature), config.batch_size)
+        scorer = PolicyScorer(model, tokenizer, float(temperature), config.batch_size, config.model)
     index = scan_index(dataset, config.groups_per_page)
     facts = {
         "name": dataset.path.resolve().name, "path": str(dataset.path), "rows": dataset.num_rows,

@@ -238,12 +238,23 @@ class PageReader:
 class PolicyScorer:
     """Teacher-forced log-probs of completions under the policy (--model), at the data's temperature."""
 
-    def __init__(self, model, tokenizer, temperature: float, batch_size: int):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, temperature: float, batch_size: int, name: str = "the policy"):
+        from offline_rec.models.loading import embedding_rows
+
+        self.model, self.tokenizer, self.name = model, tokenizer, name
         self.temperature, self.batch_size = temperature, batch_size
+        self.embeddings = embedding_rows(model)
 
     def __call__(self, rows: list[dict]) -> list[list[float]]:
+        from offline_rec.models.loading import check_token_ids_fit
         from offline_rec.models.teacher_forced import teacher_forced_logprobs
+
+        for row in rows:
+            if not row[S.PROMPT_IDS]:
+                raise DataError(f"group {row[S.GROUP_ID]!r} sample {row[S.SAMPLE_INDEX]}: empty prompt, so its first "
+                                "token has no context to score; view the data without --model")
+        check_token_ids_fit(max(max(row[S.PROMPT_IDS] + row[S.COMPLETION_IDS], default=-1) for row in rows),
+                            self.embeddings, self.name)
 
         return teacher_forced_logprobs(self.model, self.tokenizer, [row[S.PROMPT_IDS] for row in rows],
                                        [row[S.COMPLETION_IDS] for row in rows], batch_size=self.batch_size,

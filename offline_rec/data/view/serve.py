@@ -14,6 +14,7 @@ from functools import lru_cache
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from offline_rec.data.view.page import CONTENT_SECURITY_POLICY, View, render_html, script_json
+from offline_rec.errors import UserError
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "[::1]")
 _PAGE_PATH = re.compile(r"/pages/(\d{1,9})")
@@ -57,7 +58,12 @@ def make_server(view: View, host: str, port: int) -> HTTPServer:
                 return
             match = _PAGE_PATH.fullmatch(path)
             if match and int(match.group(1)) < view.num_pages:
-                self._send(200, page_json(int(match.group(1))), "application/json; charset=utf-8")
+                try:
+                    body = page_json(int(match.group(1)))
+                except UserError as error:  # data the policy cannot score: said on the page, the server goes on
+                    self._send(500, f"{error}\n".encode(), "text/plain; charset=utf-8")
+                    return
+                self._send(200, body, "application/json; charset=utf-8")
                 return
             self._send(404, b"not found\n", "text/plain; charset=utf-8")
 
