@@ -208,3 +208,28 @@ def test_served_pages_load_through_the_server(page):
         server.server_close()
     assert [s.attrs["data-group"] for s in root.find_all("section", "group")] == ["g-fill-3", "g-fill-4"]
     assert len(root.find_all("script")) == 5  # fetched, not loaded as scripts
+
+
+def test_the_demo_data_with_its_policy(tmp_path):
+    """What `offline-rec demo` collects (its shipped arith policy, the hf backend), viewed with that policy."""
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.demo.policy import demo_policy_path
+
+    chromium()
+    policy = demo_policy_path()
+    assert cli_exit_code("collect", "--model", policy, "--task", "arith", "--num-prompts", 4, "-k", 4, "--backend",
+                         "hf", "--max-new-tokens", 16, "--out", tmp_path / "ds", "--quiet") == 0
+    out = tmp_path / "demo.html"
+    assert cli_exit_code("view", tmp_path / "ds", "--model", policy, "--out", out, "-q") == 0
+    root = dom(out.as_uri())
+    rows = _rows_by_key(root)
+    logged = {(row["group_id"], row["sample_index"]): row for group in open_dataset(tmp_path / "ds").iter_groups()
+              for row in group}
+    assert rows.keys() == logged.keys() and len(rows) == 16  # every group on the first page
+    for key, row in rows.items():
+        (completion,) = row.find_all("div", "completion")
+        tokens = completion.find_all("span", "tok")
+        assert len(tokens) == len(logged[key]["completion_ids"])
+        assert all("rho" in token.attrs["title"] for token in tokens)  # the policy's ratio on every token
+        head = row.find_all("div", "row-head")[0].text()
+        assert f"reward {logged[key]['reward']:.3f}" in head and "advantage " in head
