@@ -163,7 +163,10 @@ def view(
 ) -> None:
     """Look at a dataset in the browser: groups, filters, every response token by token (an HTML page or --serve)."""
     config = ViewConfig(**{name: value for name, value in locals().items() if name in VIEW or name == "dataset"})
-    warn = lambda message: typer.echo(f"warning: {message}", err=True)  # noqa: E731
+
+    def warn(message: str) -> None:
+        typer.echo(f"warning: {message}", err=True)
+
     if config.serve:
         from offline_rec.data.view.page import open_view
         from offline_rec.data.view.serve import serve_view

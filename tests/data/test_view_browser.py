@@ -233,3 +233,12 @@ def test_the_demo_data_with_its_policy(tmp_path):
         assert all("rho" in token.attrs["title"] for token in tokens)  # the policy's ratio on every token
         head = row.find_all("div", "row-head")[0].text()
         assert f"reward {logged[key]['reward']:.3f}" in head and "advantage " in head
+
+
+def test_page_files_load_whatever_the_page_is_named(page):
+    out, _ = page
+    odd = out.parent / "my view #1 ?.html"
+    assert cli_exit_code("view", out.parent / "ds", "--out", odd, "--groups-per-page", 2, "-q") == 0
+    assert (out.parent / "my view #1 ?_files" / "page-00001.js").exists()
+    root = dom(odd.as_uri() + "#page=1")
+    assert [s.attrs["data-group"] for s in root.find_all("section", "group")] == ["g-cut", "g-fill-0"]

@@ -74,7 +74,7 @@ SCRIPT = r"""
     } else {
       promise = new Promise((resolve, reject) => {
         const script = document.createElement("script");
-        script.src = meta.pageDir + "/page-" + String(number).padStart(5, "0") + ".js";
+        script.src = encodeURIComponent(meta.pageDir) + "/page-" + String(number).padStart(5, "0") + ".js";
         waiting.set(number, { resolve: resolve });
         script.onerror = () => { waiting.delete(number); reject(new Error("cannot load " + script.src)); };
         document.head.appendChild(script);
