@@ -92,6 +92,17 @@ def test_token_text_gives_back_every_byte_of_non_ascii_text(view_data):
     assert TokenText(None)(7) == [[UNKNOWN, "#7"]]
 
 
+def test_token_text_of_sentencepiece_byte_fallback_pieces():
+    from tokenizer_support import byte_fallback_sentencepiece
+
+    sp = byte_fallback_sentencepiece()
+    text = TokenText(sp)
+    ids = sp("x 文a")["input_ids"]  # x ▁ <0xE6> <0x96> <0x87> a
+    assert [text(token) for token in ids] == ["x", " ", [[HEX, "e6"]], [[HEX, "96"]], [[HEX, "87"]], "a"]
+    assert text(sp.convert_tokens_to_ids("\u2581x")) == " x"  # ▁ is a space
+    assert text(sp.eos_token_id) == [[SPECIAL, "</s>"]]
+
+
 # --------------------------------------------------------------------------------------------
 # escaping
 
