@@ -385,3 +385,21 @@ def test_serve_answers_the_page_and_pages_as_json_on_loopback(view_data, tmp_pat
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_bound_elsewhere_on_purpose_answers_any_host(tmp_path):
+    from offline_rec.data.view.serve import make_server
+
+    write_dataset(tmp_path / "ds", make_rows([2]))
+    view = open_view(ViewConfig(dataset=tmp_path / "ds", serve=True))
+    server = make_server(view, "127.0.0.2", 0)  # as --host 0.0.0.0 or a LAN address would be, on the loopback
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        request = urllib.request.Request(f"http://127.0.0.2:{server.server_address[1]}/pages/0",
+                                         headers={"Host": "viewer.lab.example"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert json.loads(response.read())["groups"][0]["id"] == "g0000"
+    finally:
+        server.shutdown()
+        server.server_close()

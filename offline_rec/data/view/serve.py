@@ -2,9 +2,9 @@
 
 GET / is the page (its first pages inline, like --out's); GET /pages/N is page N as JSON, read from
 the dataset (and scored by --model) on demand, so a dataset of any size opens at once. The server
-binds 127.0.0.1 by default and answers only requests whose Host header names this machine (a web
-page elsewhere cannot read the data through DNS rebinding). One request at a time: the policy
-model is not shared between threads.
+binds 127.0.0.1 by default and then answers only requests whose Host header names the loopback (a
+web page elsewhere cannot read the data through DNS rebinding); bound to another address on purpose
+(--host), it answers any. One request at a time: the policy model is not shared between threads.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ def make_server(view: View, host: str, port: int) -> HTTPServer:
     page_html = render_html(view.meta(serve=True), view.index.to_json(),
                             {number: view.page(number) for number in range(min(view.config.inline_pages,
                                                                                view.num_pages))}).encode("utf-8")
+    loopback = host in ("127.0.0.1", "localhost")  # --host 0.0.0.0 (or a LAN address) is meant to be reached
     page_json = lru_cache(maxsize=PAGE_CACHE)(lambda number: script_json(view.page(number)).encode("utf-8"))
 
     class Handler(BaseHTTPRequestHandler):
@@ -49,7 +50,7 @@ def make_server(view: View, host: str, port: int) -> HTTPServer:
             self.wfile.write(body)
 
         def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
-            if _host_name(self.headers.get("Host") or "") not in {*LOCAL_HOSTS, host}:
+            if loopback and _host_name(self.headers.get("Host") or "") not in LOCAL_HOSTS:
                 self._send(403, b"forbidden host\n", "text/plain; charset=utf-8")
                 return
             path = self.path.split("?", 1)[0]
