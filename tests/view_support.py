@@ -21,8 +21,8 @@ from offline_rec import schema as S
 from offline_rec.data.dataset import make_row
 from offline_rec.models.tiny import chat_messages
 
-SCRIPT_COMPLETION = ('<script>document.title="pwned"</script>'
-                     '<img src=x onerror="document.title=\'pwned\'"></script><!-- \u2028 &amp;')
+SCRIPT_COMPLETION = ('<script>window.pwned=1;document.title="pwned"</script>'
+                     '<img src=x onerror="window.pwned=2;document.title=\'pwned\'"></script><!-- \u2028 &amp;')
 CJK_EMOJI = "你好，世界！🎉🚀 数学很有趣 😀"
 ARABIC = "مرحبا بالعالم 123"
 SHIFT_UP = (0, 2)  # completion positions whose behavior log-prob is lowered by log 2: rho = 2

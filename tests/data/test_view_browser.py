@@ -28,12 +28,16 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--virtual-time-budget=5000")
 
 
+def missing(what: str):
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} is missing in CI; scripts/test.sh installs Debian's chromium and chromium-driver")
+    pytest.skip(f"{what} is not installed (apt-get install chromium chromium-driver)")
+
+
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing in CI; scripts/test.sh installs Debian's chromium package")
-        pytest.skip("chromium is not installed (apt-get install chromium chromium-driver)")
+        missing("chromium")
     return found
 
 
@@ -242,3 +246,36 @@ def test_page_files_load_whatever_the_page_is_named(page):
     assert (out.parent / "my view #1 ?_files" / "page-00001.js").exists()
     root = dom(odd.as_uri() + "#page=1")
     assert [s.attrs["data-group"] for s in root.find_all("section", "group")] == ["g-cut", "g-fill-0"]
+
+
+def test_clicking_through_pages_filters_and_colours(page):
+    """A user's session, driven through chromedriver: next page, a filter typed in, the colour switched, a prompt
+    opened; the completion's script never ran (it would set window.pwned)."""
+    from webdriver_support import Browser, driver_binaries
+
+    if driver_binaries() is None:
+        missing("chromedriver")
+    out, _ = page
+    groups = "return [...document.querySelectorAll('section.group')].map((s) => s.dataset.group).join(' ')"
+    with Browser() as browser:
+        browser.open(out.as_uri())
+        browser.wait_for("return document.body.dataset.rendered")
+        assert browser.run("return [document.title, typeof window.pwned]") == ["offline-rec view: ds", "undefined"]
+        browser.click("#next")  # page 1 comes from its page file
+        assert browser.wait_for(groups + " === 'g-cut g-fill-0' && location.hash")
+        browser.type("#f-rmin", "0.3")
+        browser.type("#f-rmax", "0.4")
+        browser.click("button[type=submit]")
+        browser.wait_for(groups + " === 'g-tool'")  # mean reward 0.375 only
+        assert browser.run("return document.getElementById('status').textContent") == "1 of 8 groups match"
+        assert browser.run("return location.hash") == "#rmin=0.3&rmax=0.4"
+        token = "return document.querySelector('section.group .completion .tok:not(.env)').style.backgroundColor"
+        by_ratio = browser.run(token)
+        browser.run("const s = document.getElementById('colour-by'); s.value = 'behavior';"
+                    "s.dispatchEvent(new Event('change'));")
+        by_behavior = browser.wait_for(token.replace("return ", "const c = ") + f"; return c !== {by_ratio!r} && c")
+        assert by_ratio.startswith("rgba(") and by_behavior.startswith("rgb(")  # the two colour scales
+        assert browser.run("return document.querySelector('details.prompt').open") is False
+        browser.click("details.prompt summary")
+        assert browser.run("return document.querySelector('details.prompt').open") is True
+        assert browser.run("return [document.title, typeof window.pwned]") == ["offline-rec view: ds", "undefined"]
