@@ -19,7 +19,7 @@ from html.parser import HTMLParser
 
 import pytest
 from cli_support import cli_exit_code
-from view_support import SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
+from view_support import ARABIC, SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
 
 pytestmark = pytest.mark.browser
 
@@ -160,6 +160,8 @@ def test_the_first_page_renders_every_token_and_runs_no_data(page):
         assert "open" not in prompt.attrs  # the prompt is collapsed
         head = row.find_all("div", "row-head")[0].text()
         assert f"reward {planned.reward:.3f}" in head and "policy_version 0" in head
+    (arabic,) = rows[("g-cjk", 1)].find_all("div", "plain")  # the whole text, laid out right to left
+    assert arabic.text() == ARABIC and arabic.attrs.get("dir") == "auto"
     cjk = rows[("g-cjk", 0)].find_all("div", "completion")[0]
     assert cjk.find_all("span", "hex"), "the CJK/emoji row must hold partial-UTF-8 tokens"
     assert "\ufffd" not in cjk.text()
