@@ -403,3 +403,28 @@ def test_a_server_bound_elsewhere_on_purpose_answers_any_host(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_every_page_can_be_a_page_file(view_data, tmp_path):
+    path, _, _ = view_data
+    summary = write_view(_config(path, tmp_path, inline_pages=0), progress=False)
+    assert sorted(p.name for p in (tmp_path / "page_files").iterdir()) == [f"page-{n:05d}.js" for n in range(4)]
+    assert 'id="view-page-' not in (tmp_path / "page.html").read_text(encoding="utf-8")
+    assert summary["page_files"] == str(tmp_path / "page_files")
+
+
+def test_the_scoring_temperature_defaults_to_the_data_and_can_be_given(view_data, tmp_path):
+    from offline_rec.models.loading import load_model, load_tokenizer
+    from offline_rec.models.teacher_forced import teacher_forced_logprobs
+
+    path, plan, model = view_data
+    data = open_view(_config(path, tmp_path, model=model))
+    hot = open_view(_config(path, tmp_path, model=model, temperature=2.0))
+    assert data.facts["temperature"] == 1.0 and hot.facts["temperature"] == 2.0  # the manifest says 1.0
+    row = _rows(hot)[("g-cut", 0)]
+    assert data.reader.rows(1)[0][S.GROUP_ID] == "g-cut"
+    group = next(rows for rows in data.page(1)["groups"] if rows["id"] == "g-cut")
+    expected = teacher_forced_logprobs(load_model(model, dtype="float32"), load_tokenizer(model),
+                                       [data.reader.rows(1)[0][S.PROMPT_IDS]], [row["ids"]], temperature=2.0)[0]
+    assert row["policyLogp"] == pytest.approx(expected, abs=1e-3)
+    assert row["policyLogp"] != pytest.approx(group["rows"][0]["policyLogp"], abs=1e-2)
