@@ -26,12 +26,14 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   startup_resume_vs_first     data start-up (validate, build the row store / reuse it), 2nd run / 1st <= 0.1
   store_copies_2_ranks        row-store bytes on disk, 2 local processes / 1                1.0
   data_scale_rss_growth_*     peak RSS building / reusing the store, 4x rows / 1x           <= 1.2 (flat)
+  view_first_paint_1m_s       `offline-rec view --out` on 1M rows: build the page + Chromium draws it (s)
+                              (full mode; view_first_paint_s at the quick size too)
 
 How each is measured is in the docstrings of benchmarks/_train_bench.py, _objectives_bench.py, _data_bench.py,
-_collect_bench.py, _record_bench.py, _scale_bench.py and logprob_memory.py, and in docs/benchmarks.md. Every timed
-part runs in a
-fresh process with the same number of torch threads (--threads, default 1; DDP ranks always use 1). Noisy
-ratios are measured --repeats times (default 3, 1 with --quick) and the median is reported.
+_collect_bench.py, _record_bench.py, _scale_bench.py, _view_bench.py and logprob_memory.py, and in
+docs/benchmarks.md. Every timed part runs in a fresh process with the same number of torch threads
+(--threads, default 1; DDP ranks always use 1). Noisy ratios are measured --repeats times (default 3,
+1 with --quick) and the median is reported.
 A part that fails is reported as null with its error, and the exit code is then 1.
 """
 
@@ -92,6 +94,7 @@ SIZES = {
         # ~256 tokens per row, 1M rows: 256M tokens (~1.2 GB of shards, a 2.4 GB row store); the small
         # dataset is its first quarter of shards
         "scale": {"rows": 1_000_000, "prompt_lengths": (32, 96), "completion_lengths": (96, 288)},
+        "view_rows": 1_000_000,
     },
     "quick": {
         "model": {"vocab_size": 2000, "hidden_size": 128, "num_layers": 2, "num_heads": 4},
@@ -118,6 +121,7 @@ SIZES = {
                    "side_by_side": 1},
         "cli_rows": None,
         "scale": {"rows": 32_768, "prompt_lengths": (8, 24), "completion_lengths": (24, 72)},
+        "view_rows": 65_536,
     },
 }
 SCAN_GROWTH = 10  # the RSS check's bigger dataset has this many times the rows
@@ -180,6 +184,16 @@ KEYS = (
     ("data_scale_rss_growth_reuse", "<= 1.2", f"peak RSS of a process reusing it, {SCALE_GROWTH}x rows / 1x"),
     ("merge_link_seconds", "", "merge --no-row-checks of the big dataset's two halves (every shard linked)"),
     ("merge_checked_seconds", "", "merge with row checks (the default), the small dataset's two halves"),
+    ("view_first_paint_1m_s", "", "view --out on 1M rows: page built (fresh process) + Chromium draws it, seconds"),
+    ("view_first_paint_s", "", "the same at this mode's size (view_rows)"),
+    ("view_rows", "", "rows of the view part's dataset"),
+    ("view_open_seconds", "", "view: tokenizer loaded (transformers imported) + the index pass, inside the build"),
+    ("view_index_seconds", "", "view: the group index pass over every shard alone (timed again, warm page cache)"),
+    ("view_build_seconds", "", "view: the page-building process, interpreter start to HTML written"),
+    ("view_browser_seconds", "", "view: headless Chromium opening the page from disk until its groups are drawn"),
+    ("view_browser_blank_s", "", "view: the same Chromium on about:blank (browser start-up alone)"),
+    ("view_page_ms", "", "view: one further page built and serialized (a page file, a --serve request), median"),
+    ("view_page_mb", "", "view: the HTML's size (index + first page inline), MB"),
 )
 
 
@@ -506,6 +520,22 @@ def part_data_scale(context: dict) -> dict:
     }
 
 
+def part_view(context: dict) -> dict:
+    from benchmarks._view_bench import first_paint
+
+    rows, workdir = context["sizes"]["view_rows"], context["workdir"] / "view"
+    data = write_synthetic_dataset(workdir / "data", num_groups=rows // GROUP_SIZE, group_size=GROUP_SIZE,
+                                   prompt_lengths=(16, 64), completion_lengths=(16, 256),
+                                   vocab_size=context["model"]["vocab"], groups_per_shard=256, seed=4)
+    result = first_paint(data["path"], context["model"]["path"], str(workdir), rows, threads=context["threads"])
+    shutil.rmtree(workdir, ignore_errors=True)
+    if "view_first_paint_s" not in result:
+        context["notes"].append("view: chromium is not installed; first paint not measured")
+    elif rows != 1_000_000:
+        context["notes"].append(f"view: {rows} rows here; view_first_paint_1m_s is measured in full mode")
+    return result
+
+
 STEPS_NOTE = "20 steps of 32 groups after each start-up (plan_step + collate)"
 
 
@@ -522,6 +552,7 @@ PARTS = (
     ("objectives", part_objectives),
     ("ddp", part_ddp),
     ("data scale", part_data_scale),
+    ("view", part_view),
 )
 
 

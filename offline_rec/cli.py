@@ -17,6 +17,8 @@ import typer
 
 from offline_rec import __version__
 from offline_rec.data.importers import ImportConfig, import_dataset, import_option_defaults, import_option_help
+from offline_rec.data.view.config import ViewConfig
+from offline_rec.data.view.config import cli_options as view_cli_options
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.config import cli_options as eval_cli_options
@@ -134,6 +136,48 @@ def inspect(
         from offline_rec.display import print_description
 
         print_description(_console(), stats)
+
+
+# Every `view` option is a field of ViewConfig, which holds its default, flags and help.
+VIEW = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"])
+        for field in view_cli_options()}
+
+
+@app.command()
+def view(
+    dataset: Path = typer.Argument(..., help="Dataset directory."),
+    model: str | None = VIEW["model"],
+    tokenizer: str | None = VIEW["tokenizer"],
+    algorithm: str = VIEW["algorithm"],
+    out: Path | None = VIEW["out"],
+    serve: bool = VIEW["serve"],
+    host: str = VIEW["host"],
+    port: int = VIEW["port"],
+    groups_per_page: int = VIEW["groups_per_page"],
+    inline_pages: int = VIEW["inline_pages"],
+    temperature: float | None = VIEW["temperature"],
+    batch_size: int = VIEW["batch_size"],
+    dtype: str | None = VIEW["dtype"],
+    device: str | None = VIEW["device"],
+    quiet: Quiet = False,
+) -> None:
+    """Look at a dataset in the browser: groups, filters, every response token by token (an HTML page or --serve)."""
+    config = ViewConfig(**{name: value for name, value in locals().items() if name in VIEW or name == "dataset"})
+
+    def warn(message: str) -> None:
+        typer.echo(f"warning: {message}", err=True)
+
+    if config.serve:
+        from offline_rec.data.view.page import open_view
+        from offline_rec.data.view.serve import serve_view
+
+        serve_view(open_view(config, warn), config.host, config.port, announce=typer.echo)
+        return
+    from offline_rec.data.view.page import write_view
+
+    summary = write_view(config, warn, progress=not quiet)
+    typer.echo(f"{summary['groups']} groups, {summary['pages']} pages -> {summary['page']}"
+               + (f" (page files: {summary['page_files']})" if summary["page_files"] else ""))
 
 
 # --------------------------------------------------------------------------------------------

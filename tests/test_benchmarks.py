@@ -47,6 +47,8 @@ REQUIRED_KEYS = (
     "data_scale_rss_growth_reuse",
     "record_throughput_vs_direct",
     "record_added_p50_latency_ms",
+    "view_first_paint_1m_s",
+    "view_first_paint_s",
 )
 # Keys that need nothing optional, so a quick run always measures them.
 ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "padding_efficiency_paper", "rank_balance_64",
@@ -151,7 +153,7 @@ def test_quick_benchmark_writes_every_key(tmp_path):
         )
     for key in ALWAYS_MEASURED:
         assert isinstance(results[key], float) and results[key] > 0, (key, results[key])
-    for key in ("validate_1m_rows_seconds", "inspect_1m_rows_seconds"):
+    for key in ("validate_1m_rows_seconds", "inspect_1m_rows_seconds", "view_first_paint_1m_s"):
         assert results[key] is None  # full mode only
 
 

@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 from cli_support import run_cli
+from tokenizer_support import byte_fallback_sentencepiece
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -129,14 +130,7 @@ def test_ambiguous_cut_and_contradicting_lines_are_refused_at_their_entry(overla
 
 
 def test_sentencepiece_byte_fallback_tokens_recover():
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
-    for piece in ("\u2581", "x", "\u2581x", "a", "\u2581a"):
-        vocab[piece] = len(vocab)
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[("\u2581", "x"), ("\u2581", "a")], unk_token="<unk>",
-                                byte_fallback=True))
-    core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never")
-    core.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    sp = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    sp = byte_fallback_sentencepiece()
     text = "x 文a"  # 文 = E6 96 87, not in the vocabulary: three byte-fallback pieces
     ids = sp(text)["input_ids"]
     assert sp.convert_ids_to_tokens(ids) == ["x", "\u2581", "<0xE6>", "<0x96>", "<0x87>", "a"]
