@@ -280,19 +280,50 @@ def filter_(
 @app.command("reward")
 def reward_(
     dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
-    task: str = typer.Option(
-        ..., "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."
-    ),
     out: NewDatasetOut = ...,
+    task: str | None = typer.Option(
+        None, "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."
+    ),
     reward: str | None = typer.Option(
         None, "--reward", help="Replace the task's reward function with module:function."
     ),
     timeout: float = typer.Option(
         10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."
     ),
+    reward_model: str | None = typer.Option(
+        None, "--reward-model", help="Score with this sequence-classification reward model (folder or Hub id)."
+    ),
+    reward_label: str | None = typer.Option(
+        None, "--reward-label", help="--reward-model with several labels: score by this label's log-prob."
+    ),
+    normalize: str = typer.Option("none", "--normalize", help="--reward-model: none or zscore (per dataset)."),
+    dtype: Dtype = None,
+    max_batch_tokens: int = typer.Option(
+        16384, "--max-batch-tokens", help="--reward-model: padded tokens per forward pass."
+    ),
+    quiet: Quiet = False,
     as_json: SummaryJson = False,
 ) -> None:
-    """(Re)score a dataset with a task's reward function into a new dataset (fields from each row's meta)."""
+    """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta) or a
+    reward model (a rerun after an interruption continues)."""
+    chosen = [name for name, value in (("--task", task), ("--reward-model", reward_model)) if value]
+    if len(chosen) != 1:
+        raise UserError("give exactly one of --task or --reward-model" + (f" (got {' and '.join(chosen)})"
+                                                                            if chosen else ""))
+    if reward_model:
+        from offline_rec.data.reward_model import score_with_reward_model
+
+        summary = score_with_reward_model(dataset, out, reward_model, label=reward_label, normalize=normalize,
+                                          dtype=dtype, max_batch_tokens=max_batch_tokens, progress=not quiet)
+        if as_json:
+            _print_json(summary)
+            return
+        typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups with "
+                   f"{reward_model} (scored now {summary['scored_now']}, resumed {summary['resumed']}) -> "
+                   f"{summary['out']}")
+        if summary["null"]:
+            typer.echo(f"  null rewards: {summary['null']} (longer than the reward model's context)")
+        return
     from offline_rec.data.reward import rescore_dataset
 
     summary = rescore_dataset(dataset, out, task, reward=reward, timeout_s=timeout)
