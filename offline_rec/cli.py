@@ -486,6 +486,10 @@ def collect(
     out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (or the one to --resume)."),
     num_samples: int = typer.Option(8, "--num-samples", "-k", help="Completions per prompt (one group)."),
     prompts: PromptsFile = None,
+    prompts_from: str | None = typer.Option(
+        None, "--prompts-from",
+        help="A logged dataset whose prompts are answered again: exact prompt_ids, under its group ids.",
+    ),
     prompt_column: PromptColumn = None,
     num_prompts: NumPrompts = None,
     split: str = typer.Option("train", "--split", help="Built-in prompts: train or test."),
@@ -544,9 +548,10 @@ def collect(
     from offline_rec.rollout.collect import collect as run_collect
 
     config = CollectConfig(
-        model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompt_column=prompt_column,
-        num_prompts=num_prompts, split=split, reward=reward, backend=backend, temperature=temperature, top_p=top_p,
-        top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, dtype=dtype,
+        model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompts_from=prompts_from,
+        prompt_column=prompt_column, num_prompts=num_prompts, split=split, reward=reward, backend=backend,
+        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
+        batch_size=batch_size, dtype=dtype,
         chat_template=chat_template, tensor_parallel_size=tensor_parallel_size, groups_per_shard=groups_per_shard,
         resume=resume, num_shards=num_shards, shard_index=shard_index, policy_version=policy_version,
         behavior=behavior, reward_timeout_s=reward_timeout or None, show_progress=not quiet,
@@ -580,14 +585,31 @@ def merge(
         False, "--no-row-checks",
         help="Do not validate the rows of shards linked as they are (train and validate still check the output).",
     ),
+    join_groups: bool = typer.Option(
+        False, "--join-groups",
+        help="Two inputs, LOGGED FRESH: join FRESH's answers (collect --prompts-from LOGGED) into LOGGED's groups.",
+    ),
     as_json: SummaryJson = False,
 ) -> None:
-    """Combine datasets with the same tokenizer and disjoint group ids into one.
+    """Combine datasets with the same tokenizer and disjoint group ids into one (or, with --join-groups, the
+    fresh answers to logged prompts into the logged groups).
 
     Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
     others are rewritten and re-sharded.
     """
+    from offline_rec.data.merge import join_groups as join
     from offline_rec.data.merge import merge_datasets
+
+    if join_groups:
+        if len(datasets) != 2:
+            raise UserError(f"--join-groups takes two datasets, LOGGED FRESH; got {len(datasets)}")
+        summary = join(datasets[0], datasets[1], out, groups_per_shard=groups_per_shard)
+        if as_json:
+            _print_json(summary)
+            return
+        typer.echo(f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
+                   f"+ {summary['fresh_rows']} fresh rows -> {summary['out']}")
+        return
 
     summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard, check_rows=not no_row_checks)
     if as_json:
