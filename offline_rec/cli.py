@@ -301,15 +301,59 @@ def reward_(
     max_batch_tokens: int = typer.Option(
         16384, "--max-batch-tokens", help="--reward-model: padded tokens per forward pass."
     ),
+    judge: str | None = typer.Option(
+        None, "--judge", help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1)."
+    ),
+    judge_model: str | None = typer.Option(None, "--judge-model", help="--judge: the served model name."),
+    rubric: Path | None = typer.Option(
+        None, "--rubric", help="--judge: the rubric template ({prompt}, {completion}, the row's meta fields)."
+    ),
+    judge_scores: str = typer.Option("1,2,3,4,5", "--judge-scores", help="--judge: the allowed scores, a,b,c."),
+    judge_constrain: str = typer.Option(
+        "choice", "--judge-constrain", help="--judge: choice or json (vLLM structured outputs), or none."
+    ),
+    judge_concurrency: int = typer.Option(16, "--judge-concurrency", help="--judge: requests in flight."),
+    judge_retries: int = typer.Option(3, "--judge-retries", help="--judge: retries of a 429 / 5xx / timeout."),
+    judge_timeout: float = typer.Option(60.0, "--judge-timeout", help="--judge: seconds per call."),
+    judge_max_tokens: int = typer.Option(16, "--judge-max-tokens", help="--judge: longest answer, in tokens."),
+    judge_api_key_env: str = typer.Option(
+        "OPENAI_API_KEY", "--judge-api-key-env", help="--judge: the environment variable holding the API key."
+    ),
     quiet: Quiet = False,
     as_json: SummaryJson = False,
 ) -> None:
-    """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta) or a
-    reward model (a rerun after an interruption continues)."""
-    chosen = [name for name, value in (("--task", task), ("--reward-model", reward_model)) if value]
+    """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta), a
+    reward model (a rerun after an interruption continues) or an LLM judge."""
+    chosen = [name for name, value in (("--task", task), ("--reward-model", reward_model), ("--judge", judge))
+              if value]
     if len(chosen) != 1:
-        raise UserError("give exactly one of --task or --reward-model" + (f" (got {' and '.join(chosen)})"
-                                                                            if chosen else ""))
+        raise UserError("give exactly one of --task, --reward-model or --judge" + (
+            f" (got {' and '.join(chosen)})" if chosen else ""))
+    if judge:
+        from offline_rec.data.judge import JudgeSettings, judge_dataset, read_rubric
+
+        if not judge_model or rubric is None:
+            raise UserError("--judge needs --judge-model and --rubric")
+        try:
+            scores = tuple(float(s) for s in judge_scores.split(","))
+        except ValueError:
+            raise UserError(f"--judge-scores {judge_scores!r} must be numbers separated by commas") from None
+        settings = JudgeSettings(url=judge, model=judge_model, rubric=read_rubric(rubric), scores=scores,
+                                 constrain=judge_constrain, concurrency=judge_concurrency, retries=judge_retries,
+                                 timeout_s=judge_timeout, max_tokens=judge_max_tokens,
+                                 api_key_env=judge_api_key_env)
+        summary = judge_dataset(dataset, out, settings, progress=not quiet)
+        if as_json:
+            _print_json(summary)
+            return
+        counts = summary["counts"]
+        typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups with judge "
+                   f"{judge_model} -> {summary['out']}")
+        if summary["null"]:
+            typer.echo(f"  null rewards: {summary['null']} (failed calls {counts['failed']}, answers without a "
+                       f"score {counts['unparsed']}; retries {counts['retries']}; see {summary['out']}/"
+                       "judge-audit.jsonl)")
+        return
     if reward_model:
         from offline_rec.data.reward_model import score_with_reward_model
 

@@ -204,8 +204,8 @@ def test_classifier_label_log_prob(models, logged, tmp_path, capsys):
     (["--reward-model", "{labels}", "--reward-label", "great"], "has no label 'great'"),
     (["--reward-model", "{chat}", "--reward-label", "good"], "has no label 'good'"),
     (["--reward-model", "{chat}", "--normalize", "minmax"], "unknown normalization 'minmax'"),
-    (["--reward-model", "{chat}", "--task", "arith"], "exactly one of --task or --reward-model"),
-    ([], "exactly one of --task or --reward-model"),
+    (["--reward-model", "{chat}", "--task", "arith"], "exactly one of --task, --reward-model or --judge"),
+    ([], "exactly one of --task, --reward-model or --judge"),
 ])
 def test_bad_input_one_line_exit_2(models, logged, tmp_path, capsys, args, message):
     args = [a.format(tmp=tmp_path, **models) for a in args]
