@@ -185,6 +185,9 @@ def import_(
     split_episodes: Annotated[
         bool, _import_option("split_episodes", "--split-episodes")
     ] = _IMPORT_DEFAULT["split_episodes"],
+    keep_messages: Annotated[
+        bool, _import_option("keep_messages", "--keep-messages")
+    ] = _IMPORT_DEFAULT["keep_messages"],
     rewards: Annotated[Path | None, _import_option("rewards", "--rewards")] = _IMPORT_DEFAULT["rewards"],
     batch_size: Annotated[int, _import_option("batch_size", "--batch-size")] = _IMPORT_DEFAULT["batch_size"],
     dtype: Annotated[str, _import_option("dtype", "--dtype")] = _IMPORT_DEFAULT["dtype"],
@@ -202,7 +205,7 @@ def import_(
         reward_column=reward_column, group_column=group_column, append_eos=append_eos,
         reward_columns=tuple(c.strip() for c in reward_columns.split(",") if c.strip()) if reward_columns else None,
         behavior=behavior, task=task, policy_version=policy_version, group_by_prompt=group_by_prompt,
-        split_episodes=split_episodes, rewards=rewards, batch_size=batch_size, dtype=dtype,
+        split_episodes=split_episodes, keep_messages=keep_messages, rewards=rewards, batch_size=batch_size, dtype=dtype,
         score_temperature=score_temperature,
     )
     try:

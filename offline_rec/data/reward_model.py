@@ -38,7 +38,6 @@ from offline_rec.errors import DataError, UserError, one_of
 from offline_rec.files import atomic_write_json, fsync_dir
 
 NORMALIZATIONS = ("none", "zscore")
-META_MESSAGES = "messages"  # the meta field holding a row's request messages, where an import kept them
 SCORE_CHUNK_ROWS = 1024  # rows rendered and scored at once within a shard
 SCORES_SCHEMA = pa.schema([(S.GROUP_ID, pa.string()), (S.SAMPLE_INDEX, pa.int32()), ("score", pa.float64())])
 
@@ -53,7 +52,7 @@ def _messages(meta: str) -> list[dict] | None:
         fields = json.loads(meta)
     except (json.JSONDecodeError, TypeError):
         return None
-    messages = fields.get(META_MESSAGES) if isinstance(fields, dict) else None
+    messages = fields.get(S.META_MESSAGES) if isinstance(fields, dict) else None
     if isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
     ):
