@@ -220,3 +220,47 @@ def test_unfinished_scores_of_another_model_refused(models, logged, tmp_path, ca
     (folder / "run.json").write_text(json.dumps({"model": "another"}))
     code, _, err = run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--out", tmp_path / "scored")
     assert code == 2 and "unfinished run with other inputs or model settings" in err
+
+
+@pytest.mark.faults
+def test_kill_9_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, capsys):
+    """A real kill -9 of `offline-rec reward --reward-model` once two shards' scores are committed; the rerun
+    scores only the rest, and its output equals an uninterrupted run's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from paths import REPO
+
+    tokenizer = build_chat_tokenizer()
+    model_dir = save_tiny(build_tiny_reward_model(tokenizer, arch="qwen2", hidden_size=256, num_layers=4,
+                                                  num_heads=8, num_kv_heads=2, max_position_embeddings=2048),
+                          tokenizer, tmp_path / "rm")
+    conversations = chat_messages(60, seed=9)  # 100-500 tokens each: ~40 ms a shard on a busy CPU
+    groups = [[make_row(group_id=f"c{i}", sample_index=k, prompt=messages[1]["content"], prompt_ids=[4],
+                        completion=f"答案: {i + k} € ✓", completion_ids=[5], behavior_logprobs=[-1.0])
+               for k in range(3)] for i, messages in enumerate(conversations)]
+    logged = write_dataset(tmp_path / "logged", groups, groups_per_shard=1)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    for trial in range(3):
+        out = tmp_path / f"scored-{trial}"
+        folder = rm.scores_dir(out)
+        process = subprocess.Popen([sys.executable, "-m", "offline_rec", "reward", str(logged), "--reward-model",
+                                    model_dir, "--out", str(out), "-q"], env=env, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        while process.poll() is None and len(list(folder.glob("scores-*.parquet"))) < 2:
+            time.sleep(0.005)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        if not out.exists():
+            break
+    assert not out.exists(), "the run always finished before it could be killed"
+    done = len(list(folder.glob("scores-*.parquet")))
+    assert 2 <= done < 60
+    code, stdout, _ = run_cli(capsys, "reward", logged, "--reward-model", model_dir, "--out", out, "-q")
+    assert code == 0
+    assert f"scored now {3 * (60 - done)}, resumed {3 * done}" in stdout
+    assert run_cli(capsys, "reward", logged, "--reward-model", model_dir, "--out", tmp_path / "whole", "-q")[0] == 0
+    assert rewards_of(out) == rewards_of(tmp_path / "whole")
