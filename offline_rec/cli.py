@@ -304,6 +304,9 @@ def reward_(
     max_batch_tokens: int = typer.Option(
         16384, "--max-batch-tokens", help="--reward-model: padded tokens per forward pass."
     ),
+    backend: str = typer.Option(
+        "hf", "--backend", help="--reward-model: hf (transformers) or vllm (vLLM's pooling runner)."
+    ),
     judge: str | None = typer.Option(
         None, "--judge", help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1)."
     ),
@@ -361,7 +364,8 @@ def reward_(
         from offline_rec.data.reward_model import score_with_reward_model
 
         summary = score_with_reward_model(dataset, out, reward_model, label=reward_label, normalize=normalize,
-                                          dtype=dtype, max_batch_tokens=max_batch_tokens, progress=not quiet)
+                                          dtype=dtype, max_batch_tokens=max_batch_tokens, progress=not quiet,
+                                          backend=backend)
         if as_json:
             _print_json(summary)
             return

@@ -73,7 +73,8 @@ def scoring_ids(tokenizer, prompt: str, completion: str, meta: str) -> list[int]
 def _run_key(dataset, scorer) -> dict:
     return {"input": str(Path(dataset.path).resolve()),
             "shards": [shard.get("sha256") for shard in dataset.manifest[S.M_SHARDS]],
-            "model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype}
+            "model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
+            "engine": scorer.engine}
 
 
 def _open_scores(folder: Path, key: dict) -> None:
@@ -151,9 +152,11 @@ def score_with_reward_model(
     groups_per_shard: int = 256,
     progress: bool = True,
     scorer=None,
+    backend: str = "hf",
 ) -> dict:
     """Write SRC with each row's reward set by reward model `model` to a new dataset OUT (see the module
-    docstring); a rerun after a kill continues. `scorer` (a loaded `RewardModel`) skips loading `model`.
+    docstring); a rerun after a kill continues. `backend`: hf (transformers) or vllm (vLLM's pooling runner).
+    `scorer` (a loaded `RewardModel`) skips loading `model`.
     Returns {"out", "rows", "groups", "rewarded", "null", "scored_now", "resumed", "mean", "std"}."""
     from offline_rec.models.reward_model import load_reward_model
     from offline_rec.progress import ProgressBar
@@ -167,7 +170,7 @@ def score_with_reward_model(
         raise UserError(f"output {out} already exists; choose another --out")
     check_dataset_for_use(src)
     dataset = open_dataset(src, require_complete=True)
-    scorer = scorer or load_reward_model(model, label=label, dtype=dtype)
+    scorer = scorer or load_reward_model(model, label=label, dtype=dtype, backend=backend)
     folder = scores_dir(out)
     _open_scores(folder, _run_key(dataset, scorer))
 
@@ -184,7 +187,7 @@ def score_with_reward_model(
     scores = scored.column("score").to_pylist()
     mean, std = normalization(scores, normalize)
     reward_model = {"model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
-                    "normalize": normalize, "mean": mean, "std": std}
+                    "engine": scorer.engine, "normalize": normalize, "mean": mean, "std": std}
     task_block = {**{k: v for k, v in dataset.task.items() if k != "previous"},
                   "reward_function": None, "reward_model": reward_model, "previous": dataset.task or None}
     source = {"command": "reward", "input": str(src), "reward_model": model, "label": label, "normalize": normalize,

@@ -204,6 +204,7 @@ def test_classifier_label_log_prob(models, logged, tmp_path, capsys):
     (["--reward-model", "{labels}", "--reward-label", "great"], "has no label 'great'"),
     (["--reward-model", "{chat}", "--reward-label", "good"], "has no label 'good'"),
     (["--reward-model", "{chat}", "--normalize", "minmax"], "unknown normalization 'minmax'"),
+    (["--reward-model", "{chat}", "--backend", "onnx"], "unknown reward backend 'onnx'"),
     (["--reward-model", "{chat}", "--task", "arith"], "exactly one of --task, --reward-model or --judge"),
     ([], "exactly one of --task, --reward-model or --judge"),
 ])
@@ -264,3 +265,22 @@ def test_kill_9_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, capsys)
     assert f"scored now {3 * (60 - done)}, resumed {3 * done}" in stdout
     assert run_cli(capsys, "reward", logged, "--reward-model", model_dir, "--out", tmp_path / "whole", "-q")[0] == 0
     assert rewards_of(out) == rewards_of(tmp_path / "whole")
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("kind, extra", [("chat", []), ("labels", ["--reward-label", "good"])])
+def test_vllm_pooling_backend_equals_transformers(models, logged, tmp_path, capsys, kind, extra):
+    from conftest import require_vllm
+
+    from offline_rec.rollout.backends import vllm_import_error
+
+    reason = vllm_import_error()
+    if reason is not None:
+        require_vllm(reason)
+    for backend in ("hf", "vllm"):
+        code, _, err = run_cli(capsys, "reward", logged, "--reward-model", models[kind], *extra, "--backend", backend,
+                               "--out", tmp_path / backend, "-q")
+        assert code == 0, err
+    hf, vllm = rewards_of(tmp_path / "hf"), rewards_of(tmp_path / "vllm")
+    assert hf.keys() == vllm.keys() and all(abs(hf[k] - vllm[k]) < 1e-5 for k in hf), (hf, vllm)
+    assert open_dataset(tmp_path / "vllm").manifest[S.M_TASK]["reward_model"]["engine"] == "vllm"
