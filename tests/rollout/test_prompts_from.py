@@ -142,3 +142,21 @@ def test_loss_of_a_mixed_group_by_hand(tmp_path):
     loss, _ = policy_loss(spec, logp, blogp.double(), advantages.double(), mask)
     expected = ((2 / 3) * 1.1 * math.exp(-0.1) - 0.5 / 3 - 0.7 / 3) / 5
     assert abs(loss.item() - expected) < 1e-6 and abs(expected - 0.0527094) < 1e-6
+
+
+@pytest.mark.vllm
+def test_prompts_from_with_the_vllm_backend(tmp_path, capsys, vllm_tiny_model, the_session_engine):
+    """vLLM samples from the logged prompt ids as they are (group 0's are not the tokenizer's own encoding), and
+    logs the log-probs of what it sampled (temperature 1: the model's, equal to a transformers forward)."""
+    logged = write_logged(tmp_path / "logged", vllm_tiny_model)
+    code, _, err = run_cli(capsys, "collect", "--model", vllm_tiny_model, "--prompts-from", logged, "--task", "arith",
+                           "-k", 2, "--max-new-tokens", 8, "--backend", "vllm", "--out", tmp_path / "fresh", "-q")
+    assert code == 0, err
+    logged_ids = {g[0][S.GROUP_ID]: g[0][S.PROMPT_IDS] for g in open_dataset(logged).iter_groups()}
+    model = load_model(vllm_tiny_model)
+    rows = open_dataset(tmp_path / "fresh").to_table().to_pylist()
+    assert len(rows) == 6 and {r[S.GROUP_ID] for r in rows} == logged_ids.keys()
+    for row in rows:
+        assert row[S.PROMPT_IDS] == logged_ids[row[S.GROUP_ID]]
+        want = raw_logprobs(model, row[S.PROMPT_IDS], row[S.COMPLETION_IDS])
+        assert (want - torch.tensor(row[S.BEHAVIOR_LOGPROBS])).abs().max().item() < 1e-4
