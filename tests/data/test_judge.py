@@ -218,3 +218,32 @@ def test_real_vllm_judge_under_constrained_choice(vllm_server, tmp_path, rubric,
     assert code == 0, err
     rewards = [r[S.REWARD] for r in open_dataset(tmp_path / "judged").to_table().to_pylist()]
     assert len(rewards) == 5 and all(r in (1.0, 2.0, 3.0, 4.0, 5.0) for r in rewards), (rewards, out)
+
+
+@pytest.mark.vllm
+def test_judge_through_record_in_front_of_vllm(vllm_server, tmp_path, rubric, capsys):
+    """`record` is an OpenAI-compatible endpoint too: the judge's calls go through it, structured outputs
+    included, every score is parsed and in range, and each call is recorded."""
+    import time
+
+    from record_support import ServerThread, read_lines
+
+    from offline_rec.record.proxy import ProxyState, create_app, upstream_base
+    from offline_rec.record.recorder import Recorder, RecordOptions
+
+    recorder = Recorder(tmp_path / "recorded", RecordOptions())
+    state = ProxyState(upstream=upstream_base(vllm_server.base_url), recorder=recorder, warn=lambda m: None)
+    proxy = ServerThread(create_app(state, tick_seconds=0.1))
+    try:
+        deadline = time.monotonic() + 60
+        while state.logprobs_mode == "unknown" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        logged = write_dataset(tmp_path / "logged", judged_groups([["Zoë a payé 12 €.", "7 🙂", "sept"]]))
+        code, _, err = run_cli(capsys, "reward", logged, "--judge", proxy.url + "/v1", "--judge-model",
+                               vllm_server.served_name, "--rubric", rubric, "--out", tmp_path / "judged", "-q")
+    finally:
+        proxy.stop()
+    assert code == 0, err
+    rewards = [r[S.REWARD] for r in open_dataset(tmp_path / "judged").to_table().to_pylist()]
+    assert len(rewards) == 3 and all(r in (1.0, 2.0, 3.0, 4.0, 5.0) for r in rewards), rewards
+    assert len(read_lines(tmp_path / "recorded")) == 3
