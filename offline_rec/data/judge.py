@@ -15,11 +15,12 @@ The rule, whatever the mode: a JSON object's "score", else the first number in t
 it must lie in [min(SCORES), max(SCORES)] (and be one of SCORES under "choice"); anything else scores
 null and is counted "unparsed".
 
-Calls: at most `concurrency` in flight (asyncio + aiohttp); a call that times out (`timeout_s`), loses
-its connection or gets 429 / 5xx is retried up to `retries` times, waiting `backoff_s * 2**attempt`
-(or the server's Retry-After, capped at 30 s); another 4xx is not retried. A call that still fails
-scores null and is counted "failed": never a silent 0. The first call is made alone: an endpoint that
-refuses it (connection refused, 4xx other than 429) is a UserError before anything is written.
+Calls: at most `concurrency` in flight (asyncio + aiohttp); a call that times out (`timeout_s`),
+loses its connection or gets 429 / 5xx is retried up to `retries` times, waiting `backoff_s *
+2**attempt` (or the server's Retry-After, capped at 30 s); another 4xx, and a 200 whose body is not
+a chat completion, are not retried. A call that still fails scores null and is counted "failed":
+never a silent 0. The first call is made alone: an endpoint that refuses it (connection refused, 4xx
+other than 429) is a UserError before anything is written.
 
 Output: a new dataset (atomic) with each row's reward set, the judge's settings and counts in the
 manifest (task.judge, stats.reward), and judge-audit.jsonl in it: one line per row with the request
