@@ -307,6 +307,9 @@ def reward_(
     backend: str = typer.Option(
         "hf", "--backend", help="--reward-model: hf (transformers) or vllm (vLLM's pooling runner)."
     ),
+    data_parallel_size: int = typer.Option(
+        1, "--data-parallel-size", help="--reward-model: worker processes scoring shards side by side (one GPU each)."
+    ),
     judge: str | None = typer.Option(
         None, "--judge", help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1)."
     ),
@@ -365,7 +368,7 @@ def reward_(
 
         summary = score_with_reward_model(dataset, out, reward_model, label=reward_label, normalize=normalize,
                                           dtype=dtype, max_batch_tokens=max_batch_tokens, progress=not quiet,
-                                          backend=backend)
+                                          backend=backend, data_parallel_size=data_parallel_size)
         if as_json:
             _print_json(summary)
             return

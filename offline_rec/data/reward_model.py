@@ -10,10 +10,12 @@ special tokens. A sequence longer than the reward model's context scores null (c
 
 Two phases, so a run killed at any moment (kill -9 included) loses at most one input shard of work:
 
-1. Scoring, resumable: each input shard's scores are written to SCORES/scores-NNNNN.parquet (temporary
-   name, fsync, rename), SCORES = the hidden folder `.OUT.reward-scores` beside OUT. A rerun of the same
-   command skips the shards already scored, so every row is scored once. SCORES/run.json names the input
-   shards (sha256) and the model settings; a rerun with other settings is refused rather than mixing scores.
+1. Scoring, resumable: each input shard's scores (by this process, or by N spawned workers with
+   `data_parallel_size`, worker k taking shards k, k + N, ..., one GPU each where there are GPUs) are
+   written to SCORES/scores-NNNNN.parquet (temporary name, fsync, rename), SCORES = the hidden folder
+   `.OUT.reward-scores` beside OUT. A rerun of the same command skips the shards already scored, so
+   every row is scored once. SCORES/run.json names the input shards (sha256) and the model settings; a
+   rerun with other settings is refused rather than mixing scores.
 2. Writing: OUT is written atomically (a hidden folder renamed at the end) from the input and the scores,
    normalized per dataset (`zscore`: (s - mean) / std over the non-null scores) or not (`none`); SCORES is
    then removed. The manifest's task block records the model, its revision, the label, the dtype and the
@@ -70,11 +72,10 @@ def scoring_ids(tokenizer, prompt: str, completion: str, meta: str) -> list[int]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _run_key(dataset, scorer) -> dict:
+def _run_key(dataset, identity: dict) -> dict:
     return {"input": str(Path(dataset.path).resolve()),
             "shards": [shard.get("sha256") for shard in dataset.manifest[S.M_SHARDS]],
-            "model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
-            "engine": scorer.engine}
+            **{k: identity[k] for k in ("model", "revision", "label", "dtype", "engine")}}
 
 
 def _open_scores(folder: Path, key: dict) -> None:
@@ -95,7 +96,7 @@ def _open_scores(folder: Path, key: dict) -> None:
     atomic_write_json(run_file, key)
 
 
-def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar, counts: dict) -> pa.Table:
+def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
     parts = []
     columns = [S.GROUP_ID, S.SAMPLE_INDEX, S.PROMPT, S.COMPLETION, S.META]
     try:
@@ -110,12 +111,11 @@ def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar, counts: dict) 
         scores: list[float | None] = [None] * len(rows)
         for i, value in zip(fits, values):
             scores[i] = value
-        counts["too_long"] += len(rows) - len(fits)
-        counts["scored"] += len(rows)
         parts.append(pa.table({S.GROUP_ID: [r[S.GROUP_ID] for r in rows],
                                S.SAMPLE_INDEX: [r[S.SAMPLE_INDEX] for r in rows], "score": scores},
                               schema=SCORES_SCHEMA))
-        bar.advance(len(rows))
+        if bar is not None:
+            bar.advance(len(rows))
     return pa.concat_tables(parts) if parts else SCORES_SCHEMA.empty_table()
 
 
@@ -126,6 +126,63 @@ def _commit_scores(table: pa.Table, path: Path) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def _score_in_workers(shards: list[Path], score_files: list[Path], shard_rows: list[int], bar, workers: int,
+                      options: dict) -> None:
+    """Score the shards not scored yet in `workers` spawned processes (worker k: shards k, k + N, ...); the bar
+    follows the committed score files. A worker that fails leaves what it committed for the next run."""
+    import multiprocessing
+    import time
+
+    devices = _worker_devices(workers)
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_score_worker, daemon=True,
+                                 args=([str(p) for p in shards[k::workers]], [str(p) for p in score_files[k::workers]],
+                                       devices[k], options)) for k in range(workers)]
+    for process in processes:
+        process.start()
+    seen = {path for path in score_files if path.exists()}
+    try:
+        while any(process.is_alive() for process in processes):
+            time.sleep(0.2)
+            for path, rows in zip(score_files, shard_rows):
+                if path not in seen and path.exists():
+                    seen.add(path)
+                    bar.advance(rows)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+    failed = [k for k, process in enumerate(processes) if process.exitcode != 0]
+    if failed:
+        raise UserError(f"reward worker {failed[0]} failed (exit code {processes[failed[0]].exitcode}); the scores "
+                        f"committed so far are kept in {score_files[0].parent}: run the same command to continue")
+
+
+def _worker_devices(workers: int) -> list[str | None]:
+    """Worker k's GPU (as an index into the visible ones, round robin), or None on a CPU."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(count)]
+    return [names[k % count] if count else None for k in range(workers)]
+
+
+def _score_worker(shards: list[str], score_files: list[str], device: str | None, options: dict) -> None:
+    """One data-parallel worker: its own model on its own GPU, its shards' scores committed one by one."""
+    if device is not None:  # before torch or vLLM initialise CUDA: this process sees its GPU only
+        os.environ["CUDA_VISIBLE_DEVICES"] = device
+    from offline_rec.models.reward_model import load_reward_model
+
+    options = dict(options)
+    max_batch_tokens = options.pop("max_batch_tokens")
+    scorer = load_reward_model(options.pop("model"), **options)
+    for shard, path in zip(shards, score_files):
+        if not Path(path).exists():
+            _commit_scores(_score_shard(Path(shard), scorer, max_batch_tokens), Path(path))
 
 
 def normalization(scores: list[float | None], kind: str) -> tuple[float, float]:
@@ -153,12 +210,14 @@ def score_with_reward_model(
     progress: bool = True,
     scorer=None,
     backend: str = "hf",
+    data_parallel_size: int = 1,
 ) -> dict:
     """Write SRC with each row's reward set by reward model `model` to a new dataset OUT (see the module
     docstring); a rerun after a kill continues. `backend`: hf (transformers) or vllm (vLLM's pooling runner).
-    `scorer` (a loaded `RewardModel`) skips loading `model`.
+    `scorer` (a loaded `RewardModel`) skips loading `model`. `data_parallel_size` N > 1: N worker processes
+    (spawned; one GPU each where there are GPUs) score the shards i with i mod N = their index.
     Returns {"out", "rows", "groups", "rewarded", "null", "scored_now", "resumed", "mean", "std"}."""
-    from offline_rec.models.reward_model import load_reward_model
+    from offline_rec.models.reward_model import load_reward_model, reward_model_identity
     from offline_rec.progress import ProgressBar
 
     if normalize not in NORMALIZATIONS:
@@ -170,28 +229,41 @@ def score_with_reward_model(
         raise UserError(f"output {out} already exists; choose another --out")
     check_dataset_for_use(src)
     dataset = open_dataset(src, require_complete=True)
-    scorer = scorer or load_reward_model(model, label=label, dtype=dtype, backend=backend)
+    if data_parallel_size < 1:
+        raise UserError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if scorer is not None:
+        identity = {"model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
+                    "engine": scorer.engine}
+    else:
+        identity = reward_model_identity(model, label=label, dtype=dtype, backend=backend)
     folder = scores_dir(out)
-    _open_scores(folder, _run_key(dataset, scorer))
+    _open_scores(folder, _run_key(dataset, identity))
 
     score_files = [folder / f"scores-{i:05d}.parquet" for i in range(len(dataset.shard_paths))]
-    done_rows = sum(int(shard["rows"]) for shard, f in zip(dataset.manifest[S.M_SHARDS], score_files) if f.exists())
-    counts = {"scored": 0, "too_long": 0}
+    shard_rows = [int(shard["rows"]) for shard in dataset.manifest[S.M_SHARDS]]
+    done_rows = sum(rows for rows, f in zip(shard_rows, score_files) if f.exists())
     with ProgressBar("reward", total=dataset.num_rows, done=done_rows, unit="rows", enabled=progress) as bar:
-        for shard, path in zip(dataset.shard_paths, score_files):
-            if not path.exists():
-                _commit_scores(_score_shard(shard, scorer, max_batch_tokens, bar, counts), path)
+        if data_parallel_size == 1:
+            scorer = scorer or load_reward_model(model, label=label, dtype=dtype, backend=backend)
+            for shard, path in zip(dataset.shard_paths, score_files):
+                if not path.exists():
+                    _commit_scores(_score_shard(shard, scorer, max_batch_tokens, bar), path)
+        else:
+            _score_in_workers(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size,
+                              dict(model=model, label=label, dtype=dtype, backend=backend,
+                                   max_batch_tokens=max_batch_tokens))
 
     tables = [pq.read_table(path) for path in score_files]
     scored = pa.concat_tables(tables) if tables else SCORES_SCHEMA.empty_table()
     scores = scored.column("score").to_pylist()
     mean, std = normalization(scores, normalize)
-    reward_model = {"model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
-                    "engine": scorer.engine, "normalize": normalize, "mean": mean, "std": std}
+    reward_model = {**{k: identity[k] for k in ("model", "revision", "label", "dtype", "engine")},
+                    "normalize": normalize, "mean": mean, "std": std, "data_parallel_size": data_parallel_size}
     task_block = {**{k: v for k, v in dataset.task.items() if k != "previous"},
                   "reward_function": None, "reward_model": reward_model, "previous": dataset.task or None}
     source = {"command": "reward", "input": str(src), "reward_model": model, "label": label, "normalize": normalize,
-              "dtype": dtype, "input_source": dataset.manifest.get(S.M_SOURCE)}
+              "dtype": dtype, "backend": backend, "data_parallel_size": data_parallel_size,
+              "input_source": dataset.manifest.get(S.M_SOURCE)}
     ids = scored.column(S.GROUP_ID).to_pylist()
     at = rewarded = 0
     with DatasetWriter(out, behavior=dataset.behavior, task=task_block, source=source,
@@ -211,4 +283,4 @@ def score_with_reward_model(
                                         "too_long": sum(s is None for s in scores)}})
     shutil.rmtree(folder, ignore_errors=True)
     return {"out": str(out), "rows": at, "groups": dataset.num_groups, "rewarded": rewarded, "null": at - rewarded,
-            "scored_now": counts["scored"], "resumed": done_rows, "mean": mean, "std": std}
+            "scored_now": at - done_rows, "resumed": done_rows, "mean": mean, "std": std}

@@ -95,13 +95,12 @@ class RewardModel:
         return torch.log_softmax(logits, dim=-1)[:, self.label_index].tolist()
 
 
-def load_reward_model(name_or_path: str, label: str | None = None, dtype: str | None = "auto",
-                      device: str | None = None, backend: str = "hf") -> RewardModel:
-    """Load a sequence-classification reward model and its tokenizer, for transformers or vLLM (`backend`);
-    UserError (one line) for a model that is missing, is not a sequence classifier, or whose labels do not fit
-    `label`, and for vLLM where it cannot be imported."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def reward_model_identity(name_or_path: str, label: str | None = None, dtype: str | None = "auto",
+                          backend: str = "hf") -> dict:
+    """What names a reward model's scores, read from its config without loading weights: {"model", "revision",
+    "label", "label_index", "dtype", "engine", "max_length"}. UserError (one line) for a model that is missing,
+    is not a sequence classifier, or whose labels do not fit `label`, and for an unknown backend."""
+    from transformers import AutoConfig
 
     _check_model_path(name_or_path)
     try:
@@ -125,11 +124,25 @@ def load_reward_model(name_or_path: str, label: str | None = None, dtype: str | 
         label_index = labels.index(label)
     if backend not in BACKENDS:
         raise one_of("reward backend", backend, BACKENDS)
+    return {"model": name_or_path, "revision": getattr(config, "_commit_hash", None), "label": label,
+            "label_index": label_index, "dtype": str(torch_dtype(dtype, name_or_path)).removeprefix("torch."),
+            "engine": "vllm" if backend == "vllm" else "transformers",
+            "max_length": getattr(config, "max_position_embeddings", None)}
+
+
+def load_reward_model(name_or_path: str, label: str | None = None, dtype: str | None = "auto",
+                      device: str | None = None, backend: str = "hf") -> RewardModel:
+    """Load a sequence-classification reward model and its tokenizer, for transformers or vLLM (`backend`);
+    the UserErrors of `reward_model_identity`, and one for vLLM where it cannot be imported. `device`: a torch
+    device for transformers (default: cuda when present)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    identity = reward_model_identity(name_or_path, label, dtype, backend)
     tokenizer = load_tokenizer(name_or_path)
-    torch_type = torch_dtype(dtype, name_or_path)
-    common = dict(tokenizer=tokenizer, name=name_or_path, revision=getattr(config, "_commit_hash", None), label=label,
-                  label_index=label_index, dtype=str(torch_type).removeprefix("torch."),
-                  max_length=getattr(config, "max_position_embeddings", None))
+    torch_type = getattr(torch, identity["dtype"])
+    common = dict(tokenizer=tokenizer, name=name_or_path, revision=identity["revision"], label=label,
+                  label_index=identity["label_index"], dtype=identity["dtype"], max_length=identity["max_length"])
     if backend == "vllm":
         return RewardModel(model=None, device="vllm", engine="vllm", llm=_vllm_engine(name_or_path, common["dtype"]),
                            **common)

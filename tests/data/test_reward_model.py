@@ -206,6 +206,7 @@ def test_classifier_label_log_prob(models, logged, tmp_path, capsys):
     (["--reward-model", "{chat}", "--normalize", "minmax"], "unknown normalization 'minmax'"),
     (["--reward-model", "{chat}", "--backend", "onnx"], "unknown reward backend 'onnx'"),
     (["--reward-model", "{chat}", "--task", "arith"], "exactly one of --task, --reward-model or --judge"),
+    (["--reward-model", "{chat}", "--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
     ([], "exactly one of --task, --reward-model or --judge"),
 ])
 def test_bad_input_one_line_exit_2(models, logged, tmp_path, capsys, args, message):
@@ -284,3 +285,13 @@ def test_vllm_pooling_backend_equals_transformers(models, logged, tmp_path, caps
     hf, vllm = rewards_of(tmp_path / "hf"), rewards_of(tmp_path / "vllm")
     assert hf.keys() == vllm.keys() and all(abs(hf[k] - vllm[k]) < 1e-5 for k in hf), (hf, vllm)
     assert open_dataset(tmp_path / "vllm").manifest[S.M_TASK]["reward_model"]["engine"] == "vllm"
+
+
+def test_two_data_parallel_workers_equal_one_process(models, logged, tmp_path, capsys):
+    code, out, err = run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--data-parallel-size", 2,
+                             "--out", tmp_path / "two", "-q")
+    assert code == 0, err
+    assert "scored now 7, resumed 0" in out
+    assert run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--out", tmp_path / "one", "-q")[0] == 0
+    one, two = rewards_of(tmp_path / "one"), rewards_of(tmp_path / "two")
+    assert one.keys() == two.keys() and all(abs(one[k] - two[k]) < 1e-6 for k in one)
