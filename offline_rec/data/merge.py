@@ -22,6 +22,13 @@ The output is written atomically: it is either absent or complete.
 Manifest: the behavior and task blocks keep what all inputs agree on; a field on which they differ
 becomes null (logprobs_source "unknown"), and every input's own blocks are kept in source.inputs.
 Numeric stats are summed.
+
+`join_groups` (`merge --join-groups LOGGED FRESH`) is the other kind of merge: FRESH holds new answers to
+LOGGED's prompts under LOGGED's group ids (`collect --prompts-from LOGGED`), and the output's groups hold
+both: a logged group's rows first (their sample indices kept), then its fresh rows (renumbered after them).
+Every row keeps its own `behavior`, behavior log-probs and reward; the manifest's behavior block lists both
+inputs' blocks under "behaviors". A fresh group must answer a logged group with the same prompt_ids;
+logged groups nobody answered again are kept alone. FRESH's rows are held in memory while LOGGED streams.
 """
 
 from __future__ import annotations
@@ -83,6 +90,49 @@ def merge_datasets(inputs: Sequence[str | Path], out: str | Path, groups_per_sha
     linked = sum(1 for *_, linkable in plan if linkable)
     return {"out": str(out), "inputs": [str(d.path) for d in datasets], "rows": totals["rows"],
             "groups": totals["groups"], "linked_shards": linked, "rewritten_shards": len(plan) - linked}
+
+
+def join_groups(logged: str | Path, fresh: str | Path, out: str | Path, groups_per_shard: int = 256) -> dict:
+    """Write LOGGED's groups, each joined with FRESH's answers to the same prompt, to the new dataset OUT (see
+    the module docstring). Returns {"out", "rows", "groups", "joined_groups", "logged_rows", "fresh_rows"}."""
+    for path in (logged, fresh):
+        check_dataset_for_use(path)
+    datasets = [open_dataset(path, require_complete=True) for path in (logged, fresh)]
+    _check_tokenizers(datasets)
+    logged_ds, fresh_ds = datasets
+    fresh_groups = {group[0][S.GROUP_ID]: group for group in fresh_ds.iter_groups()}
+    joined = logged_rows = 0
+    behavior = _common([d.behavior for d in datasets])
+    if behavior.get("logprobs_source") is None:
+        behavior["logprobs_source"] = "unknown"
+    behavior["behaviors"] = [d.behavior for d in datasets]
+    source = {"command": "merge", "join_groups": True, "inputs": [
+        {"path": str(d.path), "totals": d.totals, "behavior": d.behavior, "task": d.task,
+         "source": d.manifest.get(S.M_SOURCE), "stats": d.manifest.get(S.M_STATS)} for d in datasets]}
+    with DatasetWriter(out, behavior=behavior, task=_common([d.task for d in datasets]), source=source,
+                       groups_per_shard=groups_per_shard, atomic=True) as writer:
+        for group in logged_ds.iter_groups():
+            gid = group[0][S.GROUP_ID]
+            logged_rows += len(group)
+            answers = fresh_groups.pop(gid, None)
+            if answers is not None:
+                if any(row[S.PROMPT_IDS] != group[0][S.PROMPT_IDS] for row in answers):
+                    raise UserError(f"group {gid!r}: {fresh} answers another prompt (prompt_ids differ) than {logged}; "
+                                    "collect the fresh answers with `collect --prompts-from LOGGED`")
+                start = max(row[S.SAMPLE_INDEX] for row in group) + 1
+                for k, row in enumerate(answers):
+                    row[S.SAMPLE_INDEX] = start + k
+                group = group + answers
+                joined += 1
+            writer.add_group(group)
+        if fresh_groups:
+            raise UserError(f"{fresh} has groups that {logged} lacks (e.g. {next(iter(fresh_groups))!r}); "
+                            "--join-groups takes the fresh answers to LOGGED's own prompts")
+        writer.stats.update(_summed([d.manifest.get(S.M_STATS) or {} for d in datasets]))
+        writer.commit()
+        totals = writer.manifest[S.M_TOTALS]
+    return {"out": str(out), "rows": totals["rows"], "groups": totals["groups"], "joined_groups": joined,
+            "logged_rows": logged_rows, "fresh_rows": totals["rows"] - logged_rows}
 
 
 def _linkable(path: Path, entry: dict) -> bool:

@@ -179,6 +179,26 @@ def build_tiny_model(
     return model
 
 
+def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, arch: str = "llama", num_labels: int = 1,
+                            labels: tuple[str, ...] | None = None, seed: int = 0, **model_kwargs) -> PreTrainedModel:
+    """A randomly initialised sequence-classification reward model (`arch` llama or qwen2, `build_tiny_model`
+    keywords) with `num_labels` outputs, named `labels` where given; reproducible from `seed`."""
+    from transformers import AutoModelForSequenceClassification
+
+    config = build_tiny_model(tokenizer, arch=arch, seed=seed, **model_kwargs).config
+    config.num_labels = len(labels) if labels else num_labels
+    if labels:
+        config.id2label = dict(enumerate(labels))
+        config.label2id = {name: index for index, name in enumerate(labels)}
+    config.architectures = None  # from_config sets the classifier's own
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config)
+    model.config.architectures = [type(model).__name__]
+    model.eval()
+    return model
+
+
 def save_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path) -> str:
     """Save model (safetensors, config, generation config) and tokenizer (with chat template) into `path`."""
     path = Path(path)

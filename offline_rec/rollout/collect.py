@@ -34,6 +34,7 @@ ones is refused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -77,10 +78,10 @@ _NEVER = 1 << 62
 IDENTITY_FIELDS = (
     "model", "task", "reward", "prompts", "prompt_column", "num_prompts", "split", "chat_template",
     "num_samples", "temperature", "top_p", "top_k", "max_new_tokens", "seed", "batch_size",
-    "num_shards", "shard_index", "policy_version", "behavior", "seed_per_prompt",
+    "num_shards", "shard_index", "policy_version", "behavior", "seed_per_prompt", "prompts_from",
 )
 # Identity fields added after datasets were written without them: absent from an old manifest, they are not compared.
-LATER_IDENTITY_FIELDS = ("seed_per_prompt",)
+LATER_IDENTITY_FIELDS = ("seed_per_prompt", "prompts_from")
 
 
 @dataclass
@@ -97,6 +98,11 @@ class CollectConfig:
     """K: completions per prompt (one group)."""
     prompts: str | None = None
     """Prompt file (JSONL or Parquet); default: the task's built-in prompts."""
+    prompts_from: str | None = dataclasses.field(default=None, metadata={
+        "flags": ("--prompts-from",),
+        "help": "A logged dataset whose prompts are answered again: exact prompt_ids, under its group ids."})
+    """A dataset whose prompts are answered again: each group's exact prompt_ids (no re-tokenization) and meta,
+    sampled under its group id (`merge --join-groups` then joins the logged and the fresh answers)."""
     prompt_column: str | None = None
     """The prompt file's prompt column (default: the task's, usually "prompt")."""
     num_prompts: int | None = None
@@ -172,6 +178,8 @@ class CollectConfig:
             )
         if self.num_prompts is not None and self.num_prompts < 1:
             raise UserError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.prompts_from is not None and self.prompts is not None:
+            raise UserError("give --prompts or --prompts-from, not both")
         if self.split not in SPLITS:
             raise one_of("split", self.split, SPLITS)
         if self.policy_version is None:
@@ -423,7 +431,46 @@ def _add_stats(total: dict, result: PromptResult, rows: list[dict]) -> None:
 # planning
 
 
+def _logged_prompts(config: CollectConfig, tokenizer) -> tuple[list[PromptItem], dict[int, str], dict[int, list[int]]]:
+    """--prompts-from: one item per logged group (id = its group id, fields = its first row's meta), with the
+    group's prompt text and exact prompt ids; the dataset must have been tokenized with the policy's tokenizer."""
+    import json
+
+    from offline_rec.data.dataset import open_dataset
+    from offline_rec.models.loading import check_tokenizers
+
+    dataset = open_dataset(config.prompts_from, require_complete=True)
+    check_tokenizers([dataset], tokenizer, config.model)
+    items, texts, prompt_ids = [], {}, {}
+    for table in dataset.iter_group_tables([S.PROMPT, S.PROMPT_IDS, S.META]):
+        if config.num_prompts is not None and len(items) >= config.num_prompts:
+            break
+        first = table.slice(0, 1).to_pylist()[0]
+        try:
+            fields = json.loads(first[S.META])
+        except (json.JSONDecodeError, TypeError):
+            fields = None
+        if not isinstance(fields, dict):
+            raise DataError(f"{config.prompts_from} group {first[S.GROUP_ID]!r}: meta is not a JSON object; "
+                            "run `offline-rec validate`")
+        texts[len(items)], prompt_ids[len(items)] = first[S.PROMPT], list(first[S.PROMPT_IDS])
+        items.append(PromptItem(prompt=first[S.PROMPT], fields=fields, id=first[S.GROUP_ID]))
+    if not items:
+        raise UserError(f"{config.prompts_from} holds no groups to take prompts from")
+    return items, texts, prompt_ids
+
+
 def _plan(config: CollectConfig, task: Task, tokenizer, backend_name: str) -> _Plan:
+    if config.prompts_from is not None:
+        items, all_texts, all_ids = _logged_prompts(config, tokenizer)
+        indices = [i for i in range(len(items)) if i % config.num_shards == config.shard_index]
+        if not indices:
+            raise UserError(f"slice {config.shard_index} of {config.num_shards} holds none of the {len(items)} "
+                            "prompts; use fewer --num-shards")
+        size = config.batch_size if backend_name == "hf" else 1
+        return _Plan(task=task, items=items, indices=indices, texts={i: all_texts[i] for i in indices},
+                     prompt_ids={i: all_ids[i] for i in indices}, group_ids={i: items[i].id for i in indices},
+                     units=[indices[start:start + size] for start in range(0, len(indices), size)])
     num_prompts = config.num_prompts
     if config.prompts is None and num_prompts is None:
         num_prompts = DEFAULT_BUILTIN_PROMPTS
@@ -460,6 +507,8 @@ def group_id(task_name: str, item: PromptItem) -> str:
 
 
 def _prompts_label(config: CollectConfig, task: Task) -> str:
+    if config.prompts_from is not None:
+        return f"dataset:{config.prompts_from}"
     return str(config.prompts) if config.prompts is not None else f"builtin:{task.name}/{config.split}"
 
 

@@ -375,6 +375,20 @@ def test_openai_good(tmp_path, tiny):
     assert behavior["sampling"]["temperature"] == 1.0 and behavior["logprobs_source"] == "unknown"
 
 
+def test_openai_keep_messages(tmp_path, tiny):
+    """--keep-messages adds each chat call's request messages to its meta; completions-API lines have none."""
+    src = FIXTURES / "openai_good.jsonl"
+    import_dataset(ImportConfig(src, "openai", tmp_path / "ds", tokenizer=tiny, keep_messages=True))
+    metas = [json.loads(r[S.META]) for r in rows_of(tmp_path / "ds")]
+    requests = [json.loads(line) for line in src.read_text().splitlines()]
+    assert metas[0][S.META_MESSAGES] == requests[0]["request"]["messages"] == [{"role": "user", "content": "1+1="}]
+    assert metas[1] == metas[0]  # both choices of the call
+    assert metas[2] == {"answer": 4, S.META_MESSAGES: requests[1]["messages"]}  # the flat form, meta kept
+    assert S.META_MESSAGES not in metas[3] and S.META_MESSAGES not in metas[4]  # completions API: a prompt only
+    import_dataset(ImportConfig(src, "openai", tmp_path / "plain", tokenizer=tiny))
+    assert all(S.META_MESSAGES not in json.loads(r[S.META]) for r in rows_of(tmp_path / "plain"))
+
+
 def test_openai_group_by_prompt(tmp_path, tiny):
     line = json.loads((FIXTURES / "openai_good.jsonl").read_text().splitlines()[1])  # chatcmpl-2, one choice
     second = {**line, "id": "chatcmpl-9", "reward": 0}

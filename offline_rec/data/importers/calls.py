@@ -215,6 +215,14 @@ def group_value(value: Any) -> str:
     raise BadLine(BAD_VALUE, f"group_id must be a string or an integer, got {kind(value)}")
 
 
+def meta_with_messages(meta: str, messages: Any) -> str:
+    """`meta` (JSON text) with the request's chat messages added under schema.META_MESSAGES (a line's own meta
+    field of that name wins)."""
+    fields = json.loads(meta)
+    fields.setdefault(S.META_MESSAGES, messages)
+    return meta_json(fields)
+
+
 def line_meta(data: dict) -> str:
     """The line's "meta" object as JSON text, with the line's "episode_id" added where it has one."""
     episode_id = data.get("episode_id")

@@ -54,6 +54,10 @@ class ImportConfig:
     split_episodes: bool = _option(
         False, "openai: import each call of a multi-turn episode as a row of its own (its own context as the "
                "prompt), also where a later call's context does not extend the earlier one token for token.")
+    keep_messages: bool = _option(
+        False, "openai: keep each call's request messages in the row's meta (\"messages\"): `reward --reward-model` "
+               "then scores the conversation under the reward model's own chat template (single calls, not "
+               "episodes).")
     rewards: Path | None = _option(
         None, "openai: JSONL file of {\"id\": response or episode id, \"reward\": number or list} applied at "
               "import (it overrides the lines' own rewards).")

