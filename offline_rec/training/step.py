@@ -22,12 +22,10 @@ optimizer and scheduler wrappers step after the loop. Gradient reduction per bac
   DeepSpeed  ZeRO reduces (stage 2, 3: per micro-batch, into partitions) as DeepSpeed decides;
              clipping and the update are DeepSpeed's, at the boundary.
 
-Optional KL penalty to the initial policy (`kl_to_initial` = beta): per completion token
-    k3 = exp(ref - logp) - (ref - logp) - 1      (ref: log-prob under the initial policy)
-is added as beta * sum(k3 * m) / N, evaluated on the logged tokens (the data is not sampled from
-the current policy, so this is a regularizer, not an unbiased KL estimate). The reference is the
-initial model run under no_grad, prepared like the policy (sharded under FSDP2 and ZeRO-3); with
-LoRA it is the same model with its adapters disabled.
+Optional KL penalty to the initial policy (`kl_to_initial` = beta): `algorithms.kl_to_initial`
+(beta * sum(k3 * m) / N, the formula there) is added to the policy loss. The reference log-probs
+come from the initial model run under no_grad, prepared like the policy (sharded under FSDP2 and
+ZeRO-3); with LoRA it is the same model with its adapters disabled.
 """
 
 from __future__ import annotations
@@ -37,11 +35,10 @@ import math
 
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec, policy_loss
+from offline_rec.algorithms import AlgorithmSpec, kl_to_initial, policy_loss
 from offline_rec.training import batching, distributed
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums
-from offline_rec.training.policy import k3_penalty
 
 
 def step_counts(accelerator, plan: batching.StepPlan) -> tuple[int, int, int]:
@@ -60,22 +57,23 @@ def any_rank(flag: bool, accelerator) -> bool:
     return bool(accelerator.reduce(value, reduction="sum").item())
 
 
-def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, config: TrainConfig, num_tokens: int,
+def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coef: float, num_tokens: int,
                      num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """The policy loss of one micro-batch (its share of the step's token-mean), plus beta * k3 if asked."""
+    """The policy loss of one micro-batch (its share of the step's token-mean), plus the KL penalty to the
+    initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off)."""
     inputs = batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
     logprobs = scorer(**inputs)  # [B, L-1]
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
     kl_initial = torch.zeros((), device=accelerator.device)
-    if config.kl_to_initial > 0:
+    if kl_coef > 0:
         with torch.no_grad(), accelerator.autocast():
             if reference is None:  # LoRA: the initial policy is the model with its adapters off
-                ref = scorer(**inputs, adapters=False)
+                initial_logprobs = scorer(**inputs, adapters=False)  # [B, L-1]
             else:
-                ref = reference(**inputs)
-        kl_initial = k3_penalty(logprobs, ref, batch["loss_mask"], num_tokens)  # ref: [B, L-1]
-        loss = loss + config.kl_to_initial * kl_initial
+                initial_logprobs = reference(**inputs)  # [B, L-1]
+        penalty, kl_initial = kl_to_initial(logprobs, initial_logprobs, batch["loss_mask"], kl_coef, num_tokens)
+        loss = loss + penalty
     return loss, stats, kl_initial
 
 
@@ -98,8 +96,8 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
         last = i == num_passes - 1
         accelerator.gradient_state._set_sync_gradients(last)  # accelerate's own switch (what accumulate() sets)
         with accelerator.no_sync(scorer) if defer_reduction and not last else contextlib.nullcontext():
-            loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config, max(num_tokens, 1),
-                                                       max(num_sequences, 1), accelerator)
+            loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config.kl_to_initial,
+                                                       max(num_tokens, 1), max(num_sequences, 1), accelerator)
             accelerator.backward(loss * accelerator.num_processes)
         sums.add(stats, kl_initial, batch)
 
