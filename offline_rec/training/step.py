@@ -94,7 +94,10 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
             batch = batching.zero_loss_batch(pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         last = i == num_passes - 1
-        accelerator.gradient_state._set_sync_gradients(last)  # accelerate's own switch (what accumulate() sets)
+        # accelerate's public switch (Accelerator.sync_gradients, the flag accumulate() sets; its private
+        # GradientState._set_sync_gradients adds only a TPU mark_step). accumulate() itself counts a fixed
+        # gradient_accumulation_steps, while the passes of a step vary.
+        accelerator.sync_gradients = last
         with accelerator.no_sync(scorer) if defer_reduction and not last else contextlib.nullcontext():
             loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config.kl_to_initial,
                                                        max(num_tokens, 1), max(num_sequences, 1), accelerator)
