@@ -19,8 +19,8 @@ from offline_rec.models.loading import (
     model_context,
     tokenizer_hash,
 )
-from offline_rec.training import batching
 from offline_rec.training import checkpoint as ckpt
+from offline_rec.training import group_index, scheduling
 from offline_rec.training.config import TrainConfig
 
 
@@ -66,7 +66,7 @@ def _architecture(model: str | Path) -> dict | None:
     return {key: config.get(key) for key in keys}
 
 
-def check_context(index: batching.GroupIndex, model: str) -> None:
+def check_context(index: group_index.GroupIndex, model: str) -> None:
     """Refuse rows (after truncation to max_length) longer than the model has positions for: a forward
     over them crashes (learned positions) or silently extrapolates (rotary)."""
     context = model_context(model)
@@ -104,7 +104,7 @@ def check_optional_features(config: TrainConfig, hooks) -> None:
 def open_training_data(config: TrainConfig) -> tuple[list, object]:
     """The datasets of `config.data` (hf:// paths read in the Hub cache) and the model's tokenizer, checked
     against the tokenizer every dataset was logged with. Their rows are checked once per machine, when
-    their row store is built (`batching.index_datasets(..., validate=True)`)."""
+    their row store is built (`group_index.index_datasets(..., validate=True)`)."""
     datasets = [open_dataset(_local_path(path)) for path in config.data]
     tokenizer = load_tokenizer(config.model)
     check_tokenizers(datasets, tokenizer, config.model)
@@ -128,7 +128,7 @@ def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
         )
 
 
-def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint: Path | None) -> None:
+def check_resumable(state: dict | None, schedule: scheduling.Schedule, checkpoint: Path | None) -> None:
     """A checkpoint continues only the run it came from: same training groups, same steps per epoch, not past
     the end."""
     if state is None:
@@ -142,6 +142,6 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
         )
 
 
-def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
+def check_vocabulary(index: group_index.GroupIndex, policy, model: str) -> None:
     """Refuse data holding a token id the policy has no embedding row for."""
     check_token_ids_fit(index.max_token_id, embedding_rows(policy), model)

@@ -36,12 +36,12 @@ import math
 import torch
 
 from offline_rec.algorithms import AlgorithmSpec, kl_to_initial, policy_loss
-from offline_rec.training import batching, distributed
+from offline_rec.training import distributed, micro_batching, step_plan
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums
 
 
-def step_counts(accelerator, plan: batching.StepPlan) -> tuple[int, int, int]:
+def step_counts(accelerator, plan: step_plan.StepPlan) -> tuple[int, int, int]:
     """(N completion tokens of the step, its sequences, passes every rank runs), over all ranks."""
     local = torch.tensor([plan.trainable_tokens, len(plan.rows_here), len(plan.micro_batches)],
                          dtype=torch.long, device=accelerator.device)
@@ -61,7 +61,7 @@ def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coe
                      num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The policy loss of one micro-batch (its share of the step's token-mean), plus the KL penalty to the
     initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off)."""
-    inputs = batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
+    inputs = micro_batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
     logprobs = scorer(**inputs)  # [B, L-1]
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
@@ -77,7 +77,7 @@ def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coe
     return loss, stats, kl_initial
 
 
-def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batching.StepPlan, spec: AlgorithmSpec,
+def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: step_plan.StepPlan, spec: AlgorithmSpec,
              config: TrainConfig, pad_id: int) -> dict:
     """Forward/backward every micro-batch of `plan`, clip, take one optimizer and scheduler step.
 
@@ -91,7 +91,7 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
         if i < len(plan.micro_batches):
             batch = plan.collate(i, pad_id)
         else:  # this rank has run out of rows: a zero-loss pass keeps the collectives in step
-            batch = batching.zero_loss_batch(pad_id)
+            batch = micro_batching.zero_loss_batch(pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         last = i == num_passes - 1
         # accelerate's public switch (Accelerator.sync_gradients, the flag accumulate() sets; its private
