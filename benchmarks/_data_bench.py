@@ -1,7 +1,7 @@
 """Data-side benchmarks: padding of the trainer's micro-batches, its shard reader against raw pyarrow, validate/inspect.
 
 padding_efficiency. Over one epoch of a dataset with prompts of 10-100 and completions of
-10-500 tokens (uniform), the trainer plans every step (`batching.plan_step`: seeded group
+10-500 tokens (uniform), the trainer plans every step (`step_plan.plan_step`: seeded group
 order, `prompts_per_step` whole groups, one process) at its default token budget and collates
 every micro-batch; real prompt + completion tokens / the size of the input_ids tensors, summed
 over the epoch. Three layouts: padding-free in packed rows no longer than the longest sequence
@@ -13,8 +13,8 @@ or flex attention: `padding_efficiency_one_row`), padded (`padding_free: false`:
 padding_efficiency_paper, rank_balance_64. The paper's step (configs/gsm8k-qwen2.5-1.5b.yaml:
 96 prompts x 8 samples, responses up to 1,024 tokens, micro_batch_tokens 65536), simulated
 (`paper_step_lengths`: the length distribution is stated there) for 20 steps: the rows dealt to
-ranks and packed per rank by the trainer's own functions (`batching.assign_to_ranks`,
-`batching.micro_batches_of`). padding_efficiency_paper: 8 ranks, one packed row per
+ranks and packed per rank by the trainer's own functions (`micro_batching.assign_to_ranks`,
+`micro_batching.micro_batches_of`). padding_efficiency_paper: 8 ranks, one packed row per
 micro-batch (a GPU with `attn_implementation: flash_attention_2`); `_sdpa`: rows no longer than
 the longest sequence (transformers' default SDPA attention). rank_balance_64: 64 ranks, the most
 loaded rank's tokens / the mean, worst of the 20 steps. For comparison, the trainer before
@@ -22,16 +22,16 @@ padding-free packing: whole groups per rank, padded micro-batches (`*_before`: m
 padding included).
 
 shard_scan_vs_pyarrow. The training data reader is what turns shards into step batches:
-`batching.index_datasets` (one pass over every shard, which also fills the memory-mapped row
-store, in a fresh cache each round), then per optimizer step `batching.read_step_rows` (the
-step's rows from the store) and `batching.pack_micro_batches`, with the trainer's seeded
+`group_index.index_datasets` (one pass over every shard, which also fills the memory-mapped row
+store, in a fresh cache each round), then per optimizer step `micro_batching.read_step_rows` (the
+step's rows from the store) and `micro_batching.pack_micro_batches`, with the trainer's seeded
 shuffle. Its rows/s = dataset rows / (index seconds + seconds of the steps of one epoch). The limit: a raw
 `pyarrow.parquet.ParquetFile.iter_batches` scan of the same shards and the same columns. Both
 run in one fresh process per dataset size, alternately: one warm-up round (it pays the
 process's one-time costs; its ratio is reported apart), then 3 measured rounds, whose median
 is the ratio. When `max_steps` caps the steps (big datasets), the epoch's step time is
 extrapolated from the timed steps (steps draw groups uniformly at random, so they cost alike),
-and the result says so. Tensor building (`batching.collate`) is part of the training step, not
+and the result says so. Tensor building (`micro_batching.collate`) is part of the training step, not
 the reader: its rows/s are reported apart. shard_scan_rss_growth: peak RSS of the reader
 process on a 10x larger dataset over the 1x one (the same number of steps is run on both; the
 index itself covers the whole dataset).
@@ -71,17 +71,17 @@ def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_ST
 
     from offline_rec.algorithms import get_algorithm
     from offline_rec.data.dataset import open_dataset
-    from offline_rec.training import batching
+    from offline_rec.training import group_index, scheduling, step_plan
 
-    index = batching.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False)
-    schedule = batching.Schedule.of(index, 0.0, prompts_per_step, 1, None, seed, True)
+    index = group_index.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False)
+    schedule = scheduling.Schedule.of(index, 0.0, prompts_per_step, 1, None, seed, True)
     spec = get_algorithm("rec-oneside-nois")
     result = {}
     for suffix, (padding_free, one_row) in LAYOUTS.items():
         real = run = micro_batches = 0
         for step in range(schedule.total_steps):
-            drops = torch.Generator().manual_seed(batching.epoch_seed(seed, -1 - step))
-            plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, micro_batch_tokens,
+            drops = torch.Generator().manual_seed(scheduling.epoch_seed(seed, -1 - step))
+            plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, micro_batch_tokens,
                                       padding_free, one_row)
             real += sum(row.length for row in plan.rows_here)
             run += sum(plan.collate(i, 0)["input_ids"].numel() for i in range(len(plan.micro_batches)))
@@ -116,7 +116,7 @@ def paper_step_lengths(rng) -> tuple[np.ndarray, np.ndarray]:
 
 def paper_packing(steps: int = 20, seed: int = 0) -> dict:
     """Padding efficiency and rank balance of simulated paper steps (see the module docstring)."""
-    from offline_rec.training import batching
+    from offline_rec.training import micro_batching
 
     rng = np.random.default_rng(seed)
     real = {8: 0, 64: 0}
@@ -131,21 +131,21 @@ def paper_packing(steps: int = 20, seed: int = 0) -> dict:
         groups = lengths.reshape(PAPER_PROMPTS, PAPER_SAMPLES)
         for world in (8, 64):
             # Now: rows dealt by tokens, packed padding-free per rank.
-            shares = batching.assign_to_ranks(lengths, world)
+            shares = micro_batching.assign_to_ranks(lengths, world)
             loads = [int(lengths[share].sum()) for share in shares]
             balance[(world, "tokens")].append(max(loads) / np.mean(loads))
             real[world] += int(lengths.sum())
             for layout, one_row in (("bounded", False), ("one_row", True)):
                 for share in shares:
                     mine = lengths[share]
-                    batches = batching.micro_batches_of(mine, PAPER_MICRO_BATCH_TOKENS, True, one_row)
-                    run[(world, layout)] += sum(batching.model_tokens(mine, batch) for batch in batches)
+                    batches = micro_batching.micro_batches_of(mine, PAPER_MICRO_BATCH_TOKENS, True, one_row)
+                    run[(world, layout)] += sum(micro_batching.model_tokens(mine, batch) for batch in batches)
             # Before: whole groups per rank, padded micro-batches.
             before = []
-            for share in batching.assign_to_ranks(groups.sum(axis=1), world):
+            for share in micro_batching.assign_to_ranks(groups.sum(axis=1), world):
                 mine = groups[share].reshape(-1)
-                before.append(sum(batching.model_tokens(mine, batch) for batch in
-                                  batching.micro_batches_of(mine, PAPER_MICRO_BATCH_TOKENS, False)))
+                before.append(sum(micro_batching.model_tokens(mine, batch) for batch in
+                                  micro_batching.micro_batches_of(mine, PAPER_MICRO_BATCH_TOKENS, False)))
             run[(world, "before")] += sum(before)
             balance[(world, "before")].append(max(before) / np.mean(before))
     responses = np.concatenate(responses)
@@ -166,31 +166,31 @@ def paper_packing(steps: int = 20, seed: int = 0) -> dict:
 
 def _reader_epoch(dataset, max_steps: int | None, prompts_per_step: int, micro_batch_tokens: int, seed: int) -> dict:
     """One timed epoch of the trainer's reader (index pass, then step reads and packing; collate timed apart)."""
-    from offline_rec.training import batching
+    from offline_rec.training import group_index, micro_batching, scheduling
 
     # A fresh row-store cache per round: every round pays the index pass (a reused store is measured
     # by the "data scale" part).
     cache = tempfile.mkdtemp(prefix="offline-rec-scan-")
     started = time.perf_counter()
-    index = batching.index_datasets([dataset], TRAINER_MAX_LENGTH, truncate=False, cache_dir=cache,
+    index = group_index.index_datasets([dataset], TRAINER_MAX_LENGTH, truncate=False, cache_dir=cache,
                                     notes=lambda message: None)
     index_seconds = time.perf_counter() - started
-    train_groups, _ = batching.split_holdout(index.group_ids, 0.0)
-    per_epoch = batching.steps_per_epoch(len(train_groups), prompts_per_step)
-    order = batching.epoch_order(len(train_groups), seed, 0)
+    train_groups, _ = scheduling.split_holdout(index.group_ids, 0.0)
+    per_epoch = scheduling.steps_per_epoch(len(train_groups), prompts_per_step)
+    order = scheduling.epoch_order(len(train_groups), seed, 0)
     steps = per_epoch if max_steps is None else min(max_steps, per_epoch)
     step_seconds = collate_seconds = 0.0
     rows_read = shards_touched = 0
     for step in range(steps):
         started = time.perf_counter()
-        groups = train_groups[batching.step_groups(order, step, prompts_per_step)]
+        groups = train_groups[scheduling.step_groups(order, step, prompts_per_step)]
         numbers = index.rows_of_groups(groups)
-        rows = batching.read_step_rows(index, numbers, np.zeros(len(numbers)))
-        packed = batching.pack_micro_batches([r.length for r in rows], micro_batch_tokens)
+        rows = micro_batching.read_step_rows(index, numbers, np.zeros(len(numbers)))
+        packed = micro_batching.pack_micro_batches([r.length for r in rows], micro_batch_tokens)
         step_seconds += time.perf_counter() - started
         started = time.perf_counter()
         for micro in packed:
-            batching.collate([rows[j] for j in micro], 0)
+            micro_batching.collate([rows[j] for j in micro], 0)
         collate_seconds += time.perf_counter() - started
         rows_read += len(rows)
         shards_touched += len(set(index.shard[groups].tolist()))
@@ -214,9 +214,9 @@ def _raw_scan(dataset) -> float:
     import pyarrow.parquet as pq
 
     from offline_rec.data.rowstore import COLUMNS as STORE_COLUMNS
-    from offline_rec.training import batching
+    from offline_rec.training import group_index
 
-    columns = list(dict.fromkeys(batching.INDEX_COLUMNS + STORE_COLUMNS))
+    columns = list(dict.fromkeys(group_index.INDEX_COLUMNS + STORE_COLUMNS))
     started = time.perf_counter()
     rows = 0
     for shard in dataset.shard_paths:

@@ -2,9 +2,9 @@
 
 Each measurement runs `startup` in a fresh process (`run_child`): what `train` does with the data
 before its first step and then for `steps` steps, without the model: open the dataset (manifest),
-`batching.index_datasets(validate=True)` (validate and build the row store, or reuse it),
-`batching.Schedule.of` (holdout split, shuffle), and per step `batching.plan_step` (advantages,
-the rank's rows read from the store, micro-batches) plus `batching.collate`. Its data start-up
+`group_index.index_datasets(validate=True)` (validate and build the row store, or reuse it),
+`scheduling.Schedule.of` (holdout split, shuffle), and per step `step_plan.plan_step` (advantages,
+the rank's rows read from the store, micro-batches) plus `micro_batching.collate`. Its data start-up
 seconds are timed inside the process (the interpreter and torch imports are the same for every
 start and are reported apart, as the process's wall seconds).
 
@@ -41,22 +41,22 @@ def startup(data: str, cache: str, steps: int = STEPS) -> dict:
 
     from offline_rec.algorithms import get_algorithm
     from offline_rec.data.dataset import open_dataset
-    from offline_rec.training import batching
+    from offline_rec.training import group_index, scheduling, step_plan
 
     imports = time.perf_counter() - started
     notes: list[str] = []
     started = time.perf_counter()
     dataset = open_dataset(data)
-    index = batching.index_datasets([dataset], MAX_LENGTH, False, cache_dir=cache, validate=True, notes=notes.append)
-    schedule = batching.Schedule.of(index, 0.0, PROMPTS_PER_STEP, 1, None, 0, True)
+    index = group_index.index_datasets([dataset], MAX_LENGTH, False, cache_dir=cache, validate=True, notes=notes.append)
+    schedule = scheduling.Schedule.of(index, 0.0, PROMPTS_PER_STEP, 1, None, 0, True)
     startup_seconds = time.perf_counter() - started
     anonymous = [_resident_anonymous_mb()]
     spec = get_algorithm("rec-oneside-nois")
     started = time.perf_counter()
     rows = 0
     for step in range(steps):
-        drops = torch.Generator().manual_seed(batching.epoch_seed(0, -1 - step))
-        plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, MICRO_BATCH_TOKENS)
+        drops = torch.Generator().manual_seed(scheduling.epoch_seed(0, -1 - step))
+        plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, MICRO_BATCH_TOKENS)
         for micro in range(len(plan.micro_batches)):
             plan.collate(micro, 0)
         rows += len(plan.rows_here)

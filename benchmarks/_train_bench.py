@@ -4,7 +4,7 @@ train_vs_bare. One fresh process (same torch threads for every side) runs, `repe
 turn:
   trainer  `offline_rec.training.loop.train(config)` for warmup + steps + 1 optimizer steps, with
            its defaults: padding-free packing where the model keeps packed sequences apart (here,
-           SDPA: packed rows no longer than the longest sequence; see training/batching.py). Its step
+           SDPA: packed rows no longer than the longest sequence; see training/micro_batching.py). Its step
            times are read off the wall clock between consecutive `MetricsLog.write` calls (one
            per step, wrapped here to take a timestamp), so they cover everything the loop does
            per step: reading the step's rows, packing, collating, forward/backward, clipping,
@@ -85,18 +85,18 @@ def step_batches(config, num_steps: int) -> list[dict]:
     from offline_rec.algorithms import get_algorithm
     from offline_rec.data.dataset import open_dataset
     from offline_rec.models.loading import load_tokenizer
-    from offline_rec.training import batching
+    from offline_rec.training import group_index, scheduling, step_plan
 
     spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
     datasets = [open_dataset(path) for path in config.data]
     pad_id = load_tokenizer(config.model).pad_token_id
-    index = batching.index_datasets(datasets, config.max_length, config.truncate)
-    schedule = batching.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs, None, config.seed,
+    index = group_index.index_datasets(datasets, config.max_length, config.truncate)
+    schedule = scheduling.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs, None, config.seed,
                                     config.shuffle)
     steps = []
     for step in range(num_steps):
-        generator = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))
-        plan = batching.plan_step(index, schedule.groups_of(step), spec, generator, 0, 1, config.micro_batch_tokens)
+        generator = torch.Generator().manual_seed(scheduling.epoch_seed(config.seed, -1 - step))
+        plan = step_plan.plan_step(index, schedule.groups_of(step), spec, generator, 0, 1, config.micro_batch_tokens)
         batches = [plan.collate(i, pad_id) for i in range(len(plan.micro_batches))]
         steps.append({"batches": batches, "num_tokens": plan.trainable_tokens, "num_sequences": len(plan.rows_here),
                       "tokens": sum(r.length for r in plan.rows_here)})

@@ -470,6 +470,31 @@ def regularizer(spec: AlgorithmSpec, logp: torch.Tensor, blogp: torch.Tensor) ->
     return -spec.reg_coef * logp
 
 
+def kl_to_initial(
+    logp: torch.Tensor,
+    initial_logp: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float,
+    num_tokens: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL penalty to the initial policy (train's `kl_to_initial` = coef): (penalty, kl detached).
+
+      delta[i,t] = ref[i,t] - logp[i,t]                        [B, T]  ref = initial_logp, detached
+      k3[i,t]    = exp(delta) - delta - 1                      [B, T]  >= 0, 0 where logp == ref
+      kl         = sum_{i,t} k3[i,t] * m[i,t] / num_tokens     scalar
+      penalty    = coef * kl                                   scalar, gradient through logp
+    Evaluated on the logged tokens: the data is not sampled from the current policy, so this is a
+    regularizer, not an unbiased KL estimate. num_tokens is the step's count N (as in `aggregate`), so
+    the micro-batches' penalties sum to the step's. Masked-out positions never reach exp (no overflow
+    from padding).
+    """
+    import torch
+
+    delta = torch.where(mask, initial_logp.detach() - logp, 0.0)  # [B, T]
+    kl = torch.where(mask, delta.exp() - delta - 1, 0.0).sum() / num_tokens  # scalar
+    return coef * kl, kl.detach()
+
+
 def aggregate(
     spec: AlgorithmSpec,
     per_token: torch.Tensor,

@@ -522,7 +522,7 @@ def train(
     typer.echo(f"trained {summary['steps']} steps -> {summary['final_model']}"
                + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
     if summary.get("distributed") == "DEEPSPEED":
-        _EXIT["skip_teardown"] = True  # see run()
+        raise ExitWithoutTeardown()  # see run()
 
 
 # --------------------------------------------------------------------------------------------
@@ -955,8 +955,12 @@ def demo(
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
 
 
-# What the program's exit (run) should know of the command that ran.
-_EXIT = {"skip_teardown": False}
+class ExitWithoutTeardown(SystemExit):
+    """Exit 0, and the program (`run`) ends without the interpreter's teardown: what a command raises as its
+    end when native threads it leaves behind could abort that teardown (DeepSpeed training, see `run`)."""
+
+    def __init__(self):
+        super().__init__(0)
 
 
 def run() -> None:
@@ -970,12 +974,10 @@ def run() -> None:
     """
     try:
         main()
-    except SystemExit as done:
-        if _EXIT["skip_teardown"] and done.code in (0, None):
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-        raise
+    except ExitWithoutTeardown:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> None:

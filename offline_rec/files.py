@@ -1,4 +1,5 @@
-"""Small file helpers shared by every layer: atomic writes, sha256, timestamps, one-shot writer folders, the cache root.
+"""Small file helpers shared by every layer: atomic writes, sha256, timestamps, one-shot writer folders, the cache root,
+the one JSON Lines reader.
 
 An atomic write goes to a hidden temporary file in the same folder, is fsynced and renamed over
 the target: a reader sees the old content or the new one, never a torn file, whatever kills the
@@ -15,6 +16,8 @@ import os
 import platform
 import shutil
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +126,61 @@ def _process_exists(pid: int) -> bool:
     except PermissionError:  # someone else's process
         return True
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# JSON Lines
+
+
+@dataclass(frozen=True)
+class JsonlLine:
+    """One non-blank line of a JSON Lines file: its JSON value, or why it cannot be read (`problem`)."""
+
+    path: Path
+    number: int
+    """1 for the file's first line (blank lines count)."""
+    value: Any = None
+    problem: str | None = None
+    """One phrase: "not valid UTF-8 (byte N of the line)", "malformed JSON: MSG (column C)", "expected a JSON
+    object per line, got list"; None for a good line."""
+    bad_utf8: bool = False
+    """The problem is the line's bytes (not UTF-8), not its JSON."""
+
+    @property
+    def where(self) -> str:
+        """"file:line", how every message names the line."""
+        return f"{self.path}:{self.number}"
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[JsonlLine]:
+    """Every non-blank line of the JSON Lines file `path`, in order, each a JSON object or with its `problem`.
+
+    A byte-order mark before the first line (some editors write one) is skipped. A bad line is
+    yielded, not raised: a caller refuses it (naming `where`) or sets it aside and reads on.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                problem = f"not valid UTF-8 (byte {error.start} of the line)"
+                yield JsonlLine(path, number, problem=problem, bad_utf8=True)
+                continue
+            if number == 1:
+                text = text.removeprefix("\ufeff")
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as error:
+                yield JsonlLine(path, number, problem=f"malformed JSON: {error.msg} (column {error.colno})")
+                continue
+            except RecursionError:
+                yield JsonlLine(path, number, problem="malformed JSON: nested too deeply")
+                continue
+            if not isinstance(value, dict):
+                shown = "null" if value is None else type(value).__name__
+                yield JsonlLine(path, number, problem=f"expected a JSON object per line, got {shown}")
+                continue
+            yield JsonlLine(path, number, value)

@@ -20,6 +20,7 @@ from offline_rec.algorithms import (
     clip_mask,
     get_algorithm,
     group_advantages,
+    kl_to_initial,
     policy_loss,
     token_weights,
 )
@@ -511,6 +512,30 @@ def test_metrics_by_hand():
     assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((0.5, 2.0))
     assert metrics["kl_behavior"] == pytest.approx(0.25)
     assert metrics["pg_loss"] == pytest.approx(0.5 * 1 / 2)  # -0.5 * 1 * (-1) / 2
+
+
+def test_kl_to_initial_by_hand():
+    # delta = ref - logp = [0, 1]; k3 = e^delta - delta - 1 = [0, e - 2 = 0.718282]; the third token is
+    # masked (its ref of 1000 would overflow exp). kl = 0.718282 / N=4 = 0.179570; penalty = 0.5 * kl.
+    # d penalty / d logp = coef / N * (1 - e^delta) = 0.125 * [0, 1 - e] = [0, -0.214785], 0 where masked.
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    initial = torch.tensor([[-1.0, -1.0, 1000.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    penalty, kl = kl_to_initial(logp, initial, mask, 0.5, 4)
+    assert kl.item() == pytest.approx((math.e - 2) / 4)
+    assert penalty.item() == pytest.approx(0.5 * (math.e - 2) / 4)
+    assert not kl.requires_grad
+    penalty.backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, 0.125 * (1 - math.e), 0.0])
+    assert initial.grad is None  # the initial policy is a fixed target
+
+
+def test_kl_to_initial_is_zero_at_the_initial_policy_and_positive_elsewhere():
+    logp = torch.log_softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(0)), dim=-1)  # [B, T]
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    assert kl_to_initial(logp, logp.clone(), mask, 1.0, 15)[1].item() == 0.0
+    for shift in (-0.3, 0.3):
+        assert kl_to_initial(logp, logp + shift, mask, 1.0, 15)[1].item() > 0
 
 
 def test_empty_batch_gives_zero_loss():

@@ -96,3 +96,52 @@ def test_the_package_modules_all_have_a_docstring(graph):
     missing = [name for name, path in ((module_name(p), p) for p in PACKAGE.rglob("*.py"))
                if ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) is None]
     assert not missing, missing
+
+
+# --------------------------------------------------------------------------------------------
+# backends: what a backend can do is read from its class in rollout/backends/, never from its name
+
+
+def backend_name_comparisons(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that compare a value with one of `names` (==, !=, in / not in a literal collection)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+        if any(isinstance(e, ast.Constant) and e.value in names for e in literals):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_backend_names_are_compared_only_inside_rollout_backends():
+    from offline_rec.rollout.backends import BACKENDS
+
+    names = {key for key in BACKENDS} | {backend.engine for backend in BACKENDS.values()}
+    assert names >= {"hf", "vllm", "transformers"}
+    backends_folder = PACKAGE / "rollout" / "backends"
+    found = [f"{path.relative_to(REPO)}:{line}"
+             for path in sorted(PACKAGE.rglob("*.py")) if backends_folder not in path.parents
+             for line in backend_name_comparisons(path.read_text(encoding="utf-8"), names)]
+    assert not found, "compare a capability of backends.BACKENDS[name] instead of the name: " + ", ".join(found)
+
+
+def test_the_backend_name_check_finds_every_form_of_comparison():
+    names = {"hf", "vllm", "transformers"}
+    source = ('a = name == "hf"\nb = "vllm" != engine\nc = engine in ("transformers", "x")\n'
+              'd = name not in ["vllm"]\ne = name == "other"\nf = {"hf": 1}\n')
+    assert backend_name_comparisons(source, names) == [1, 2, 3, 4]
+
+
+def test_every_backend_declares_its_capabilities():
+    from offline_rec.rollout.backends import BACKENDS
+    from offline_rec.rollout.backends.base import Backend
+
+    declared = {name for name in Backend.__annotations__ if name not in ("engine_version", "model_name", "dtype",
+                                                                          "tokenizer")}
+    assert {"name", "engine", "batches_prompts", "tensor_parallel", "evaluates_in_child"} <= declared
+    for key, backend in BACKENDS.items():
+        assert backend.name == key
+        assert all(hasattr(backend, attribute) for attribute in declared), (key, declared)
+        assert callable(backend.load)

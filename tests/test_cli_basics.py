@@ -213,3 +213,22 @@ def test_validate_reports_a_wrong_schema_version_as_a_problem(capsys, tmp_path):
     code, out, _ = run_main(capsys, "validate", str(_wrong_version(tmp_path)), "--json")
     report = json.loads(out)
     assert code == 1 and report["counts"] == {"error:manifest": 1}
+
+
+def test_the_program_skips_the_teardown_only_after_a_command_that_asks(monkeypatch):
+    from offline_rec import cli
+
+    skipped = []
+    monkeypatch.setattr(cli.os, "_exit", skipped.append)
+
+    def asks():
+        raise cli.ExitWithoutTeardown()
+
+    monkeypatch.setattr(cli, "main", asks)
+    cli.run()
+    assert skipped == [0]
+    monkeypatch.setattr(cli, "main", lambda: sys.exit(0))
+    with pytest.raises(SystemExit) as done:
+        cli.run()
+    assert done.value.code == 0 and skipped == [0]
+    assert isinstance(cli.ExitWithoutTeardown(), SystemExit) and cli.ExitWithoutTeardown().code == 0

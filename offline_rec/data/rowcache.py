@@ -329,8 +329,8 @@ def _build(datasets, build, fingerprint, root: Path, folder: Path, validate: boo
             raise
         description = writer.finish({"created_at": now_iso(), "datasets": [str(d.path) for d in datasets],
                                      "fingerprint": fingerprint, "validate_seconds": round(validated - started, 2),
-                                     "build_seconds": round(time.time() - validated, 2), **meta})
-        atomic_write_json(partial / VERIFIED_FILE, {"shards": shard_stats(datasets) if validate else {}})
+                                     "build_seconds": round(time.time() - validated, 2), **meta},
+                                    extra={VERIFIED_FILE: {"shards": shard_stats(datasets) if validate else {}}})
         try:
             os.rename(partial, folder)
         except OSError:  # another builder's rename came first (no working lock here): theirs is as good

@@ -3,7 +3,7 @@
 A training step takes whole groups from anywhere in the data (the epoch order is a global
 shuffle), so reading a step straight from the Parquet shards would decompress and decode every
 shard the step touches, each time (measured: 64x the rows an epoch needs, see
-docs/benchmarks.md). Instead, the one pass that indexes the data (`batching.index_datasets`)
+docs/benchmarks.md). Instead, the one pass that indexes the data (`group_index.index_datasets`)
 also appends the step columns of every row, already decoded, to a `RowStoreWriter`, and every
 step reads its rows from the `RowStore` over those files: `columns([i, ...])` are the i-th
 appended rows as numpy views into a memory mapping: no decoding, no copy. Where the folder lives,
@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,7 @@ import pyarrow.compute as pc
 
 from offline_rec import schema as S
 from offline_rec.errors import UserError, disk_full
-from offline_rec.files import atomic_write_json, fsync_dir
+from offline_rec.files import fsync_dir
 
 FORMAT_VERSION = 2  # of the folder layout; a store of another version is never opened
 META_FILE = "store.json"
@@ -145,16 +146,13 @@ class RowStoreWriter:
             self._open(file, np.dtype(dtype) if dtype is not None else np.asarray(values).dtype)
         self._write(file, np.asarray(values).reshape(-1))
 
-    def finish(self, meta: dict) -> dict:
-        """Flush and fsync every file, then write store.json (with `meta`): the folder is now a complete store."""
-        try:
-            for file in self._files.values():
-                file.flush()
-                os.fsync(file.fileno())
-        except OSError as e:
-            self.close()
-            raise _write_error(self.directory, e) from None
-        self.close()
+    def finish(self, meta: dict, extra: dict[str, dict] | None = None) -> dict:
+        """Write store.json (with `meta`) and the `extra` JSON files ({name: content}), then fsync every file
+        and the folder: the folder is now a complete store.
+
+        The folder is private until then (a partial folder the caller renames into place, or a temporary
+        one), so no file needs its own atomic write: all are fsynced at once, concurrently.
+        """
         description = {
             "format": FORMAT_VERSION,
             "rows": self.num_rows,
@@ -164,15 +162,36 @@ class RowStoreWriter:
             **meta,
         }
         try:
-            atomic_write_json(self.directory / META_FILE, description)
+            for name, content in {META_FILE: description, **(extra or {})}.items():
+                file = open(self.directory / name, "w", encoding="utf-8")  # noqa: SIM115 (closed below)
+                self._files[name] = file
+                file.write(json.dumps(content, indent=2, default=str) + "\n")
+            for file in self._files.values():
+                file.flush()
+            _fsync_all(list(self._files.values()))
         except OSError as e:
+            self.close()
             raise _write_error(self.directory, e) from None
+        self.close()
         fsync_dir(self.directory)
         return description
 
     def close(self) -> None:
         for file in self._files.values():
             file.close()
+
+
+def _fsync_all(files: list) -> None:
+    """fsync every file, concurrently: each call mostly waits on the disk, and the filesystem commits the
+    waiting ones together (measured on ext4, 23 files of 150 kB: 6-17 ms, against 21-36 ms one after the other).
+    The fsyncs were 46% of building a 2,048-row store (cProfile), more than reading its shards."""
+    if len(files) <= 1:
+        for file in files:
+            os.fsync(file.fileno())
+        return
+    with ThreadPoolExecutor(max_workers=min(len(files), 32)) as pool:
+        for _ in pool.map(lambda file: os.fsync(file.fileno()), files):  # re-raises the first OSError
+            pass
 
 
 def _filesystem_type(directory: str | Path) -> str | None:

@@ -182,7 +182,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     """
     from offline_rec.models.loading import check_tokenizer_fits, config_vocab_size, load_tokenizer
     from offline_rec.models.versions import model_policy_version
-    from offline_rec.rollout.backends import check_backend_name
+    from offline_rec.rollout.backends import BACKENDS, check_backend_name, make_backend
     from offline_rec.rollout.collect import CollectConfig, collect, open_engines
 
     if config.offline:
@@ -222,11 +222,11 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         backend_name = check_backend_name(config.backend)
         tokenizer = load_tokenizer(model)
         check_tokenizer_fits(tokenizer, config_vocab_size(model), f" of {model}")
-        if config.gpu_memory_utilization is not None and backend_name == "vllm":
+        if config.gpu_memory_utilization is not None and BACKENDS[backend_name].takes_gpu_memory_share:
             engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if config.data_parallel_size == 1 and not config.ray_address:
-            backend = _load_backend(backend_name, model, tokenizer, config.dtype, config.seed,
-                                    config.gpu_memory_utilization)
+            backend = make_backend(backend_name, model, tokenizer=tokenizer, dtype=config.dtype, seed=config.seed,
+                                   **engine_kwargs)
     with open_engines(collect_config, backend, engine_kwargs) as engines:  # --data-parallel-size: N engines
         clear_out(out, keep_rollouts=config.resume)
         rollouts = collect(collect_config, engines=engines)  # a stop signal: Preempted, the finished groups kept
@@ -298,20 +298,6 @@ def clear_out(out: Path, keep_rollouts: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _load_backend(name: str, model: str, tokenizer, dtype: str | None, seed: int, gpu_memory_utilization: float | None):
-    if name == "hf":
-        from offline_rec.models.loading import check_model_tokenizer
-        from offline_rec.rollout.backends.hf import HFBackend
-
-        backend = HFBackend(model, tokenizer=tokenizer, dtype=dtype)
-        check_model_tokenizer(backend.model, backend.tokenizer, f" of {model}")
-        return backend
-    from offline_rec.rollout.backends.vllm import VLLMBackend, make_engine
-
-    extra = {} if gpu_memory_utilization is None else {"gpu_memory_utilization": gpu_memory_utilization}
-    return VLLMBackend(model, llm=make_engine(model, dtype, seed=seed, **extra), tokenizer=tokenizer)
-
-
 def _read_groups(rollouts: Path) -> list[dict]:
     """Per group of the rollouts dataset: ids, prompt, fields, rewards, completion lengths, finish reasons."""
     columns = [S.PROMPT, S.PROMPT_IDS, S.COMPLETION_IDS, S.REWARD, S.FINISH_REASON, S.META]
@@ -333,11 +319,14 @@ def _read_groups(rollouts: Path) -> list[dict]:
 
 def _greedy_pass(engines, collect_config, groups: list[dict]) -> list[dict]:
     """One greedy completion per group, rewarded: {"greedy_completion", "greedy_reward", "greedy_finish_reason"}."""
+    from offline_rec.rollout.backends import backend_of_engine
     from offline_rec.rollout.collect import sample_greedy
 
-    hf = engines.info["engine"] == "transformers"  # samples --batch-size prompts at a time; vLLM streams them
+    # A backend that batches samples --batch-size prompts at a time; the others stream them.
+    backend = backend_of_engine(engines.info["engine"])
+    batches = backend is not None and backend.batches_prompts
     results = sample_greedy(engines, collect_config, [(g["prompt"], g["prompt_ids"], g["fields"]) for g in groups],
-                            unit_size=collect_config.batch_size if hf else 1)
+                            unit_size=collect_config.batch_size if batches else 1)
     return [{"greedy_completion": r.samples[0].text, "greedy_reward": r.rewards[0],
              "greedy_finish_reason": r.samples[0].finish_reason} for r in results]
 
@@ -390,7 +379,9 @@ def evaluate_checkpoint(
     checkpoint_dir = Path(checkpoint_dir)
     config = training_eval_config(checkpoint_dir, train_config)
     if in_subprocess is None:
-        in_subprocess = config.backend == "vllm"
+        from offline_rec.rollout.backends import BACKENDS
+
+        in_subprocess = BACKENDS[config.backend].evaluates_in_child
     model = checkpoint_dir
     try:
         model = _merged_if_adapter(checkpoint_dir, train_config, config.out)

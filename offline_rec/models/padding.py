@@ -3,7 +3,7 @@
 A row is its prompt then its completion, padded on the right to the batch's longest length L.
 Over the L-1 next-token positions (position t predicts token t+1), completion token j of a row
 with a P-token prompt sits at P + j and is scored at P + j - 1. The first token of an empty
-prompt has no context and is never scored. The trainer (training/batching.py) and teacher-forced
+prompt has no context and is never scored. The trainer (training/micro_batching.py) and teacher-forced
 scoring (models/teacher_forced.py) both build their batches here.
 """
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from offline_rec.errors import UserError, one_of
-from offline_rec.record import exchange as X
+from offline_rec.record import exchange
 from offline_rec.record.assemble import DONE, SseSplitter, StreamAssembler, event_data, expected_choices, format_event
 from offline_rec.record.episodes import END_HEADER, ID_HEADER, is_end
 from offline_rec.record.recorder import Recorder, RecordOptions, call_records
@@ -56,7 +56,7 @@ def upstream_base(url: str) -> str:
 class ProxyState:
     upstream: str
     recorder: Recorder
-    logprobs_mode: str = X.UNKNOWN
+    logprobs_mode: str = exchange.UNKNOWN
     probe: bool = True
     warn: Callable[[str], None] = print
     session: object = None  # aiohttp.ClientSession, opened in the lifespan
@@ -142,7 +142,7 @@ async def _probe_until_known(state: ProxyState) -> None:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 60.0)
             continue
-        if state.logprobs_mode != X.PROCESSED_LOGPROBS:
+        if state.logprobs_mode != exchange.PROCESSED_LOGPROBS:
             state.warn(
                 f"the upstream returns {state.logprobs_mode}, not the log-probs of the distribution it samples from: "
                 "recorded lines say so (logprobs_source); start vLLM with --logprobs-mode processed_logprobs"
@@ -237,13 +237,13 @@ async def recorded(state: ProxyState, request):
     """A chat completion or completion: forwarded with what training needs, recorded when whole."""
     from starlette.responses import Response
 
-    endpoint = X.ENDPOINTS[request.scope["path"]]
+    endpoint = exchange.ENDPOINTS[request.scope["path"]]
     raw = await request.body()
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         body = None
-    plan = X.upstream_request(endpoint, body)
+    plan = exchange.upstream_request(endpoint, body)
     if plan is None:
         return await passthrough(state, request, raw)
     upstream_body, added = plan
@@ -286,7 +286,7 @@ async def recorded(state: ProxyState, request):
 
     errors = _upstream_errors()
     try:
-        upstream = await _send(state, "POST", url, headers, X.dumps(upstream_body).encode())
+        upstream = await _send(state, "POST", url, headers, exchange.dumps(upstream_body).encode())
     except BaseException as e:
         settle()
         if isinstance(e, errors):
@@ -310,8 +310,8 @@ async def recorded(state: ProxyState, request):
         finally:
             settle()
             upstream.release()
-        shown = X.client_response(response, added)
-        return Response(content if shown is response else X.dumps(shown).encode(), status_code=200,
+        shown = exchange.client_response(response, added)
+        return Response(content if shown is response else exchange.dumps(shown).encode(), status_code=200,
                         headers=_client_headers(upstream.headers, True))
 
     async def events():
@@ -342,11 +342,11 @@ async def recorded(state: ProxyState, request):
                 if chunk is None or not isinstance(chunk.get("choices"), list):
                     yield event  # an error event or unknown data: as it came
                     continue
-                shown = X.client_chunk(chunk, added)
+                shown = exchange.client_chunk(chunk, added)
                 if shown is chunk:
                     yield event
                 elif shown is not None:
-                    yield format_event(X.dumps(shown))
+                    yield format_event(exchange.dumps(shown))
         if splitter.rest():
             yield splitter.rest()
 
@@ -426,12 +426,12 @@ def run_record(
 
     if not upstream.startswith(("http://", "https://")):
         raise UserError(f"--upstream {upstream!r}: expected an http:// or https:// URL of an OpenAI-compatible server")
-    if logprobs_mode != "auto" and logprobs_mode not in X.LOGPROBS_MODES:
-        raise one_of("--logprobs-mode", logprobs_mode, ("auto", *X.LOGPROBS_MODES))
+    if logprobs_mode != "auto" and logprobs_mode not in exchange.LOGPROBS_MODES:
+        raise one_of("--logprobs-mode", logprobs_mode, ("auto", *exchange.LOGPROBS_MODES))
     options = options or RecordOptions()
     recorder = Recorder(out, options, warn=warn)
     state = ProxyState(upstream=upstream_base(upstream), recorder=recorder, warn=warn,
-                       logprobs_mode=X.UNKNOWN if logprobs_mode == "auto" else logprobs_mode,
+                       logprobs_mode=exchange.UNKNOWN if logprobs_mode == "auto" else logprobs_mode,
                        probe=logprobs_mode == "auto")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

@@ -46,7 +46,15 @@ from offline_rec.errors import DataError, UserError, one_of
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
-from offline_rec.rollout.backends import Backend, SamplingSettings, check_backend_name, derive_seed, resolved_dtype
+from offline_rec.rollout.backends import (
+    BACKENDS,
+    Backend,
+    SamplingSettings,
+    backend_of_engine,
+    check_backend_name,
+    derive_seed,
+    resolved_dtype,
+)
 from offline_rec.rollout.engines import (
     DEFAULT_REWARD_WORKERS,
     EngineError,
@@ -248,7 +256,9 @@ def collect(config: CollectConfig, backend: Backend | None = None, engines=None)
         if existing.get(S.M_COMPLETE):
             return config.out
 
-    plan = _plan(config, task, tokenizer, backend_name)
+    # A backend that samples a batch at a time, seeded by its prompts (transformers): the plan fixes the batches.
+    batches = backend_name in BACKENDS and BACKENDS[backend_name].batches_prompts
+    plan = _plan(config, task, tokenizer, unit_size=config.batch_size if batches else 1)
     with contextlib.nullcontext(engines) if engines is not None else open_engines(config) as engines:
         info = engines.info
         if config.seed_per_prompt and not info["per_request_seeds"]:
@@ -289,9 +299,7 @@ def open_engines(config: CollectConfig, backend: Backend | None = None, engine_k
         if config.data_parallel_size > 1 or config.ray_address:
             raise UserError("a loaded backend is one engine: --data-parallel-size and --ray-address build their own")
         return LocalEngines(backend)
-    backend_name = check_backend_name(config.backend)
-    if backend_name == "hf" and config.tensor_parallel_size != 1:
-        raise UserError("--tensor-parallel-size needs --backend vllm (the hf backend runs on one device)")
+    backend_name = check_backend_name(config.backend, config.tensor_parallel_size)
     spec = EngineSpec(backend=backend_name, model=config.model, dtype=resolved_dtype(config.dtype, config.model),
                       tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
                       per_request_seeds=config.seed_per_prompt, engine_kwargs=dict(engine_kwargs or {}))
@@ -460,17 +468,16 @@ def _logged_prompts(config: CollectConfig, tokenizer) -> tuple[list[PromptItem],
     return items, texts, prompt_ids
 
 
-def _plan(config: CollectConfig, task: Task, tokenizer, backend_name: str) -> _Plan:
+def _plan(config: CollectConfig, task: Task, tokenizer, unit_size: int) -> _Plan:
     if config.prompts_from is not None:
         items, all_texts, all_ids = _logged_prompts(config, tokenizer)
         indices = [i for i in range(len(items)) if i % config.num_shards == config.shard_index]
         if not indices:
             raise UserError(f"slice {config.shard_index} of {config.num_shards} holds none of the {len(items)} "
                             "prompts; use fewer --num-shards")
-        size = config.batch_size if backend_name == "hf" else 1
         return _Plan(task=task, items=items, indices=indices, texts={i: all_texts[i] for i in indices},
                      prompt_ids={i: all_ids[i] for i in indices}, group_ids={i: items[i].id for i in indices},
-                     units=[indices[start:start + size] for start in range(0, len(indices), size)])
+                     units=[indices[start:start + unit_size] for start in range(0, len(indices), unit_size)])
     num_prompts = config.num_prompts
     if config.prompts is None and num_prompts is None:
         num_prompts = DEFAULT_BUILTIN_PROMPTS
@@ -493,9 +500,7 @@ def _plan(config: CollectConfig, task: Task, tokenizer, backend_name: str) -> _P
         prompt_ids[i] = tokenizer(texts[i], add_special_tokens=not templated)["input_ids"]
         if not prompt_ids[i]:
             raise UserError(f"prompt {items[i].id!r} is empty after tokenization")
-    # transformers samples a batch at a time, seeded by its prompts: the plan fixes the batches.
-    size = config.batch_size if backend_name == "hf" else 1
-    units = [indices[start:start + size] for start in range(0, len(indices), size)]
+    units = [indices[start:start + unit_size] for start in range(0, len(indices), unit_size)]
     return _Plan(task=task, items=items, indices=indices, texts=texts, prompt_ids=prompt_ids,
                  group_ids={i: group_ids[i] for i in indices}, units=units)
 
@@ -559,7 +564,8 @@ def _units_to_sample(writer: DatasetWriter, plan: _Plan) -> list[list[int]]:
 
 
 def _backend_name(engine: str) -> str:
-    return {"transformers": "hf", "vllm": "vllm"}.get(engine, engine)
+    backend = backend_of_engine(engine)
+    return engine if backend is None else backend.name
 
 
 def _plain(value):

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from offline_rec.errors import UserError
-from offline_rec.files import atomic_write_text
+from offline_rec.files import atomic_write_text, read_jsonl
 
 Messages = list[dict[str, Any]]
 
@@ -117,24 +117,10 @@ def messages_as_plain_text(messages: Messages) -> str:
 def _read_jsonl_rows(path: Path) -> list[tuple[str, dict]]:
     """(where, row) for every non-blank line; `where` is "file:line" for error messages."""
     rows = []
-    with path.open("rb") as handle:
-        for line_number, raw_line in enumerate(handle, start=1):
-            where = f"{path}:{line_number}"
-            try:
-                line = raw_line.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise UserError(f"{where}: not valid UTF-8 (byte {error.start} of the line)") from None
-            if line_number == 1:
-                line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{where}: malformed JSON: {error.msg} (column {error.colno})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{where}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append((where, row))
+    for line in read_jsonl(path):
+        if line.problem is not None:
+            raise UserError(f"{line.where}: {line.problem}")
+        rows.append((line.where, line.value))
     return rows
 
 

@@ -51,8 +51,8 @@ from offline_rec.models.versions import (  # noqa: F401  (the run layout names, 
     read_trainer_state,
 )
 from offline_rec.training import distributed
-from offline_rec.training.batching import epoch_seed
 from offline_rec.training.config import save_config
+from offline_rec.training.scheduling import epoch_seed
 
 CHECKPOINTS_DIR = "checkpoints"
 ADAPTER_DIR = "adapter"

@@ -21,8 +21,8 @@ from offline_rec.models.loading import (
     model_context,
     tokenizer_hash,
 )
-from offline_rec.training import batching
 from offline_rec.training import checkpoint as ckpt
+from offline_rec.training import group_index, scheduling
 from offline_rec.training.config import TrainConfig
 
 
@@ -68,7 +68,7 @@ def _architecture(model: str | Path) -> dict | None:
     return {key: config.get(key) for key in keys}
 
 
-def check_context(index: batching.GroupIndex, model: str) -> None:
+def check_context(index: group_index.GroupIndex, model: str) -> None:
     """Refuse rows (after truncation to max_length) longer than the model has positions for: a forward
     over them crashes (learned positions) or silently extrapolates (rotary)."""
     context = model_context(model)
@@ -107,7 +107,7 @@ def check_optional_features(config: TrainConfig, hooks) -> None:
 def open_training_data(config: TrainConfig) -> tuple[list, object]:
     """The datasets of `config.data` (hf:// paths read in the Hub cache) and the model's tokenizer, checked
     against the tokenizer every dataset was logged with. Their rows are checked once per machine, when
-    their row store is built (`batching.index_datasets(..., validate=True)`)."""
+    their row store is built (`group_index.index_datasets(..., validate=True)`)."""
     datasets = [open_dataset(_local_path(path)) for path in config.data]
     tokenizer = load_tokenizer(config.model)
     check_tokenizers(datasets, tokenizer, config.model)
@@ -131,7 +131,7 @@ def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
         )
 
 
-def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint: Path | None) -> None:
+def check_resumable(state: dict | None, schedule: scheduling.Schedule, checkpoint: Path | None) -> None:
     """A checkpoint continues only the run it came from: same training groups, same steps per epoch, not past
     the end."""
     if state is None:
@@ -145,7 +145,7 @@ def check_resumable(state: dict | None, schedule: batching.Schedule, checkpoint:
         )
 
 
-def check_vocabulary(index: batching.GroupIndex, policy, model: str) -> None:
+def check_vocabulary(index: group_index.GroupIndex, policy, model: str) -> None:
     """Refuse data holding a token id the policy has no embedding row for."""
     check_token_ids_fit(index.max_token_id, embedding_rows(policy), model)
 
@@ -154,12 +154,12 @@ SINGLETON_FIX = ("give them a baseline: --set algorithm.baseline=step (or datase
                  "--set algorithm.baseline_value=B, e.g. 0.5 for 0/1 rewards), or --algorithm topr")
 
 
-def training_reward_moments(index: batching.GroupIndex, schedule: batching.Schedule) -> RewardMoments:
+def training_reward_moments(index: group_index.GroupIndex, schedule: scheduling.Schedule) -> RewardMoments:
     """Mean and std of the training rows' rewards (holdout left out): the `dataset` baseline, fixed for the run."""
     return RewardMoments.of(index.reward[index.rows_of_groups(schedule.train_groups)])
 
 
-def check_learning_signal(spec: AlgorithmSpec, index: batching.GroupIndex, schedule: batching.Schedule,
+def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, schedule: scheduling.Schedule,
                           moments: RewardMoments) -> dict:
     """Refuse (UserError) training data on which `spec` has no learning signal at all: every advantage 0.
 

@@ -6,7 +6,7 @@
    overrides, the datasets (tokenizer hashes, null rewards, over-long rows), the model, the
    optional features (LoRA, wandb, the eval/push hooks). Then RUN/ is created.
 2. Each optimizer step takes `prompts_per_step` whole groups in a seeded per-epoch order
-   (`batching.Schedule`); `batching.plan_step` computes the advantages of the whole step from the
+   (`scheduling.Schedule`); `step_plan.plan_step` computes the advantages of the whole step from the
    rewards alone (the same on every rank), takes this rank's share of the groups and packs its
    rows into micro-batches.
 3. `step.run_step` runs the passes: the loss is the token-mean over ALL completion tokens of the
@@ -34,8 +34,8 @@ from offline_rec.algorithms import baseline_record, describe_baseline, get_algor
 from offline_rec.models.packing import choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
-from offline_rec.training import batching, checks, distributed
 from offline_rec.training import checkpoint as ckpt
+from offline_rec.training import checks, distributed, group_index, scheduling, step_plan
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import MetricsLog, print_settings, step_metrics
 from offline_rec.training.policy import (
@@ -80,10 +80,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     # A resumed continuation starts from its own checkpoint: the run it continued may be gone by now.
     init_from = checks.check_init_from(config, tokenizer) if config.init_from and resume_from is None else None
     # Validates the data and builds its row store once per machine (the other ranks wait), or reuses the store.
-    index = batching.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir,
+    index = group_index.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir,
                                     validate=True, progress=config.progress)
     checks.check_context(index, config.model)
-    schedule = batching.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs,
+    schedule = scheduling.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs,
                                     config.max_steps, config.seed, config.shuffle)
     state = ckpt.read_trainer_state(resume_from) if resume_from else None
     checks.check_resumable(state, schedule, resume_from)
@@ -141,10 +141,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     with progress, StopRequest() as stop:
         for step in range(start_step, schedule.total_steps):
             step_started = time.time()
-            drops = torch.Generator().manual_seed(batching.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
-            plan = batching.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
-                                      accelerator.num_processes, config.micro_batch_tokens,
-                                      layout.padding_free, layout.one_row, dataset_moments=moments)
+            drops = torch.Generator().manual_seed(scheduling.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
+            plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
+                                       accelerator.num_processes, config.micro_batch_tokens,
+                                       layout.padding_free, layout.one_row, dataset_moments=moments)
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
                               tokenizer.pad_token_id)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)

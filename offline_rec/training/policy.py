@@ -86,12 +86,6 @@ def lr_multiplier(config: TrainConfig, total_steps: int):
     return factor
 
 
-def k3_penalty(logprobs, reference_logprobs, mask, num_tokens: int) -> torch.Tensor:
-    """sum over masked tokens of exp(ref - logp) - (ref - logp) - 1, divided by num_tokens (>= 0)."""
-    delta = torch.where(mask, reference_logprobs.detach() - logprobs, 0.0)  # [B, T]
-    return torch.where(mask, delta.exp() - delta - 1, 0.0).sum() / num_tokens
-
-
 def load_reference(config: TrainConfig, accelerator) -> PolicyScorer | None:
     """The frozen initial policy for `kl_to_initial`, prepared like the policy: sharded under FSDP2 and
     ZeRO-3, whole on every process otherwise. None without the penalty, or with LoRA (the policy with

@@ -22,12 +22,10 @@ optimizer and scheduler wrappers step after the loop. Gradient reduction per bac
   DeepSpeed  ZeRO reduces (stage 2, 3: per micro-batch, into partitions) as DeepSpeed decides;
              clipping and the update are DeepSpeed's, at the boundary.
 
-Optional KL penalty to the initial policy (`kl_to_initial` = beta): per completion token
-    k3 = exp(ref - logp) - (ref - logp) - 1      (ref: log-prob under the initial policy)
-is added as beta * sum(k3 * m) / N, evaluated on the logged tokens (the data is not sampled from
-the current policy, so this is a regularizer, not an unbiased KL estimate). The reference is the
-initial model run under no_grad, prepared like the policy (sharded under FSDP2 and ZeRO-3); with
-LoRA it is the same model with its adapters disabled.
+Optional KL penalty to the initial policy (`kl_to_initial` = beta): `algorithms.kl_to_initial`
+(beta * sum(k3 * m) / N, the formula there) is added to the policy loss. The reference log-probs
+come from the initial model run under no_grad, prepared like the policy (sharded under FSDP2 and
+ZeRO-3); with LoRA it is the same model with its adapters disabled.
 """
 
 from __future__ import annotations
@@ -37,14 +35,13 @@ import math
 
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec, policy_loss
-from offline_rec.training import batching, distributed
+from offline_rec.algorithms import AlgorithmSpec, kl_to_initial, policy_loss
+from offline_rec.training import distributed, micro_batching, step_plan
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums
-from offline_rec.training.policy import k3_penalty
 
 
-def step_counts(accelerator, plan: batching.StepPlan) -> tuple[int, int, int]:
+def step_counts(accelerator, plan: step_plan.StepPlan) -> tuple[int, int, int]:
     """(N completion tokens of the step, its sequences, passes every rank runs), over all ranks."""
     local = torch.tensor([plan.trainable_tokens, len(plan.rows_here), len(plan.micro_batches)],
                          dtype=torch.long, device=accelerator.device)
@@ -60,26 +57,27 @@ def any_rank(flag: bool, accelerator) -> bool:
     return bool(accelerator.reduce(value, reduction="sum").item())
 
 
-def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, config: TrainConfig, num_tokens: int,
+def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coef: float, num_tokens: int,
                      num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """The policy loss of one micro-batch (its share of the step's token-mean), plus beta * k3 if asked."""
-    inputs = batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
+    """The policy loss of one micro-batch (its share of the step's token-mean), plus the KL penalty to the
+    initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off)."""
+    inputs = micro_batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
     logprobs = scorer(**inputs)  # [B, L-1]
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
     kl_initial = torch.zeros((), device=accelerator.device)
-    if config.kl_to_initial > 0:
+    if kl_coef > 0:
         with torch.no_grad(), accelerator.autocast():
             if reference is None:  # LoRA: the initial policy is the model with its adapters off
-                ref = scorer(**inputs, adapters=False)
+                initial_logprobs = scorer(**inputs, adapters=False)  # [B, L-1]
             else:
-                ref = reference(**inputs)
-        kl_initial = k3_penalty(logprobs, ref, batch["loss_mask"], num_tokens)  # ref: [B, L-1]
-        loss = loss + config.kl_to_initial * kl_initial
+                initial_logprobs = reference(**inputs)  # [B, L-1]
+        penalty, kl_initial = kl_to_initial(logprobs, initial_logprobs, batch["loss_mask"], kl_coef, num_tokens)
+        loss = loss + penalty
     return loss, stats, kl_initial
 
 
-def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batching.StepPlan, spec: AlgorithmSpec,
+def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: step_plan.StepPlan, spec: AlgorithmSpec,
              config: TrainConfig, pad_id: int) -> dict:
     """Forward/backward every micro-batch of `plan`, clip, take one optimizer and scheduler step.
 
@@ -93,13 +91,16 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: batchin
         if i < len(plan.micro_batches):
             batch = plan.collate(i, pad_id)
         else:  # this rank has run out of rows: a zero-loss pass keeps the collectives in step
-            batch = batching.zero_loss_batch(pad_id)
+            batch = micro_batching.zero_loss_batch(pad_id)
         batch = {k: v.to(accelerator.device) for k, v in batch.items()}
         last = i == num_passes - 1
-        accelerator.gradient_state._set_sync_gradients(last)  # accelerate's own switch (what accumulate() sets)
+        # accelerate's public switch (Accelerator.sync_gradients, the flag accumulate() sets; its private
+        # GradientState._set_sync_gradients adds only a TPU mark_step). accumulate() itself counts a fixed
+        # gradient_accumulation_steps, while the passes of a step vary.
+        accelerator.sync_gradients = last
         with accelerator.no_sync(scorer) if defer_reduction and not last else contextlib.nullcontext():
-            loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config, max(num_tokens, 1),
-                                                       max(num_sequences, 1), accelerator)
+            loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config.kl_to_initial,
+                                                       max(num_tokens, 1), max(num_sequences, 1), accelerator)
             accelerator.backward(loss * accelerator.num_processes)
         sums.add(stats, kl_initial, batch)
 

@@ -26,7 +26,7 @@ from offline_rec import schema as S
 from offline_rec.data import rowcache, rowstore
 from offline_rec.data.dataset import open_dataset
 from offline_rec.errors import DataError, UserError
-from offline_rec.training import batching
+from offline_rec.training import group_index, micro_batching
 
 
 def _data(tmp_path, name="ds", sizes=(4, 3, 4, 2, 4), seed=0, **options) -> Path:
@@ -34,7 +34,7 @@ def _data(tmp_path, name="ds", sizes=(4, 3, 4, 2, 4), seed=0, **options) -> Path
 
 
 def _index(path, cache, max_length=100, truncate=False, validate=True, notes=None, **options):
-    return batching.index_datasets([open_dataset(path)], max_length, truncate, cache_dir=cache, validate=validate,
+    return group_index.index_datasets([open_dataset(path)], max_length, truncate, cache_dir=cache, validate=validate,
                                    notes=notes if notes is not None else (lambda message: None), **options)
 
 
@@ -48,7 +48,7 @@ def _files(cache: Path) -> dict[str, int]:
             and not p.name.endswith(".lock")}
 
 
-def _same_index(a: batching.GroupIndex, b: batching.GroupIndex) -> None:
+def _same_index(a: group_index.GroupIndex, b: group_index.GroupIndex) -> None:
     assert list(a.group_ids) == list(b.group_ids)
     for field in ("dataset", "shard", "shard_row", "size", "row_start", "prompt_length", "completion_length",
                   "reward", "policy_version"):
@@ -64,16 +64,17 @@ def test_a_second_run_reuses_the_store_without_opening_a_shard(tmp_path):
     first = _index(data, cache, notes=notes.append)
     assert any(n.startswith("row store: building ~") for n in notes) and _stores(cache) == [first.rows.directory.name]
     files = _files(cache)
-    in_memory = batching.index_datasets([open_dataset(data)], 100, False, keep_rows=False)
+    in_memory = group_index.index_datasets([open_dataset(data)], 100, False, keep_rows=False)
     _same_index(first, in_memory)
     numbers = first.rows_of_groups([4, 0])
-    expected = [r.completion_ids.tolist() for r in batching.read_step_rows(first, numbers, np.zeros(len(numbers)))]
+    rows = micro_batching.read_step_rows(first, numbers, np.zeros(len(numbers)))
+    expected = [r.completion_ids.tolist() for r in rows]
     first.close()
 
     notes.clear()
     with FileWatch(data / S.DATA_DIR) as watch:
         second = _index(data, cache, notes=notes.append)
-        rows = batching.read_step_rows(second, numbers, np.zeros(len(numbers)))
+        rows = micro_batching.read_step_rows(second, numbers, np.zeros(len(numbers)))
         assert watch.opened() == []  # not one shard opened: no validation, no index pass, no footer read
     assert notes == [] and _files(cache) == files  # nothing built, nothing written
     _same_index(second, in_memory)
@@ -96,8 +97,8 @@ def test_one_store_serves_every_max_length(tmp_path):
 
 def test_another_data_gets_another_store_and_the_order_of_datasets_counts(tmp_path):
     a, b, cache = _data(tmp_path, "a"), _data(tmp_path, "b", seed=1, group_prefix="h"), tmp_path / "cache"
-    one = batching.index_datasets([open_dataset(a), open_dataset(b)], 100, False, cache_dir=cache, notes=print)
-    two = batching.index_datasets([open_dataset(b), open_dataset(a)], 100, False, cache_dir=cache, notes=print)
+    one = group_index.index_datasets([open_dataset(a), open_dataset(b)], 100, False, cache_dir=cache, notes=print)
+    two = group_index.index_datasets([open_dataset(b), open_dataset(a)], 100, False, cache_dir=cache, notes=print)
     alone = _index(a, cache)
     assert len({one.rows.directory, two.rows.directory, alone.rows.directory}) == 3 == len(_stores(cache))
     assert list(one.group_ids) == list(alone.group_ids) + [f"h{g:04d}" for g in range(5)]
@@ -173,7 +174,7 @@ def test_a_damaged_store_is_built_again(tmp_path):
     notes: list[str] = []
     index = _index(data, cache, notes=notes.append)
     assert any("damaged" in n for n in notes) and index.rows.directory == store
-    _same_index(index, batching.index_datasets([open_dataset(data)], 100, False, keep_rows=False))
+    _same_index(index, group_index.index_datasets([open_dataset(data)], 100, False, keep_rows=False))
 
 
 def test_room_is_checked_before_building(tmp_path, monkeypatch):
@@ -205,7 +206,7 @@ def test_room_is_checked_before_building(tmp_path, monkeypatch):
 def test_the_default_cache_is_under_the_cache_root(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLINE_REC_CACHE", str(tmp_path / "root"))
     data = _data(tmp_path)
-    index = batching.index_datasets([open_dataset(data)], 100, False, notes=lambda m: None)
+    index = group_index.index_datasets([open_dataset(data)], 100, False, notes=lambda m: None)
     assert index.rows.directory.parent == tmp_path / "root" / "rows"
     monkeypatch.delenv("OFFLINE_REC_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
@@ -220,10 +221,10 @@ CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from offline_rec.data.dataset import open_dataset
-    from offline_rec.training import batching
+    from offline_rec.training import group_index, micro_batching
 
     data, cache, mode = sys.argv[1:4]
-    real_pass = batching._index_pass
+    real_pass = group_index._index_pass
 
     def index_pass(*args, **kwargs):
         if mode == "slow":  # building (it holds the lock) until the other process is about to ask for the store
@@ -243,10 +244,10 @@ CHILD = textwrap.dedent("""
             writer.append_array = append_array
         return real_pass(*args, **kwargs)
 
-    batching._index_pass = index_pass
+    group_index._index_pass = index_pass
     if mode == "fast":
         (Path(cache).parent / "arrived").touch()
-    index = batching.index_datasets([open_dataset(data)], 1000, False, cache_dir=cache, validate=True)
+    index = group_index.index_datasets([open_dataset(data)], 1000, False, cache_dir=cache, validate=True)
     print("STORE", index.rows.directory, float(index.reward.sum()), flush=True)
 """)
 
@@ -290,7 +291,7 @@ def test_a_build_killed_midway_is_never_read_and_the_next_run_builds_it(tmp_path
     index = _index(data, cache, notes=notes.append)
     assert any(n.startswith("row store: building") for n in notes)
     assert not left[0].exists() and _stores(cache) == [index.rows.directory.name]  # the dead build's folder is gone
-    _same_index(index, batching.index_datasets([open_dataset(data)], 100, False, keep_rows=False))
+    _same_index(index, group_index.index_datasets([open_dataset(data)], 100, False, keep_rows=False))
 
 
 # --------------------------------------------------------------------------------------------

@@ -543,7 +543,7 @@ def test_training_data_from_the_hub_is_validated_once_with_its_row_store(fake_hu
     """train reads hf:// data in the Hub cache (no copy) and validates it once, when its row store is built."""
     import offline_rec.data.validate as validate
     from offline_rec.data.dataset import open_dataset
-    from offline_rec.training import batching, checks
+    from offline_rec.training import checks, group_index
 
     FakeHub.snapshot = dataset
     checked = []
@@ -553,7 +553,7 @@ def test_training_data_from_the_hub_is_validated_once_with_its_row_store(fake_hu
     local = checks._local_path(f"hf://datasets/{REPO}")
     assert Path(local) == dataset and checked == []  # the snapshot folder itself, not validated yet
     for _ in range(2):  # a first run, then a resumed one
-        index = batching.index_datasets([open_dataset(local)], 100, False, cache_dir=tmp_path / "cache",
+        index = group_index.index_datasets([open_dataset(local)], 100, False, cache_dir=tmp_path / "cache",
                                         validate=True, notes=lambda message: None)
         assert index.num_groups == 3
     assert checked == [dataset]

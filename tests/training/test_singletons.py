@@ -18,7 +18,7 @@ from train_support import config, state_dict_of, tiny_model, write_dataset
 from offline_rec.algorithms import RewardMoments, get_algorithm, group_advantages
 from offline_rec.data.dataset import open_dataset
 from offline_rec.errors import UserError
-from offline_rec.training import batching
+from offline_rec.training import group_index, step_plan
 from offline_rec.training.loop import train
 
 
@@ -112,7 +112,7 @@ def test_singleton_data_trains_with_a_baseline(tmp_path, model_dir, singletons, 
 def test_singletons_get_the_baseline_the_step_and_the_data_give(tmp_path, model_dir, mixed):
     """plan_step's advantages on mixed data equal the hand-made ones: the group mean where a group has
     several rows, the fallback for groups of one (step: leave-one-out over the whole step)."""
-    index = batching.index_datasets([open_dataset(mixed)], 1000, False)
+    index = group_index.index_datasets([open_dataset(mixed)], 1000, False)
     groups = np.arange(6)  # sizes 1, 3, 1, 2, 1, 4
     rows = index.rows_of_groups(groups)
     rewards = np.array(index.reward[rows], dtype=np.float64)
@@ -133,7 +133,7 @@ def test_singletons_get_the_baseline_the_step_and_the_data_give(tmp_path, model_
     for name, values in expected.items():
         spec = get_algorithm("rec-oneside-nois", baseline=name)
         for world in (1, 2):
-            shares = [batching.plan_step(index, groups, spec, torch.Generator().manual_seed(0), rank, world, 64,
+            shares = [step_plan.plan_step(index, groups, spec, torch.Generator().manual_seed(0), rank, world, 64,
                                          dataset_moments=moments) for rank in range(world)]
             np.testing.assert_allclose(shares[0].advantages, values, atol=1e-12)  # every rank: the whole step's
             assert all(np.array_equal(share.advantages, shares[0].advantages) for share in shares)
@@ -173,7 +173,7 @@ def test_step_baseline_training_is_invariant_to_the_token_budget(tmp_path, model
 def test_group_advantages_on_the_whole_data_match_the_signal_count(model_dir, mixed):
     # the refusal's count uses the same function as training: rows with A != 0 under the group baseline
     # are the rows of groups of >= 2 with unequal rewards
-    index = batching.index_datasets([open_dataset(mixed)], 1000, False)
+    index = group_index.index_datasets([open_dataset(mixed)], 1000, False)
     keys = np.repeat(np.arange(index.num_groups), index.size)
     rewards = torch.from_numpy(np.array(index.reward, dtype=np.float64))
     advantages, _ = group_advantages(get_algorithm("reinforce"), rewards, keys)

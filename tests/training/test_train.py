@@ -21,7 +21,7 @@ from offline_rec.eval.hooks import training_hooks
 from offline_rec.models.loading import load_model
 from offline_rec.models.logprobs import token_logprobs_from_model
 from offline_rec.models.tiny import make_tiny_checkpoint
-from offline_rec.training import batching
+from offline_rec.training import group_index, micro_batching, scheduling
 from offline_rec.training.config import build_config
 from offline_rec.training.loop import train
 
@@ -71,7 +71,7 @@ def test_end_to_end_outputs(tmp_path, model_dir, data_dir):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000004", "step-000006"]
     state = json.loads((run / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert (state["step"], state["epoch"], state["position"], state["finished"]) == (6, 2, 0, True)
-    assert state["shuffle_seed"] == batching.epoch_seed(cfg.seed, 2)
+    assert state["shuffle_seed"] == scheduling.epoch_seed(cfg.seed, 2)
     # the final model and each checkpoint load with plain transformers, with the chat template
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -110,17 +110,17 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
     """Summing micro-batch losses normalized by the step's token count gives the full-batch gradient."""
     spec = get_algorithm("rec-oneside-is")
     dataset = open_dataset(data_dir)
-    index = batching.index_datasets([dataset], 1000, False)
+    index = group_index.index_datasets([dataset], 1000, False)
     groups = np.arange(4)
     rows_of_step = index.rows_of_groups(groups)
-    rows = batching.read_step_rows(index, rows_of_step, index.reward[rows_of_step] - 0.5)
+    rows = micro_batching.read_step_rows(index, rows_of_step, index.reward[rows_of_step] - 0.5)
     num_tokens = sum(r.trainable_tokens for r in rows)
     model = load_model(model_dir)
 
     def gradient(micro_batches):
         model.zero_grad()
         for members in micro_batches:
-            batch = batching.collate([rows[i] for i in members], pad_id=0)
+            batch = micro_batching.collate([rows[i] for i in members], pad_id=0)
             logprobs = token_logprobs_from_model(model, batch["input_ids"], batch["attention_mask"],
                                                  positions_mask=batch["positions_mask"])
             loss, _ = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"],
@@ -207,7 +207,7 @@ def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, 
 def test_holdout_groups_stay_out_of_training(tmp_path, model_dir, data_dir):
     train(config(tmp_path, model_dir, data_dir, holdout=0.3, epochs=1))
     ids = [f"g0-{g}" for g in range(10)]
-    expected = [g for g in ids if batching.in_holdout(g, 0.3)]
+    expected = [g for g in ids if scheduling.in_holdout(g, 0.3)]
     holdout = json.loads((tmp_path / "run" / "holdout.json").read_text())
     assert holdout["group_ids"] == expected and 0 < len(expected) < 10
     assert sum(m["groups"] for m in metrics_of(tmp_path / "run")) == 10 - len(expected)

@@ -20,7 +20,7 @@ from offline_rec import schema as S
 from offline_rec.data.dataset import make_row
 from offline_rec.data.importers.config import ImportConfig
 from offline_rec.errors import UserError, one_of
-from offline_rec.files import sha256_file
+from offline_rec.files import read_jsonl, sha256_file
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -151,27 +151,11 @@ def read_records(paths: list[Path], result: ParseResult) -> Iterator[Record]:
 
 
 def _jsonl_records(path: Path) -> Iterator[Record | Reject]:
-    with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield Reject(str(path), number, BAD_UTF8, f"not valid UTF-8 (byte {e.start} of the line)")
-                continue
-            if not text.strip():
-                continue
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                yield Reject(str(path), number, BAD_JSON, f"malformed JSON: {e.msg} (column {e.colno})")
-                continue
-            except RecursionError:
-                yield Reject(str(path), number, BAD_JSON, "malformed JSON: nested too deeply")
-                continue
-            if not isinstance(data, dict):
-                yield Reject(str(path), number, BAD_JSON, f"expected a JSON object, got {kind(data)}")
-                continue
-            yield Record(str(path), number, data)
+    for line in read_jsonl(path):
+        if line.problem is not None:
+            yield Reject(str(path), line.number, BAD_UTF8 if line.bad_utf8 else BAD_JSON, line.problem)
+        else:
+            yield Record(str(path), line.number, line.value)
 
 
 def _parquet_records(path: Path) -> Iterator[Record]:

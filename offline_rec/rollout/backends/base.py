@@ -65,8 +65,23 @@ class Sample:
 
 
 class Backend(Protocol):
+    """A sampler. Its class attributes say what it can do; code outside rollout/backends/ reads them (through
+    `backends.BACKENDS`), never the backend's name."""
+
+    name: str
+    """What --backend calls it (the key of `backends.BACKENDS`)."""
     engine: str
     """"transformers" or "vllm" (recorded in the manifest)."""
+    batches_prompts: bool
+    """Samples --batch-size prompts at a time as one seeded batch (so a collect plan fixes the batches);
+    otherwise prompts are streamed one request each."""
+    tensor_parallel: bool
+    """Can split the model over devices (--tensor-parallel-size > 1)."""
+    evaluates_in_child: bool
+    """A checkpoint evaluation during training runs in a child process (the engine keeps its GPU memory
+    and threads until its process ends)."""
+    takes_gpu_memory_share: bool
+    """Reserves a share of GPU memory up front (gpu_memory_utilization), which evaluation during training sets."""
     engine_version: str
     model_name: str
     dtype: str

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Hashable, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from offline_rec.models.loading import load_model, load_tokenizer
 from offline_rec.rollout.backends.base import (
@@ -35,6 +34,9 @@ from offline_rec.rollout.backends.base import (
     finish_sample,
 )
 
+if TYPE_CHECKING:
+    import torch
+
 # Processors `generate` would otherwise take from the checkpoint's generation_config.
 _NEUTRAL_PROCESSING = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
                            typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, min_new_tokens=0)
@@ -43,10 +45,16 @@ _NEUTRAL_PROCESSING = dict(repetition_penalty=1.0, encoder_repetition_penalty=1.
 class HFBackend:
     """Samples with transformers `generate` (see the module docstring)."""
 
+    name = "hf"
     engine = "transformers"
+    batches_prompts = True
+    tensor_parallel = False
+    evaluates_in_child = False
+    takes_gpu_memory_share = False
 
     def __init__(self, model, tokenizer=None, dtype: str | None = None, device: str | None = None):
         """`model`: a folder / hub id (loaded in `dtype`, default the saved one) or a loaded causal LM."""
+        import torch
         import transformers
 
         self.engine_version = transformers.__version__
@@ -66,9 +74,21 @@ class HFBackend:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else min(self.eos_ids)
 
+    @classmethod
+    def load(cls, model: str, *, tokenizer=None, dtype: str | None = None, **_engine_options) -> HFBackend:
+        """`model` loaded for `backends.make_backend`, its tokenizer checked against its embeddings (the
+        engine options of other backends: seed, per_request_seeds, ... do not apply to transformers)."""
+        from offline_rec.models.loading import check_model_tokenizer
+
+        backend = cls(model, tokenizer=tokenizer, dtype=dtype)
+        check_model_tokenizer(backend.model, backend.tokenizer, f" of {model}")
+        return backend
+
     def generate(self, prompts: Sequence[Prompt], num_samples: int, sampling: SamplingSettings,
                  seeds: Sequence[int] | None = None) -> list[list[Sample]]:
         """`num_samples` samples per prompt; the batch's RNG is seeded from all of `seeds` (None: unseeded)."""
+        import torch
+
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         prompt_ids = encode_prompts(self.tokenizer, prompts)
@@ -115,6 +135,8 @@ class HFBackend:
 
     def _left_padded(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left padding keeps every prompt's last token at the same position, where generation continues."""
+        import torch
+
         length = max(len(ids) for ids in prompt_ids)
         input_ids = torch.full((len(prompt_ids), length), self.pad_id, dtype=torch.long)  # [B, L]
         attention_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)  # [B, L]

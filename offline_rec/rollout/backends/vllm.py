@@ -89,7 +89,12 @@ def make_engine(model: str, dtype: str | None = None, tensor_parallel_size: int 
 class VLLMBackend:
     """Samples with vLLM (see the module docstring). Pass `llm` to reuse an engine built elsewhere."""
 
+    name = "vllm"
     engine = "vllm"
+    batches_prompts = False
+    tensor_parallel = True
+    evaluates_in_child = True
+    takes_gpu_memory_share = True
 
     def __init__(self, model: str | None = None, *, llm=None, tokenizer=None, dtype: str | None = None,
                  tensor_parallel_size: int = 1, seed: int = 0, enforce_eager: bool | None = None,
@@ -123,6 +128,13 @@ class VLLMBackend:
         # In-process: the engine samples from this process's torch generator (see the module docstring).
         self.in_process = type(llm.llm_engine.engine_core).__name__ == "InprocClient"
         self._request_ids = itertools.count()
+
+    @classmethod
+    def load(cls, model: str, *, tokenizer=None, dtype: str | None = None, tensor_parallel_size: int = 1,
+             seed: int = 0, per_request_seeds: bool = False, **engine_kwargs) -> VLLMBackend:
+        """`model` loaded for `backends.make_backend` (`engine_kwargs` go to `vllm.LLM`)."""
+        return cls(model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size, seed=seed,
+                   per_request_seeds=per_request_seeds, **engine_kwargs)
 
     @property
     def per_request_seeds_supported(self) -> bool:
