@@ -20,7 +20,9 @@ from offline_rec.errors import UserError, one_of
 from offline_rec.models.loading import _check_model_path, load_tokenizer, torch_dtype
 
 DEFAULT_MAX_BATCH_TOKENS = 16384  # padded tokens per forward pass
-BACKENDS = ("hf", "vllm")
+ENGINES = {"hf": "transformers", "vllm": "vllm"}
+"""--backend of `reward --reward-model` -> the engine that scores (recorded in the manifest)."""
+BACKENDS = tuple(ENGINES)
 
 
 def _is_classifier(config) -> bool:
@@ -126,7 +128,7 @@ def reward_model_identity(name_or_path: str, label: str | None = None, dtype: st
         raise one_of("reward backend", backend, BACKENDS)
     return {"model": name_or_path, "revision": getattr(config, "_commit_hash", None), "label": label,
             "label_index": label_index, "dtype": str(torch_dtype(dtype, name_or_path)).removeprefix("torch."),
-            "engine": "vllm" if backend == "vllm" else "transformers",
+            "engine": ENGINES[backend],
             "max_length": getattr(config, "max_position_embeddings", None)}
 
 
@@ -136,26 +138,37 @@ def load_reward_model(name_or_path: str, label: str | None = None, dtype: str | 
     the UserErrors of `reward_model_identity`, and one for vLLM where it cannot be imported. `device`: a torch
     device for transformers (default: cuda when present)."""
     import torch
-    from transformers import AutoModelForSequenceClassification
 
     identity = reward_model_identity(name_or_path, label, dtype, backend)
     tokenizer = load_tokenizer(name_or_path)
     torch_type = getattr(torch, identity["dtype"])
     common = dict(tokenizer=tokenizer, name=name_or_path, revision=identity["revision"], label=label,
                   label_index=identity["label_index"], dtype=identity["dtype"], max_length=identity["max_length"])
-    if backend == "vllm":
-        return RewardModel(model=None, device="vllm", engine="vllm", llm=_vllm_engine(name_or_path, common["dtype"]),
-                           **common)
+    return _LOADERS[backend](name_or_path, torch_type, device, common)
+
+
+def _load_transformers(name_or_path: str, torch_type, device: str | None, common: dict) -> RewardModel:
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
     try:
         model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=torch_type)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load reward model {name_or_path}: {str(e).splitlines()[0]}") from None
     if model.config.pad_token_id is None:  # the pooling finds each row's last token by the pad id
-        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.pad_token_id = common["tokenizer"].pad_token_id
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     model.eval()
     return RewardModel(model=model, device=device, **common)
+
+
+def _load_vllm(name_or_path: str, torch_type, device: str | None, common: dict) -> RewardModel:
+    return RewardModel(model=None, device="vllm", engine="vllm", llm=_vllm_engine(name_or_path, common["dtype"]),
+                       **common)
+
+
+_LOADERS = {"hf": _load_transformers, "vllm": _load_vllm}
 
 
 def _vllm_engine(name_or_path: str, dtype: str):
