@@ -21,6 +21,8 @@ from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.config import cli_options as eval_cli_options
 from offline_rec.preemption import Preempted
+from offline_rec.record.settings import ProxySettings
+from offline_rec.record.settings import cli_options as record_cli_options
 
 app = typer.Typer(
     name="offline-rec",
@@ -680,6 +682,13 @@ def eval_(
         typer.echo(f"-> {out}" + ("" if offline else f" (rollouts: {summary['rollouts']})"))
 
 
+# The proxy's own options (keys, limits, timeouts) are fields of ProxySettings, which holds their defaults, flags,
+# help and environment variables.
+PROXY = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"],
+                                  envvar=field.metadata.get("envvar"), show_envvar=False)
+         for field in record_cli_options()}
+
+
 @app.command()
 def record(
     upstream: str = typer.Option(
@@ -704,17 +713,29 @@ def record(
     logprobs_mode: str = typer.Option(
         "auto", "--logprobs-mode", help="The upstream's vLLM --logprobs-mode (default auto: probed at start)."
     ),
+    api_key: str | None = PROXY["api_key"],
+    api_key_file: Path | None = PROXY["api_key_file"],
+    insecure: bool = PROXY["insecure"],
+    upstream_api_key: str | None = PROXY["upstream_api_key"],
+    max_body_mb: float = PROXY["max_body_mb"],
+    max_header_kb: float = PROXY["max_header_kb"],
+    max_headers: int = PROXY["max_headers"],
+    request_timeout: float = PROXY["request_timeout"],
+    upstream_connect_timeout: float = PROXY["upstream_connect_timeout"],
+    upstream_read_timeout: float = PROXY["upstream_read_timeout"],
+    max_open_episodes: int = PROXY["max_open_episodes"],
 ) -> None:
     """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
     from offline_rec.record.proxy import run_record
     from offline_rec.record.recorder import RecordOptions, parse_redact_field
 
+    settings = ProxySettings(**{name: value for name, value in locals().items() if name in PROXY})
     options = RecordOptions(
         rotate_bytes=int(rotate_mb * (1 << 20)), rotate_seconds=rotate_seconds, fsync_interval=fsync_interval,
         episode_idle_timeout=episode_idle_timeout, redact_fields=tuple(parse_redact_field(f) for f in redact_field),
     )
-    stats = run_record(upstream, str(out), host=host, port=port, options=options, logprobs_mode=logprobs_mode,
-                       warn=lambda message: typer.echo(message, err=True))
+    stats = run_record(upstream, str(out), host=host, port=port, options=options, settings=settings,
+                       logprobs_mode=logprobs_mode, warn=lambda message: typer.echo(message, err=True))
     typer.echo(
         f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
         f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors"
