@@ -225,6 +225,14 @@ def import_(
     if summary.get("rewards_file"):
         typer.echo(f"rewards from {summary['rewards_file']}: {summary['rewards_matched']} matched a line, "
                    f"{summary['rewards_unmatched']} matched none")
+    if summary.get("cut_choices"):
+        typer.echo(f"{summary['cut_choices']} answer(s) cut by max_tokens inside a character: imported without their "
+                   f"last {summary['cut_tail_tokens_dropped']} token(s) in all (the text does not say which they were)")
+    if summary.get("undecidable_choices_dropped"):
+        typer.echo(f"left out {summary['undecidable_choices_dropped']} answer(s) whose token ids cannot be recovered; "
+                   "the other answers of their calls are imported (those groups are smaller)")
+    if summary.get("ambiguous_splits_resolved"):
+        typer.echo(f"{summary['ambiguous_splits_resolved']} ambiguous answer(s) resolved by --score-with log-probs")
     if summary["rejected_lines"]:
         reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
         typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")
