@@ -369,9 +369,12 @@ def test_4_the_proxy_sends_its_upstream_key_on_its_own_calls_too(tmp_path):
 
 def test_8_upstream_credentials_are_never_shown(tmp_path):
     dead = f"http://admin:s3cret-pw@127.0.0.1:{free_port()}"
-    process = RecordProcess(dead, tmp_path / "rec", "--logprobs-mode", "processed_logprobs")
+    process = RecordProcess(dead, tmp_path / "rec", "--logprobs-mode", "processed_logprobs",
+                            env={"OFFLINE_REC_RECORD_API_KEY": KEY_B})  # the client key from the environment
     try:
-        answer = httpx.post(process.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+        assert httpx.post(process.url + CHAT, json={}, headers=AUTH_A, timeout=30).status_code == 401
+        answer = httpx.post(process.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, headers=AUTH_B,
+                            timeout=30)
         assert answer.status_code == 502 and "unreachable" in answer.text
     finally:
         assert process.stop() == 0
