@@ -602,7 +602,10 @@ async def recorded(state: ProxyState, request, path: str, identity: str, raw: by
             upstream.release()
         return Response(content, status_code=upstream.status, headers=_client_headers(state, upstream.headers, True))
 
+    ended = False  # the upstream's stream ended or broke off (else the client left before its end)
+
     async def events():
+        nonlocal ended
         assembler = StreamAssembler(endpoint, expected_choices(endpoint, upstream_body))
         splitter = SseSplitter()
         first_byte = None
@@ -637,13 +640,17 @@ async def recorded(state: ProxyState, request, path: str, identity: str, raw: by
                     elif shown is not None:
                         yield format_event(X.dumps(shown))
         except errors as e:  # the upstream went silent (--upstream-read-timeout) or away mid-stream
+            ended = True
             state.warn(f"record: the upstream stream broke off ({type(e).__name__}: {_scrub(state, e)}); "
                        "the call is not recorded")
             return
+        ended = True
         if splitter.rest():
             yield splitter.rest()
 
     async def finish() -> None:
+        if not settled and not ended:
+            state.warn(f"record: a client went away during its stream ({path}); the call is not recorded")
         settle()
         upstream.release()
 

@@ -344,7 +344,7 @@ def test_12_shutdown_exits_0_after_its_summary_and_a_gone_client_is_one_log_line
     assert code == 0
     assert "recorded 1 lines (1 calls, 0 episodes)" in process.stdout()
     err = process.stderr()
-    assert "Traceback" not in err and err.count("went away") == 1, err
+    assert "Traceback" not in err and err.count("went away") == 2, err  # one line per client gone
 
 
 # -------------------------------------------------------------------------------------------- 4, 8: upstream keys
