@@ -284,6 +284,30 @@ def test_9_a_silent_upstream_is_a_504_or_an_ended_stream_and_not_recorded(proxy)
     still_serves(proxy)
 
 
+def test_9_an_upstream_that_does_not_take_the_connection_is_a_504(tmp_path):
+    with socket.socket() as upstream:  # a full accept queue: the kernel drops further SYNs
+        upstream.bind(("127.0.0.1", 0))
+        upstream.listen(0)
+        waiting = []
+        for _ in range(4):
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(upstream.getsockname())
+            waiting.append(client)
+        process = RecordProcess(f"http://127.0.0.1:{upstream.getsockname()[1]}", tmp_path / "rec",
+                                "--upstream-connect-timeout", "1", "--logprobs-mode", "processed_logprobs")
+        try:
+            started = time.monotonic()
+            answer = httpx.post(process.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+            assert answer.status_code == 504 and "--upstream-connect-timeout 1.0" in answer.json()["error"]["message"]
+            assert time.monotonic() - started < 10
+        finally:
+            assert process.stop() == 0
+            for client in waiting:
+                client.close()
+    assert strict_lines(tmp_path / "rec") == []
+
+
 def test_9_one_episode_too_many_is_a_429(proxy):
     for k in range(3):
         call(proxy, headers={"X-Episode-Id": f"many-{k}"}).raise_for_status()
