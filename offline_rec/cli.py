@@ -23,6 +23,8 @@ from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.config import cli_options as eval_cli_options
 from offline_rec.preemption import Preempted
+from offline_rec.record.settings import ProxySettings
+from offline_rec.record.settings import cli_options as record_cli_options
 
 app = typer.Typer(
     name="offline-rec",
@@ -270,6 +272,14 @@ def import_(
     if summary.get("rewards_file"):
         typer.echo(f"rewards from {summary['rewards_file']}: {summary['rewards_matched']} matched a line, "
                    f"{summary['rewards_unmatched']} matched none")
+    if summary.get("cut_choices"):
+        typer.echo(f"{summary['cut_choices']} answer(s) cut by max_tokens inside a character: imported without their "
+                   f"last {summary['cut_tail_tokens_dropped']} token(s) in all (the text does not say which they were)")
+    if summary.get("undecidable_choices_dropped"):
+        typer.echo(f"left out {summary['undecidable_choices_dropped']} answer(s) whose token ids cannot be recovered; "
+                   "the other answers of their calls are imported (those groups are smaller)")
+    if summary.get("ambiguous_splits_resolved"):
+        typer.echo(f"{summary['ambiguous_splits_resolved']} ambiguous answer(s) resolved by --score-with log-probs")
     if summary["rejected_lines"]:
         reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
         typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")
@@ -831,6 +841,13 @@ def eval_(
         typer.echo(f"-> {out}" + ("" if offline else f" (rollouts: {summary['rollouts']})"))
 
 
+# The proxy's own options (keys, limits, timeouts) are fields of ProxySettings, which holds their defaults, flags,
+# help and environment variables.
+PROXY = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"],
+                                  envvar=field.metadata.get("envvar"), show_envvar=False)
+         for field in record_cli_options()}
+
+
 @app.command()
 def record(
     upstream: str = typer.Option(
@@ -855,17 +872,29 @@ def record(
     logprobs_mode: str = typer.Option(
         "auto", "--logprobs-mode", help="The upstream's vLLM --logprobs-mode (default auto: probed at start)."
     ),
+    api_key: str | None = PROXY["api_key"],
+    api_key_file: Path | None = PROXY["api_key_file"],
+    insecure: bool = PROXY["insecure"],
+    upstream_api_key: str | None = PROXY["upstream_api_key"],
+    max_body_mb: float = PROXY["max_body_mb"],
+    max_header_kb: float = PROXY["max_header_kb"],
+    max_headers: int = PROXY["max_headers"],
+    request_timeout: float = PROXY["request_timeout"],
+    upstream_connect_timeout: float = PROXY["upstream_connect_timeout"],
+    upstream_read_timeout: float = PROXY["upstream_read_timeout"],
+    max_open_episodes: int = PROXY["max_open_episodes"],
 ) -> None:
     """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
     from offline_rec.record.proxy import run_record
     from offline_rec.record.recorder import RecordOptions, parse_redact_field
 
+    settings = ProxySettings(**{name: value for name, value in locals().items() if name in PROXY})
     options = RecordOptions(
         rotate_bytes=int(rotate_mb * (1 << 20)), rotate_seconds=rotate_seconds, fsync_interval=fsync_interval,
         episode_idle_timeout=episode_idle_timeout, redact_fields=tuple(parse_redact_field(f) for f in redact_field),
     )
-    stats = run_record(upstream, str(out), host=host, port=port, options=options, logprobs_mode=logprobs_mode,
-                       warn=lambda message: typer.echo(message, err=True))
+    stats = run_record(upstream, str(out), host=host, port=port, options=options, settings=settings,
+                       logprobs_mode=logprobs_mode, warn=lambda message: typer.echo(message, err=True))
     typer.echo(
         f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
         f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors"

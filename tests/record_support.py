@@ -11,7 +11,12 @@ Every answer is the same scripted reply (non-ASCII included) cut at max_tokens; 
 are those of a fixed logits table, at the request's temperature when the fake runs in
 processed_logprobs mode and at temperature 1 in raw_logprobs mode. Requests with model
 "no-such-model" get vLLM's 404 error; model "fail-mid-stream" streams two chunks and then an
-error event. Header `x-fake-delay` (seconds) sleeps before each streamed token.
+error event; model "nan-logprobs" answers with a NaN log-prob (Python's json writes it as NaN).
+Header `x-fake-delay` (seconds) sleeps before each streamed token, and before a whole answer (a
+client that disconnects meanwhile is noted in `app.state.abandoned`, as vLLM aborts it). Flags are
+read as vLLM's pydantic models read them ("false" is false). With `api_key`, every /v1 route
+wants `Authorization: Bearer <api_key>` (401 otherwise), as vLLM's --api-key does. GET /redirect
+answers a 307 to the server's own /v1/models (what a trailing slash gets from vLLM).
 """
 
 from __future__ import annotations
@@ -55,14 +60,35 @@ def log_softmax(row: list[float], temperature: float) -> list[float]:
     return [v - norm for v in scaled]
 
 
-def create_fake(mode: str = "processed_logprobs"):
+def lax_bool(value) -> bool:
+    """A request flag as vLLM (pydantic, lax mode) reads it."""
+    from pydantic import TypeAdapter
+
+    return value is not None and TypeAdapter(bool).validate_python(value)
+
+
+def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
     """The fake server's starlette app; `app.state.requests` lists (path, headers, body) received."""
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.middleware import Middleware
+    from starlette.responses import JSONResponse, RedirectResponse, StreamingResponse
     from starlette.routing import Route
 
     received: list = []
+    abandoned: list = []
     counter = {"n": 0}
+
+    class CheckKey:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            headers = dict(scope.get("headers", []))
+            if (scope["type"] == "http" and scope["path"].startswith("/v1")
+                    and headers.get(b"authorization") != f"Bearer {api_key}".encode()):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
 
     def sampled(body: dict, completions: bool):
         temperature = body.get("temperature", 1.0)
@@ -117,12 +143,17 @@ def create_fake(mode: str = "processed_logprobs"):
         counter["n"] += 1
         rid = f"chatcmpl-{counter['n']}"
         n = body.get("n") or 1
-        want_lp = bool(body.get("logprobs"))
+        want_lp = lax_bool(body.get("logprobs"))
         top = body.get("top_logprobs") or 0
-        want_ids = bool(body.get("return_token_ids"))
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        want_ids = lax_bool(body.get("return_token_ids"))
+        as_ids = lax_bool(body.get("return_tokens_as_token_ids"))
         entries, finish = sampled(body, completions=False)
-        if not body.get("stream"):
+        if body.get("model") == "nan-logprobs":
+            entries = [(i, t, float("nan"), alts) for i, t, _, alts in entries]
+        delay = float(request.headers.get("x-fake-delay", "0"))
+        if not lax_bool(body.get("stream")):
+            if delay and await answer_after(request, delay * len(entries)):
+                return JSONResponse(None)
             choices = [{
                 "index": i,
                 "message": {"role": "assistant", "content": "".join(t for _, t, _, _ in entries), "refusal": None,
@@ -132,15 +163,13 @@ def create_fake(mode: str = "processed_logprobs"):
                 "finish_reason": finish, "stop_reason": None,
                 "token_ids": [e[0] for e in entries] if want_ids else None,
             } for i in range(n)]
-            return JSONResponse({
+            return NanJSONResponse({
                 "id": rid, "object": "chat.completion", "created": 1700000000, "model": body["model"],
                 "choices": choices, "service_tier": None, "system_fingerprint": None,
                 "usage": {"prompt_tokens": 4, "total_tokens": 4 + len(entries), "completion_tokens": len(entries)},
                 "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if want_ids else None,
                 "kv_transfer_params": None,
             })
-
-        delay = float(request.headers.get("x-fake-delay", "0"))
 
         async def stream():
             head = {"id": rid, "object": "chat.completion.chunk", "created": 1700000000, "model": body["model"]}
@@ -191,10 +220,10 @@ def create_fake(mode: str = "processed_logprobs"):
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         want_lp = body.get("logprobs") is not None
         top = body.get("logprobs") or 0
-        want_ids = bool(body.get("return_token_ids"))
-        as_ids = bool(body.get("return_tokens_as_token_ids"))
+        want_ids = lax_bool(body.get("return_token_ids"))
+        as_ids = lax_bool(body.get("return_tokens_as_token_ids"))
         entries, finish = sampled(body, completions=True)
-        if not body.get("stream"):
+        if not lax_bool(body.get("stream")):
             choices = [{
                 "index": p * n + i, "text": "".join(t for _, t, _, _ in entries),
                 "logprobs": completion_logprobs(entries, top, as_ids) if want_lp else None,
@@ -236,14 +265,103 @@ def create_fake(mode: str = "processed_logprobs"):
     async def health(request):
         return JSONResponse(None, status_code=200)
 
+    async def redirect(request):
+        return RedirectResponse(f"{request.base_url}v1/models", status_code=307)
+
+    async def answer_after(request, seconds: float) -> bool:
+        """Wait `seconds`, or until the client goes away (then noted in `abandoned`: True)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                abandoned.append(request.url.path)
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
     app = Starlette(routes=[
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
-    ])
+        Route("/redirect", redirect, methods=["GET"]),
+    ], middleware=[Middleware(CheckKey)] if api_key else [])
     app.state.requests = received
+    app.state.abandoned = abandoned
     return app
+
+
+def NanJSONResponse(content):  # noqa: N802 (used like the JSONResponse it stands for)
+    """A JSON response that writes NaN as Python's json does (vLLM's would not; a broken upstream might)."""
+    from starlette.responses import Response
+
+    return Response(json.dumps(content, ensure_ascii=False), media_type="application/json")
+
+
+class RecordProcess:
+    """A real `offline-rec record` process (`python -m offline_rec record`) on a free port, its stdout and
+    stderr in files beside `out`; `stop()` sends SIGINT (what Ctrl-C does) and returns the exit code."""
+
+    def __init__(self, upstream: str, out, *args: str, env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        from pathlib import Path
+
+        from paths import REPO
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out = Path(out)
+        self.stdout_path = self.out.with_name(self.out.name + ".stdout")
+        self.stderr_path = self.out.with_name(self.out.name + ".stderr")
+        environment = {**os.environ, **(env or {})}
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        with open(self.stdout_path, "wb") as stdout, open(self.stderr_path, "wb") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "offline_rec", "record", "--upstream", upstream, "--out", str(out),
+                 "--port", str(self.port), *args], env=environment, stdout=stdout, stderr=stderr)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"record did not start: {self.stderr()}") from None
+                time.sleep(0.05)
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text()
+
+    def stop(self, timeout: float = 30) -> int:
+        import signal
+
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=timeout)
+        except Exception:
+            self.process.kill()
+            raise
+
+
+def strict_lines(directory) -> list[dict]:
+    """Every line of a directory's record files, open or closed, read as strict JSON (RFC 8259: no NaN,
+    Infinity); each file ends with a whole line."""
+    from pathlib import Path
+
+    def refuse(name):
+        raise ValueError(f"{name} in a recorded line")
+
+    lines = []
+    for path in sorted(Path(directory).glob("*.jsonl*")):
+        raw = path.read_bytes()
+        assert not raw or raw.endswith(b"\n")
+        lines += [json.loads(line, parse_constant=refuse) for line in raw.splitlines()]
+    return lines
 
 
 def free_port() -> int:

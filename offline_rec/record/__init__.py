@@ -4,5 +4,6 @@
 - `assemble`: a streamed response's chunks put back together into one response (pure).
 - `sink`: whole-line, rotating JSONL files, the episode journal and the recovery of a killed proxy.
 - `episodes`: calls of one conversation, held until the episode closes.
-- `proxy`: the ASGI app (starlette, httpx) and the logprobs-mode probe.
+- `settings`: the proxy's own options (client keys, upstream key, limits, timeouts), one field per flag.
+- `proxy`: the ASGI app (starlette, aiohttp): request checks, recording, the logprobs-mode probe.
 """

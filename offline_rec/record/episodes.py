@@ -11,6 +11,7 @@ closed starts a new episode.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 END_HEADER = "x-episode-end"
@@ -27,7 +28,7 @@ def is_end(value: str | None) -> bool:
 
 @dataclass
 class Episode:
-    episode_id: str
+    episode_id: Hashable  # the book's key: the recorder's is (client, the X-Episode-Id)
     last_activity: float
     next_seq: int = 0
     calls: dict[int, list[dict]] = field(default_factory=dict)  # seq -> the call's records (a batch gives several)
@@ -44,7 +45,7 @@ class EpisodeBook:
     def __init__(self):
         self.open: dict[str, Episode] = {}
 
-    def begin(self, episode_id: str, now: float) -> int:
+    def begin(self, episode_id: Hashable, now: float) -> int:
         """A call of `episode_id` arrives: its sequence number within the episode."""
         episode = self.open.get(episode_id)
         if episode is None:
@@ -55,7 +56,7 @@ class EpisodeBook:
         episode.last_activity = now
         return seq
 
-    def finish(self, episode_id: str, seq: int, call: list[dict] | None, end: bool, now: float) -> Episode | None:
+    def finish(self, episode_id: Hashable, seq: int, call: list[dict] | None, end: bool, now: float) -> Episode | None:
         """A call finished with its records (`call` None: failed, not recorded). Returns the episode when it is now
         closed (its end announced and nothing in flight): the caller writes it, unless it has no calls."""
         episode = self.open[episode_id]

@@ -52,29 +52,61 @@ class Added:
         return "return_token_ids" in self.fields
 
 
+class BadField(ValueError):
+    """A request field the proxy cannot read as the upstream would (answered 400, naming the field)."""
+
+    def __init__(self, name: str, value: Any, kind: str):
+        super().__init__(f"{name}: {json.dumps(value)[:80]} is not a valid {kind}")
+        self.name = name
+
+
+_ADAPTERS: dict = {}
+
+
+def _read(body: dict, name: str, kind: type) -> Any:
+    """body[name] as vLLM's pydantic models read it (lax: "false", "0", 0 are False; "5" is 5); None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    adapter = _ADAPTERS.get(kind)
+    if adapter is None:
+        from pydantic import TypeAdapter
+
+        adapter = _ADAPTERS[kind] = TypeAdapter(kind)
+    if type(value) is kind:
+        return value
+    try:
+        return adapter.validate_python(value)
+    except ValueError:
+        raise BadField(name, value, "boolean" if kind is bool else "integer") from None
+
+
 def upstream_request(endpoint: str, body: Any) -> tuple[dict, Added] | None:
     """The request to send upstream (a new dict) and what was added to it; None when the call is
-    not recorded and goes upstream exactly as the client sent it."""
+    not recorded and goes upstream exactly as the client sent it. Flags are read as the upstream
+    reads them (`"logprobs": "false"` is false); one it could not read raises BadField."""
     if not isinstance(body, dict):
         return None
-    if endpoint == COMPLETIONS and body.get("echo"):
+    stream = _read(body, "stream", bool)
+    if endpoint == COMPLETIONS and _read(body, "echo", bool):
         return None
     added: dict = {}
     if endpoint == CHAT:
         # A client that sets top_logprobs or logprob_token_ids without logprobs sent a request vLLM
         # refuses; adding logprobs would make it valid and change the answer, so it goes as is.
-        if not body.get("logprobs") and not body.get("top_logprobs") and not body.get("logprob_token_ids"):
+        if not _read(body, "logprobs", bool) and not _read(body, "top_logprobs", int) \
+                and not body.get("logprob_token_ids"):
             added["logprobs"] = True
-    elif body.get("logprobs") is None and not body.get("logprob_token_ids"):
+    elif _read(body, "logprobs", int) is None and not body.get("logprob_token_ids"):
         added["logprobs"] = 0
-    if "logprobs" in added and body.get("return_tokens_as_token_ids") is None:
+    if "logprobs" in added and _read(body, "return_tokens_as_token_ids", bool) is None:
         # The client will not see these log-prob entries: "token_id:N" spares the server decoding
         # each token to text (measured: a third of what the log-probs cost vLLM's API server).
         added["return_tokens_as_token_ids"] = True
-    if not body.get("return_token_ids"):
+    if not _read(body, "return_token_ids", bool):
         added["return_token_ids"] = True
     request = {**body, **added}
-    return request, Added(endpoint, body.get("stream") is True, {name: body.get(name) for name in added})
+    return request, Added(endpoint, stream is True, {name: body.get(name) for name in added})
 
 
 def _strip_choice(choice: dict, added: Added) -> dict:
@@ -130,9 +162,9 @@ def _only_metadata(choice: Any) -> bool:
     )
 
 
-def dumps(obj: Any) -> str:
-    """Compact JSON, non-ASCII kept, as vLLM (pydantic) writes it."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+def dumps(obj: Any, strict: bool = False) -> str:
+    """Compact JSON, non-ASCII kept, as vLLM (pydantic) writes it; `strict`: RFC 8259 (NaN, Infinity: ValueError)."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=not strict)
 
 
 def logprobs_source(mode: str, request: dict) -> str:

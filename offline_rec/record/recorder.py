@@ -14,7 +14,13 @@ list of prompts gives one line per prompt: its choices, re-indexed from 0, the r
 suffixed `-<k>` (when there are several), and "batch": {"index", "size", "response_id"}.
 
 An episode is one line: {"episode_id", "calls": [<single-call objects>, ...], "closed_by",
-"timing": {"start", "end"}}. No header of any request is ever written.
+"timing": {"start", "end"}}. No header of any request is ever written. Episodes are keyed by
+(client, id): the client is the index of the API key it authenticated with ("" without keys),
+so one client can neither add to nor close another's episode of the same id.
+
+Every line is strict JSON: a call whose record cannot be one (a NaN or Infinity in the response,
+nesting too deep to write) is not recorded, is counted in "unrecordable" and warned about, and
+never holds its episode open.
 """
 
 from __future__ import annotations
@@ -83,12 +89,17 @@ def redact(value: Any, path: tuple[str, ...]) -> Any:
 # lines
 
 
+UNWRITABLE = (ValueError, TypeError, RecursionError)
+"""What `line_bytes` raises for an object that is no strict JSON line (NaN, Infinity, too deep, not JSON)."""
+
+
 def line_bytes(obj: dict) -> bytes:
-    """One JSON line; non-ASCII kept unless the text holds lone surrogates (then escaped)."""
+    """One strict (RFC 8259) JSON line: NaN and Infinity raise ValueError; non-ASCII kept unless the text
+    holds lone surrogates (then escaped)."""
     try:
-        return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
+        return (json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n").encode("utf-8")
     except UnicodeEncodeError:
-        return (json.dumps(obj, separators=(",", ":")) + "\n").encode("ascii")
+        return (json.dumps(obj, separators=(",", ":"), allow_nan=False) + "\n").encode("ascii")
 
 
 def _batch_prompts(endpoint: str, request: dict) -> list | None:
@@ -179,7 +190,8 @@ class Recorder:
         self.book = E.EpisodeBook()
         self.files: sink.RecordFiles | None = None
         self.journal: sink.LineFile | None = None
-        self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0}
+        self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0,
+                      "unrecordable": 0}
         self._last_sync = 0.0
         self._last_warning = -1e9
 
@@ -187,7 +199,7 @@ class Recorder:
 
     def start(self) -> sink.Recovered:
         """Recover what dead proxies left in the directory, then open this run's files."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        sink.make_private_dir(self.out)
         recovered = sink.recover(self.out)
         stem = sink.new_stem()
         self.files = sink.RecordFiles(self.out, stem, self.options.rotate_bytes, self.options.rotate_seconds,
@@ -217,32 +229,45 @@ class Recorder:
 
     # ---- calls
 
-    def begin(self, episode_id: str | None) -> int | None:
-        return None if episode_id is None else self.book.begin(episode_id, self.clock())
+    def begin(self, episode: tuple[str, str] | None) -> int | None:
+        """A call arrives; `episode`: (client, episode id) or None. Its sequence number in the episode."""
+        return None if episode is None else self.book.begin(episode, self.clock())
 
-    async def commit(self, records: list[dict], episode_id: str | None = None, seq: int | None = None,
-                     end: bool = False) -> None:
+    async def commit(self, records: list[dict], episode: tuple[str, str] | None = None, seq: int | None = None,
+                     end: bool = False) -> bool:
         """Write a successful call: its line now, or into its episode (journaled; the episode's line
-        when it closes). With fsync_interval 0, returns once it is on disk."""
+        when it closes). With fsync_interval 0, returns once it is on disk. False (and the call
+        abandoned) when its records cannot be written as strict JSON."""
         records = [self._redacted(r) for r in records]
+        try:
+            if episode is None:
+                lines = [line_bytes(record) for record in records]
+            else:  # as deep as the episode's line will be
+                lines = [line_bytes({"client": episode[0], "episode_id": episode[1], "seq": seq, "calls": records})]
+        except UNWRITABLE as e:
+            self.stats["unrecordable"] += 1
+            self.warn(f"record: a call not recorded: its line would not be strict JSON ({type(e).__name__}: {e})")
+            self.abandon(episode, seq, end)
+            return False
         self.stats["calls"] += 1
-        if episode_id is None:
-            for record in records:
-                self._write(record)
+        if episode is None:
+            for line in lines:
+                self._write_bytes(line)
         else:
-            self._journal({"episode_id": episode_id, "seq": seq, "calls": records})
-            closed = self.book.finish(episode_id, seq, records, end, self.clock())
+            self._journal_bytes(lines[0])
+            closed = self.book.finish(episode, seq, records, end, self.clock())
             if closed is not None:
                 self._write_episode(closed, E.CLOSED_BY_END)
         if self.options.fsync_interval == 0:
             await self.sync()
+        return True
 
-    def abandon(self, episode_id: str | None, seq: int | None, end: bool = False) -> None:
-        """A call that is not recorded (upstream error, client gone, incomplete stream)."""
+    def abandon(self, episode: tuple[str, str] | None, seq: int | None, end: bool = False) -> None:
+        """A call that is not recorded (upstream error, client gone, incomplete stream, unwritable)."""
         self.stats["failed_calls"] += 1
-        if episode_id is None or episode_id not in self.book.open:
+        if episode is None or episode not in self.book.open:
             return
-        closed = self.book.finish(episode_id, seq, None, end, self.clock())
+        closed = self.book.finish(episode, seq, None, end, self.clock())
         if closed is not None:
             self._write_episode(closed, E.CLOSED_BY_END)
 
@@ -298,17 +323,26 @@ class Recorder:
                 "timing": {"start": first, "end": self.wall_clock()}}
 
     def _write_episode(self, episode: E.Episode, closed_by: str) -> None:
+        client, episode_id = episode.episode_id  # the book's key
         calls = episode.ordered_calls()
         if calls:
-            if self._write(self._episode_line(episode.episode_id, calls, closed_by)):
+            if self._write(self._episode_line(episode_id, calls, closed_by)):
                 self.stats["episodes"] += 1
         if episode.calls:
-            self._journal({"episode_id": episode.episode_id, "closed": True})
+            self._journal({"client": client, "episode_id": episode_id, "closed": True})
         self._trim_journal()
 
     def _write(self, obj: dict) -> bool:
         try:
-            self.files.append(line_bytes(obj))
+            line = line_bytes(obj)
+        except UNWRITABLE as e:  # checked at commit; kept for lines built later (an episode's)
+            self._write_failed(OSError(f"not strict JSON: {type(e).__name__}: {e}"))
+            return False
+        return self._write_bytes(line)
+
+    def _write_bytes(self, line: bytes) -> bool:
+        try:
+            self.files.append(line)
         except OSError as e:
             self._write_failed(e)
             return False
@@ -316,8 +350,11 @@ class Recorder:
         return True
 
     def _journal(self, entry: dict) -> None:
+        self._journal_bytes(line_bytes(entry))
+
+    def _journal_bytes(self, line: bytes) -> None:
         try:
-            self.journal.append(line_bytes(entry))
+            self.journal.append(line)
         except OSError as e:
             self._write_failed(e)
 
@@ -334,7 +371,7 @@ class Recorder:
 
     def _compact_journal(self) -> None:
         entries = [
-            line_bytes({"episode_id": e.episode_id, "seq": seq, "calls": records})
+            line_bytes({"client": e.episode_id[0], "episode_id": e.episode_id[1], "seq": seq, "calls": records})
             for e in self.book.open.values()
             for seq, records in sorted(e.calls.items())
         ]

@@ -13,6 +13,10 @@ Files in the output directory (STEM = `record-<UTC time>-<pid>`, one per proxy r
 - `STEM.episodes`: the journal of the episodes still open (each of their calls as a line, then
   a "closed" line once the episode's line is written), so a killed proxy loses no finished call.
 
+Files are created 0600 and the directory 0700 (recorded prompts are user data); no file is
+opened through a symlink (O_NOFOLLOW), and recovery leaves anything but a regular file alone,
+so a link planted in the directory cannot make the proxy truncate or rename a file elsewhere.
+
 The proxy holds an exclusive `flock` on its `.open` file and journal. A new proxy starting on
 the directory recovers the files whose lock is free (their writer is gone): it cuts a torn last
 line off a `.open` file (a kill -9 in the middle of a large write), closes it, and writes the
@@ -25,6 +29,7 @@ import datetime as _dt
 import fcntl
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +40,15 @@ OPEN_SUFFIX = ".jsonl.open"
 CLOSED_SUFFIX = ".jsonl"
 JOURNAL_SUFFIX = ".episodes"
 PREFIX = "record-"
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+
+
+def make_private_dir(directory: Path) -> None:
+    """Create `directory` (and parents) 0700; one that exists keeps its mode (the operator chose it)."""
+    if not directory.is_dir():
+        directory.mkdir(parents=True, mode=DIR_MODE, exist_ok=True)
+        os.chmod(directory, DIR_MODE)  # mkdir's mode is masked by the umask
 
 
 class LineFile:
@@ -42,7 +56,7 @@ class LineFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -180,8 +194,11 @@ def whole_lines(path: Path) -> Iterator[bytes]:
 def _try_lock(path: Path) -> int | None:
     """A locked read-write descriptor of `path`, or None while another process holds it."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (FileNotFoundError, OSError):  # gone, or a symlink (ELOOP), or not openable: not ours to touch
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device, a directory
+        os.close(fd)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -262,7 +279,7 @@ def replay_journal(path: Path) -> list[dict]:
     Journal lines: {"episode_id", "seq", "calls": [records of call seq]} as each call
     finishes, then {"episode_id", "closed": true} once the episode's line is written.
     """
-    open_episodes: dict[str, dict] = {}
+    open_episodes: dict[tuple, dict] = {}  # (client, episode id) -> episode
     for raw in whole_lines(path):
         try:
             entry = json.loads(raw)
@@ -271,12 +288,11 @@ def replay_journal(path: Path) -> list[dict]:
         if not isinstance(entry, dict) or not isinstance(entry.get("episode_id"), str):
             continue
         episode_id = entry["episode_id"]
+        key = (str(entry.get("client", "")), episode_id)
         if entry.get("closed"):
-            open_episodes.pop(episode_id, None)
+            open_episodes.pop(key, None)
         elif isinstance(entry.get("calls"), list) and isinstance(entry.get("seq"), int):
-            episode = open_episodes.setdefault(
-                episode_id, {"episode_id": episode_id, "calls": {}}
-            )
+            episode = open_episodes.setdefault(key, {"episode_id": episode_id, "calls": {}})
             episode["calls"][entry["seq"]] = entry["calls"]
     return [
         {**episode, "calls": [call for seq in sorted(episode["calls"]) for call in episode["calls"][seq]]}

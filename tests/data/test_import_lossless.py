@@ -23,7 +23,13 @@ from offline_rec import schema as S
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.importers import ImportConfig, import_dataset
 from offline_rec.data.importers.common import BadLinesError
-from offline_rec.data.importers.tokens import NotRecoverable, Vocabulary, entry_evidence, reconstruct_ids
+from offline_rec.data.importers.tokens import (
+    NotRecoverable,
+    Vocabulary,
+    candidate_splits,
+    entry_evidence,
+    reconstruct_ids,
+)
 from offline_rec.data.inspect import describe_dataset
 from offline_rec.data.validate import validate_dataset
 from offline_rec.models.tiny import chat_messages, make_chat_checkpoint
@@ -129,14 +135,25 @@ def test_ambiguous_cut_and_contradicting_lines_are_refused_at_their_entry(overla
     assert reconstruct_ids(_evidence(["", "", "中", "<|end|>"]), "中", vocabulary) == [e4, b8, ad, 0]
 
 
-def test_sentencepiece_byte_fallback_tokens_recover():
+def test_sentencepiece_byte_fallback_tokens_recover_or_are_refused_as_ambiguous():
     sp = byte_fallback_sentencepiece()
+    vocab = sp.get_vocab()
+    vocabulary = Vocabulary.of(sp)
     text = "x 文a"  # 文 = E6 96 87, not in the vocabulary: three byte-fallback pieces
     ids = sp(text)["input_ids"]
     assert sp.convert_ids_to_tokens(ids) == ["x", "\u2581", "<0xE6>", "<0x96>", "<0x87>", "a"]
     strings = vllm_strings(sp, ids)
     assert strings == ["x", " ", "", "", "文", "a"]
-    assert reconstruct_ids(_evidence(strings), text, Vocabulary.of(sp)) == ids
+    # "x" prints alike from the piece x and the byte piece <0x78> (a model samples either): not a guess
+    sampled_byte = [vocab["<0x78>"], *ids[1:]]
+    assert vllm_strings(sp, sampled_byte) == strings
+    with pytest.raises(NotRecoverable, match="ambiguous") as info:
+        reconstruct_ids(_evidence(strings), text, vocabulary)
+    assert info.value.position == 0 and info.value.ambiguous
+    both = candidate_splits(_evidence(strings), text, vocabulary)
+    assert len(both) == 8 and ids in both and sampled_byte in both  # x, " " and a: two ways each
+    # bytes with no piece of their own are decided by the entries
+    assert reconstruct_ids(_evidence(["", "", "文"]), "文", vocabulary) == ids[2:5]
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,3 +296,171 @@ def test_rewards_file_group_by_prompt_and_record_lines(chat, tokenizer, tmp_path
     assert (stats["rewards_matched"], stats["rewards_unmatched"], stats["imported_lines"]) == (2, 1, 4)
     code, _, err = run_cli(capsys, "import", src, "--format", "rows", "--out", tmp_path / "x", "--rewards", rewards)
     assert code == 2 and "--rewards applies to the openai format only" in err
+
+
+# --------------------------------------------------------------------------------------------
+# answers the text does not fully decide: cut inside a character, byte-fallback look-alikes (issue 29)
+
+
+def _lossy_line(response_id: str, prompt_ids: list[int], choices: list[tuple]) -> dict:
+    """A completions line as a server logs it without token ids: (text, token strings, log-probs, finish) a choice."""
+    return {"request": {"model": "m", "prompt": "p", "logprobs": 0},
+            "response": {"id": response_id, "model": "m", "prompt_token_ids": prompt_ids, "choices": [
+                {"index": i, "text": text, "finish_reason": finish,
+                 "logprobs": {"tokens": strings, "token_logprobs": logprobs}}
+                for i, (text, strings, logprobs, finish) in enumerate(choices)]}}
+
+
+def test_13_an_answer_cut_inside_a_character_imports_its_decidable_prefix(chat, tokenizer, tmp_path, capsys):
+    text = "Réponse: 東京は晴れ 😀 ok"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    strings = vllm_strings(tokenizer, ids)
+    cut = next(k for k in range(1, len(ids)) if strings[k - 1] == "")  # max_tokens reached inside a character
+    tail = next(t for t in range(cut) if strings[cut - 1 - t] != "")  # its trailing "" entries
+    assert tail >= 1
+    logprobs = [-0.25 - t / 16 for t in range(len(ids))]  # exact in float32
+    partial = tokenizer.decode(ids[:cut])
+    assert partial.endswith(REPLACEMENT)
+    whole = (text, strings, logprobs, "stop")
+    lines = [  # vLLM holds a partial character back; other servers print U+FFFD for it
+        _lossy_line("cut-held-back", [1, 2], [(partial.rstrip(REPLACEMENT), strings[:cut], logprobs[:cut], "length"),
+                                              whole]),
+        _lossy_line("cut-replaced", [1, 2], [(partial, strings[:cut], logprobs[:cut], "length")]),
+    ]
+    summary = import_dataset(ImportConfig(_write(tmp_path / "cut.jsonl", lines), "openai", tmp_path / "ds",
+                                          tokenizer=chat, logprobs_source="sampled"))
+    assert summary["rejected_lines"] == 0 and summary["rows"] == 3
+    assert summary["cut_choices"] == 2 and summary["cut_tail_tokens_dropped"] == 2 * tail
+    assert open_dataset(tmp_path / "ds").manifest[S.M_STATS]["cut_tail_tokens_dropped"] == 2 * tail
+    rows = _rows(tmp_path / "ds")
+    cut_rows = [r for r in rows if r[S.FINISH_REASON] == "length"]
+    assert len(cut_rows) == 2
+    for row in cut_rows:
+        assert row[S.COMPLETION_IDS] == ids[:cut - tail]
+        assert row[S.BEHAVIOR_LOGPROBS] == logprobs[:cut - tail]
+    assert [r[S.COMPLETION_IDS] for r in rows if r[S.FINISH_REASON] == "stop"] == [ids]
+    # through the command line: the summary says what was left out
+    code, out, _ = run_cli(capsys, "import", tmp_path / "cut.jsonl", "--format", "openai", "--tokenizer", chat,
+                           "--out", tmp_path / "cli", "--logprobs-source", "sampled")
+    assert code == 0 and f"imported without their last {2 * tail} token(s)" in out
+
+
+def test_13_undecidable_tokens_before_the_end_are_refused_naming_u_fffd(chat, tokenizer, tmp_path):
+    by_bytes = {data: i for i, data in enumerate(token_bytes(tokenizer))}
+    ids = tokenizer("ab", add_special_tokens=False)["input_ids"] + [by_bytes[b"\x80"]] + \
+        tokenizer("cd", add_special_tokens=False)["input_ids"]
+    text = tokenizer.decode(ids)
+    assert text == f"ab{REPLACEMENT}cd"  # the server could not decode the lone byte
+    strings = [tokenizer.decode([t]) for t in ids]
+    line = _lossy_line("mid", [1, 2], [(text, strings, [-0.5] * len(ids), "length")])
+    with pytest.raises(BadLinesError, match="U\\+FFFD: the server could not decode"):
+        import_dataset(ImportConfig(_write(tmp_path / "mid.jsonl", [line]), "openai", tmp_path / "ds",
+                                    tokenizer=chat, logprobs_source="sampled"))
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model(tmp_path_factory) -> str:
+    """A tiny random Llama with a real SentencePiece byte-fallback vocabulary (Mistral 7B v0.1's, 32k, shipped
+    by the mistral-common package)."""
+    import os
+    import shutil
+
+    import mistral_common
+    from transformers import LlamaTokenizer
+
+    from offline_rec.models.tiny import build_tiny_model, save_tiny
+
+    folder = tmp_path_factory.mktemp("sentencepiece")
+    shutil.copy(os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1"),
+                folder / "tokenizer.model")
+    tok = LlamaTokenizer.from_pretrained(folder)
+    return save_tiny(build_tiny_model(tok, num_layers=1), tok, folder / "model")
+
+
+def test_14_byte_fallback_look_alikes_are_refused_or_resolved_by_score_with(sentencepiece_model, tmp_path, capsys):
+    """"1" prints alike from the piece 1 and the byte piece <0x31>: without token ids the importer refuses
+    to guess; --score-with takes the split whose teacher-forced log-probs are the logged ones; of two
+    answers, an undecidable one does not take the decidable one with it."""
+    from offline_rec.models.loading import load_model, load_tokenizer
+    from offline_rec.models.teacher_forced import teacher_forced_logprobs
+
+    tok = load_tokenizer(sentencepiece_model)
+    piece = tok.convert_tokens_to_ids
+    one, ing, byte_one = piece("1"), piece("ing"), piece("<0x31>")
+    prompt_ids = [tok.bos_token_id, piece("\u2581x")]
+    answers = [[ing, byte_one, ing], [ing, one, ing], [ing, ing]]  # sampled: the byte piece, the piece, no "1"
+    model = load_model(sentencepiece_model, dtype="float32")
+    logged = teacher_forced_logprobs(model, tok, [prompt_ids] * 3, answers)  # what a float32 server logs
+    choices = []
+    for ids, logprobs in zip(answers, logged):
+        strings = vllm_strings(tok, ids)
+        assert strings == [tok.decode([t]) for t in ids] and "" not in strings
+        choices.append((tok.decode(ids), strings, logprobs, "stop"))
+    assert choices[0][:2] == choices[1][:2] == ("ing1ing", ["ing", "1", "ing"])  # byte_one prints as "1"
+    path = _write(tmp_path / "sp.jsonl", [_lossy_line("two-of-three", prompt_ids, choices),
+                                          _lossy_line("only-ambiguous", prompt_ids, choices[:1])])
+
+    # without a scorer: the ambiguous answers are left out, the decidable one is imported, its group smaller
+    summary = import_dataset(ImportConfig(path, "openai", tmp_path / "plain", tokenizer=sentencepiece_model,
+                                          logprobs_source="sampled", skip_bad=True))
+    assert summary["undecidable_choices_dropped"] == 2 and summary["rejected_lines"] == 1
+    [row] = _rows(tmp_path / "plain")
+    assert row[S.COMPLETION_IDS] == answers[2]
+    rejects = (tmp_path / "plain" / "rejects.jsonl").read_text()
+    assert "ambiguous" in rejects and "byte-fallback" in rejects
+
+    # with the model that sampled: every answer gets the ids it was sampled with, none is a guess
+    code, out, err = run_cli(capsys, "import", path, "--format", "openai", "--score-with", sentencepiece_model,
+                             "--out", tmp_path / "scored")
+    assert code == 0, err
+    assert "3 ambiguous answer(s) resolved" in out
+    rows = _rows(tmp_path / "scored")
+    assert sorted(r[S.COMPLETION_IDS] for r in rows) == sorted([answers[0], answers[1], answers[2], answers[0]])
+
+
+VLLM_DIGITS_SCRIPT = r"""
+import json, sys
+from vllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, seed=0, logprobs_mode="raw_logprobs")
+vocab = llm.get_tokenizer().get_vocab()
+digits = [vocab[str(d)] for d in range(10)] + [vocab[f"<0x{0x30 + d:02X}>"] for d in range(10)]
+# allowed_token_ids: applied by the sampler, after the raw log-probs (a grammar's mask would come before)
+params = SamplingParams(n=8, temperature=1.0, max_tokens=3, logprobs=0, seed=0, allowed_token_ids=digits)
+[output] = llm.generate(["x"], params)
+choices = [{"ids": list(c.token_ids), "text": c.text, "finish": c.finish_reason,
+            "tokens": [next(iter(lp.values())).decoded_token for lp in c.logprobs],
+            "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs]} for c in output.outputs]
+print(json.dumps({"prompt_ids": list(output.prompt_token_ids), "choices": choices}))
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.slow  # ~15 s on an idle machine, a minute on a busy one
+def test_14_what_vllm_samples_with_byte_fallback_imports_as_its_token_id_twin(sentencepiece_model, tmp_path):
+    """vLLM (vllm-cpu, in a child process) samples three digits, where the piece "1" and the byte piece
+    <0x31> both fit and print alike: the lossy log is refused without --score-with, and with it every
+    imported row equals the token ids vLLM sampled; none is a guess."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    result = subprocess.run([sys.executable, "-c", VLLM_DIGITS_SCRIPT, sentencepiece_model], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sampled = json.loads(result.stdout.strip().splitlines()[-1])
+    fallback = set(Vocabulary.of(AutoTokenizer.from_pretrained(sentencepiece_model)).fallback)
+    twins = [c["ids"] for c in sampled["choices"]]
+    assert any(set(ids) & fallback for ids in twins) and any(set(ids) - fallback for ids in twins)
+    line = _lossy_line("digits", sampled["prompt_ids"],
+                       [(c["text"], c["tokens"], c["logprobs"], c["finish"]) for c in sampled["choices"]])
+    path = _write(tmp_path / "digits.jsonl", [line])
+    with pytest.raises(BadLinesError, match="ambiguous"):
+        import_dataset(ImportConfig(path, "openai", tmp_path / "plain", tokenizer=sentencepiece_model,
+                                    logprobs_source="raw"))
+    summary = import_dataset(ImportConfig(path, "openai", tmp_path / "scored", score_with=sentencepiece_model))
+    assert summary["ambiguous_splits_resolved"] == len(twins) == summary["rows"]
+    assert sorted(r[S.COMPLETION_IDS] for r in _rows(tmp_path / "scored")) == sorted(twins)

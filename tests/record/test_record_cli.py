@@ -17,6 +17,11 @@ from cli_support import run_cli
         (["--fsync-interval", "-1"], "--fsync-interval must be >= 0"),
         (["--rotate-mb", "0"], "--rotate-mb must be > 0"),
         (["--episode-idle-timeout", "0"], "--episode-idle-timeout must be > 0"),
+        (["--max-body-mb", "0"], "--max-body-mb must be > 0"),
+        (["--upstream-read-timeout", "-1"], "--upstream-read-timeout must be > 0"),
+        (["--max-open-episodes", "0"], "--max-open-episodes must be >= 1"),
+        (["--api-key", " "], "--api-key is empty"),
+        (["--api-key-file", "/nonexistent/keys"], "cannot read --api-key-file /nonexistent/keys"),
     ],
 )
 def test_bad_options(capsys, tmp_path, extra, message):

@@ -12,12 +12,20 @@ Shared by single-call lines (openai.py) and multi-turn episodes (episodes.py). W
   choice's "token_ids" (vLLM `return_token_ids: true`); "token_id:N" token strings (vLLM
   `return_tokens_as_token_ids`); token strings that each name one vocabulary token; else the ids
   recovered losslessly from the lossy strings, their bytes and the choice's text (tokens.py).
-  The completion tokens are exactly the entries the server returned.
+  The completion tokens are exactly the entries the server returned, with two exceptions, both
+  counted in the import's stats: a choice cut by max_tokens (finish_reason "length") inside a
+  character keeps every token before its undecidable tail ("cut_tail_tokens_dropped"); and of a
+  call with several choices, those whose ids cannot be recovered are left out and the rest
+  imported, the group smaller ("undecidable_choices_dropped"). An ambiguous split (a byte-fallback
+  piece that prints like a piece) is resolved with `--score-with MODEL`: the one candidate whose
+  teacher-forced log-probs equal the logged ones within SCORE_MATCH_TOLERANCE is taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +58,7 @@ from offline_rec.data.importers.tokens import (
 )
 
 # request field -> the manifest's sampling key
+SCORE_MATCH_TOLERANCE = 1e-3  # nats: fp32 vLLM against a fp32 forward agree to ~5e-7; other tokens differ far more
 SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "max_tokens": "max_new_tokens",
                    "max_completion_tokens": "max_new_tokens", "seed": "seed"}
 
@@ -63,10 +72,39 @@ class CallContext:
     vocabulary: Vocabulary = field(init=False)
     vocab_size: int = field(init=False)
     sampling_seen: dict[str, set] = field(default_factory=dict)
+    stats: Counter = field(default_factory=Counter)  # what was left out of choices that were imported
+    model: Any = None  # --score-with's model, loaded at the first ambiguous split
 
     def __post_init__(self):
         self.vocabulary = Vocabulary.of(self.tokenizer)
         self.vocab_size = len(self.tokenizer)
+
+    def resolver(self, prompt_ids: list[int], logged: list[float] | None):
+        """The split chooser of one choice (None without --score-with or logged log-probs): the candidate
+        whose teacher-forced log-probs equal `logged`, or NotRecoverable when none or several do."""
+        if self.config.score_with is None or logged is None or not prompt_ids:
+            return None
+
+        def resolve(candidates: list[list[int]]) -> list[int]:
+            from offline_rec.models.teacher_forced import teacher_forced_logprobs
+
+            if self.model is None:
+                from offline_rec.models.loading import load_model
+
+                self.model = load_model(self.config.score_with, dtype=self.config.dtype)
+            scored = teacher_forced_logprobs(self.model, self.tokenizer, [prompt_ids] * len(candidates), candidates,
+                                             batch_size=self.config.batch_size,
+                                             temperature=self.config.score_temperature)
+            matching = [ids for ids, values in zip(candidates, scored)
+                        if all(abs(a - b) <= SCORE_MATCH_TOLERANCE for a, b in zip(values, logged))]
+            if len(matching) != 1:
+                raise NotRecoverable(0, f"ambiguous: {len(candidates)} splits of the text fit the entries and "
+                                        f"{len(matching)} of them have the logged log-probs under --score-with "
+                                        f"{self.config.score_with} (within {SCORE_MATCH_TOLERANCE})")
+            self.stats["ambiguous_splits_resolved"] += 1
+            return matching[0]
+
+        return resolve
 
     def note_sampling(self, request: dict, model: Any) -> None:
         """Remember the request's sampling settings: those the whole log agrees on go into the manifest."""
@@ -86,6 +124,7 @@ class Choice:
     logprobs: list[float] | None
     text: str
     finish_reason: str
+    position: int = 0  # among the call's logged choices (some may be left out)
 
 
 @dataclass
@@ -96,8 +135,9 @@ class Call:
     model: Any
 
 
-def read_call(request: dict, response: dict, context: CallContext) -> Call:
-    """The prompt, prompt ids and choices of one call; BadLine for what cannot be used."""
+def read_call(request: dict, response: dict, context: CallContext, episode: bool = False) -> Call:
+    """The prompt, prompt ids and choices of one call; BadLine for what cannot be used. A call of an
+    `episode` keeps every token (the next call's prompt holds them) and all of its choices."""
     tokenizer = context.tokenizer
     if request.get("messages") is not None:
         prompt = render_prompt(request["messages"], "request messages", tokenizer)
@@ -112,24 +152,35 @@ def read_call(request: dict, response: dict, context: CallContext) -> Call:
     choices = response.get("choices")
     if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
         raise BadLine(MISSING, "the response has no 'choices' list of objects")
-    read = []
+    read, undecidable = [], []
     for i, choice in enumerate(sorted_choices(choices)):
         where = f"choices[{i}]"
         try:
             text = choice["message"].get("content") if isinstance(choice.get("message"), dict) else choice.get("text")
             text = string_value(text, "content") if text is not None else None
             stop = choice.get("stop_reason")
-            ids, logprobs = _choice_tokens(choice, text, stop if isinstance(stop, str) else None, context)
             finish = string_value(choice.get("finish_reason") or S.FINISH_STOP, "finish_reason")
+            ids, logprobs, dropped = _choice_tokens(choice, text, stop if isinstance(stop, str) else None, context,
+                                                    prompt_ids, cut=finish == S.FINISH_LENGTH and not episode)
         except BadLine as bad:
-            raise BadLine(bad.code, f"{where}: {bad.reason}") from None
-        read.append(Choice(ids, logprobs, text or "", finish))
+            if bad.code != UNKNOWN_TOKEN or len(choices) == 1 or episode:
+                raise BadLine(bad.code, f"{where}: {bad.reason}") from None
+            undecidable.append(BadLine(bad.code, f"{where}: {bad.reason}"))
+            continue
+        if dropped:
+            context.stats["cut_choices"] += 1
+            context.stats["cut_tail_tokens_dropped"] += dropped
+        read.append(Choice(ids, logprobs, text or "", finish, position=i))
+    if not read:
+        raise undecidable[0]
+    context.stats["undecidable_choices_dropped"] += len(undecidable)
     return Call(prompt, prompt_ids, read, response.get("model"))
 
 
-def _choice_tokens(choice: dict, text: str | None, stop: str | None,
-                   context: CallContext) -> tuple[list[int], list[float] | None]:
-    """(completion ids, log-probs or None) of one choice, from token_ids and/or its logprobs block."""
+def _choice_tokens(choice: dict, text: str | None, stop: str | None, context: CallContext, prompt_ids: list[int],
+                   cut: bool) -> tuple[list[int], list[float] | None, int]:
+    """(completion ids, log-probs or None, entries left out at the end) of one choice, from token_ids and/or
+    its logprobs block."""
     logprobs = choice.get("logprobs")
     entries: list[tuple[Any, Any, Any]] | None = None  # (token string, logprob, bytes)
     if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):  # chat completions
@@ -146,22 +197,28 @@ def _choice_tokens(choice: dict, text: str | None, stop: str | None,
     elif logprobs is not None:
         raise BadLine(BAD_VALUE, "logprobs must hold a 'content' list (chat) or 'tokens' (completions)")
 
+    dropped = 0
     if choice.get("token_ids") is not None:
         ids = token_ids_value(choice["token_ids"], "token_ids", context.vocab_size)
         if entries is not None and len(entries) != len(ids):
             raise BadLine(LENGTH_MISMATCH, f"{len(ids)} token_ids but {len(entries)} log-prob entries")
     elif entries is not None:
-        ids = _ids_from_entries(entries, text, stop, context)
+        logged = None
+        if context.config.score_with is not None:
+            with contextlib.suppress(BadLine):  # no usable logged log-probs: nothing to resolve with
+                logged = [logprob_value(lp, position) for position, (_, lp, _) in enumerate(entries)]
+        ids, dropped = _ids_from_entries(entries, text, stop, context, context.resolver(prompt_ids, logged), cut)
     else:
         raise BadLine(NO_LOGPROBS, "neither logprobs nor token_ids (request logprobs=true from the server)")
 
     if entries is None or not context.config.need_logprobs:
-        return ids, None
-    return ids, [logprob_value(lp, position) for position, (_, lp, _) in enumerate(entries)]
+        return ids, None, dropped
+    kept = entries[:len(entries) - dropped]
+    return ids, [logprob_value(lp, position) for position, (_, lp, _) in enumerate(kept)], dropped
 
 
 def _ids_from_entries(entries: list[tuple[Any, Any, Any]], text: str | None, stop: str | None,
-                      context: CallContext) -> list[int]:
+                      context: CallContext, resolve, cut: bool) -> tuple[list[int], int]:
     evidence = []
     for position, (token, _, token_bytes) in enumerate(entries):
         if not isinstance(token, str):
@@ -169,7 +226,8 @@ def _ids_from_entries(entries: list[tuple[Any, Any, Any]], text: str | None, sto
         check_encodable(token, f"token {position}")
         evidence.append(entry_evidence(token, token_bytes))
     try:
-        ids = choice_token_ids(evidence, text, context.vocabulary, alternatives=(text + stop,) if stop and text else ())
+        ids, dropped = choice_token_ids(evidence, text, context.vocabulary,
+                                        alternatives=(text + stop,) if stop and text else (), cut=cut, resolve=resolve)
     except NotRecoverable as e:
         token = entries[e.position][0]
         hint = ""
@@ -181,7 +239,7 @@ def _ids_from_entries(entries: list[tuple[Any, Any, Any]], text: str | None, sto
         if token_id >= context.vocab_size:
             raise BadLine(TOKEN_OUT_OF_RANGE,
                           f"token {position} id {token_id} is beyond the tokenizer's {context.vocab_size} tokens")
-    return ids
+    return ids, dropped
 
 
 # --------------------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def _read_calls(raw: object, context: CallContext) -> list[Call]:
         if not isinstance(item.get("response"), dict):
             raise BadLine(BAD_EPISODE, f"{where}: no response object (a failed or unlogged call)")
         try:
-            call = read_call(item["request"], item["response"], context)
+            call = read_call(item["request"], item["response"], context, episode=True)
         except BadLine as bad:
             raise BadLine(bad.code, f"{where}: {bad.reason}") from None
         if len(call.choices) != 1:

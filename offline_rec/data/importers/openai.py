@@ -55,6 +55,9 @@ from offline_rec.errors import UserError
 
 __all__ = ["parse_openai", "token_string_mapper"]
 
+# What choices that were imported left out, counted in the manifest and the summary (see calls.py).
+IMPORT_CUTS = ("cut_choices", "cut_tail_tokens_dropped", "undecidable_choices_dropped", "ambiguous_splits_resolved")
+
 
 def parse_openai(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
     """Single-call and episode lines of an OpenAI-compatible server's log (see the module docstring)."""
@@ -73,6 +76,7 @@ def parse_openai(paths: list[Path], tokenizer, config: ImportConfig) -> ParseRes
     parse_records(read_records(paths, result), parse, result)
     result.sampling = context.agreed_sampling()
     result.stats.update(rewards.stats())
+    result.stats.update({name: context.stats[name] for name in IMPORT_CUTS})
     return result
 
 
@@ -84,10 +88,11 @@ def _parse_single(record: Record, context: CallContext, rewards: Rewards, seen_i
     call = read_call(request, response, context)
     response_id = response.get("id") if isinstance(response.get("id"), str) and response.get("id") else None
     found, reward = rewards.lookup(response_id, data.get("episode_id"))
+    logged = len(response["choices"])  # the choices the call holds (call.choices may leave some out)
     if found:
-        per_choice = line_rewards(reward, len(call.choices), "--rewards reward")
+        per_choice = line_rewards(reward, logged, "--rewards reward")
     else:  # a choice's own reward wins over the line's
-        per_choice = line_rewards(data.get("reward"), len(call.choices), "reward")
+        per_choice = line_rewards(data.get("reward"), logged, "reward")
         for i, choice in enumerate(sorted_choices(response["choices"])):
             if choice.get("reward") is not None:
                 per_choice[i] = reward_value(choice["reward"], f"choices[{i}].reward")
@@ -109,7 +114,8 @@ def _parse_single(record: Record, context: CallContext, rewards: Rewards, seen_i
             raise BadLine(DUPLICATE, f"response id {response_id!r} already seen (a line logged twice?)")
 
     parsed = []
-    for i, choice in enumerate(call.choices):
+    for choice in call.choices:
+        i = choice.position
         row = dict(
             prompt=call.prompt,
             prompt_ids=call.prompt_ids,

@@ -20,14 +20,20 @@ entry does say:
   a streaming detokenizer such as vLLM's prints text once a character is whole);
 - a special token's text ("<|im_end|>"): that token, which the choice's text leaves out.
 
-A SentencePiece byte-fallback piece whose byte also has a piece of its own is never taken for
-that byte (the tokenizer never produces it). The answer is taken only when exactly one split
-satisfies all of it; otherwise the line is refused
-with the first entry where the candidate splits part ("truly ambiguous") or where none is left.
+A SentencePiece byte-fallback piece whose byte also has a piece of its own (`<0x31>` and `1`)
+prints exactly like that piece, and a model can sample either: an entry printed "1" is ambiguous
+like any other split of the text. The answer is taken only when exactly one split satisfies all
+of it; otherwise the line is refused with the first entry where the candidate splits part ("truly
+ambiguous") or where none is left. `candidate_splits` lists the splits of an ambiguous choice,
+for a caller that can tell them apart (teacher-forced log-probs: `import --score-with`).
+
+A choice cut by max_tokens inside a character ends in tokens whose bytes the text does not hold
+(printed "" or U+FFFD): `decidable_prefix` gives the ids of every token before that tail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +69,8 @@ class Vocabulary:
     longest: int = 0
     to_id: Callable[[str], int | None] | None = None
     """A token string straight to its id (see token_string_mapper), or None."""
+    fallback: frozenset[int] = frozenset()
+    """SentencePiece byte-fallback pieces (<0xNN>)."""
 
     @classmethod
     def of(cls, tokenizer) -> Vocabulary:
@@ -72,12 +80,9 @@ class Vocabulary:
         for index, data in enumerate(pieces):
             if data and index not in special:
                 vocabulary.by_bytes.setdefault(data, []).append(index)
-        # A SentencePiece byte-fallback piece ("<0x78>") for a byte that has a piece of its own ("x") is
-        # never produced by the tokenizer, so a model practically never samples it: the own piece is meant.
-        fallback = byte_fallback_ids(tokenizer)
-        for data, ids in vocabulary.by_bytes.items():
-            if len(ids) > 1 and len([i for i in ids if i not in fallback]) == 1:
-                vocabulary.by_bytes[data] = [i for i in ids if i not in fallback]
+        # A byte-fallback piece ("<0x78>") for a byte that has a piece of its own ("x") stays a candidate:
+        # the tokenizer never produces it, but a model samples it (measured with vLLM: 11 of 20 answers).
+        vocabulary.fallback = frozenset(byte_fallback_ids(tokenizer))
         vocabulary.longest = max((len(data) for data in vocabulary.by_bytes), default=0)
         vocabulary.to_id = token_string_mapper(tokenizer)
         return vocabulary
@@ -167,10 +172,11 @@ def entry_evidence(token: object, token_bytes_field: object) -> Evidence:
 class NotRecoverable(Exception):
     """The entries do not determine the ids; `position` is the first entry concerned."""
 
-    def __init__(self, position: int, reason: str):
+    def __init__(self, position: int, reason: str, ambiguous: bool = False):
         super().__init__(reason)
         self.position = position
         self.reason = reason
+        self.ambiguous = ambiguous  # several splits fit (a scorer may tell them apart)
 
 
 State = tuple[int, int]
@@ -218,9 +224,13 @@ def _inside_character(text: bytes, offset: int) -> bool:
     return offset < len(text) and 0x80 <= text[offset] < 0xC0
 
 
-def reconstruct_ids(evidence: Sequence[Evidence], text: str, vocabulary: Vocabulary) -> list[int]:
-    """The one sequence of len(evidence) token ids that spells `text` (special tokens aside) and agrees
-    with every entry; NotRecoverable when there is none or more than one."""
+Lattice = tuple[list[dict[State, list[tuple[int, State]]]], list[set[State]]]
+"""(the steps out of each entry's states, the states of each entry that lie on a complete split)."""
+
+
+def _lattice(evidence: Sequence[Evidence], text: str, vocabulary: Vocabulary) -> Lattice:
+    """Every split of `text` into len(evidence) tokens that agrees with each entry, as a lattice;
+    NotRecoverable when there is none."""
     target = text.encode("utf-8", "surrogatepass")
     n = len(evidence)
     # forward: the states each entry can start in, with the steps out of them
@@ -247,15 +257,69 @@ def reconstruct_ids(evidence: Sequence[Evidence], text: str, vocabulary: Vocabul
     alive: list[set[State]] = [set() for _ in range(n)] + [ends]
     for i in range(n - 1, -1, -1):
         alive[i] = {state for state, steps in edges[i].items() if any(after in alive[i + 1] for _, after in steps)}
+    return edges, alive
+
+
+def reconstruct_ids(evidence: Sequence[Evidence], text: str, vocabulary: Vocabulary) -> list[int]:
+    """The one sequence of len(evidence) token ids that spells `text` (special tokens aside) and agrees
+    with every entry; NotRecoverable when there is none or more than one."""
+    edges, alive = _lattice(evidence, text, vocabulary)
+    n = len(evidence)
     chosen: list[int] = []
     for i in range(n):
         on_path = {(state, token) for state in alive[i] for token, after in edges[i][state] if after in alive[i + 1]}
         if len(on_path) > 1:
-            splits = sorted({vocabulary.pieces[token] for _, token in on_path})
+            tokens = sorted({token for _, token in on_path})
+            shown = ", ".join(f"{t} {vocabulary.pieces[t]!r}" + (" byte-fallback" if t in vocabulary.fallback else "")
+                              for t in tokens[:4])
             raise NotRecoverable(i, "ambiguous: the text can be split into these tokens in more than one way "
-                                    f"(here: {', '.join(repr(s) for s in splits[:4])})")
+                                    f"(here, id and bytes: {shown}; with --score-with MODEL the "
+                                    "split whose log-probs match the logged ones is taken)", ambiguous=True)
         chosen.append(next(iter(on_path))[1])
     return chosen
+
+
+def candidate_splits(evidence: Sequence[Evidence], text: str, vocabulary: Vocabulary,
+                     limit: int = 16) -> list[list[int]]:
+    """Every id sequence `reconstruct_ids` would accept if it were alone (at most `limit`: NotRecoverable
+    beyond, at the first entry)."""
+    edges, alive = _lattice(evidence, text, vocabulary)
+    n = len(evidence)
+    found: list[list[int]] = []
+    stack: list[tuple[int, State, list[int]]] = [(0, state, []) for state in alive[0]]
+    while stack:
+        i, state, ids = stack.pop()
+        if i == n:
+            found.append(ids)
+            if len(found) > limit:
+                raise NotRecoverable(0, f"more than {limit} splits of the text fit the entries")
+            continue
+        for token, after in edges[i][state]:
+            if after in alive[i + 1]:
+                stack.append((i + 1, after, ids + [token]))
+    return sorted(found)
+
+
+def _undecidable(entry: Evidence) -> bool:
+    """An entry whose bytes a text cut inside a character need not hold: printed "" or with U+FFFD."""
+    return entry.kind == "partial" or (entry.kind == "text" and entry.text is not None and REPLACEMENT in entry.text)
+
+
+def decidable_prefix(evidence: Sequence[Evidence], text: str, vocabulary: Vocabulary) -> tuple[list[int], int]:
+    """(ids of the entries before an undecidable tail, the number of tail entries left out) for a choice
+    cut by max_tokens inside a character: the shortest tail of "" / U+FFFD entries whose removal leaves
+    exactly one split of the text (its trailing U+FFFD removed). NotRecoverable when there is none."""
+    stripped = text.rstrip(REPLACEMENT)
+    tail = 0
+    while tail < len(evidence) and _undecidable(evidence[len(evidence) - 1 - tail]):
+        tail += 1
+    error = None
+    for dropped in range(1, tail + 1):
+        try:
+            return reconstruct_ids(evidence[:len(evidence) - dropped], stripped, vocabulary), dropped
+        except NotRecoverable as e:
+            error = error or e
+    raise error or NotRecoverable(len(evidence) - 1, "no undecidable tail to leave out")
 
 
 def _dead_end(evidence: Sequence[Evidence], i: int, target: bytes, offset: int) -> str:
@@ -265,16 +329,23 @@ def _dead_end(evidence: Sequence[Evidence], i: int, target: bytes, offset: int) 
         return f"token id {entry.value} does not continue the text at {ahead!r}"
     if offset >= len(target):
         return "the text ends before the tokens do (a cut inside a character, or text the log leaves out)"
+    if REPLACEMENT.encode() in target:
+        return ("the choice's text holds U+FFFD: the server could not decode the sampled bytes, so the text does "
+                "not say which tokens they were (log token ids: vLLM return_token_ids)")
     return f"no vocabulary token fits the logged token string here (the text goes on with {ahead!r})"
 
 
 def choice_token_ids(evidence: Sequence[Evidence], text: str | None, vocabulary: Vocabulary,
-                     alternatives: Sequence[str] = ()) -> list[int]:
-    """The ids of one choice: straight from the entries when each names one token, else split from
-    `text` (then each of `alternatives`, e.g. the text with the matched stop string, is tried)."""
+                     alternatives: Sequence[str] = (), cut: bool = False,
+                     resolve: Callable[[list[list[int]]], list[int]] | None = None) -> tuple[list[int], int]:
+    """(the ids of one choice, the entries left out at its end). The ids come straight from the entries
+    when each names one token, else split from `text` (then each of `alternatives`, e.g. the text with
+    the matched stop string, is tried). An ambiguous split goes to `resolve` (which picks one of the
+    candidate splits or raises NotRecoverable). A choice `cut` by max_tokens whose last entries the text
+    cannot decide gives its `decidable_prefix`."""
     direct = [_direct_id(entry, vocabulary) for entry in evidence]
     if all(token is not None for token in direct):
-        return direct
+        return direct, 0
     first = next(i for i, token in enumerate(direct) if token is None)
     if text is None:
         raise NotRecoverable(first, "the token string does not name one token and the choice's text is not "
@@ -282,9 +353,14 @@ def choice_token_ids(evidence: Sequence[Evidence], text: str | None, vocabulary:
     error = None
     for candidate in (text, *alternatives):
         try:
-            return reconstruct_ids(evidence, candidate, vocabulary)
+            return reconstruct_ids(evidence, candidate, vocabulary), 0
         except NotRecoverable as e:
+            if resolve is not None and e.ambiguous:
+                return resolve(candidate_splits(evidence, candidate, vocabulary)), 0
             error = error or e
+    if cut:
+        with contextlib.suppress(NotRecoverable):
+            return decidable_prefix(evidence, text, vocabulary)
     raise error
 
 
@@ -300,6 +376,9 @@ def _direct_id(entry: Evidence, vocabulary: Vocabulary) -> int | None:
         ids = vocabulary.by_bytes.get(entry.value, [])
         return ids[0] if len(ids) == 1 else None
     if entry.kind == "text" and entry.text is not None and REPLACEMENT not in entry.text:
-        return vocabulary.to_id(entry.text)
+        token = vocabulary.to_id(entry.text)
+        if token is not None and len(vocabulary.by_bytes.get(vocabulary.pieces[token], ())) > 1:
+            return None  # another token prints alike (a byte-fallback piece): the split decides, or nothing
+        return token
     return None
 
