@@ -203,9 +203,11 @@ def choose(results: list[dict]) -> list[dict]:
 
 
 def markdown_table(rows: list[dict], scale: Scale) -> str:
-    lines = [f"{scale.num_prompts} prompts x 1 response, {scale.steps} steps of {scale.rows_per_step} rows, "
-             f"lr from {', '.join(f'{lr:g}' for lr in scale.lrs)} and the step chosen on {scale.validation_prompts} "
-             f"validation prompts; greedy accuracy on {scale.eval_prompts} held-out test prompts.", "",
+    lrs = sorted({lr for r in rows for lr in r["final_by_lr"]})
+    lines = [f"{scale.num_prompts} prompts x 1 response, {scale.steps} steps of {scale.rows_per_step} rows "
+             f"(SFT: {scale.positives_per_step} positives), lr from {', '.join(f'{lr:g}' for lr in lrs)} and the "
+             f"step chosen on {scale.validation_prompts} validation prompts; greedy accuracy on {scale.eval_prompts} "
+             "held-out test prompts.", "",
              "| arm | lr | chosen step | validation | test (chosen) | gain | test at step "
              f"{scale.steps}, per lr |", "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
@@ -238,7 +240,12 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
     return path
 
 
-def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print) -> dict:
+def _sizes(scale: dict) -> dict:
+    """A scale without its learning rates: runs of other lrs at the same sizes belong to the same table."""
+    return {k: v for k, v in scale.items() if k != "lrs"}
+
+
+def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False) -> dict:
     from offline_rec.demo.pipeline import ensure_demo_policy, evaluate_policy
 
     for arm in arms:
@@ -250,10 +257,10 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print) -> 
     before = evaluate_policy(policy, out / "before", demo_settings(scale), 1, False)
     results_path = out / RESULTS_FILE
     done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
-    done = [r for r in done if r["scale"] == json.loads(json.dumps(asdict(scale)))]  # lrs: a list once read
+    done = [r for r in done if _sizes(r["scale"]) == _sizes(asdict(scale))]  # any lr of the same sizes
     finished = {(r["arm"], r["lr"]) for r in done}
     todo = [(arm, lr) for arm in arms for lr in ((REFERENCE_LR,) if arm == "group-k8" else scale.lrs)
-            if (arm, lr) not in finished]
+            if (arm, lr) not in finished and not table_only]
     log(f"{len(finished)} run(s) done, {len(todo)} to go; base greedy accuracy {before['greedy_accuracy']:.3f}")
     for number, (arm, lr) in enumerate(todo, start=1):
         result = run_arm(arm, lr, out, paths, policy, scale, before)
@@ -279,6 +286,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
     parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-5,1e-4,3e-4; --quick: 3e-4)")
     parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
+    parser.add_argument("--table-only", action="store_true", help="write table.md and curves.png from the finished "
+                        "runs in --out (every lr found), running nothing")
     args = parser.parse_args(argv)
     import torch
 
@@ -290,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.no_peers:
         arms = [a for a in arms if a not in PEERS]
     started = time.monotonic()
-    outcome = run(Path(args.out), arms, scale, args.model, log=lambda m: print(m, file=sys.stderr, flush=True))
+    outcome = run(Path(args.out), arms, scale, args.model, log=lambda m: print(m, file=sys.stderr, flush=True),
+                  table_only=args.table_only)
     print(outcome["table"])
     print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
     return outcome
