@@ -16,15 +16,16 @@ from typing import Annotated
 import typer
 
 from offline_rec import __version__
-from offline_rec.data.importers import ImportConfig, import_dataset, import_option_defaults, import_option_help
+from offline_rec.data.config import DatasetToDataset, FilterOptions, JudgeOptions, MergeOptions, RewardConfig
+from offline_rec.data.importers.config import ImportConfig
 from offline_rec.data.view.config import ViewConfig
-from offline_rec.data.view.config import cli_options as view_cli_options
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
-from offline_rec.eval.config import cli_options as eval_cli_options
+from offline_rec.options import command, overrides
 from offline_rec.preemption import Preempted
-from offline_rec.record.settings import ProxySettings
-from offline_rec.record.settings import cli_options as record_cli_options
+from offline_rec.record.settings import ProxySettings, RecordConfig
+from offline_rec.rollout.config import CollectConfig
+from offline_rec.training.config import TrainConfig
 
 app = typer.Typer(
     name="offline-rec",
@@ -36,39 +37,15 @@ app = typer.Typer(
 )
 
 
-# --------------------------------------------------------------------------------------------
-# options several commands share: one definition each (the default stays with the parameter)
-
-# outputs
-NewDatasetOut = Annotated[Path, typer.Option("--out", "-o", help="New dataset directory (must not exist).")]
+# Every option of import, filter, reward, merge, collect, eval, view, record and train is a field of the
+# command's config dataclass (offline_rec/options.py says how); the few options of the small commands
+# (validate, inspect, push, pull, cache, report, demo) are declared here, once each.
 SummaryJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
-Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")]
-# prompts (collect, eval)
-PromptsFile = Annotated[
-    str | None, typer.Option("--prompts", help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).")
-]
-PromptColumn = Annotated[
-    str | None, typer.Option("--prompt-column", help="The prompt file's prompt column (default: the task's).")
-]
-NumPrompts = Annotated[
-    int | None,
-    typer.Option("--num-prompts", help="First N prompts of the file, or N built-in prompts (default: all / 512)."),
-]
-RewardFunction = Annotated[str | None, typer.Option("--reward", help="Replace the task's reward with module:function.")]
-# sampling (collect, eval)
-Backend = Annotated[str | None, typer.Option("--backend", help="hf or vllm (default: vllm when importable, else hf).")]
-Dtype = Annotated[
-    str | None, typer.Option("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).")
-]
-ChatTemplate = Annotated[
-    bool,
-    typer.Option(
-        "--chat-template/--no-chat-template", help="Render chat-message prompts with the tokenizer's chat template."
-    ),
-]
-TopP = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass (1: off).")]
-TopK = Annotated[int | None, typer.Option("--top-k", help="Top-k truncation (default: none).")]
-MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Longest completion, in tokens.")]
+
+
+def _echo(lines: list[str]) -> None:
+    for line in lines:
+        typer.echo(line)
 
 
 def _version(value: bool) -> None:
@@ -140,31 +117,9 @@ def inspect(
         print_description(_console(), stats)
 
 
-# Every `view` option is a field of ViewConfig, which holds its default, flags and help.
-VIEW = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"])
-        for field in view_cli_options()}
-
-
-@app.command()
-def view(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    model: str | None = VIEW["model"],
-    tokenizer: str | None = VIEW["tokenizer"],
-    algorithm: str = VIEW["algorithm"],
-    out: Path | None = VIEW["out"],
-    serve: bool = VIEW["serve"],
-    host: str = VIEW["host"],
-    port: int = VIEW["port"],
-    groups_per_page: int = VIEW["groups_per_page"],
-    inline_pages: int = VIEW["inline_pages"],
-    temperature: float | None = VIEW["temperature"],
-    batch_size: int = VIEW["batch_size"],
-    dtype: str | None = VIEW["dtype"],
-    device: str | None = VIEW["device"],
-    quiet: Quiet = False,
-) -> None:
+@command(app, config=ViewConfig)
+def view(config: ViewConfig, quiet: bool) -> None:
     """Look at a dataset in the browser: groups, filters, every response token by token (an HTML page or --serve)."""
-    config = ViewConfig(**{name: value for name, value in locals().items() if name in VIEW or name == "dataset"})
 
     def warn(message: str) -> None:
         typer.echo(f"warning: {message}", err=True)
@@ -186,74 +141,12 @@ def view(
 # import, filter, reward
 
 
-# `import` options: help texts and defaults are ImportConfig's (offline_rec/data/importers/config.py)
-_IMPORT_HELP = import_option_help()
-_IMPORT_DEFAULT = import_option_defaults()
-
-
-def _import_option(name: str, *flags: str):
-    return typer.Option(*flags, help=_IMPORT_HELP[name])
-
-
-@app.command("import")
-def import_(
-    src: Annotated[Path, typer.Argument(help=_IMPORT_HELP["src"])],
-    fmt: Annotated[str, _import_option("format", "--format", "-f")],
-    out: NewDatasetOut,
-    tokenizer: Annotated[str | None, _import_option("tokenizer", "--tokenizer")] = _IMPORT_DEFAULT["tokenizer"],
-    score_with: Annotated[str | None, _import_option("score_with", "--score-with")] = _IMPORT_DEFAULT["score_with"],
-    skip_bad: Annotated[bool, _import_option("skip_bad", "--skip-bad")] = _IMPORT_DEFAULT["skip_bad"],
-    logprobs_source: Annotated[
-        str | None, _import_option("logprobs_source", "--logprobs-source")
-    ] = _IMPORT_DEFAULT["logprobs_source"],
-    prompt_column: Annotated[
-        str, _import_option("prompt_column", "--prompt-column")
-    ] = _IMPORT_DEFAULT["prompt_column"],
-    completion_column: Annotated[
-        str, _import_option("completion_column", "--completion-column")
-    ] = _IMPORT_DEFAULT["completion_column"],
-    reward_column: Annotated[
-        str, _import_option("reward_column", "--reward-column")
-    ] = _IMPORT_DEFAULT["reward_column"],
-    group_column: Annotated[str, _import_option("group_column", "--group-column")] = _IMPORT_DEFAULT["group_column"],
-    append_eos: Annotated[
-        bool, _import_option("append_eos", "--append-eos/--no-append-eos")
-    ] = _IMPORT_DEFAULT["append_eos"],
-    reward_columns: Annotated[str | None, _import_option("reward_columns", "--reward-columns")] = None,
-    behavior: Annotated[str | None, _import_option("behavior", "--behavior")] = _IMPORT_DEFAULT["behavior"],
-    task: Annotated[str, _import_option("task", "--task")] = _IMPORT_DEFAULT["task"],
-    policy_version: Annotated[
-        int, _import_option("policy_version", "--policy-version")
-    ] = _IMPORT_DEFAULT["policy_version"],
-    group_by_prompt: Annotated[
-        bool, _import_option("group_by_prompt", "--group-by-prompt")
-    ] = _IMPORT_DEFAULT["group_by_prompt"],
-    split_episodes: Annotated[
-        bool, _import_option("split_episodes", "--split-episodes")
-    ] = _IMPORT_DEFAULT["split_episodes"],
-    keep_messages: Annotated[
-        bool, _import_option("keep_messages", "--keep-messages")
-    ] = _IMPORT_DEFAULT["keep_messages"],
-    rewards: Annotated[Path | None, _import_option("rewards", "--rewards")] = _IMPORT_DEFAULT["rewards"],
-    batch_size: Annotated[int, _import_option("batch_size", "--batch-size")] = _IMPORT_DEFAULT["batch_size"],
-    dtype: Annotated[str, _import_option("dtype", "--dtype")] = _IMPORT_DEFAULT["dtype"],
-    score_temperature: Annotated[
-        float, _import_option("score_temperature", "--score-temperature")
-    ] = _IMPORT_DEFAULT["score_temperature"],
-    as_json: SummaryJson = False,
-) -> None:
+@command(app, "import", config=ImportConfig)
+def import_(config: ImportConfig, as_json: bool) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
+    from offline_rec.data.importers import import_dataset
     from offline_rec.data.importers.common import ERRORS_SHOWN, BadLinesError
 
-    config = ImportConfig(
-        src=src, format=fmt, out=out, tokenizer=tokenizer, score_with=score_with, skip_bad=skip_bad,
-        logprobs_source=logprobs_source, prompt_column=prompt_column, completion_column=completion_column,
-        reward_column=reward_column, group_column=group_column, append_eos=append_eos,
-        reward_columns=tuple(c.strip() for c in reward_columns.split(",") if c.strip()) if reward_columns else None,
-        behavior=behavior, task=task, policy_version=policy_version, group_by_prompt=group_by_prompt,
-        split_episodes=split_episodes, keep_messages=keep_messages, rewards=rewards, batch_size=batch_size, dtype=dtype,
-        score_temperature=score_temperature,
-    )
     try:
         summary = import_dataset(config)
     except BadLinesError as e:
@@ -263,191 +156,35 @@ def import_(
             typer.echo(f"... and {len(e.rejects) - ERRORS_SHOWN} more", err=True)
         raise
     if as_json:
-        _print_json(summary)
-        return
-    typer.echo(
-        f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['imported_lines']} of "
-        f"{summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})"
-    )
-    if summary.get("rewards_file"):
-        typer.echo(f"rewards from {summary['rewards_file']}: {summary['rewards_matched']} matched a line, "
-                   f"{summary['rewards_unmatched']} matched none")
-    if summary.get("cut_choices"):
-        typer.echo(f"{summary['cut_choices']} answer(s) cut by max_tokens inside a character: imported without their "
-                   f"last {summary['cut_tail_tokens_dropped']} token(s) in all (the text does not say which they were)")
-    if summary.get("undecidable_choices_dropped"):
-        typer.echo(f"left out {summary['undecidable_choices_dropped']} answer(s) whose token ids cannot be recovered; "
-                   "the other answers of their calls are imported (those groups are smaller)")
-    if summary.get("ambiguous_splits_resolved"):
-        typer.echo(f"{summary['ambiguous_splits_resolved']} ambiguous answer(s) resolved by --score-with log-probs")
-    if summary["rejected_lines"]:
-        reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
-        typer.echo(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")
+        return _print_json(summary)
+    from offline_rec.summaries import import_lines
+
+    _echo(import_lines(summary))
 
 
-@app.command("filter")
-def filter_(
-    dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
-    out: NewDatasetOut = ...,
-    drop_truncated: bool = typer.Option(
-        False, "--drop-truncated", help="Drop responses with finish_reason 'length' (the rest of their group stays)."
-    ),
-    drop_all_equal: bool = typer.Option(
-        False, "--drop-all-equal", help="Drop groups whose rewards are all equal (no learning signal)."
-    ),
-    max_prompt_tokens: int | None = typer.Option(
-        None, "--max-prompt-tokens", help="Drop groups whose prompt is longer than N tokens."
-    ),
-    max_completion_tokens: int | None = typer.Option(
-        None, "--max-completion-tokens", help="Drop whole groups holding a completion longer than N tokens."
-    ),
-    min_policy_version: int | None = typer.Option(
-        None, "--min-policy-version", help="Drop responses of older policy versions."
-    ),
-    max_policy_version: int | None = typer.Option(
-        None, "--max-policy-version", help="Drop responses of newer policy versions."
-    ),
-    sample_fraction: float | None = typer.Option(
-        None, "--sample-fraction", help="Keep this fraction of groups, chosen by a hash of (seed, group id)."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seed of --sample-fraction."),
-    as_json: SummaryJson = False,
-) -> None:
+@command(app, "filter", paths=DatasetToDataset, options=FilterOptions)
+def filter_(paths: DatasetToDataset, options: FilterOptions, as_json: bool) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
-    from offline_rec.data.filter import FilterOptions, filter_dataset
+    from offline_rec.data.filter import filter_dataset
+    from offline_rec.summaries import filter_lines
 
-    options = FilterOptions(
-        drop_truncated=drop_truncated, drop_all_equal=drop_all_equal, max_prompt_tokens=max_prompt_tokens,
-        max_completion_tokens=max_completion_tokens, min_policy_version=min_policy_version,
-        max_policy_version=max_policy_version, sample_fraction=sample_fraction, seed=seed,
-    )
-    summary = filter_dataset(dataset, out, options)
+    summary = filter_dataset(paths.dataset, paths.out, options)
     if as_json:
-        _print_json(summary)
-        return
-    typer.echo(
-        f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} groups "
-        f"-> {summary['out']}"
-    )
-    for reason, counts in summary["dropped"].items():
-        if counts["rows"] or counts["groups"]:
-            typer.echo(f"  dropped by {reason}: {counts['rows']} rows, {counts['groups']} whole groups")
+        return _print_json(summary)
+    _echo(filter_lines(summary))
 
 
-@app.command("reward")
-def reward_(
-    dataset: Path = typer.Argument(..., help="Input dataset (never modified)."),
-    out: NewDatasetOut = ...,
-    task: str | None = typer.Option(
-        None, "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function."
-    ),
-    reward: str | None = typer.Option(
-        None, "--reward", help="Replace the task's reward function with module:function."
-    ),
-    timeout: float = typer.Option(
-        10.0, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."
-    ),
-    reward_model: str | None = typer.Option(
-        None, "--reward-model", help="Score with this sequence-classification reward model (folder or Hub id)."
-    ),
-    reward_label: str | None = typer.Option(
-        None, "--reward-label", help="--reward-model with several labels: score by this label's log-prob."
-    ),
-    normalize: str = typer.Option("none", "--normalize", help="--reward-model: none or zscore (per dataset)."),
-    dtype: Dtype = None,
-    max_batch_tokens: int = typer.Option(
-        16384, "--max-batch-tokens", help="--reward-model: padded tokens per forward pass."
-    ),
-    backend: str = typer.Option(
-        "hf", "--backend", help="--reward-model: hf (transformers) or vllm (vLLM's pooling runner)."
-    ),
-    data_parallel_size: int = typer.Option(
-        1, "--data-parallel-size", help="--reward-model: worker processes scoring shards side by side (one GPU each)."
-    ),
-    judge: str | None = typer.Option(
-        None, "--judge", help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1)."
-    ),
-    judge_model: str | None = typer.Option(None, "--judge-model", help="--judge: the served model name."),
-    rubric: Path | None = typer.Option(
-        None, "--rubric", help="--judge: the rubric template ({prompt}, {completion}, the row's meta fields)."
-    ),
-    judge_scores: str = typer.Option("1,2,3,4,5", "--judge-scores", help="--judge: the allowed scores, a,b,c."),
-    judge_constrain: str = typer.Option(
-        "choice", "--judge-constrain", help="--judge: choice or json (vLLM structured outputs), or none."
-    ),
-    judge_concurrency: int = typer.Option(16, "--judge-concurrency", help="--judge: requests in flight."),
-    judge_retries: int = typer.Option(3, "--judge-retries", help="--judge: retries of a 429 / 5xx / timeout."),
-    judge_timeout: float = typer.Option(60.0, "--judge-timeout", help="--judge: seconds per call."),
-    judge_max_tokens: int = typer.Option(16, "--judge-max-tokens", help="--judge: longest answer, in tokens."),
-    judge_api_key_env: str = typer.Option(
-        "OPENAI_API_KEY", "--judge-api-key-env", help="--judge: the environment variable holding the API key."
-    ),
-    quiet: Quiet = False,
-    as_json: SummaryJson = False,
-) -> None:
+@command(app, "reward", paths=DatasetToDataset, config=RewardConfig, judge=JudgeOptions)
+def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, quiet: bool, as_json: bool) -> None:
     """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta), a
     reward model (a rerun after an interruption continues) or an LLM judge."""
-    chosen = [name for name, value in (("--task", task), ("--reward-model", reward_model), ("--judge", judge))
-              if value]
-    if len(chosen) != 1:
-        raise UserError("give exactly one of --task, --reward-model or --judge" + (
-            f" (got {' and '.join(chosen)})" if chosen else ""))
-    if judge:
-        from offline_rec.data.judge import JudgeSettings, judge_dataset, read_rubric
+    from offline_rec.data.reward import reward_dataset
+    from offline_rec.summaries import reward_lines
 
-        if not judge_model or rubric is None:
-            raise UserError("--judge needs --judge-model and --rubric")
-        try:
-            scores = tuple(float(s) for s in judge_scores.split(","))
-        except ValueError:
-            raise UserError(f"--judge-scores {judge_scores!r} must be numbers separated by commas") from None
-        settings = JudgeSettings(url=judge, model=judge_model, rubric=read_rubric(rubric), scores=scores,
-                                 constrain=judge_constrain, concurrency=judge_concurrency, retries=judge_retries,
-                                 timeout_s=judge_timeout, max_tokens=judge_max_tokens,
-                                 api_key_env=judge_api_key_env)
-        summary = judge_dataset(dataset, out, settings, progress=not quiet)
-        if as_json:
-            _print_json(summary)
-            return
-        counts = summary["counts"]
-        typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups with judge "
-                   f"{judge_model} -> {summary['out']}")
-        if summary["null"]:
-            typer.echo(f"  null rewards: {summary['null']} (failed calls {counts['failed']}, answers without a "
-                       f"score {counts['unparsed']}; retries {counts['retries']}; see {summary['out']}/"
-                       "judge-audit.jsonl)")
-        return
-    if reward_model:
-        from offline_rec.data.reward_model import score_with_reward_model
-
-        summary = score_with_reward_model(dataset, out, reward_model, label=reward_label, normalize=normalize,
-                                          dtype=dtype, max_batch_tokens=max_batch_tokens, progress=not quiet,
-                                          backend=backend, data_parallel_size=data_parallel_size)
-        if as_json:
-            _print_json(summary)
-            return
-        typer.echo(f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups with "
-                   f"{reward_model} (scored now {summary['scored_now']}, resumed {summary['resumed']}) -> "
-                   f"{summary['out']}")
-        if summary["null"]:
-            typer.echo(f"  null rewards: {summary['null']} (longer than the reward model's context)")
-        return
-    from offline_rec.data.reward import rescore_dataset
-
-    summary = rescore_dataset(dataset, out, task, reward=reward, timeout_s=timeout)
+    summary = reward_dataset(paths.dataset, paths.out, config, judge, progress=not quiet)
     if as_json:
-        _print_json(summary)
-        return
-    stats = summary["reward_stats"]
-    typer.echo(
-        f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups -> {summary['out']}"
-    )
-    if summary["null"]:
-        typer.echo(
-            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, "
-            f"returned None {stats.get('returned_none', 0)})"
-            + (f"; first error: {stats['first_error']}" if stats.get("first_error") else "")
-        )
+        return _print_json(summary)
+    _echo(reward_lines(summary, config.judge_model or config.reward_model))
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,74 +200,32 @@ def _list_train_options(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.command()
+# The named flags override the YAML file and are overridden by --set (offline_rec/training/config.py).
+@command(app, options=overrides(TrainConfig),
+         order=("data", "model", "algorithm", "out", "config_file", "set_", "resume", "init_from", "epochs",
+                "max_steps", "prompts_per_step", "micro_batch_tokens", "lr", "seed", "holdout"))
 def train(
-    data: list[str] | None = typer.Option(None, "--data", help="Dataset directory (repeat for several)."),
-    model: str | None = typer.Option(None, "--model", help="Policy to start from: local model folder or Hub id."),
-    algorithm: str | None = typer.Option(None, "--algorithm", help="Loss preset, e.g. rec-oneside-nois, grpo, opmd."),
-    out: str | None = typer.Option(None, "--out", "-o", help="Run directory."),
-    config: Path | None = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
+    options: dict,
+    config_file: Path | None = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
     set_: list[str] | None = typer.Option(
         None, "--set", help="Override an option: key=value, or algorithm.eps_high=2.0 (repeatable)."
     ),
-    resume: bool | None = typer.Option(
-        None, "--resume/--no-resume", help="Continue the run in --out from its latest checkpoint."
-    ),
-    init_from: str | None = typer.Option(
-        None,
-        "--init-from",
-        help="Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, policy "
-             "version.",
-    ),
-    epochs: int | None = typer.Option(None, "--epochs", help="Passes over the training groups."),
-    max_steps: int | None = typer.Option(
-        None, "--max-steps", help="Train exactly this many optimizer steps (overrides --epochs)."
-    ),
-    prompts_per_step: int | None = typer.Option(None, "--prompts-per-step", help="Whole groups per optimizer step."),
-    micro_batch_tokens: int | None = typer.Option(
-        None, "--micro-batch-tokens", help="Token budget of a micro-batch, padding included."
-    ),
-    lr: float | None = typer.Option(None, "--lr", help="AdamW learning rate."),
-    seed: int | None = typer.Option(None, "--seed", help="Seed of shuffling, RED-Drop and torch."),
-    holdout: float | None = typer.Option(
-        None, "--holdout", help="Fraction of groups kept out of training (holdout.json)."
-    ),
     list_options: bool = typer.Option(
-        False,
-        "--list-options",
-        callback=_list_train_options,
-        is_eager=True,
+        False, "--list-options", callback=_list_train_options, is_eager=True,
         help="List every option (YAML key / --set key) with its default and exit.",
     ),
 ) -> None:
     """Train a policy offline on logged groups (runs under `accelerate launch -m offline_rec train` too)."""
-    from offline_rec.training.config import build_config
-
-    options = dict(
-        data=data or None,
-        model=model,
-        algorithm=algorithm,
-        out=out,
-        resume=resume,
-        init_from=init_from,
-        epochs=epochs,
-        max_steps=max_steps,
-        prompts_per_step=prompts_per_step,
-        micro_batch_tokens=micro_batch_tokens,
-        lr=lr,
-        seed=seed,
-        holdout=holdout,
-    )
-    resolved = build_config(config, options, set_ or ())
     from offline_rec.eval.hooks import training_hooks
+    from offline_rec.summaries import train_line
+    from offline_rec.training.config import build_config
     from offline_rec.training.loop import train as run_training
 
+    resolved = build_config(config_file, options, set_ or ())
     summary = run_training(resolved, training_hooks(resolved))
     if summary.get("already_finished"):
         return
-    final = summary.get("final_metrics", {})
-    typer.echo(f"trained {summary['steps']} steps -> {summary['final_model']}"
-               + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
+    typer.echo(train_line(summary))
     if summary.get("distributed") == "DEEPSPEED":
         raise ExitWithoutTeardown()  # see run()
 
@@ -587,146 +282,44 @@ def pull(
 # collect, merge  (owned by offline_rec/rollout/collect.py, merge.py, backends/)
 
 
-@app.command()
-def collect(
-    model: str = typer.Option(..., "--model", help="Behavior policy: model folder or Hub id."),
-    task: str = typer.Option(..., "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts)."),
-    out: Path = typer.Option(..., "--out", "-o", help="New dataset directory (or the one to --resume)."),
-    num_samples: int = typer.Option(8, "--num-samples", "-k", help="Completions per prompt (one group)."),
-    prompts: PromptsFile = None,
-    prompts_from: str | None = typer.Option(
-        None, "--prompts-from",
-        help="A logged dataset whose prompts are answered again: exact prompt_ids, under its group ids.",
-    ),
-    prompt_column: PromptColumn = None,
-    num_prompts: NumPrompts = None,
-    split: str = typer.Option("train", "--split", help="Built-in prompts: train or test."),
-    reward: RewardFunction = None,
-    backend: Backend = None,
-    temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (0: greedy)."),
-    top_p: TopP = 1.0,
-    top_k: TopK = None,
-    max_new_tokens: MaxNewTokens = 256,
-    seed: int = typer.Option(0, "--seed", help="Seeds sampling (one seed per engine and run), picks built-in prompts."),
-    seed_per_prompt: bool = typer.Option(
-        False, "--seed-per-prompt", help="vLLM: seed each prompt's request (samples depend on seed and prompt only; "
-        "slower sampling)."
-    ),
-    batch_size: int = typer.Option(16, "--batch-size", help="hf: prompts per generate call."),
-    prompts_in_flight: int | None = typer.Option(
-        None, "--prompts-in-flight", help="vLLM: prompts kept in flight per engine (default: 4 x max_num_seqs / K)."
-    ),
-    data_parallel_size: int = typer.Option(
-        1, "--data-parallel-size", help="Engines writing into this one dataset (one per GPU set; on a CPU, processes)."
-    ),
-    ray_address: str | None = typer.Option(
-        None, "--ray-address", help="Run the engines as Ray actors on this Ray cluster ('auto': the running one)."
-    ),
-    reward_workers: int = typer.Option(
-        4, "--reward-workers", help="Threads per engine scoring rewards while it samples."
-    ),
-    dtype: Dtype = None,
-    chat_template: ChatTemplate = True,
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="vLLM: GPUs per engine."),
-    groups_per_shard: int = typer.Option(
-        256, "--groups-per-shard", help="Commit a Parquet shard every N groups (whole prompts or hf batches)."
-    ),
-    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted collect into --out."),
-    num_shards: int = typer.Option(
-        1, "--num-shards", help="Scale-out: split the prompts into N slices (index mod N)..."
-    ),
-    shard_index: int = typer.Option(0, "--shard-index", help="...and collect slice I; `merge` combines the slices."),
-    policy_version: int | None = typer.Option(
-        None,
-        "--policy-version",
-        help="Training updates of the behavior policy (default: read from a checkpoint or RUN/final folder, else 0 = "
-             "base).",
-    ),
-    behavior: str | None = typer.Option(
-        None, "--behavior", help="Behavior name stored in every row (default: --model)."
-    ),
-    reward_timeout: float = typer.Option(
-        10.0, "--reward-timeout", help="Seconds per reward call; a call past it scores null (0: no limit)."
-    ),
-    quiet: Quiet = False,
-) -> None:
+@command(app, config=CollectConfig)
+def collect(config: CollectConfig, quiet: bool) -> None:
     """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
     from offline_rec.data.dataset import read_manifest
-    from offline_rec.rollout.collect import CollectConfig
     from offline_rec.rollout.collect import collect as run_collect
-
-    config = CollectConfig(
-        model=model, task=task, out=out, num_samples=num_samples, prompts=prompts, prompts_from=prompts_from,
-        prompt_column=prompt_column, num_prompts=num_prompts, split=split, reward=reward, backend=backend,
-        temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed,
-        batch_size=batch_size, dtype=dtype,
-        chat_template=chat_template, tensor_parallel_size=tensor_parallel_size, groups_per_shard=groups_per_shard,
-        resume=resume, num_shards=num_shards, shard_index=shard_index, policy_version=policy_version,
-        behavior=behavior, reward_timeout_s=reward_timeout or None, show_progress=not quiet,
-        seed_per_prompt=seed_per_prompt, prompts_in_flight=prompts_in_flight, data_parallel_size=data_parallel_size,
-        ray_address=ray_address, reward_workers=reward_workers,
-    )
     from offline_rec.rollout.engines import EngineError
+    from offline_rec.summaries import collect_line
 
+    config.show_progress = not quiet
     try:
         path = run_collect(config)
     except EngineError as error:  # an engine died or failed: what finished is committed, --resume goes on
         typer.echo(f"error: {error}", err=True)
         sys.exit(1)
-    manifest = read_manifest(path)
-    totals, stats = manifest["totals"], manifest.get("stats") or {}
-    finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
-    typer.echo(
-        f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion "
-        f"tokens; {finish}) -> {path}"
-    )
+    typer.echo(collect_line(read_manifest(path), path))
 
 
-@app.command()
-def merge(
-    datasets: list[Path] = typer.Argument(..., help="Input datasets (e.g. the slices of one collect); never modified."),
-    out: NewDatasetOut = ...,
-    groups_per_shard: int = typer.Option(
-        256, "--groups-per-shard", help="Groups per output shard, for the shards that are rewritten."
-    ),
-    no_row_checks: bool = typer.Option(
-        False, "--no-row-checks",
-        help="Do not validate the rows of shards linked as they are (train and validate still check the output).",
-    ),
-    join_groups: bool = typer.Option(
-        False, "--join-groups",
-        help="Two inputs, LOGGED FRESH: join FRESH's answers (collect --prompts-from LOGGED) into LOGGED's groups.",
-    ),
-    as_json: SummaryJson = False,
-) -> None:
+@command(app, config=MergeOptions)
+def merge(config: MergeOptions, as_json: bool) -> None:
     """Combine datasets with the same tokenizer and disjoint group ids into one (or, with --join-groups, the
     fresh answers to logged prompts into the logged groups).
 
     Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
     others are rewritten and re-sharded.
     """
-    from offline_rec.data.merge import join_groups as join
-    from offline_rec.data.merge import merge_datasets
+    from offline_rec.data.merge import join_groups, merge_datasets
+    from offline_rec.summaries import merge_line
 
-    if join_groups:
-        if len(datasets) != 2:
-            raise UserError(f"--join-groups takes two datasets, LOGGED FRESH; got {len(datasets)}")
-        summary = join(datasets[0], datasets[1], out, groups_per_shard=groups_per_shard)
-        if as_json:
-            _print_json(summary)
-            return
-        typer.echo(f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
-                   f"+ {summary['fresh_rows']} fresh rows -> {summary['out']}")
-        return
-
-    summary = merge_datasets(datasets, out, groups_per_shard=groups_per_shard, check_rows=not no_row_checks)
+    if config.join_groups:
+        if len(config.datasets) != 2:
+            raise UserError(f"--join-groups takes two datasets, LOGGED FRESH; got {len(config.datasets)}")
+        summary = join_groups(*config.datasets, config.out, groups_per_shard=config.groups_per_shard)
+    else:
+        summary = merge_datasets(config.datasets, config.out, groups_per_shard=config.groups_per_shard,
+                                 check_rows=not config.no_row_checks)
     if as_json:
-        _print_json(summary)
-        return
-    typer.echo(
-        f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
-        f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> {summary['out']}"
-    )
+        return _print_json(summary)
+    typer.echo(merge_line(summary))
 
 
 # --------------------------------------------------------------------------------------------
@@ -775,49 +368,10 @@ def cache_clear(
 # eval, report  (owned by offline_rec/eval/config.py, rollouts.py, offline.py, offpolicy.py, report.py)
 
 
-# Every `eval` option is a field of EvalConfig, which holds its default, flags and help.
-EVAL = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"])
-        for field in eval_cli_options()}
-
-
-@app.command("eval")
-def eval_(
-    model: str | None = EVAL["model"],
-    task: str | None = EVAL["task"],
-    out: Path | None = EVAL["out"],
-    num_samples: int = EVAL["num_samples"],
-    greedy: bool = EVAL["greedy"],
-    prompts: str | None = EVAL["prompts"],
-    prompt_column: str | None = EVAL["prompt_column"],
-    num_prompts: int | None = EVAL["num_prompts"],
-    split: str = EVAL["split"],
-    reward: str | None = EVAL["reward"],
-    backend: str | None = EVAL["backend"],
-    temperature: float | None = EVAL["temperature"],
-    top_p: float = EVAL["top_p"],
-    top_k: int | None = EVAL["top_k"],
-    max_new_tokens: int = EVAL["max_new_tokens"],
-    seed: int = EVAL["seed"],
-    batch_size: int = EVAL["batch_size"],
-    dtype: str | None = EVAL["dtype"],
-    chat_template: bool = EVAL["chat_template"],
-    success_threshold: float = EVAL["success_threshold"],
-    gpu_memory_utilization: float | None = EVAL["gpu_memory_utilization"],
-    data_parallel_size: int = EVAL["data_parallel_size"],
-    ray_address: str | None = EVAL["ray_address"],
-    reward_timeout_s: float = EVAL["reward_timeout_s"],
-    offline: bool = EVAL["offline"],
-    data: list[str] | None = EVAL["data"],
-    run: str | None = EVAL["run"],
-    num_bootstrap: int = EVAL["num_bootstrap"],
-    overwrite: bool = EVAL["overwrite"],
-    resume: bool = EVAL["resume"],
-    quiet: Quiet = False,
-    as_json: SummaryJson = False,
-) -> None:
+@command(app, "eval", config=EvalConfig)
+def eval_(config: EvalConfig, quiet: bool, as_json: bool) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
-    options = {name: value for name, value in locals().items() if name in EVAL}  # the parameters above, by name
-    config = EvalConfig(**options, show_progress=not quiet)
+    config.show_progress = not quiet
     if config.offline:
         from offline_rec.eval.offline import offline_evaluate
 
@@ -832,73 +386,30 @@ def eval_(
             typer.echo(f"error: {error}", err=True)
             sys.exit(1)
     if as_json:
-        _print_json(summary)
-        return
+        return _print_json(summary)
     from offline_rec.display import eval_summary_table
 
     _console().print(eval_summary_table(summary))
-    if out is not None:
-        typer.echo(f"-> {out}" + ("" if offline else f" (rollouts: {summary['rollouts']})"))
+    if config.out is not None:
+        typer.echo(f"-> {config.out}" + ("" if config.offline else f" (rollouts: {summary['rollouts']})"))
 
 
-# The proxy's own options (keys, limits, timeouts) are fields of ProxySettings, which holds their defaults, flags,
-# help and environment variables.
-PROXY = {field.name: typer.Option(field.default, *field.metadata["flags"], help=field.metadata["help"],
-                                  envvar=field.metadata.get("envvar"), show_envvar=False)
-         for field in record_cli_options()}
-
-
-@app.command()
-def record(
-    upstream: str = typer.Option(
-        ..., "--upstream", help="The OpenAI-compatible (vLLM) server to record, e.g. http://127.0.0.1:8000."
-    ),
-    out: Path = typer.Option(
-        ..., "--out", "-o", help="Directory of the recorded JSONL files (created; may hold earlier runs)."
-    ),
-    port: int = typer.Option(8001, "--port", help="Port the proxy listens on (0: any free port)."),
-    host: str = typer.Option("127.0.0.1", "--host", help="Address the proxy listens on."),
-    redact_field: list[str] = typer.Option(
-        [], "--redact-field", help="Dotted path into the request written as [redacted], e.g. user (repeatable; *: all)."
-    ),
-    episode_idle_timeout: float = typer.Option(
-        300.0, "--episode-idle-timeout", help="Seconds without a call after which an episode is written as it is."
-    ),
-    rotate_mb: float = typer.Option(256.0, "--rotate-mb", help="Start a new file past this size (MB)."),
-    rotate_seconds: float = typer.Option(3600.0, "--rotate-seconds", help="Start a new file after this many seconds."),
-    fsync_interval: float = typer.Option(
-        1.0, "--fsync-interval", help="Seconds between fsyncs (0: fsync each line before its response ends)."
-    ),
-    logprobs_mode: str = typer.Option(
-        "auto", "--logprobs-mode", help="The upstream's vLLM --logprobs-mode (default auto: probed at start)."
-    ),
-    api_key: str | None = PROXY["api_key"],
-    api_key_file: Path | None = PROXY["api_key_file"],
-    insecure: bool = PROXY["insecure"],
-    upstream_api_key: str | None = PROXY["upstream_api_key"],
-    max_body_mb: float = PROXY["max_body_mb"],
-    max_header_kb: float = PROXY["max_header_kb"],
-    max_headers: int = PROXY["max_headers"],
-    request_timeout: float = PROXY["request_timeout"],
-    upstream_connect_timeout: float = PROXY["upstream_connect_timeout"],
-    upstream_read_timeout: float = PROXY["upstream_read_timeout"],
-    max_open_episodes: int = PROXY["max_open_episodes"],
-) -> None:
+@command(app, config=RecordConfig, settings=ProxySettings)
+def record(config: RecordConfig, settings: ProxySettings) -> None:
     """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
     from offline_rec.record.proxy import run_record
     from offline_rec.record.recorder import RecordOptions, parse_redact_field
+    from offline_rec.summaries import record_line
 
-    settings = ProxySettings(**{name: value for name, value in locals().items() if name in PROXY})
     options = RecordOptions(
-        rotate_bytes=int(rotate_mb * (1 << 20)), rotate_seconds=rotate_seconds, fsync_interval=fsync_interval,
-        episode_idle_timeout=episode_idle_timeout, redact_fields=tuple(parse_redact_field(f) for f in redact_field),
+        rotate_bytes=int(config.rotate_mb * (1 << 20)), rotate_seconds=config.rotate_seconds,
+        fsync_interval=config.fsync_interval, episode_idle_timeout=config.episode_idle_timeout,
+        redact_fields=tuple(parse_redact_field(f) for f in config.redact_field),
     )
-    stats = run_record(upstream, str(out), host=host, port=port, options=options, settings=settings,
-                       logprobs_mode=logprobs_mode, warn=lambda message: typer.echo(message, err=True))
-    typer.echo(
-        f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
-        f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors"
-    )
+    stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=options,
+                       settings=settings, logprobs_mode=config.logprobs_mode,
+                       warn=lambda message: typer.echo(message, err=True))
+    typer.echo(record_line(stats, config.out))
 
 
 @app.command()

@@ -14,7 +14,7 @@ from paths import REPO
 PACKAGE = REPO / "offline_rec"
 LAYERS = [
     {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.progress",
-     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.algorithms"},
+     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.algorithms", "offline_rec.options"},
     {"offline_rec.models"},
     {"offline_rec.tasks"},
     {"offline_rec.data"},
@@ -23,7 +23,7 @@ LAYERS = [
     {"offline_rec.training"},
     {"offline_rec.eval"},
     {"offline_rec.demo"},
-    {"offline_rec.cli", "offline_rec.display", "offline_rec.__main__"},
+    {"offline_rec.cli", "offline_rec.display", "offline_rec.summaries", "offline_rec.__main__"},
 ]
 
 

@@ -24,40 +24,16 @@ Group filters (remove whole groups, so that the group baseline of the rows kept 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from offline_rec import schema as S
+from offline_rec.data.config import FilterOptions
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
 from offline_rec.errors import UserError
 
 REASONS = ("policy_version", "truncated", "max_prompt_tokens", "max_completion_tokens", "all_equal", "sample_fraction")
-
-
-@dataclass(frozen=True)
-class FilterOptions:
-    drop_truncated: bool = False
-    drop_all_equal: bool = False
-    max_prompt_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    min_policy_version: int | None = None
-    max_policy_version: int | None = None
-    sample_fraction: float | None = None
-    seed: int = 0
-
-    def check(self) -> None:
-        for name in ("max_prompt_tokens", "max_completion_tokens"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-        if self.sample_fraction is not None and not 0.0 < self.sample_fraction <= 1.0:
-            raise UserError(f"--sample-fraction must be in (0, 1], got {self.sample_fraction}")
-        if (self.min_policy_version is not None and self.max_policy_version is not None
-                and self.min_policy_version > self.max_policy_version):
-            raise UserError(
-                f"--min-policy-version {self.min_policy_version} > --max-policy-version {self.max_policy_version}"
-            )
 
 
 def group_fraction_key(seed: int, group_id: str) -> float:

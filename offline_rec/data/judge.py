@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offline_rec import schema as S
+from offline_rec.data.config import JudgeOptions
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
-from offline_rec.errors import DataError, UserError, one_of
+from offline_rec.errors import DataError, UserError
 
-CONSTRAINTS = ("choice", "json", "none")
 BUILTIN_FIELDS = ("prompt", "completion")
 AUDIT_FILE = "judge-audit.jsonl"
 RETRY_AFTER_CAP_S = 30.0
@@ -54,32 +54,16 @@ ERROR_TEXT_CHARS = 300  # of an error body kept in the audit / a message
 
 
 @dataclass
-class JudgeSettings:
-    """How to reach the judge and read its answers (see the module docstring)."""
+class JudgeSettings(JudgeOptions):
+    """How to reach the judge (url, model, the rubric's text) and read its answers (see the module docstring)."""
 
-    url: str
-    model: str
-    rubric: str
-    scores: tuple[float, ...] = (1.0, 2.0, 3.0, 4.0, 5.0)
-    constrain: str = "choice"
-    concurrency: int = 16
-    retries: int = 3
-    timeout_s: float = 60.0
-    backoff_s: float = 0.5
-    max_tokens: int = 16
-    api_key_env: str | None = "OPENAI_API_KEY"
+    url: str = field(kw_only=True)
+    model: str = field(kw_only=True)
+    rubric: str = field(kw_only=True)
     fields: tuple[str, ...] = field(init=False, default=())
 
     def __post_init__(self):
-        if self.constrain not in CONSTRAINTS:
-            raise one_of("judge constraint", self.constrain, CONSTRAINTS)
-        if not self.scores:
-            raise UserError("--judge-scores must list at least one score")
-        for name, value in (("judge-concurrency", self.concurrency), ("judge-max-tokens", self.max_tokens)):
-            if value < 1:
-                raise UserError(f"--{name} must be >= 1, got {value}")
-        if self.retries < 0 or self.timeout_s <= 0 or self.backoff_s < 0:
-            raise UserError("--judge-retries must be >= 0 and --judge-timeout > 0")
+        super().__post_init__()
         self.url = self.url.rstrip("/")
         if not self.url.startswith(("http://", "https://")):
             raise UserError(f"--judge {self.url!r} must be an http(s) URL of an OpenAI-compatible API base")

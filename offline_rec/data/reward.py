@@ -1,4 +1,5 @@
-"""(Re)score an existing dataset with a task's reward function (`offline-rec reward`).
+"""(Re)score an existing dataset with a task's reward function (`offline-rec reward`; `reward_dataset`
+dispatches to the reward model, offline_rec/data/reward_model.py, or the judge, judge.py).
 
 For logged traffic rewarded after the fact, or to swap the reward. Each row's reward becomes
 ``task.reward_fn(prompt, completion, fields)`` with fields = the row's `meta` JSON; a call that
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 
 from offline_rec import schema as S
+from offline_rec.data.config import JudgeOptions, RewardConfig
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
 from offline_rec.errors import DataError
@@ -90,3 +92,27 @@ def rescore_dataset(
         writer.stats.update({"reward": {**stats, "rewarded": rewarded, "null": rows_done - rewarded}})
     return {"out": str(out), "rows": rows_done, "groups": groups_done, "rewarded": rewarded,
             "null": rows_done - rewarded, "reward_stats": stats}
+
+
+def reward_dataset(src: str | Path, out: str | Path, config: RewardConfig, judge: JudgeOptions | None = None,
+                   progress: bool = True) -> dict:
+    """`offline-rec reward`: score SRC into OUT with what `config` names (a task's reward function, a reward
+    model or an LLM judge). Returns the chosen scorer's summary, with "kind" (RewardConfig.kind) added."""
+    if config.kind == "judge":
+        from dataclasses import asdict
+
+        from offline_rec.data.judge import JudgeSettings, judge_dataset, read_rubric
+
+        settings = JudgeSettings(url=config.judge, model=config.judge_model, rubric=read_rubric(config.rubric),
+                                 **asdict(judge or JudgeOptions()))
+        summary = judge_dataset(src, out, settings, progress=progress)
+    elif config.kind == "reward_model":
+        from offline_rec.data.reward_model import score_with_reward_model
+
+        summary = score_with_reward_model(
+            src, out, config.reward_model, label=config.reward_label, normalize=config.normalize, dtype=config.dtype,
+            max_batch_tokens=config.max_batch_tokens, progress=progress, backend=config.backend,
+            data_parallel_size=config.data_parallel_size)
+    else:
+        summary = rescore_dataset(src, out, config.task, reward=config.reward, timeout_s=config.timeout)
+    return {"kind": config.kind, **summary}

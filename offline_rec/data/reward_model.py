@@ -34,12 +34,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
+from offline_rec.data.config import NORMALIZATIONS
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
 from offline_rec.errors import DataError, UserError, one_of
 from offline_rec.files import atomic_write_json, fsync_dir
+from offline_rec.models.reward_model import DEFAULT_MAX_BATCH_TOKENS
 
-NORMALIZATIONS = ("none", "zscore")
 SCORE_CHUNK_ROWS = 1024  # rows rendered and scored at once within a shard
 SCORES_SCHEMA = pa.schema([(S.GROUP_ID, pa.string()), (S.SAMPLE_INDEX, pa.int32()), ("score", pa.float64())])
 
@@ -205,7 +206,7 @@ def score_with_reward_model(
     label: str | None = None,
     normalize: str = "none",
     dtype: str | None = "auto",
-    max_batch_tokens: int = 16384,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     groups_per_shard: int = 256,
     progress: bool = True,
     scorer=None,

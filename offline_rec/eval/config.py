@@ -1,7 +1,7 @@
 """Every option of `offline-rec eval`, once: `EvalConfig`, used by the CLI and the Python API alike.
 
-Each field carries its default, its command-line flag(s) and its help line; the CLI builds its
-`eval` options from them (`cli_arguments` goes the other way, for a child `offline-rec eval`), so
+Each field carries its default, its command-line flag(s) and its help line (`offline_rec.options`);
+the CLI builds its `eval` options from them (`cli_arguments` goes the other way, for a child `offline-rec eval`), so
 an option is documented and defaulted in this file only. The same config drives both kinds of
 evaluation: `offline_rec.eval.rollouts.evaluate` (sample the policy) and, with `offline`,
 `offline_rec.eval.offline.offline_evaluate` (estimate from logged data).
@@ -19,6 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.options import api_only, cli_fields, option
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
 SUCCESS_THRESHOLD = 0.5
@@ -26,105 +27,104 @@ ROLLOUT_TEMPERATURE = 1.0
 """The sampling temperature when `temperature` is None (the offline estimate uses the data's)."""
 
 
-def _option(default, flags: tuple[str, ...], help: str):
-    """A field with its command-line flags (first: the long one, `--on/--off` for a switch) and help line."""
-    return dataclasses.field(default=default, metadata={"flags": flags, "help": help})
-
-
-def _api_only(default, help: str):
-    """A field the command line does not set."""
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass
 class EvalConfig:
     """Everything `offline-rec eval` needs. Validated on construction (UserError)."""
 
     # -- what to evaluate, where to write
-    model: str | None = _option(
-        None, ("--model",), "Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id."
+    model: str | None = option(
+        None, "--model",
+        help="Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id.",
     )
-    task: str | None = _option(None, ("--task",), "arith, gsm8k, math, or module:function (a reward over --prompts).")
-    out: Path | None = _option(
-        None, ("--out", "-o"), "Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset)."
+    task: str | None = option(None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts).")
+    out: Path | None = option(
+        None, "--out", "-o",
+        help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset).",
     )
     # -- rollouts
-    num_samples: int = _option(8, ("--num-samples", "-k"), "Samples per prompt (mean@K, pass@k).")
-    greedy: bool = _option(
-        True, ("--greedy/--no-greedy",), "Also decode every prompt greedily (greedy_accuracy)."
+    num_samples: int = option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k).")
+    greedy: bool = option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy).")
+    prompts: str | None = option(
+        None, "--prompts",
+        help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).",
     )
-    prompts: str | None = _option(
-        None, ("--prompts",), "Prompt file, JSONL or Parquet (default: the task's built-in prompts)."
+    prompt_column: str | None = option(
+        None, "--prompt-column",
+        help="The prompt file's prompt column (default: the task's).",
     )
-    prompt_column: str | None = _option(
-        None, ("--prompt-column",), "The prompt file's prompt column (default: the task's)."
+    num_prompts: int | None = option(
+        None, "--num-prompts",
+        help="First N prompts of the file, or N built-in prompts (default: all / 512).",
     )
-    num_prompts: int | None = _option(
-        None, ("--num-prompts",), "First N prompts of the file, or N built-in prompts (default: all / 512)."
+    split: str = option("test", "--split", help="Built-in prompts: test (held out, the default) or train.")
+    reward: str | None = option(None, "--reward", help="Replace the task's reward with module:function.")
+    backend: str | None = option(None, "--backend", help="hf or vllm (default: vllm when importable, else hf).")
+    temperature: float | None = option(
+        None, "--temperature",
+        help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
     )
-    split: str = _option("test", ("--split",), "Built-in prompts: test (held out, the default) or train.")
-    reward: str | None = _option(None, ("--reward",), "Replace the task's reward with module:function.")
-    backend: str | None = _option(None, ("--backend",), "hf or vllm (default: vllm when importable, else hf).")
-    temperature: float | None = _option(
-        None,
-        ("--temperature",),
-        "Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
+    top_p: float = option(1.0, "--top-p", help="Nucleus sampling mass (1: off).")
+    top_k: int | None = option(None, "--top-k", help="Top-k truncation (default: none).")
+    max_new_tokens: int = option(256, "--max-new-tokens", help="Longest completion, in tokens.")
+    seed: int = option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap.")
+    batch_size: int = option(
+        16, "--batch-size",
+        help="Prompts per generate call; --offline: sequences per forward pass.",
     )
-    top_p: float = _option(1.0, ("--top-p",), "Nucleus sampling mass (1: off).")
-    top_k: int | None = _option(None, ("--top-k",), "Top-k truncation (default: none).")
-    max_new_tokens: int = _option(256, ("--max-new-tokens",), "Longest completion, in tokens.")
-    seed: int = _option(0, ("--seed",), "Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap.")
-    batch_size: int = _option(
-        16, ("--batch-size",), "Prompts per generate call; --offline: sequences per forward pass."
+    dtype: str | None = option(
+        None, "--dtype",
+        help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).",
     )
-    dtype: str | None = _option(
-        None, ("--dtype",), "float32, bfloat16 or float16 (default: the checkpoint's saved dtype)."
+    chat_template: bool = option(
+        True, "--chat-template/--no-chat-template",
+        help="Render chat-message prompts with the tokenizer's chat template.",
     )
-    chat_template: bool = _option(
-        True,
-        ("--chat-template/--no-chat-template",),
-        "Render chat-message prompts with the tokenizer's chat template.",
+    success_threshold: float = option(
+        SUCCESS_THRESHOLD, "--success-threshold",
+        help="A sample is correct when its reward is above this (accuracy, pass@k).",
     )
-    success_threshold: float = _option(
-        SUCCESS_THRESHOLD,
-        ("--success-threshold",),
-        "A sample is correct when its reward is above this (accuracy, pass@k).",
+    gpu_memory_utilization: float | None = option(
+        None, "--gpu-memory-utilization",
+        help="vLLM: share of the GPU it may take (default: vLLM's).",
     )
-    gpu_memory_utilization: float | None = _option(
-        None, ("--gpu-memory-utilization",), "vLLM: share of the GPU it may take (default: vLLM's)."
+    data_parallel_size: int = option(
+        1, "--data-parallel-size",
+        help="Engines sampling the rollouts (one per GPU set; on a CPU, processes).",
     )
-    data_parallel_size: int = _option(
-        1, ("--data-parallel-size",), "Engines sampling the rollouts (one per GPU set; on a CPU, processes)."
+    ray_address: str | None = option(
+        None, "--ray-address",
+        help="Run the engines as Ray actors on this Ray cluster ('auto': the running one).",
     )
-    ray_address: str | None = _option(
-        None, ("--ray-address",), "Run the engines as Ray actors on this Ray cluster ('auto': the running one)."
-    )
-    reward_timeout_s: float = _option(  # None is taken for 0
-        REWARD_TIMEOUT_S,
-        ("--reward-timeout",),
-        "Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
+    reward_timeout_s: float = option(
+        REWARD_TIMEOUT_S, "--reward-timeout",
+        help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
     )
     # -- offline estimation
-    offline: bool = _option(
-        False, ("--offline",), "Estimate from logged data without generating (needs --data or --run)."
+    offline: bool = option(
+        False, "--offline",
+        help="Estimate from logged data without generating (needs --data or --run).",
     )
-    data: list[str] | None = _option(
-        None, ("--data",), "--offline: dataset(s) of logged groups (repeatable; default: the run's)."
+    data: list[str] | None = option(
+        None, "--data",
+        help="--offline: dataset(s) of logged groups (repeatable; default: the run's).",
     )
-    run: str | None = _option(
-        None, ("--run",), "--offline: train RUN folder; its held-out groups (holdout.json) are used."
+    run: str | None = option(
+        None, "--run",
+        help="--offline: train RUN folder; its held-out groups (holdout.json) are used.",
     )
-    num_bootstrap: int = _option(
-        1000, ("--num-bootstrap",), "--offline: bootstrap resamples of the 95% intervals (0: none)."
+    num_bootstrap: int = option(
+        1000, "--num-bootstrap",
+        help="--offline: bootstrap resamples of the 95% intervals (0: none).",
     )
-    alpha: float = _api_only(0.05, "--offline: the bootstrap intervals cover 1 - alpha.")
+    alpha: float = api_only(0.05, help="--offline: the bootstrap intervals cover 1 - alpha.")
     # -- output
-    overwrite: bool = _option(False, ("--overwrite",), "Replace the evaluation already in --out.")
-    resume: bool = _option(
-        False, ("--resume",), "Continue the rollout evaluation in --out that was stopped (preempted, killed): "
-        "its committed groups are kept, the others sampled."
+    overwrite: bool = option(False, "--overwrite", help="Replace the evaluation already in --out.")
+    resume: bool = option(
+        False, "--resume",
+        help="Continue the rollout evaluation in --out that was stopped (preempted, killed): "
+             "its committed groups are kept, the others sampled.",
     )
-    show_progress: bool = _api_only(True, "Show progress bars (the CLI's --quiet turns them off).")
+    show_progress: bool = api_only(True, help="Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
         self.out = None if self.out is None else Path(self.out)
@@ -154,11 +154,6 @@ class EvalConfig:
         return ROLLOUT_TEMPERATURE if self.temperature is None else self.temperature
 
 
-def cli_options() -> list[dataclasses.Field]:
-    """The fields the command line sets, in the order `offline-rec eval --help` lists them."""
-    return [field for field in dataclasses.fields(EvalConfig) if "flags" in field.metadata]
-
-
 def cli_arguments(config: EvalConfig) -> list[str]:
     """`offline-rec eval` arguments from which the CLI builds `config` again.
 
@@ -168,7 +163,7 @@ def cli_arguments(config: EvalConfig) -> list[str]:
     if config.alpha != EvalConfig.alpha:
         raise ValueError("alpha has no command-line flag")
     arguments: list[str] = []
-    for field in cli_options():
+    for field in cli_fields(EvalConfig):
         value, flag = getattr(config, field.name), field.metadata["flags"][0]
         if value is None:
             continue

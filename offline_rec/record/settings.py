@@ -1,9 +1,9 @@
-"""The proxy's own settings (authentication, limits, timeouts): `ProxySettings`, one field per `record` flag.
+"""Every option of `offline-rec record`: `RecordConfig` (what is proxied, where it is written) and
+`ProxySettings` (the proxy's own authentication, limits and timeouts).
 
 Each field carries its default, its command-line flag(s), its help line and, where a secret may be
-given that way, its environment variable; the CLI builds these `record` options from the fields
-(the same convention as `offline_rec.eval.config`). Light on purpose: the CLI imports it to declare
-its options.
+given that way, its environment variable (`offline_rec.options`); the CLI builds `record` from the
+fields. Light on purpose: the CLI imports it to declare its options.
 """
 
 from __future__ import annotations
@@ -13,55 +13,77 @@ import ipaddress
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.options import option, required
 
 API_KEY_ENV = "OFFLINE_REC_RECORD_API_KEY"
 UPSTREAM_API_KEY_ENV = "OFFLINE_REC_UPSTREAM_API_KEY"
 MAX_EPISODE_ID_CHARS = 256
 
 
-def _option(default, flags: tuple[str, ...], help: str, envvar: str | None = None):
-    """A field with its command-line flags (first: the long one), help line and optional environment variable."""
-    metadata = {"flags": flags, "help": help}
-    if envvar:
-        metadata["envvar"] = envvar
-    return dataclasses.field(default=default, metadata=metadata)
+@dataclasses.dataclass(frozen=True)
+class RecordConfig:
+    """What `record` proxies and where it writes; the proxy's own limits are `ProxySettings`."""
+
+    upstream: str = required(
+        "--upstream", help="The OpenAI-compatible (vLLM) server to record, e.g. http://127.0.0.1:8000.")
+    out: Path = required("--out", "-o", help="Directory of the recorded JSONL files (created; may hold earlier runs).")
+    port: int = option(8001, "--port", help="Port the proxy listens on (0: any free port).")
+    host: str = option("127.0.0.1", "--host", help="Address the proxy listens on.")
+    redact_field: list[str] = option(
+        [], "--redact-field",
+        help="Dotted path into the request written as [redacted], e.g. user (repeatable; *: all).",
+    )
+    episode_idle_timeout: float = option(
+        300.0, "--episode-idle-timeout",
+        help="Seconds without a call after which an episode is written as it is.",
+    )
+    rotate_mb: float = option(256.0, "--rotate-mb", help="Start a new file past this size (MB).")
+    rotate_seconds: float = option(3600.0, "--rotate-seconds", help="Start a new file after this many seconds.")
+    fsync_interval: float = option(
+        1.0, "--fsync-interval", help="Seconds between fsyncs (0: fsync each line before its response ends).")
+    logprobs_mode: str = option(
+        "auto", "--logprobs-mode", help="The upstream's vLLM --logprobs-mode (default auto: probed at start).")
 
 
 @dataclasses.dataclass
 class ProxySettings:
     """Who may call the proxy, what it sends upstream on its own behalf, and its limits. Validated on construction."""
 
-    api_key: str | None = _option(
-        None, ("--api-key",),
-        f"Clients must send 'Authorization: Bearer KEY' (as with vLLM's --api-key); also ${API_KEY_ENV}.",
-        API_KEY_ENV,
+    api_key: str | None = option(
+        None, "--api-key",
+        help=f"Clients must send 'Authorization: Bearer KEY' (as with vLLM's --api-key); also ${API_KEY_ENV}.",
+        envvar=API_KEY_ENV,
     )
-    api_key_file: Path | None = _option(
-        None, ("--api-key-file",), "File of client API keys, one a line (each client's episodes are its own)."
+    api_key_file: Path | None = option(
+        None, "--api-key-file",
+        help="File of client API keys, one a line (each client's episodes are its own).",
     )
-    insecure: bool = _option(
-        False, ("--insecure",), "Allow listening on a non-loopback --host without an API key."
+    insecure: bool = option(False, "--insecure", help="Allow listening on a non-loopback --host without an API key.")
+    upstream_api_key: str | None = option(
+        None, "--upstream-api-key",
+        help="Key the proxy sends upstream (its own probes, and in place of the client's); "
+             f"also ${UPSTREAM_API_KEY_ENV}.",
+        envvar=UPSTREAM_API_KEY_ENV,
     )
-    upstream_api_key: str | None = _option(
-        None, ("--upstream-api-key",),
-        f"Key the proxy sends upstream (its own probes, and in place of the client's); also ${UPSTREAM_API_KEY_ENV}.",
-        UPSTREAM_API_KEY_ENV,
+    max_body_mb: float = option(16.0, "--max-body-mb", help="Largest request body (MB); larger: 413.")
+    max_header_kb: float = option(32.0, "--max-header-kb", help="Largest total request header size (KB); larger: 431.")
+    max_headers: int = option(100, "--max-headers", help="Most request headers; more: 431.")
+    request_timeout: float = option(
+        60.0, "--request-timeout",
+        help="Seconds a client has to send its whole request body; slower: 408.",
     )
-    max_body_mb: float = _option(16.0, ("--max-body-mb",), "Largest request body (MB); larger: 413.")
-    max_header_kb: float = _option(32.0, ("--max-header-kb",), "Largest total request header size (KB); larger: 431.")
-    max_headers: int = _option(100, ("--max-headers",), "Most request headers; more: 431.")
-    request_timeout: float = _option(
-        60.0, ("--request-timeout",), "Seconds a client has to send its whole request body; slower: 408."
+    upstream_connect_timeout: float = option(
+        10.0, "--upstream-connect-timeout",
+        help="Seconds to connect to the upstream; longer: 504.",
     )
-    upstream_connect_timeout: float = _option(
-        10.0, ("--upstream-connect-timeout",), "Seconds to connect to the upstream; longer: 504."
+    upstream_read_timeout: float = option(
+        600.0, "--upstream-read-timeout",
+        help="Seconds the upstream may stay silent (no byte) while answering; longer: 504 "
+             "(mid-stream: the stream ends).",
     )
-    upstream_read_timeout: float = _option(
-        600.0, ("--upstream-read-timeout",),
-        "Seconds the upstream may stay silent (no byte) while answering; longer: 504 (mid-stream: the stream ends).",
-    )
-    max_open_episodes: int = _option(
-        10000, ("--max-open-episodes",), "Most episodes open at once; a call opening one more: 429."
+    max_open_episodes: int = option(
+        10000, "--max-open-episodes",
+        help="Most episodes open at once; a call opening one more: 429.",
     )
 
     def __post_init__(self):
@@ -114,8 +136,4 @@ def is_loopback(host: str) -> bool:
     except ValueError:
         return False
 
-
-def cli_options() -> list[dataclasses.Field]:
-    """The fields the command line sets, in the order `offline-rec record --help` lists them."""
-    return [field for field in dataclasses.fields(ProxySettings) if "flags" in field.metadata]
 

@@ -34,7 +34,6 @@ ones is refused.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from pathlib import Path
 
 from offline_rec import schema as S
 from offline_rec.data.dataset import DatasetWriter, make_row, read_manifest
-from offline_rec.errors import DataError, UserError, one_of
+from offline_rec.errors import DataError, UserError
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
@@ -55,8 +54,8 @@ from offline_rec.rollout.backends import (
     derive_seed,
     resolved_dtype,
 )
+from offline_rec.rollout.config import CollectConfig
 from offline_rec.rollout.engines import (
-    DEFAULT_REWARD_WORKERS,
     EngineError,
     EngineSpec,
     Job,
@@ -68,8 +67,6 @@ from offline_rec.rollout.engines import (
     run_on_engines,
 )
 from offline_rec.tasks.builtin import (
-    REWARD_TIMEOUT_S,
-    SPLITS,
     Task,
     get_prompts,
     get_task,
@@ -90,121 +87,6 @@ IDENTITY_FIELDS = (
 )
 # Identity fields added after datasets were written without them: absent from an old manifest, they are not compared.
 LATER_IDENTITY_FIELDS = ("seed_per_prompt", "prompts_from")
-
-
-@dataclass
-class CollectConfig:
-    """Every option of `offline-rec collect`."""
-
-    model: str
-    """Behavior policy: a model folder or hub id."""
-    task: str
-    """Task name (arith, gsm8k, math) or module:function (a reward over a --prompts file)."""
-    out: Path
-    """New dataset directory (or the one to continue with resume)."""
-    num_samples: int = 8
-    """K: completions per prompt (one group)."""
-    prompts: str | None = None
-    """Prompt file (JSONL or Parquet); default: the task's built-in prompts."""
-    prompts_from: str | None = dataclasses.field(default=None, metadata={
-        "flags": ("--prompts-from",),
-        "help": "A logged dataset whose prompts are answered again: exact prompt_ids, under its group ids."})
-    """A dataset whose prompts are answered again: each group's exact prompt_ids (no re-tokenization) and meta,
-    sampled under its group id (`merge --join-groups` then joins the logged and the fresh answers)."""
-    prompt_column: str | None = None
-    """The prompt file's prompt column (default: the task's, usually "prompt")."""
-    num_prompts: int | None = None
-    """Use the first N prompts of the file, or N built-in prompts (default: all / 512)."""
-    split: str = "train"
-    """Built-in prompts: train or test split."""
-    reward: str | None = None
-    """module:function replacing the task's reward."""
-    backend: str | None = None
-    """hf or vllm (default: vllm when importable, else hf)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    """None or 0: no top-k truncation."""
-    max_new_tokens: int = 256
-    seed: int = 0
-    """Seeds the sampling and picks the built-in prompts (see the module docstring)."""
-    seed_per_prompt: bool = False
-    """vLLM: seed every prompt's request (reproducible per prompt, slower sampling; see the module docstring)."""
-    batch_size: int = 16
-    """hf: prompts per generate call (each with num_samples samples); vLLM streams prompts instead."""
-    prompts_in_flight: int | None = None
-    """vLLM: prompts kept in flight per engine (None: 4 x the engine's max_num_seqs / K, at least 64)."""
-    data_parallel_size: int = 1
-    """Engines sampling into this one dataset: child processes here, or Ray actors with ray_address."""
-    ray_address: str | None = None
-    """Run the engines as Ray actors on this Ray cluster ("auto": the one this machine belongs to)."""
-    reward_workers: int = DEFAULT_REWARD_WORKERS
-    """Threads per engine that score rewards while it samples."""
-    dtype: str | None = None
-    """float32, bfloat16, float16; default: the checkpoint's saved dtype."""
-    chat_template: bool = True
-    """Render chat-message prompts with the tokenizer's chat template (else as plain 'role: content' lines)."""
-    tensor_parallel_size: int = 1
-    groups_per_shard: int = 256
-    """Commit a shard once this many groups are buffered (at the next batch boundary)."""
-    resume: bool = False
-    """Continue an interrupted collect into `out`."""
-    num_shards: int = 1
-    """Collect only prompts whose index mod num_shards == shard_index (scale-out over machines)."""
-    shard_index: int = 0
-    policy_version: int | None = None
-    """Training updates of the behavior policy (0 = base); None: read from the model folder
-    (a checkpoint's trainer_state.json or a RUN/final's summary.json), else 0."""
-    behavior: str | None = None
-    """Name stored in each row's `behavior` column (default: the model)."""
-    reward_timeout_s: float | None = REWARD_TIMEOUT_S
-    """Seconds per reward call; a call past it scores null (None or 0: no limit)."""
-    show_progress: bool = True
-
-    def __post_init__(self):
-        self.out = Path(self.out)
-        if self.top_k == 0:
-            self.top_k = None
-        _ = self.sampling  # validates temperature, top-p, top-k, max-new-tokens
-        positive = {
-            "num-samples": self.num_samples,
-            "batch-size": self.batch_size,
-            "groups-per-shard": self.groups_per_shard,
-            "num-shards": self.num_shards,
-            "tensor-parallel-size": self.tensor_parallel_size,
-            "data-parallel-size": self.data_parallel_size,
-            "reward-workers": self.reward_workers,
-            "prompts-in-flight": 1 if self.prompts_in_flight is None else self.prompts_in_flight,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise UserError(f"--{name} must be >= 1, got {value}")
-        if not 0 <= self.shard_index < self.num_shards:
-            raise UserError(
-                f"--shard-index must be in 0..{self.num_shards - 1} (--num-shards {self.num_shards}), "
-                f"got {self.shard_index}"
-            )
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise UserError(f"--num-prompts must be >= 1, got {self.num_prompts}")
-        if self.prompts_from is not None and self.prompts is not None:
-            raise UserError("give --prompts or --prompts-from, not both")
-        if self.split not in SPLITS:
-            raise one_of("split", self.split, SPLITS)
-        if self.policy_version is None:
-            from offline_rec.models.versions import model_policy_version
-
-            self.policy_version = model_policy_version(self.model)
-        if self.policy_version < 0:
-            raise UserError(f"--policy-version must be >= 0, got {self.policy_version}")
-
-    @property
-    def sampling(self) -> SamplingSettings:
-        return SamplingSettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                max_new_tokens=self.max_new_tokens)
-
-    @property
-    def behavior_name(self) -> str:
-        return self.behavior or self.model
 
 
 @dataclass

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field, replace
 
 from offline_rec.errors import UserError
 from offline_rec.rollout.backends import Sample, SamplingSettings, derive_seed
+from offline_rec.rollout.config import DEFAULT_REWARD_WORKERS
 
 WORK_BUDGET_S = 0.5
 """How long one `work` call may run before it returns its finished units (and takes new ones)."""
-DEFAULT_REWARD_WORKERS = 4
 ENGINE_CLOSE_TIMEOUT_S = 30.0
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
+from offline_rec.options import api_only, option
 
 ALGORITHM_PREFIX = "algorithm."
 LR_SCHEDULES = ("constant", "cosine")
@@ -48,118 +49,145 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
-def _option(default, help: str):
-    """A dataclass field with its help line (mutable defaults are copied per instance)."""
-    if isinstance(default, (list, dict)):
-        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
-
-
 @dataclasses.dataclass
 class TrainConfig:
     """Everything `offline-rec train` needs. Validated on construction (UserError)."""
 
     # -- what to train on, what to train, where to write
-    data: list[str] = _option([], "dataset directories to train on (repeat --data; tokenizers must agree)")
-    model: str = _option("", "policy to start from: a local transformers model folder or a Hub model id")
-    algorithm: str = _option(
-        "", "loss preset (formulas: README, offline_rec.algorithms.ALGORITHMS): " + ", ".join(ALGORITHMS)
+    data: list[str] = option(
+        [], "--data", help="dataset directories to train on (repeat --data; tokenizers must agree)",
+        flag_help="Dataset directory (repeat for several).",
     )
-    algorithm_overrides: dict = _option(
-        {}, "preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6; keys: "
-        + ", ".join(f.name for f in dataclasses.fields(AlgorithmSpec) if f.name != "name")
+    model: str = option(
+        "", "--model", help="policy to start from: a local transformers model folder or a Hub model id",
+        flag_help="Policy to start from: local model folder or Hub id.",
     )
-    out: str = _option("", "run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json")
-    resume: bool = _option(
-        False, "continue the run in `out` from its latest checkpoint (starts fresh if there is none)"
+    algorithm: str = option(
+        "", "--algorithm",
+        help="loss preset (formulas: README, offline_rec.algorithms.ALGORITHMS): " + ", ".join(ALGORITHMS),
+        flag_help="Loss preset, e.g. rec-oneside-nois, grpo, opmd.",
     )
-    init_from: str | None = _option(
-        None,
-        "continue an earlier run on THIS data: its checkpoint (RUN or RUN/checkpoints/step-N) "
+    algorithm_overrides: dict = api_only(
+        {},
+        help="preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6; keys: "
+        + ", ".join(f.name for f in dataclasses.fields(AlgorithmSpec) if f.name != "name"))
+    out: str = option(
+        "", "--out", "-o", help="run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json",
+        flag_help="Run directory.",
+    )
+    resume: bool = option(
+        False, "--resume/--no-resume",
+        help="continue the run in `out` from its latest checkpoint (starts fresh if there is none)",
+        flag_help="Continue the run in --out from its latest checkpoint.",
+    )
+    init_from: str | None = option(
+        None, "--init-from",
+        help="continue an earlier run on THIS data: its checkpoint (RUN or RUN/checkpoints/step-N) "
         "gives the weights, AdamW moments and policy version; schedule and data order start fresh",
+        flag_help=("Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, "
+                   "policy version."),
     )
 
     # -- data
-    prompts_per_step: int = _option(
-        32, "whole groups (prompts) per optimizer step; the last step of an epoch may have fewer"
+    prompts_per_step: int = option(
+        32, "--prompts-per-step",
+        help="whole groups (prompts) per optimizer step; the last step of an epoch may have fewer",
+        flag_help="Whole groups per optimizer step.",
     )
-    epochs: int = _option(1, "passes over the training groups (ignored when max_steps > 0)")
-    max_steps: int = _option(0, "if > 0: train exactly this many optimizer steps, cycling epochs as needed")
-    micro_batch_tokens: int = _option(
-        8192, "token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum)"
+    epochs: int = option(
+        1, "--epochs", help="passes over the training groups (ignored when max_steps > 0)",
+        flag_help="Passes over the training groups.",
     )
-    padding_free: bool | None = _option(
-        None, "pack a micro-batch's sequences into one row without padding, position ids restarting at each; "
-              "null: on where the model keeps packed sequences apart (probed at start), true: required, false: off"
+    max_steps: int = option(
+        0, "--max-steps", help="if > 0: train exactly this many optimizer steps, cycling epochs as needed",
+        flag_help="Train exactly this many optimizer steps (overrides --epochs).",
     )
-    max_length: int = _option(2048, "longest prompt+completion in tokens; longer rows are refused unless truncate")
-    truncate: bool = _option(False, "cut rows longer than max_length (completion tail dropped, with a warning)")
-    holdout: float = _option(
-        0.0, "fraction of groups kept out of training, chosen by a hash of group_id (holdout.json)"
+    micro_batch_tokens: int = option(
+        8192, "--micro-batch-tokens",
+        help="token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum)",
+        flag_help="Token budget of a micro-batch, padding included.",
     )
-    shuffle: bool = _option(True, "shuffle groups each epoch (seeded by seed and epoch)")
-    seed: int = _option(0, "seed of the shuffle, RED-Drop's random drops and torch")
-    reader_cache_dir: str | None = _option(None, "cache folder of the data's row store (the decoded, memory-mapped "
-                                                 "token columns steps read, ~9 bytes/token), built once per machine "
-                                                 "and reused by later runs; null: rows/ in $OFFLINE_REC_CACHE or "
-                                                 "~/.cache/offline-rec (`offline-rec cache list|clear`)")
+    padding_free: bool | None = api_only(
+        None,
+        help="pack a micro-batch's sequences into one row without padding, position ids restarting at each; "
+             "null: on where the model keeps packed sequences apart (probed at start), true: required, false: off")
+    max_length: int = api_only(
+        2048, help="longest prompt+completion in tokens; longer rows are refused unless truncate")
+    truncate: bool = api_only(False, help="cut rows longer than max_length (completion tail dropped, with a warning)")
+    holdout: float = option(
+        0.0, "--holdout", help="fraction of groups kept out of training, chosen by a hash of group_id (holdout.json)",
+        flag_help="Fraction of groups kept out of training (holdout.json).",
+    )
+    shuffle: bool = api_only(True, help="shuffle groups each epoch (seeded by seed and epoch)")
+    seed: int = option(
+        0, "--seed", help="seed of the shuffle, RED-Drop's random drops and torch",
+        flag_help="Seed of shuffling, RED-Drop and torch.",
+    )
+    reader_cache_dir: str | None = api_only(
+        None,
+        help="cache folder of the data's row store (the decoded, memory-mapped token columns steps read, "
+             "~9 bytes/token), built once per machine and reused by later runs; null: rows/ in $OFFLINE_REC_CACHE "
+             "or ~/.cache/offline-rec (`offline-rec cache list|clear`)")
 
     # -- optimizer
-    lr: float = _option(1e-6, "AdamW learning rate (peak, after warmup)")
-    weight_decay: float = _option(0.01, "AdamW decoupled weight decay")
-    betas: list[float] = _option([0.9, 0.999], "AdamW betas")
-    adam_eps: float = _option(1e-8, "AdamW epsilon")
-    lr_schedule: str = _option("constant", "learning-rate schedule after warmup: constant | cosine")
-    warmup_steps: int = _option(0, "linear warmup from 0 to lr over this many steps")
-    min_lr_ratio: float = _option(0.0, "cosine schedule: final lr as a fraction of lr")
-    max_grad_norm: float = _option(1.0, "clip the global gradient norm to this (0 = no clipping, norm still logged)")
+    lr: float = option(
+        1e-6, "--lr", help="AdamW learning rate (peak, after warmup)",
+        flag_help="AdamW learning rate.",
+    )
+    weight_decay: float = api_only(0.01, help="AdamW decoupled weight decay")
+    betas: list[float] = api_only([0.9, 0.999], help="AdamW betas")
+    adam_eps: float = api_only(1e-8, help="AdamW epsilon")
+    lr_schedule: str = api_only("constant", help="learning-rate schedule after warmup: constant | cosine")
+    warmup_steps: int = api_only(0, help="linear warmup from 0 to lr over this many steps")
+    min_lr_ratio: float = api_only(0.0, help="cosine schedule: final lr as a fraction of lr")
+    max_grad_norm: float = api_only(
+        1.0, help="clip the global gradient norm to this (0 = no clipping, norm still logged)")
 
     # -- model
-    model_dtype: str = _option("float32", "dtype the weights are loaded and kept in: float32 | bfloat16")
-    mixed_precision: str = _option("no", "autocast for the forward/backward: no | bf16 (GPU)")
-    gradient_checkpointing: bool = _option(False, "recompute activations in backward to save memory")
-    attn_implementation: str | None = _option(
-        None, "attention kernel (transformers' attn_implementation: sdpa, eager, flash_attention_2, flex_attention; "
-              "null: its default); padding-free micro-batches are one row with flash/flex, bounded rows otherwise"
-    )
-    temperature: float = _option(
-        1.0, "policy log-probs are of softmax(logits / temperature): use the sampling temperature"
-    )
-    logprob_chunk_size: int = _option(1024, "rows of the lm_head computed at a time for per-token log-probs")
-    kl_to_initial: float = _option(0.0, "coefficient of a k3 KL penalty to the initial policy (0 = off)")
-    lora_r: int = _option(0, "LoRA rank (0 = full fine-tuning); needs peft")
-    lora_alpha: float = _option(16.0, "LoRA alpha")
-    lora_dropout: float = _option(0.0, "LoRA dropout")
-    lora_target_modules: list[str] = _option(
-        ["all-linear"], "modules that get LoRA adapters (all-linear, or names like q_proj)"
-    )
-    cpu: bool = _option(False, "train on the CPU even when a GPU is present")
+    model_dtype: str = api_only("float32", help="dtype the weights are loaded and kept in: float32 | bfloat16")
+    mixed_precision: str = api_only("no", help="autocast for the forward/backward: no | bf16 (GPU)")
+    gradient_checkpointing: bool = api_only(False, help="recompute activations in backward to save memory")
+    attn_implementation: str | None = api_only(
+        None,
+        help="attention kernel (transformers' attn_implementation: sdpa, eager, flash_attention_2, flex_attention; "
+             "null: its default); padding-free micro-batches are one row with flash/flex, bounded rows otherwise")
+    temperature: float = api_only(
+        1.0, help="policy log-probs are of softmax(logits / temperature): use the sampling temperature")
+    logprob_chunk_size: int = api_only(1024, help="rows of the lm_head computed at a time for per-token log-probs")
+    kl_to_initial: float = api_only(0.0, help="coefficient of a k3 KL penalty to the initial policy (0 = off)")
+    lora_r: int = api_only(0, help="LoRA rank (0 = full fine-tuning); needs peft")
+    lora_alpha: float = api_only(16.0, help="LoRA alpha")
+    lora_dropout: float = api_only(0.0, help="LoRA dropout")
+    lora_target_modules: list[str] = api_only(
+        ["all-linear"], help="modules that get LoRA adapters (all-linear, or names like q_proj)")
+    cpu: bool = api_only(False, help="train on the CPU even when a GPU is present")
 
     # -- checkpoints and logs
-    save_every: int = _option(50, "save a checkpoint every this many steps (0 = only at the end)")
-    keep_last: int = _option(3, "keep only the newest N step checkpoints (0 = keep all)")
-    report_to: list[str] = _option(
-        ["tensorboard"], "metric sinks besides metrics.jsonl: tensorboard, wandb, mlflow, trackio (or [])"
-    )
-    wandb_project: str = _option("offline-rec", "wandb project, with report_to: [wandb]")
-    mlflow_experiment: str = _option("offline-rec", "mlflow experiment, with report_to: [mlflow]")
-    mlflow_tracking_uri: str | None = _option(
-        None, "mlflow tracking URI (null: $MLFLOW_TRACKING_URI, else a sqlite store RUN/mlflow.db)"
-    )
-    trackio_project: str = _option("offline-rec", "trackio project, with report_to: [trackio] (stored in $TRACKIO_DIR)")
-    progress: bool = _option(True, "show a progress bar")
-    eval_every: int = _option(0, "evaluate a checkpoint every this many steps (0 = off); needs eval_task")
-    eval_task: str | None = _option(None, "task evaluated with eval_every")
+    save_every: int = api_only(50, help="save a checkpoint every this many steps (0 = only at the end)")
+    keep_last: int = api_only(3, help="keep only the newest N step checkpoints (0 = keep all)")
+    report_to: list[str] = api_only(
+        ["tensorboard"], help="metric sinks besides metrics.jsonl: tensorboard, wandb, mlflow, trackio (or [])")
+    wandb_project: str = api_only("offline-rec", help="wandb project, with report_to: [wandb]")
+    mlflow_experiment: str = api_only("offline-rec", help="mlflow experiment, with report_to: [mlflow]")
+    mlflow_tracking_uri: str | None = api_only(
+        None,
+        help="mlflow tracking URI (null: $MLFLOW_TRACKING_URI, else a sqlite store RUN/mlflow.db)")
+    trackio_project: str = api_only(
+        "offline-rec",
+        help="trackio project, with report_to: [trackio] (stored in $TRACKIO_DIR)")
+    progress: bool = api_only(True, help="show a progress bar")
+    eval_every: int = api_only(0, help="evaluate a checkpoint every this many steps (0 = off); needs eval_task")
+    eval_task: str | None = api_only(None, help="task evaluated with eval_every")
     # The eval_* settings below become an EvalConfig in offline_rec.eval.rollouts.training_eval_config;
     # null = its TRAINING_EVAL_* value.
-    eval_prompts: str | None = _option(None, "evaluation prompts file (null: the task's own prompts)")
-    eval_split: str | None = _option(None, "split of the task's prompts to evaluate on")
-    eval_num_prompts: int | None = _option(None, "number of evaluation prompts")
-    eval_num_samples: int | None = _option(None, "samples per evaluation prompt")
-    eval_max_new_tokens: int | None = _option(None, "longest sampled evaluation response")
-    eval_temperature: float | None = _option(None, "evaluation sampling temperature")
-    eval_backend: str | None = _option(None, "evaluation sampler: hf or vllm (null: vllm when installed)")
-    push_to_hub: str | None = _option(None, "Hub repo id the final model is pushed to at the end")
+    eval_prompts: str | None = api_only(None, help="evaluation prompts file (null: the task's own prompts)")
+    eval_split: str | None = api_only(None, help="split of the task's prompts to evaluate on")
+    eval_num_prompts: int | None = api_only(None, help="number of evaluation prompts")
+    eval_num_samples: int | None = api_only(None, help="samples per evaluation prompt")
+    eval_max_new_tokens: int | None = api_only(None, help="longest sampled evaluation response")
+    eval_temperature: float | None = api_only(None, help="evaluation sampling temperature")
+    eval_backend: str | None = api_only(None, help="evaluation sampler: hf or vllm (null: vllm when installed)")
+    push_to_hub: str | None = api_only(None, help="Hub repo id the final model is pushed to at the end")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -18,7 +18,8 @@ from offline_rec.data.dataset import open_dataset
 from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval import rollouts as E
-from offline_rec.eval.config import EvalConfig, cli_arguments, cli_options
+from offline_rec.eval.config import EvalConfig, cli_arguments
+from offline_rec.options import cli_fields
 from offline_rec.models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, make_tiny_checkpoint
 from offline_rec.rollout import backends
 from offline_rec.training.config import TrainConfig
@@ -295,7 +296,7 @@ def test_the_child_command_line_gives_the_cli_the_same_config(tmp_path, monkeypa
                    resume=True),
         EvalConfig(offline=True, model="m", data=["a", "b"], run="r", num_bootstrap=5, temperature=0.3),
     ]
-    for field in cli_options():  # between them, the configs move every option off its default
+    for field in cli_fields(EvalConfig):  # between them, the configs move every option off its default
         assert any(getattr(config, field.name) not in (field.default, []) for config in configs), field.name
     for config in configs:
         command = E.eval_command(config)

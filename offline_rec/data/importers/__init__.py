@@ -37,11 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offline_rec.data.importers.config import ImportConfig, import_option_defaults, import_option_help
+from offline_rec.data.importers.config import ImportConfig
 from offline_rec.errors import UserError, one_of
 
-__all__ = ["IMPORT_FORMATS", "ImportConfig", "ImportFormat", "import_dataset", "import_option_defaults",
-           "import_option_help"]
+__all__ = ["IMPORT_FORMATS", "ImportConfig", "ImportFormat", "import_dataset"]
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
 """Every option of `offline-rec view`, once: `ViewConfig`, used by the CLI and the Python API alike.
 
-Each field carries its default, its command-line flag(s) and its help line (the convention of
-offline_rec/eval/config.py); the CLI builds its `view` options from them. Light on purpose: the
-CLI imports it to declare its options.
+Each field carries its default, its command-line flag(s) and its help line (`offline_rec.options`);
+the CLI builds `view` from them. Light on purpose: the CLI imports it to declare its options.
 """
 
 from __future__ import annotations
@@ -11,44 +10,44 @@ import dataclasses
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.options import argument, option
 
 DEFAULT_ALGORITHM = "rec-oneside-nois"
-
-
-def _option(default, flags: tuple[str, ...], help: str):
-    """A field with its command-line flags (first: the long one) and help line."""
-    return dataclasses.field(default=default, metadata={"flags": flags, "help": help})
 
 
 @dataclasses.dataclass
 class ViewConfig:
     """Everything `offline-rec view` needs. Validated on construction (UserError)."""
 
-    dataset: Path = dataclasses.field(default=Path("."), metadata={"help": "Dataset directory."})
-    model: str | None = _option(
-        None, ("--model",),
-        "Policy to compare with the behavior: colour by rho = exp(logp - behavior_logp), mark clipped tokens.",
+    dataset: Path = argument(help="Dataset directory.")
+    model: str | None = option(
+        None, "--model",
+        help="Policy to compare with the behavior: colour by rho = exp(logp - behavior_logp), mark clipped tokens.",
     )
-    tokenizer: str | None = _option(
-        None, ("--tokenizer",), "Tokenizer for the token text (default: --model's, else the manifest's behavior model)."
+    tokenizer: str | None = option(
+        None, "--tokenizer",
+        help="Tokenizer for the token text (default: --model's, else the manifest's behavior model).",
     )
-    algorithm: str = _option(
-        DEFAULT_ALGORITHM, ("--algorithm",), "Loss preset whose advantages and clip mask are shown."
+    algorithm: str = option(
+        DEFAULT_ALGORITHM, "--algorithm",
+        help="Loss preset whose advantages and clip mask are shown.",
     )
-    out: Path | None = _option(
-        None, ("--out", "-o"), "Write a page (HTML, plus a folder of page files next to it) to open from disk."
+    out: Path | None = option(
+        None, "--out", "-o",
+        help="Write a page (HTML, plus a folder of page files next to it) to open from disk.",
     )
-    serve: bool = _option(False, ("--serve",), "Serve the page on a local HTTP server instead (Ctrl-C stops).")
-    host: str = _option("127.0.0.1", ("--host",), "Address the --serve server listens on.")
-    port: int = _option(8050, ("--port",), "Port of the --serve server (0: any free port).")
-    groups_per_page: int = _option(20, ("--groups-per-page",), "Groups shown on one page of the viewer.")
-    inline_pages: int = _option(1, ("--inline-pages",), "Page files written into the HTML itself (opens at once).")
-    temperature: float | None = _option(
-        None, ("--temperature",), "The policy's scoring temperature (default: the data's sampling temperature, else 1)."
+    serve: bool = option(False, "--serve", help="Serve the page on a local HTTP server instead (Ctrl-C stops).")
+    host: str = option("127.0.0.1", "--host", help="Address the --serve server listens on.")
+    port: int = option(8050, "--port", help="Port of the --serve server (0: any free port).")
+    groups_per_page: int = option(20, "--groups-per-page", help="Groups shown on one page of the viewer.")
+    inline_pages: int = option(1, "--inline-pages", help="Page files written into the HTML itself (opens at once).")
+    temperature: float | None = option(
+        None, "--temperature",
+        help="The policy's scoring temperature (default: the data's sampling temperature, else 1).",
     )
-    batch_size: int = _option(8, ("--batch-size",), "Sequences per forward pass of --model.")
-    dtype: str | None = _option(None, ("--dtype",), "--model's dtype: float32, bfloat16, float16 (default: saved).")
-    device: str | None = _option(None, ("--device",), "--model's device, e.g. cuda (default: cpu).")
+    batch_size: int = option(8, "--batch-size", help="Sequences per forward pass of --model.")
+    dtype: str | None = option(None, "--dtype", help="--model's dtype: float32, bfloat16, float16 (default: saved).")
+    device: str | None = option(None, "--device", help="--model's device, e.g. cuda (default: cpu).")
 
     def __post_init__(self):
         self.dataset = Path(self.dataset)
@@ -73,7 +72,3 @@ class ViewConfig:
         if self.algorithm not in ALGORITHMS:
             raise one_of("algorithm", self.algorithm, ALGORITHMS)
 
-
-def cli_options() -> list[dataclasses.Field]:
-    """The fields the command line sets as options, in the order `offline-rec view --help` lists them."""
-    return [field for field in dataclasses.fields(ViewConfig) if "flags" in field.metadata]

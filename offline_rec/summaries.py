@@ -1,0 +1,90 @@
+"""What a command prints when it is done: its summary (the dict the library returns) as lines of text.
+
+Plain text (no rich): the CLI echoes these lines; `--json` prints the summary itself instead.
+"""
+
+from __future__ import annotations
+
+
+def import_lines(summary: dict) -> list[str]:
+    lines = [f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['imported_lines']} of "
+             f"{summary['source_records']} records into {summary['out']} (log-probs: {summary['logprobs_source']})"]
+    if summary.get("rewards_file"):
+        lines.append(f"rewards from {summary['rewards_file']}: {summary['rewards_matched']} matched a line, "
+                     f"{summary['rewards_unmatched']} matched none")
+    if summary.get("cut_choices"):
+        lines.append(f"{summary['cut_choices']} answer(s) cut by max_tokens inside a character: imported without "
+                     f"their last {summary['cut_tail_tokens_dropped']} token(s) in all (the text does not say which "
+                     "they were)")
+    if summary.get("undecidable_choices_dropped"):
+        lines.append(f"left out {summary['undecidable_choices_dropped']} answer(s) whose token ids cannot be "
+                     "recovered; the other answers of their calls are imported (those groups are smaller)")
+    if summary.get("ambiguous_splits_resolved"):
+        lines.append(f"{summary['ambiguous_splits_resolved']} ambiguous answer(s) resolved by --score-with log-probs")
+    if summary["rejected_lines"]:
+        reasons = ", ".join(f"{code} {n}" for code, n in sorted(summary["rejects_by_reason"].items()))
+        lines.append(f"set aside {summary['rejected_lines']} bad line(s) ({reasons}): {summary['rejects_file']}")
+    return lines
+
+
+def filter_lines(summary: dict) -> list[str]:
+    lines = [f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} "
+             f"groups -> {summary['out']}"]
+    for reason, counts in summary["dropped"].items():
+        if counts["rows"] or counts["groups"]:
+            lines.append(f"  dropped by {reason}: {counts['rows']} rows, {counts['groups']} whole groups")
+    return lines
+
+
+def reward_lines(summary: dict, scorer: str) -> list[str]:
+    """`scorer`: the judge's model name or the reward model (unused for a task's reward)."""
+    head = f"rewarded {summary['rewarded']}/{summary['rows']} rows in {summary['groups']} groups"
+    if summary["kind"] == "judge":
+        counts = summary["counts"]
+        lines = [f"{head} with judge {scorer} -> {summary['out']}"]
+        if summary["null"]:
+            lines.append(f"  null rewards: {summary['null']} (failed calls {counts['failed']}, answers without a "
+                         f"score {counts['unparsed']}; retries {counts['retries']}; see {summary['out']}/"
+                         "judge-audit.jsonl)")
+        return lines
+    if summary["kind"] == "reward_model":
+        lines = [f"{head} with {scorer} (scored now {summary['scored_now']}, resumed {summary['resumed']}) -> "
+                 f"{summary['out']}"]
+        if summary["null"]:
+            lines.append(f"  null rewards: {summary['null']} (longer than the reward model's context)")
+        return lines
+    stats = summary["reward_stats"]
+    lines = [f"{head} -> {summary['out']}"]
+    if summary["null"]:
+        lines.append(
+            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, "
+            f"returned None {stats.get('returned_none', 0)})"
+            + (f"; first error: {stats['first_error']}" if stats.get("first_error") else "")
+        )
+    return lines
+
+
+def collect_line(manifest: dict, path) -> str:
+    totals, stats = manifest["totals"], manifest.get("stats") or {}
+    finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
+    return (f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion "
+            f"tokens; {finish}) -> {path}")
+
+
+def merge_line(summary: dict) -> str:
+    if "joined_groups" in summary:
+        return (f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
+                f"+ {summary['fresh_rows']} fresh rows -> {summary['out']}")
+    return (f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
+            f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> {summary['out']}")
+
+
+def record_line(stats: dict, out) -> str:
+    return (f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
+            f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors")
+
+
+def train_line(summary: dict) -> str:
+    final = summary.get("final_metrics", {})
+    return (f"trained {summary['steps']} steps -> {summary['final_model']}"
+            + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
