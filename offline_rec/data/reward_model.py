@@ -11,7 +11,8 @@ special tokens. A sequence longer than the reward model's context scores null (c
 Two phases, so a run killed at any moment (kill -9 included) loses at most one input shard of work:
 
 1. Scoring, resumable: each input shard's scores (by this process, or by N spawned workers with
-   `data_parallel_size`, worker k taking shards k, k + N, ..., one GPU each where there are GPUs) are
+   `data_parallel_size`, worker k taking shards k, k + N, ..., one GPU each where there are GPUs, or by
+   N Ray actors with `ray_address`, to which this process hands the shards' rows one at a time) are
    written to SCORES/scores-NNNNN.parquet (temporary name, fsync, rename), SCORES = the hidden folder
    `.OUT.reward-scores` beside OUT. A rerun of the same command skips the shards already scored, so
    every row is scored once. SCORES/run.json names the input shards (sha256) and the model settings; a
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -96,14 +98,24 @@ def _open_scores(folder: Path, key: dict) -> None:
     atomic_write_json(run_file, key)
 
 
-def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
-    parts = []
-    columns = [S.GROUP_ID, S.SAMPLE_INDEX, S.PROMPT, S.COMPLETION, S.META]
+SHARD_COLUMNS = [S.GROUP_ID, S.SAMPLE_INDEX, S.PROMPT, S.COMPLETION, S.META]  # what scoring reads of a row
+
+
+def _read_shard(shard: Path) -> pa.Table:
     try:
-        batches = list(pq.ParquetFile(shard).iter_batches(batch_size=SCORE_CHUNK_ROWS, columns=columns))
+        return pq.read_table(shard, columns=SHARD_COLUMNS)
     except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{shard}: cannot read Parquet shard ({e}); run `offline-rec validate`") from None
-    for batch in batches:
+
+
+def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
+    return _score_rows(_read_shard(shard), scorer, max_batch_tokens, bar)
+
+
+def _score_rows(table: pa.Table, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
+    """One shard's scores (SCORES_SCHEMA), SCORE_CHUNK_ROWS rows rendered and scored at a time."""
+    parts = []
+    for batch in table.to_batches(max_chunksize=SCORE_CHUNK_ROWS):
         rows = batch.to_pylist()
         seqs = [scoring_ids(scorer.tokenizer, r[S.PROMPT], r[S.COMPLETION], r[S.META]) for r in rows]
         fits = [i for i, seq in enumerate(seqs) if seq and (scorer.max_length is None or len(seq) <= scorer.max_length)]
@@ -185,6 +197,60 @@ def _score_worker(shards: list[str], score_files: list[str], device: str | None,
             _commit_scores(_score_shard(Path(shard), scorer, max_batch_tokens), Path(path))
 
 
+RAY_SHARDS_IN_FLIGHT = 2  # shards handed to each Ray worker at once: the next one waits while one is scored
+
+
+def _score_on_ray(shards: list[Path], score_files: list[Path], shard_rows: list[int], bar, workers: int,
+                  options: dict, address: str) -> None:
+    """Score the shards not scored yet on `workers` Ray actors (one GPU each where the cluster has GPUs). This
+    process reads each shard, hands its rows to the actor with the fewest in flight, and commits the scores that
+    come back, so the actors need no access to this machine's files and the score files are those of a local
+    run. A failure leaves what was committed for the next run."""
+    from collections import deque
+
+    from offline_rec.ray_cluster import RayCluster
+
+    todo = deque((shard, path, rows) for shard, path, rows in zip(shards, score_files, shard_rows)
+                 if not path.exists())
+    with RayCluster(address, what="reward worker", failure=UserError) as cluster:
+        actors = cluster.start(partial(_RayScorer, options), workers, gpus_per_actor=1)
+        pending: dict = {}
+
+        def submit(rank: int) -> None:
+            shard, path, rows = todo.popleft()
+            pending[actors[rank].call.remote("score", _read_shard(shard))] = (rank, path, rows)
+
+        try:
+            for _ in range(RAY_SHARDS_IN_FLIGHT):
+                for rank in range(workers):
+                    if todo:
+                        submit(rank)
+            while pending:
+                for ref in cluster.wait(list(pending)):
+                    rank, path, rows = pending.pop(ref)
+                    _commit_scores(cluster.get(ref), path)
+                    bar.advance(rows)
+                    if todo:
+                        submit(rank)
+        except UserError as error:
+            raise UserError(f"{error.message}; the scores committed so far are kept in {score_files[0].parent}: "
+                            f"run the same command to continue") from None
+
+
+class _RayScorer:
+    """One Ray actor's reward model (held by ray_cluster's actor host, in the actor's process)."""
+
+    def __init__(self, options: dict, rank: int):
+        from offline_rec.models.reward_model import load_reward_model
+
+        options = dict(options)
+        self.max_batch_tokens = options.pop("max_batch_tokens")
+        self.scorer = load_reward_model(options.pop("model"), **options)
+
+    def score(self, rows: pa.Table) -> pa.Table:
+        return _score_rows(rows, self.scorer, self.max_batch_tokens)
+
+
 def normalization(scores: list[float | None], kind: str) -> tuple[float, float]:
     """(mean, std) to apply as (s - mean) / std: (0, 1) for "none"; over the non-null scores for "zscore"
     (population std; a dataset of equal scores gets std 1, so its scores all become 0)."""
@@ -211,11 +277,14 @@ def score_with_reward_model(
     scorer=None,
     backend: str = "hf",
     data_parallel_size: int = 1,
+    ray_address: str | None = None,
 ) -> dict:
     """Write SRC with each row's reward set by reward model `model` to a new dataset OUT (see the module
     docstring); a rerun after a kill continues. `backend`: hf (transformers) or vllm (vLLM's pooling runner).
     `scorer` (a loaded `RewardModel`) skips loading `model`. `data_parallel_size` N > 1: N worker processes
-    (spawned; one GPU each where there are GPUs) score the shards i with i mod N = their index.
+    (spawned; one GPU each where there are GPUs) score the shards i with i mod N = their index. `ray_address`
+    ("auto": the running cluster): the N workers are Ray actors instead (N >= 1), fed shard by shard by this
+    process, which commits their scores; a Ray connection this process had before the call is left open.
     Returns {"out", "rows", "groups", "rewarded", "null", "scored_now", "resumed", "mean", "std"}."""
     from offline_rec.models.reward_model import load_reward_model, reward_model_identity
     from offline_rec.progress import ProgressBar
@@ -231,6 +300,8 @@ def score_with_reward_model(
     dataset = open_dataset(src, require_complete=True)
     if data_parallel_size < 1:
         raise UserError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if scorer is not None and (data_parallel_size > 1 or ray_address):
+        raise UserError("a loaded reward model is one scorer: --data-parallel-size and --ray-address load their own")
     if scorer is not None:
         identity = {"model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
                     "engine": scorer.engine}
@@ -243,15 +314,17 @@ def score_with_reward_model(
     shard_rows = [int(shard["rows"]) for shard in dataset.manifest[S.M_SHARDS]]
     done_rows = sum(rows for rows, f in zip(shard_rows, score_files) if f.exists())
     with ProgressBar("reward", total=dataset.num_rows, done=done_rows, unit="rows", enabled=progress) as bar:
-        if data_parallel_size == 1:
+        worker_options = dict(model=model, label=label, dtype=dtype, backend=backend, max_batch_tokens=max_batch_tokens)
+        if ray_address:
+            _score_on_ray(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size, worker_options,
+                          ray_address)
+        elif data_parallel_size == 1:
             scorer = scorer or load_reward_model(model, label=label, dtype=dtype, backend=backend)
             for shard, path in zip(dataset.shard_paths, score_files):
                 if not path.exists():
                     _commit_scores(_score_shard(shard, scorer, max_batch_tokens, bar), path)
         else:
-            _score_in_workers(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size,
-                              dict(model=model, label=label, dtype=dtype, backend=backend,
-                                   max_batch_tokens=max_batch_tokens))
+            _score_in_workers(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size, worker_options)
 
     tables = [pq.read_table(path) for path in score_files]
     scored = pa.concat_tables(tables) if tables else SCORES_SCHEMA.empty_table()
@@ -263,7 +336,7 @@ def score_with_reward_model(
                   "reward_function": None, "reward_model": reward_model, "previous": dataset.task or None}
     source = {"command": "reward", "input": str(src), "reward_model": model, "label": label, "normalize": normalize,
               "dtype": dtype, "backend": backend, "data_parallel_size": data_parallel_size,
-              "input_source": dataset.manifest.get(S.M_SOURCE)}
+              "ray": bool(ray_address), "input_source": dataset.manifest.get(S.M_SOURCE)}
     ids = scored.column(S.GROUP_ID).to_pylist()
     at = rewarded = 0
     with DatasetWriter(out, behavior=dataset.behavior, task=task_block, source=source,

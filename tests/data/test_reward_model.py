@@ -6,6 +6,7 @@ hand, a classifier label's log-prob, and the bad-input matrix (one line, exit 2)
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -295,3 +296,43 @@ def test_two_data_parallel_workers_equal_one_process(models, logged, tmp_path, c
     assert run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--out", tmp_path / "one", "-q")[0] == 0
     one, two = rewards_of(tmp_path / "one"), rewards_of(tmp_path / "two")
     assert one.keys() == two.keys() and all(abs(one[k] - two[k]) < 1e-6 for k in one)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monkeypatch):
+    """Two Ray actors on a local Ray score what one process scores; a run that died after a shard resumes on Ray;
+    a Ray connection the caller opened stays open."""
+    ray = pytest.importorskip("ray")
+    from paths import REPO
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    one = rm.score_with_reward_model(logged, tmp_path / "one", models["chat"], progress=False)
+    real_shard, calls = rm._score_shard, []
+
+    def dies_on_second_shard(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return real_shard(*args, **kwargs)
+
+    monkeypatch.setattr(rm, "_score_shard", dies_on_second_shard)
+    with pytest.raises(Killed):  # a local run that dies after committing shard 0; Ray finishes it below
+        rm.score_with_reward_model(logged, tmp_path / "resumed", models["chat"], progress=False)
+    monkeypatch.setattr(rm, "_score_shard", real_shard)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        fresh = rm.score_with_reward_model(logged, tmp_path / "ray", models["chat"], progress=False,
+                                           data_parallel_size=2, ray_address="auto")
+        resumed = rm.score_with_reward_model(logged, tmp_path / "resumed", models["chat"], progress=False,
+                                             data_parallel_size=2, ray_address="auto")
+        assert ray.is_initialized()  # a connection the caller opened is left open
+    finally:
+        ray.shutdown()
+    assert (fresh["scored_now"], fresh["resumed"]) == (7, 0) and (resumed["scored_now"], resumed["resumed"]) == (6, 1)
+    want = rewards_of(tmp_path / "one")
+    assert one["rewarded"] == 7 and len(set(want.values())) >= 5
+    for name in ("ray", "resumed"):
+        got = rewards_of(tmp_path / name)
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want), (name, got, want)
+    assert open_dataset(tmp_path / "ray").manifest[S.M_SOURCE]["ray"] is True
