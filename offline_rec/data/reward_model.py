@@ -1,12 +1,15 @@
 """Score a dataset with a sequence-classification reward model (`offline-rec reward --reward-model`).
 
 What is scored: the conversation the reward model expects. Where a row's meta holds the chat
-`messages` of its request (a list of {"role", "content"}), the conversation is those messages and the
-completion as the assistant's turn; otherwise it is the logged prompt as the user's turn and the
-completion as the assistant's. It is rendered with the REWARD MODEL's chat template (not the policy's)
-and tokenized without adding special tokens (the template writes them). A reward model without a chat
-template scores the text `prompt + completion` exactly as logged, tokenized with the tokenizer's own
-special tokens. A sequence longer than the reward model's context scores null (counted "too_long").
+`messages` of its request (a list of {"role", "content"}; `import --keep-messages`), the conversation is
+those messages and the completion as the assistant's turn; where the meta also says
+"messages_include_completion": true (a multi-turn episode's row: its messages are the whole
+conversation, every turn and the final answer), the messages alone; otherwise it is the logged prompt
+as the user's turn and the completion as the assistant's (schema.py's META_MESSAGES). It is rendered
+with the REWARD MODEL's chat template (not the policy's) and tokenized without adding special tokens
+(the template writes them). A reward model without a chat template scores the text
+`prompt + completion` exactly as logged, tokenized with the tokenizer's own special tokens. A sequence longer
+than the reward model's context scores null (counted "too_long").
 
 Two phases, so a run killed at any moment (kill -9 included) loses at most one input shard of work:
 
@@ -51,26 +54,33 @@ def scores_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.reward-scores")
 
 
-def _messages(meta: str) -> list[dict] | None:
+def _message_ok(message: object) -> bool:
+    """A chat message a template can render: a role, and text content (None or absent where it calls tools)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return False
+    content = message.get("content")
+    return isinstance(content, str) or (content is None and bool(message.get("tool_calls")))
+
+
+def conversation(prompt: str, completion: str, meta: str) -> list[dict]:
+    """The chat messages a reward model with a chat template scores for one row (see the module docstring)."""
     try:
         fields = json.loads(meta)
     except (json.JSONDecodeError, TypeError):
-        return None
+        fields = None
     messages = fields.get(S.META_MESSAGES) if isinstance(fields, dict) else None
-    if isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
+    if not (isinstance(messages, list) and messages and all(_message_ok(m) for m in messages)):
+        messages = [{"role": "user", "content": prompt}]
+    elif fields.get(S.META_MESSAGES_INCLUDE_COMPLETION) is True:
         return messages
-    return None
+    return [*messages, {"role": "assistant", "content": completion}]
 
 
 def scoring_ids(tokenizer, prompt: str, completion: str, meta: str) -> list[int]:
     """The token ids the reward model scores for one row (see the module docstring)."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer(prompt + completion)["input_ids"]
-    conversation = _messages(meta) or [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template([*conversation, {"role": "assistant", "content": completion}],
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(conversation(prompt, completion, meta), tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
