@@ -304,6 +304,26 @@ def test_episode_kept_messages_score_the_whole_conversation(tmp_path, capsys):
     assert abs(split_scored["e12"][S.REWARD] - want[0]) < 1e-5  # call 2's messages + reply 2: the whole one
 
 
+def test_conversation_rule():
+    """The messages a chat reward model scores, by the module docstring's rule: request messages + the
+    completion; a whole conversation as it is; a tool call's null content kept; anything else: the prompt."""
+    call = [{"role": "user", "content": "Zoë?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                    "function": {"name": "calc", "arguments": "{}"}}]},
+            {"role": "tool", "content": "42 €", "tool_call_id": "c1"}]
+    answer = {"role": "assistant", "content": "答案 42"}
+    meta = {S.META_MESSAGES: call}
+    assert rm.conversation("p", "答案 42", json.dumps(meta)) == [*call, answer]
+    whole = {S.META_MESSAGES: [*call, answer], S.META_MESSAGES_INCLUDE_COMPLETION: True}
+    assert rm.conversation("p", "tail with <|im_end|> tokens", json.dumps(whole)) == [*call, answer]
+    fallback = [{"role": "user", "content": "p"}, {"role": "assistant", "content": "c"}]
+    not_messages = ([{"role": "assistant", "content": None}], [{"content": "x"}], [], "text",
+                    [{"role": "user", "content": 3}])
+    for bad in not_messages:
+        assert rm.conversation("p", "c", json.dumps({S.META_MESSAGES: bad})) == fallback, bad
+    assert rm.conversation("p", "c", "not json") == fallback
+
+
 @pytest.mark.faults
 def test_kill_9_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, capsys):
     """A real kill -9 of `offline-rec reward --reward-model` once two shards' scores are committed; the rerun
