@@ -16,6 +16,7 @@ from datagen import tree_digest, write_dataset
 from offline_rec import schema as S
 from offline_rec.data import reward_model as rm
 from offline_rec.data.dataset import make_row, open_dataset
+from offline_rec.errors import UserError
 from offline_rec.models.reward_model import load_reward_model
 from offline_rec.models.tiny import (
     build_bpe_tokenizer,
@@ -228,6 +229,15 @@ def test_bad_input_one_line_exit_2(models, logged, tmp_path, capsys, args, messa
     code, out, err = run_cli(capsys, "reward", logged, *args, "--out", tmp_path / "scored", "-q")
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "scored").exists()
+
+
+def test_a_loaded_scorer_is_not_spread_over_workers(models, logged, tmp_path):
+    scorer = load_reward_model(models["chat"])
+    for spread in ({"data_parallel_size": 2}, {"ray_address": "auto"}):
+        with pytest.raises(UserError, match="a loaded reward model is one scorer"):
+            rm.score_with_reward_model(logged, tmp_path / "scored", models["chat"], progress=False, scorer=scorer,
+                                       **spread)
+    assert not (tmp_path / "scored").exists() and not rm.scores_dir(tmp_path / "scored").exists()
 
 
 def test_unfinished_scores_of_another_model_refused(models, logged, tmp_path, capsys):
