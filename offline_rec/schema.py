@@ -66,9 +66,16 @@ COLUMN_NAMES: tuple[str, ...] = tuple(name for name, *_ in COLUMNS)
 NON_NULL_COLUMNS: tuple[str, ...] = tuple(name for name, _, nullable, _ in COLUMNS if not nullable)
 ARROW_SCHEMA = pa.schema([pa.field(name, dtype, nullable=nullable) for name, dtype, nullable, _ in COLUMNS])
 
-# A meta field with a meaning of its own: the request's chat messages (a list of {"role", "content"}), kept by
-# `import --keep-messages`; `reward --reward-model` scores them (with the completion as the assistant's turn).
+# Meta fields with a meaning of their own, kept by `import --keep-messages` (openai logs):
+# - "messages": chat messages (a list of {"role", "content", ...}). Of a single call (or of one call of a
+#   --split-episodes episode): its request messages; `reward --reward-model` scores them with the row's
+#   completion appended as the assistant's turn. Of a multi-turn episode row: the WHOLE conversation, i.e. the
+#   last call's request messages (every earlier turn, tool results included) followed by the last reply as
+#   the final assistant turn, with
+# - "messages_include_completion": true, so that `reward --reward-model` scores the messages as they are and
+#   appends nothing (the episode's completion, replies and inserted turns alike, is in them already).
 META_MESSAGES = "messages"
+META_MESSAGES_INCLUDE_COMPLETION = "messages_include_completion"
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

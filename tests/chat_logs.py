@@ -30,6 +30,7 @@ from offline_rec.models.tiny import chat_messages
 
 MAX_TOKENS = 200  # the chat model ends on <|im_end|> after ~40 tokens: no reply is cut inside a character
 TOOL_RESULT = "résultat: 42 € ✅ (計算済み)"
+REPLACEMENT = "\ufffd"
 
 
 @dataclass
@@ -117,3 +118,60 @@ def record_server_logs(post, model_dir: str, folder: Path, served_name: str = "t
                       episodes=_write(folder / "episodes.jsonl", [episode, rendered]),
                       bad_episodes=_write(folder / "bad_episodes.jsonl", [reordered, missing, retokenized]),
                       episode=episode, retokenized=retokenized)
+
+
+# Logs written by hand (no server): what vLLM logs for given reply ids.
+
+
+def vllm_strings(tokenizer, ids: list[int]) -> list[str]:
+    """Token strings as vLLM 0.32 logs them (LogprobsProcessor: a token whose own text ends in U+FFFD is
+    decoded again after 1..4 previous tokens, and credited the text after the clean ones, or printed "")."""
+    strings = []
+    for i, token in enumerate(ids):
+        text = tokenizer.decode([token])
+        if text.endswith(REPLACEMENT):
+            text = ""
+            for k in range(1, min(i, 4) + 1):
+                context = ids[i - k:i]
+                full = tokenizer.decode(context + [token])
+                if full.endswith(REPLACEMENT):
+                    continue
+                clean = len(context)
+                while clean and tokenizer.decode([context[clean - 1]]).endswith(REPLACEMENT):
+                    clean -= 1
+                text = full[len(tokenizer.decode(context[:clean])):]
+                break
+        strings.append(text)
+    return strings
+
+
+EPISODE_TOOL_RESULT = "résultat: 42 € ✅"
+
+
+def logged_call(tokenizer, messages: list[dict], reply_ids: list[int], response_id: str, logprob: float = -0.5,
+                with_ids: bool = True) -> dict:
+    """One chat call as vLLM logs it with return_token_ids (with_ids=False: without any token ids), replying
+    `reply_ids` with log-probs exact in float32 and the token strings of `vllm_strings`."""
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    content = tokenizer.decode(reply_ids, skip_special_tokens=True)
+    entries = [{"token": s, "logprob": logprob - t / 16, "bytes": list(s.encode())}  # exact in float32
+               for t, s in enumerate(vllm_strings(tokenizer, reply_ids))]
+    response = {"id": response_id, "model": "tiny-chat",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                             "logprobs": {"content": entries}, "finish_reason": "stop",
+                             "token_ids": reply_ids if with_ids else None}],
+                "prompt_token_ids": prompt_ids if with_ids else None}
+    return {"request": {"model": "tiny-chat", "messages": messages, "temperature": 1.0, "logprobs": True},
+            "response": response}
+
+
+def logged_episode(tokenizer, reply_1: list[int], reply_2: list[int], episode_id: str, with_ids: bool = True,
+                   seed: int = 0) -> dict:
+    """A two-call tool episode line: a chat_messages conversation, reply 1, a tool result, reply 2."""
+    messages = chat_messages(1, seed=seed)[0]
+    first = logged_call(tokenizer, messages, reply_1, f"{episode_id}-a", with_ids=with_ids)
+    follow = messages + [{"role": "assistant", "content": tokenizer.decode(reply_1, skip_special_tokens=True)},
+                         {"role": "tool", "content": EPISODE_TOOL_RESULT}]
+    second = logged_call(tokenizer, follow, reply_2, f"{episode_id}-b", logprob=-1.5, with_ids=with_ids)
+    return {"calls": [first, second], "reward": 1.0, "episode_id": episode_id, "timing": {"seconds": [0.2, 0.3]},
+            "upstream_model": "tiny-chat"}

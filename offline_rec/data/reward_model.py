@@ -1,17 +1,21 @@
 """Score a dataset with a sequence-classification reward model (`offline-rec reward --reward-model`).
 
 What is scored: the conversation the reward model expects. Where a row's meta holds the chat
-`messages` of its request (a list of {"role", "content"}), the conversation is those messages and the
-completion as the assistant's turn; otherwise it is the logged prompt as the user's turn and the
-completion as the assistant's. It is rendered with the REWARD MODEL's chat template (not the policy's)
-and tokenized without adding special tokens (the template writes them). A reward model without a chat
-template scores the text `prompt + completion` exactly as logged, tokenized with the tokenizer's own
-special tokens. A sequence longer than the reward model's context scores null (counted "too_long").
+`messages` of its request (a list of {"role", "content"}; `import --keep-messages`), the conversation is
+those messages and the completion as the assistant's turn; where the meta also says
+"messages_include_completion": true (a multi-turn episode's row: its messages are the whole
+conversation, every turn and the final answer), the messages alone; otherwise it is the logged prompt
+as the user's turn and the completion as the assistant's (schema.py's META_MESSAGES). It is rendered
+with the REWARD MODEL's chat template (not the policy's) and tokenized without adding special tokens
+(the template writes them). A reward model without a chat template scores the text
+`prompt + completion` exactly as logged, tokenized with the tokenizer's own special tokens. A sequence longer
+than the reward model's context scores null (counted "too_long").
 
 Two phases, so a run killed at any moment (kill -9 included) loses at most one input shard of work:
 
 1. Scoring, resumable: each input shard's scores (by this process, or by N spawned workers with
-   `data_parallel_size`, worker k taking shards k, k + N, ..., one GPU each where there are GPUs) are
+   `data_parallel_size`, worker k taking shards k, k + N, ..., one GPU each where there are GPUs, or by
+   N Ray actors with `ray_address`, to which this process hands the shards' rows one at a time) are
    written to SCORES/scores-NNNNN.parquet (temporary name, fsync, rename), SCORES = the hidden folder
    `.OUT.reward-scores` beside OUT. A rerun of the same command skips the shards already scored, so
    every row is scored once. SCORES/run.json names the input shards (sha256) and the model settings; a
@@ -28,6 +32,7 @@ import json
 import math
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -50,26 +55,33 @@ def scores_dir(out: Path) -> Path:
     return out.with_name(f".{out.name}.reward-scores")
 
 
-def _messages(meta: str) -> list[dict] | None:
+def _message_ok(message: object) -> bool:
+    """A chat message a template can render: a role, and text content (None or absent where it calls tools)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return False
+    content = message.get("content")
+    return isinstance(content, str) or (content is None and bool(message.get("tool_calls")))
+
+
+def conversation(prompt: str, completion: str, meta: str) -> list[dict]:
+    """The chat messages a reward model with a chat template scores for one row (see the module docstring)."""
     try:
         fields = json.loads(meta)
     except (json.JSONDecodeError, TypeError):
-        return None
+        fields = None
     messages = fields.get(S.META_MESSAGES) if isinstance(fields, dict) else None
-    if isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
-    ):
+    if not (isinstance(messages, list) and messages and all(_message_ok(m) for m in messages)):
+        messages = [{"role": "user", "content": prompt}]
+    elif fields.get(S.META_MESSAGES_INCLUDE_COMPLETION) is True:
         return messages
-    return None
+    return [*messages, {"role": "assistant", "content": completion}]
 
 
 def scoring_ids(tokenizer, prompt: str, completion: str, meta: str) -> list[int]:
     """The token ids the reward model scores for one row (see the module docstring)."""
     if not getattr(tokenizer, "chat_template", None):
         return tokenizer(prompt + completion)["input_ids"]
-    conversation = _messages(meta) or [{"role": "user", "content": prompt}]
-    text = tokenizer.apply_chat_template([*conversation, {"role": "assistant", "content": completion}],
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(conversation(prompt, completion, meta), tokenize=False)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -97,14 +109,24 @@ def _open_scores(folder: Path, key: dict) -> None:
     atomic_write_json(run_file, key)
 
 
-def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
-    parts = []
-    columns = [S.GROUP_ID, S.SAMPLE_INDEX, S.PROMPT, S.COMPLETION, S.META]
+SHARD_COLUMNS = [S.GROUP_ID, S.SAMPLE_INDEX, S.PROMPT, S.COMPLETION, S.META]  # what scoring reads of a row
+
+
+def _read_shard(shard: Path) -> pa.Table:
     try:
-        batches = list(pq.ParquetFile(shard).iter_batches(batch_size=SCORE_CHUNK_ROWS, columns=columns))
+        return pq.read_table(shard, columns=SHARD_COLUMNS)
     except (OSError, pa.ArrowException, ValueError) as e:
         raise DataError(f"{shard}: cannot read Parquet shard ({e}); run `offline-rec validate`") from None
-    for batch in batches:
+
+
+def _score_shard(shard: Path, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
+    return _score_rows(_read_shard(shard), scorer, max_batch_tokens, bar)
+
+
+def _score_rows(table: pa.Table, scorer, max_batch_tokens: int, bar=None) -> pa.Table:
+    """One shard's scores (SCORES_SCHEMA), SCORE_CHUNK_ROWS rows rendered and scored at a time."""
+    parts = []
+    for batch in table.to_batches(max_chunksize=SCORE_CHUNK_ROWS):
         rows = batch.to_pylist()
         seqs = [scoring_ids(scorer.tokenizer, r[S.PROMPT], r[S.COMPLETION], r[S.META]) for r in rows]
         fits = [i for i, seq in enumerate(seqs) if seq and (scorer.max_length is None or len(seq) <= scorer.max_length)]
@@ -186,6 +208,60 @@ def _score_worker(shards: list[str], score_files: list[str], device: str | None,
             _commit_scores(_score_shard(Path(shard), scorer, max_batch_tokens), Path(path))
 
 
+RAY_SHARDS_IN_FLIGHT = 2  # shards handed to each Ray worker at once: the next one waits while one is scored
+
+
+def _score_on_ray(shards: list[Path], score_files: list[Path], shard_rows: list[int], bar, workers: int,
+                  options: dict, address: str) -> None:
+    """Score the shards not scored yet on `workers` Ray actors (one GPU each where the cluster has GPUs). This
+    process reads each shard, hands its rows to the actor with the fewest in flight, and commits the scores that
+    come back, so the actors need no access to this machine's files and the score files are those of a local
+    run. A failure leaves what was committed for the next run."""
+    from collections import deque
+
+    from offline_rec.ray_cluster import RayCluster
+
+    todo = deque((shard, path, rows) for shard, path, rows in zip(shards, score_files, shard_rows)
+                 if not path.exists())
+    with RayCluster(address, what="reward worker", failure=UserError) as cluster:
+        actors = cluster.start(partial(_RayScorer, options), workers, gpus_per_actor=1)
+        pending: dict = {}
+
+        def submit(rank: int) -> None:
+            shard, path, rows = todo.popleft()
+            pending[actors[rank].call.remote("score", _read_shard(shard))] = (rank, path, rows)
+
+        try:
+            for _ in range(RAY_SHARDS_IN_FLIGHT):
+                for rank in range(workers):
+                    if todo:
+                        submit(rank)
+            while pending:
+                for ref in cluster.wait(list(pending)):
+                    rank, path, rows = pending.pop(ref)
+                    _commit_scores(cluster.get(ref), path)
+                    bar.advance(rows)
+                    if todo:
+                        submit(rank)
+        except UserError as error:
+            raise UserError(f"{error.message}; the scores committed so far are kept in {score_files[0].parent}: "
+                            f"run the same command to continue") from None
+
+
+class _RayScorer:
+    """One Ray actor's reward model (held by ray_cluster's actor host, in the actor's process)."""
+
+    def __init__(self, options: dict, rank: int):
+        from offline_rec.models.reward_model import load_reward_model
+
+        options = dict(options)
+        self.max_batch_tokens = options.pop("max_batch_tokens")
+        self.scorer = load_reward_model(options.pop("model"), **options)
+
+    def score(self, rows: pa.Table) -> pa.Table:
+        return _score_rows(rows, self.scorer, self.max_batch_tokens)
+
+
 def normalization(scores: list[float | None], kind: str) -> tuple[float, float]:
     """(mean, std) to apply as (s - mean) / std: (0, 1) for "none"; over the non-null scores for "zscore"
     (population std; a dataset of equal scores gets std 1, so its scores all become 0)."""
@@ -212,11 +288,14 @@ def score_with_reward_model(
     scorer=None,
     backend: str = "hf",
     data_parallel_size: int = 1,
+    ray_address: str | None = None,
 ) -> dict:
     """Write SRC with each row's reward set by reward model `model` to a new dataset OUT (see the module
     docstring); a rerun after a kill continues. `backend`: hf (transformers) or vllm (vLLM's pooling runner).
     `scorer` (a loaded `RewardModel`) skips loading `model`. `data_parallel_size` N > 1: N worker processes
-    (spawned; one GPU each where there are GPUs) score the shards i with i mod N = their index.
+    (spawned; one GPU each where there are GPUs) score the shards i with i mod N = their index. `ray_address`
+    ("auto": the running cluster): the N workers are Ray actors instead (N >= 1), fed shard by shard by this
+    process, which commits their scores; a Ray connection this process had before the call is left open.
     Returns {"out", "rows", "groups", "rewarded", "null", "scored_now", "resumed", "mean", "std"}."""
     from offline_rec.models.reward_model import load_reward_model, reward_model_identity
     from offline_rec.progress import ProgressBar
@@ -232,6 +311,8 @@ def score_with_reward_model(
     dataset = open_dataset(src, require_complete=True)
     if data_parallel_size < 1:
         raise UserError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if scorer is not None and (data_parallel_size > 1 or ray_address):
+        raise UserError("a loaded reward model is one scorer: --data-parallel-size and --ray-address load their own")
     if scorer is not None:
         identity = {"model": scorer.name, "revision": scorer.revision, "label": scorer.label, "dtype": scorer.dtype,
                     "engine": scorer.engine}
@@ -244,15 +325,17 @@ def score_with_reward_model(
     shard_rows = [int(shard["rows"]) for shard in dataset.manifest[S.M_SHARDS]]
     done_rows = sum(rows for rows, f in zip(shard_rows, score_files) if f.exists())
     with ProgressBar("reward", total=dataset.num_rows, done=done_rows, unit="rows", enabled=progress) as bar:
-        if data_parallel_size == 1:
+        worker_options = dict(model=model, label=label, dtype=dtype, backend=backend, max_batch_tokens=max_batch_tokens)
+        if ray_address:
+            _score_on_ray(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size, worker_options,
+                          ray_address)
+        elif data_parallel_size == 1:
             scorer = scorer or load_reward_model(model, label=label, dtype=dtype, backend=backend)
             for shard, path in zip(dataset.shard_paths, score_files):
                 if not path.exists():
                     _commit_scores(_score_shard(shard, scorer, max_batch_tokens, bar), path)
         else:
-            _score_in_workers(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size,
-                              dict(model=model, label=label, dtype=dtype, backend=backend,
-                                   max_batch_tokens=max_batch_tokens))
+            _score_in_workers(dataset.shard_paths, score_files, shard_rows, bar, data_parallel_size, worker_options)
 
     tables = [pq.read_table(path) for path in score_files]
     scored = pa.concat_tables(tables) if tables else SCORES_SCHEMA.empty_table()
@@ -264,7 +347,7 @@ def score_with_reward_model(
                   "reward_function": None, "reward_model": reward_model, "previous": dataset.task or None}
     source = {"command": "reward", "input": str(src), "reward_model": model, "label": label, "normalize": normalize,
               "dtype": dtype, "backend": backend, "data_parallel_size": data_parallel_size,
-              "input_source": dataset.manifest.get(S.M_SOURCE)}
+              "ray": bool(ray_address), "input_source": dataset.manifest.get(S.M_SOURCE)}
     ids = scored.column(S.GROUP_ID).to_pylist()
     at = rewarded = 0
     with DatasetWriter(out, behavior=dataset.behavior, task=task_block, source=source,

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from offline_rec.errors import UserError
 from offline_rec.rollout.backends import Sample, SamplingSettings, derive_seed
@@ -537,78 +538,46 @@ class RayEngines:
 
     Each actor asks for --tensor-parallel-size GPUs where the cluster has GPUs, else for cores / N
     CPUs. If this process is already connected to Ray (e.g. a local `ray.init()`), that connection
-    is used and left open; otherwise it connects and disconnects at the end.
+    is used and left open; otherwise it connects and disconnects at the end (offline_rec/ray_cluster.py).
     """
 
     def __init__(self, spec: EngineSpec, size: int, address: str):
-        try:
-            import ray
-        except ImportError:
-            raise UserError("--ray-address needs Ray: pip install 'offline-rec[ray]'") from None
-        self.ray = ray
+        from offline_rec.ray_cluster import RayCluster
+
         self.size = size
-        self._connected_here = not ray.is_initialized()
-        if self._connected_here:
-            try:
-                ray.init(address=address, log_to_driver=False)
-            except (ConnectionError, ValueError, RuntimeError) as error:
-                reason = str(error).splitlines()[0]
-                raise UserError(f"--ray-address {address}: cannot connect to Ray ({reason})") from None
-        self.actors, self._pending = [], {}
+        self.cluster = RayCluster(address, what="engine", failure=EngineError)
+        self._pending = {}
         try:
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-            resources = ({"num_gpus": spec.tensor_parallel_size, "num_cpus": 1} if gpus else
-                         {"num_cpus": max(1, int(ray.cluster_resources().get("CPU", 1)) // size)})
-            actor_class = ray.remote(**resources)(_RayEngine)
-            for rank in range(size):
-                threads = resources["num_cpus"] if not gpus else None
-                environment = {} if gpus else {"OMP_NUM_THREADS": str(threads)}
-                self.actors.append(actor_class.remote(spec, rank, environment))
-            self.info = self._get([actor.info.remote() for actor in self.actors])[0]
+            self.actors = self.cluster.start(partial(_RayEngine, spec), size, spec.tensor_parallel_size)
+            self.info = self._get([actor.call.remote("info") for actor in self.actors])[0]
         except BaseException:
             self.close()
             raise
 
     def begin(self, job: Job) -> list[int]:
-        return self._get([actor.begin.remote(job, rank) for rank, actor in enumerate(self.actors)])
+        return self._get([actor.call.remote("begin", job, rank) for rank, actor in enumerate(self.actors)])
 
     def submit(self, rank: int, units: list[list[PromptRequest]]) -> None:
-        self._pending[self.actors[rank].work.remote(units)] = rank
+        self._pending[self.actors[rank].call.remote("work", units)] = rank
 
     def wait(self) -> list[tuple[int, list, int, bool]]:
-        ready, _ = self.ray.wait(list(self._pending), num_returns=1)
         results = []
-        for ref in ready:
+        for ref in self.cluster.wait(list(self._pending)):
             rank = self._pending.pop(ref)
             results.append((rank, *self._get(ref)))
         return results
 
     def end(self) -> None:
         try:
-            self._get([actor.end.remote() for actor in self.actors])
+            self._get([actor.call.remote("end") for actor in self.actors])
         except EngineError:
             pass
 
     def _get(self, refs):
-        try:
-            return self.ray.get(refs)
-        except self.ray.exceptions.RayTaskError as error:
-            cause = error.cause if hasattr(error, "cause") else None
-            if isinstance(cause, UserError):
-                raise UserError(str(cause)) from None
-            raise EngineError(f"a Ray engine failed: {str(error).strip().splitlines()[-1]}") from None
-        except self.ray.exceptions.RayActorError as error:
-            raise EngineError(f"a Ray engine died: {str(error).strip().splitlines()[0]}") from None
+        return self.cluster.get(refs)
 
     def close(self) -> None:
-        for actor in self.actors:
-            try:
-                self.ray.kill(actor)
-            except Exception:  # already gone
-                pass
-        self.actors = []
-        if self._connected_here and self.ray.is_initialized():
-            self.ray.shutdown()
+        self.cluster.close()
 
     def __enter__(self):
         return self
@@ -618,11 +587,9 @@ class RayEngines:
 
 
 class _RayEngine:
-    """The Ray actor around one `EngineWorker` (methods run one at a time, in the actor's process)."""
+    """One Ray actor's `EngineWorker` (held by ray_cluster's actor host, in the actor's process)."""
 
-    def __init__(self, spec: EngineSpec, rank: int, environment: dict[str, str]):
-        os.environ.update(environment)
-        _set_threads(environment)
+    def __init__(self, spec: EngineSpec, rank: int):
         self.worker = EngineWorker(spec.build(rank))
 
     def info(self) -> dict:

@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+from chat_logs import EPISODE_TOOL_RESULT, logged_call, logged_episode, vllm_strings
 from cli_support import run_cli
 from tokenizer_support import byte_fallback_sentencepiece
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -46,28 +47,6 @@ def chat(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def tokenizer(chat):
     return AutoTokenizer.from_pretrained(chat)
-
-
-def vllm_strings(tokenizer, ids: list[int]) -> list[str]:
-    """Token strings as vLLM 0.32 logs them (LogprobsProcessor: a token whose own text ends in U+FFFD is
-    decoded again after 1..4 previous tokens, and credited the text after the clean ones, or printed "")."""
-    strings = []
-    for i, token in enumerate(ids):
-        text = tokenizer.decode([token])
-        if text.endswith(REPLACEMENT):
-            text = ""
-            for k in range(1, min(i, 4) + 1):
-                context = ids[i - k:i]
-                full = tokenizer.decode(context + [token])
-                if full.endswith(REPLACEMENT):
-                    continue
-                clean = len(context)
-                while clean and tokenizer.decode([context[clean - 1]]).endswith(REPLACEMENT):
-                    clean -= 1
-                text = full[len(tokenizer.decode(context[:clean])):]
-                break
-        strings.append(text)
-    return strings
 
 
 def _evidence(strings):
@@ -157,36 +136,7 @@ def test_sentencepiece_byte_fallback_tokens_recover_or_are_refused_as_ambiguous(
 
 
 # --------------------------------------------------------------------------------------------
-# episodes, built from the chat tokenizer the way vLLM logs them with return_token_ids
-
-
-TOOL = "résultat: 42 € ✅"
-
-
-def _call(tokenizer, messages: list[dict], reply_ids: list[int], response_id: str, logprob: float = -0.5,
-          with_ids: bool = True) -> dict:
-    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
-    content = tokenizer.decode(reply_ids, skip_special_tokens=True)
-    entries = [{"token": s, "logprob": logprob - t / 16, "bytes": list(s.encode())}  # exact in float32
-               for t, s in enumerate(vllm_strings(tokenizer, reply_ids))]
-    response = {"id": response_id, "model": "tiny-chat",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
-                             "logprobs": {"content": entries}, "finish_reason": "stop",
-                             "token_ids": reply_ids if with_ids else None}],
-                "prompt_token_ids": prompt_ids if with_ids else None}
-    return {"request": {"model": "tiny-chat", "messages": messages, "temperature": 1.0, "logprobs": True},
-            "response": response}
-
-
-def _episode(tokenizer, reply_1: list[int], reply_2: list[int], episode_id: str, with_ids: bool = True,
-             seed: int = 0) -> dict:
-    messages = chat_messages(1, seed=seed)[0]
-    first = _call(tokenizer, messages, reply_1, f"{episode_id}-a", with_ids=with_ids)
-    follow = messages + [{"role": "assistant", "content": tokenizer.decode(reply_1, skip_special_tokens=True)},
-                         {"role": "tool", "content": TOOL}]
-    second = _call(tokenizer, follow, reply_2, f"{episode_id}-b", logprob=-1.5, with_ids=with_ids)
-    return {"calls": [first, second], "reward": 1.0, "episode_id": episode_id, "timing": {"seconds": [0.2, 0.3]},
-            "upstream_model": "tiny-chat"}
+# episodes, built from the chat tokenizer the way vLLM logs them with return_token_ids (chat_logs.py)
 
 
 def _write(path, lines) -> str:
@@ -203,14 +153,16 @@ def test_episode_row_masks_exactly_the_sampled_tokens(chat, tokenizer, tmp_path)
     eos = tokenizer.eos_token_id
     reply_1 = tokenizer(" José pays 9,50 €")["input_ids"] + [eos]  # a reply the template renders back alike
     reply_2 = tokenizer(" 小明有五个苹果 🍎")["input_ids"] + [eos]
-    lines = [_episode(tokenizer, reply_1, reply_2, "e1"), _episode(tokenizer, reply_1, reply_2, "e2", with_ids=False)]
+    lines = [logged_episode(tokenizer, reply_1, reply_2, "e1"),
+             logged_episode(tokenizer, reply_1, reply_2, "e2", with_ids=False)]
     src = _write(tmp_path / "episodes.jsonl", lines)
     summary = import_dataset(ImportConfig(src, "openai", tmp_path / "ds", tokenizer=chat))
     assert (summary["rows"], summary["imported_lines"]) == (2, 2)
     with_ids, rendered = _rows(tmp_path / "ds")
     prompt_1 = lines[0]["calls"][0]["response"]["prompt_token_ids"]
     # what the chat template and the tool put between the replies, tokenized on its own
-    inserted = tokenizer("\n<|im_start|>tool\n" + TOOL + "<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    between = "\n<|im_start|>tool\n" + EPISODE_TOOL_RESULT + "<|im_end|>\n<|im_start|>assistant\n"
+    inserted = tokenizer(between)["input_ids"]
     assert with_ids[S.PROMPT_IDS] == prompt_1
     assert with_ids[S.COMPLETION_IDS] == reply_1 + inserted + reply_2
     assert with_ids[S.LOSS_MASK] == [1] * len(reply_1) + [0] * len(inserted) + [1] * len(reply_2)
@@ -232,15 +184,15 @@ def test_bad_episodes_are_refused_naming_the_call_and_position(chat, tokenizer, 
     eos = tokenizer.eos_token_id
     reply_1 = tokenizer(" tacos")["input_ids"] + [eos]
     reply_2 = tokenizer(" 42")["input_ids"] + [eos]
-    good = _episode(tokenizer, reply_1, reply_2, "good")
-    reordered = {**_episode(tokenizer, reply_1, reply_2, "reordered"), "calls": good["calls"][::-1]}
-    missing = _episode(tokenizer, reply_1, reply_2, "missing")
+    good = logged_episode(tokenizer, reply_1, reply_2, "good")
+    reordered = {**logged_episode(tokenizer, reply_1, reply_2, "reordered"), "calls": good["calls"][::-1]}
+    missing = logged_episode(tokenizer, reply_1, reply_2, "missing")
     del missing["calls"][1]["response"]
     # " tacos" sampled byte by byte: rendering the reply again gives the one token " tacos"
     by_bytes = token_bytes(tokenizer)
     bytewise = [by_bytes.index(bytes([b])) for b in b" tacos"] + [eos]
-    retokenized = _episode(tokenizer, bytewise, reply_2, "retokenized")
-    two_choices = _episode(tokenizer, reply_1, reply_2, "two")
+    retokenized = logged_episode(tokenizer, bytewise, reply_2, "retokenized")
+    two_choices = logged_episode(tokenizer, reply_1, reply_2, "two")
     choice = two_choices["calls"][0]["response"]["choices"][0]
     two_choices["calls"][0]["response"]["choices"] = [choice, {**choice, "index": 1}]
     src = _write(tmp_path / "bad.jsonl", [good, reordered, missing, retokenized, two_choices])
@@ -276,8 +228,8 @@ def test_rewards_file_group_by_prompt_and_record_lines(chat, tokenizer, tmp_path
     episodes and single calls by their first prompt."""
     eos = tokenizer.eos_token_id
     reply = tokenizer(" crêpes")["input_ids"] + [eos]
-    episodes = [_episode(tokenizer, reply, reply, f"ep{i}", seed=i % 2) for i in range(3)]
-    single = _call(tokenizer, chat_messages(1, seed=0)[0], reply, "chatcmpl-7")
+    episodes = [logged_episode(tokenizer, reply, reply, f"ep{i}", seed=i % 2) for i in range(3)]
+    single = logged_call(tokenizer, chat_messages(1, seed=0)[0], reply, "chatcmpl-7")
     single.update({"timing": {"seconds": 0.1}, "upstream_model": "tiny-chat", "episode_id": "solo", "reward": 0.5})
     src = _write(tmp_path / "log.jsonl", [*episodes, single])
     rewards = _write(tmp_path / "rewards.jsonl", [{"id": "ep0", "reward": 0.0}, {"id": "chatcmpl-7", "reward": [2]},

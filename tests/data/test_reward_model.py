@@ -6,6 +6,7 @@ hand, a classifier label's log-prob, and the bad-input matrix (one line, exit 2)
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from datagen import tree_digest, write_dataset
 from offline_rec import schema as S
 from offline_rec.data import reward_model as rm
 from offline_rec.data.dataset import make_row, open_dataset
+from offline_rec.errors import UserError
 from offline_rec.models.reward_model import load_reward_model
 from offline_rec.models.tiny import (
     build_bpe_tokenizer,
@@ -76,27 +78,40 @@ def rewards_of(path) -> dict:
     return {(r[S.GROUP_ID], r[S.SAMPLE_INDEX]): r[S.REWARD] for r in open_dataset(path).to_table().to_pylist()}
 
 
+def direct_forward(model_dir: str, sequences: list[list[int]], label_index: int | None = None) -> list[float]:
+    """The score of an unbatched forward pass of the reward model over each token id sequence."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    scores = []
+    for ids in sequences:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0]
+        scores.append(float(logits[0] if label_index is None else torch.log_softmax(logits, -1)[label_index]))
+    return scores
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation rendered with the chat template, tokenized without adding special tokens."""
+    return tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+
+
 def direct_scores(model_dir: str, groups, label_index: int | None = None) -> dict:
     """Each row's score from an unbatched forward of the text built here by hand from the docstring's rule."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    scores = {}
-    for row in (r for g in groups for r in g):
+    rows = [r for g in groups for r in g]
+    sequences = []
+    for row in rows:
         if tokenizer.chat_template:
             meta = json.loads(row[S.META])
             turns = meta.get("messages") or [{"role": "user", "content": row[S.PROMPT]}]
-            text = tokenizer.apply_chat_template([*turns, {"role": "assistant", "content": row[S.COMPLETION]}],
-                                                 tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            sequences.append(chat_ids(tokenizer, [*turns, {"role": "assistant", "content": row[S.COMPLETION]}]))
         else:
-            ids = tokenizer(row[S.PROMPT] + row[S.COMPLETION])["input_ids"]
-        with torch.no_grad():
-            logits = model(input_ids=torch.tensor([ids])).logits[0]
-        value = logits[0] if label_index is None else torch.log_softmax(logits, -1)[label_index]
-        scores[(row[S.GROUP_ID], row[S.SAMPLE_INDEX])] = float(value)
-    return scores
+            sequences.append(tokenizer(row[S.PROMPT] + row[S.COMPLETION])["input_ids"])
+    scores = direct_forward(model_dir, sequences, label_index)
+    return {(row[S.GROUP_ID], row[S.SAMPLE_INDEX]): score for row, score in zip(rows, scores)}
 
 
 @pytest.mark.parametrize("kind", ["chat", "plain"])
@@ -216,12 +231,107 @@ def test_bad_input_one_line_exit_2(models, logged, tmp_path, capsys, args, messa
     assert not (tmp_path / "scored").exists()
 
 
+def test_a_loaded_scorer_is_not_spread_over_workers(models, logged, tmp_path):
+    scorer = load_reward_model(models["chat"])
+    for spread in ({"data_parallel_size": 2}, {"ray_address": "auto"}):
+        with pytest.raises(UserError, match="a loaded reward model is one scorer"):
+            rm.score_with_reward_model(logged, tmp_path / "scored", models["chat"], progress=False, scorer=scorer,
+                                       **spread)
+    assert not (tmp_path / "scored").exists() and not rm.scores_dir(tmp_path / "scored").exists()
+
+
 def test_unfinished_scores_of_another_model_refused(models, logged, tmp_path, capsys):
     folder = rm.scores_dir(tmp_path / "scored")
     folder.mkdir()
     (folder / "run.json").write_text(json.dumps({"model": "another"}))
     code, _, err = run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--out", tmp_path / "scored")
     assert code == 2 and "unfinished run with other inputs or model settings" in err
+
+
+def test_episode_kept_messages_score_the_whole_conversation(tmp_path, capsys):
+    """`import --keep-messages` of two-call tool episodes: the episode row scores as a direct forward over the
+    whole conversation (every turn and the final answer) under the reward model's template; each row of
+    --split-episodes scores its own call's messages plus its reply; without --keep-messages nothing changes."""
+    from chat_logs import logged_episode
+    from transformers import AutoTokenizer
+
+    # a Qwen2 (GQA) reward model with the ChatML template and room for whole conversations (300-600 tokens)
+    model = save_tiny(build_tiny_reward_model(build_chat_tokenizer(), arch="qwen2", num_heads=2, num_kv_heads=1,
+                                              max_position_embeddings=1024, seed=4), build_chat_tokenizer(),
+                      tmp_path / "rm")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    eos = tokenizer.eos_token_id
+    replies = [tokenizer(text)["input_ids"] + [eos] for text in (" José pays 9,50 €", " 小明有五个苹果 🍎", " tacos")]
+    lines = [logged_episode(tokenizer, replies[0], replies[1], "e1"),
+             logged_episode(tokenizer, replies[2], replies[0], "e2", seed=1)]
+    src = tmp_path / "episodes.jsonl"
+    src.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+    imports = {"kept": (["--keep-messages"], 2), "plain": ([], 2),
+               "split": (["--keep-messages", "--split-episodes"], 4)}  # name: flags, rows
+    for name, (flags, count) in imports.items():
+        code, _, err = run_cli(capsys, "import", src, "--format", "openai", "--tokenizer", model, *flags,
+                               "--out", tmp_path / name)
+        assert code == 0, err
+        code, out, err = run_cli(capsys, "reward", tmp_path / name, "--reward-model", model, "--out",
+                                 tmp_path / f"{name}-scored", "-q")
+        assert code == 0 and f"rewarded {count}/{count} rows" in out, err  # none too long
+
+    def rows(name):
+        return {r[S.GROUP_ID] + str(json.loads(r[S.META]).get("episode_call", "")): r
+                for r in open_dataset(tmp_path / name).to_table().to_pylist()}
+
+    whole = [[*line["calls"][-1]["request"]["messages"],
+              {"role": "assistant", "content": line["calls"][-1]["response"]["choices"][0]["message"]["content"]}]
+             for line in lines]
+    assert [m["role"] for m in whole[0]] == ["system", "user", "assistant", "tool", "assistant"]
+    kept, scored = rows("kept"), rows("kept-scored")
+    assert [json.loads(kept[g][S.META]) for g in ("e1", "e2")] == [
+        {"episode_id": g, S.META_MESSAGES: messages, S.META_MESSAGES_INCLUDE_COMPLETION: True}
+        for g, messages in zip(("e1", "e2"), whole)]
+    want = direct_forward(model, [chat_ids(tokenizer, messages) for messages in whole])
+    assert all(abs(scored[g][S.REWARD] - w) < 1e-5 for g, w in zip(("e1", "e2"), want)), (scored, want)
+
+    # without --keep-messages: the meta and the rule of before (the first prompt as the user's turn, the
+    # decoded episode tail as the assistant's), which scores differently
+    plain = rows("plain")
+    assert {g: json.loads(r[S.META]) for g, r in plain.items()} == {"e1": {"episode_id": "e1"},
+                                                                    "e2": {"episode_id": "e2"}}
+    assert [plain[g][S.COMPLETION_IDS] for g in plain] == [kept[g][S.COMPLETION_IDS] for g in plain]
+    before = direct_scores(model, [[r] for r in plain.values()])
+    assert all(abs(rows("plain-scored")[g][S.REWARD] - before[g, 0]) < 1e-5 for g in plain)
+    assert all(abs(before[g, 0] - w) > 1e-4 for g, w in zip(("e1", "e2"), want))
+
+    # --split-episodes: each call's row keeps its own request messages; its reply is appended
+    split, split_scored = rows("split"), rows("split-scored")
+    for g, line in zip(("e1", "e2"), lines):
+        for number, call in enumerate(line["calls"], start=1):
+            meta = json.loads(split[f"{g}{number}"][S.META])
+            assert meta[S.META_MESSAGES] == call["request"]["messages"]
+            assert S.META_MESSAGES_INCLUDE_COMPLETION not in meta
+    by_hand = direct_scores(model, [[r] for r in split.values()])
+    assert all(abs(split_scored[k][S.REWARD] - by_hand[r[S.GROUP_ID], r[S.SAMPLE_INDEX]]) < 1e-5
+               for k, r in split.items())
+    assert abs(split_scored["e12"][S.REWARD] - want[0]) < 1e-5  # call 2's messages + reply 2: the whole one
+
+
+def test_conversation_rule():
+    """The messages a chat reward model scores, by the module docstring's rule: request messages + the
+    completion; a whole conversation as it is; a tool call's null content kept; anything else: the prompt."""
+    call = [{"role": "user", "content": "Zoë?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                    "function": {"name": "calc", "arguments": "{}"}}]},
+            {"role": "tool", "content": "42 €", "tool_call_id": "c1"}]
+    answer = {"role": "assistant", "content": "答案 42"}
+    meta = {S.META_MESSAGES: call}
+    assert rm.conversation("p", "答案 42", json.dumps(meta)) == [*call, answer]
+    whole = {S.META_MESSAGES: [*call, answer], S.META_MESSAGES_INCLUDE_COMPLETION: True}
+    assert rm.conversation("p", "tail with <|im_end|> tokens", json.dumps(whole)) == [*call, answer]
+    fallback = [{"role": "user", "content": "p"}, {"role": "assistant", "content": "c"}]
+    not_messages = ([{"role": "assistant", "content": None}], [{"content": "x"}], [], "text",
+                    [{"role": "user", "content": 3}])
+    for bad in not_messages:
+        assert rm.conversation("p", "c", json.dumps({S.META_MESSAGES: bad})) == fallback, bad
+    assert rm.conversation("p", "c", "not json") == fallback
 
 
 @pytest.mark.faults
@@ -295,3 +405,43 @@ def test_two_data_parallel_workers_equal_one_process(models, logged, tmp_path, c
     assert run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--out", tmp_path / "one", "-q")[0] == 0
     one, two = rewards_of(tmp_path / "one"), rewards_of(tmp_path / "two")
     assert one.keys() == two.keys() and all(abs(one[k] - two[k]) < 1e-6 for k in one)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monkeypatch):
+    """Two Ray actors on a local Ray score what one process scores; a run that died after a shard resumes on Ray;
+    a Ray connection the caller opened stays open."""
+    ray = pytest.importorskip("ray")
+    from paths import REPO
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    one = rm.score_with_reward_model(logged, tmp_path / "one", models["chat"], progress=False)
+    real_shard, calls = rm._score_shard, []
+
+    def dies_on_second_shard(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Killed
+        return real_shard(*args, **kwargs)
+
+    monkeypatch.setattr(rm, "_score_shard", dies_on_second_shard)
+    with pytest.raises(Killed):  # a local run that dies after committing shard 0; Ray finishes it below
+        rm.score_with_reward_model(logged, tmp_path / "resumed", models["chat"], progress=False)
+    monkeypatch.setattr(rm, "_score_shard", real_shard)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        fresh = rm.score_with_reward_model(logged, tmp_path / "ray", models["chat"], progress=False,
+                                           data_parallel_size=2, ray_address="auto")
+        resumed = rm.score_with_reward_model(logged, tmp_path / "resumed", models["chat"], progress=False,
+                                             data_parallel_size=2, ray_address="auto")
+        assert ray.is_initialized()  # a connection the caller opened is left open
+    finally:
+        ray.shutdown()
+    assert (fresh["scored_now"], fresh["resumed"]) == (7, 0) and (resumed["scored_now"], resumed["resumed"]) == (6, 1)
+    want = rewards_of(tmp_path / "one")
+    assert one["rewarded"] == 7 and len(set(want.values())) >= 5
+    for name in ("ray", "resumed"):
+        got = rewards_of(tmp_path / name)
+        assert got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-5 for k in want), (name, got, want)
+    assert open_dataset(tmp_path / "ray").manifest[S.M_SOURCE]["ray"] is True

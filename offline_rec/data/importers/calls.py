@@ -273,11 +273,15 @@ def group_value(value: Any) -> str:
     raise BadLine(BAD_VALUE, f"group_id must be a string or an integer, got {kind(value)}")
 
 
-def meta_with_messages(meta: str, messages: Any) -> str:
-    """`meta` (JSON text) with the request's chat messages added under schema.META_MESSAGES (a line's own meta
-    field of that name wins)."""
+def meta_with_messages(meta: str, messages: Any, include_completion: bool = False) -> str:
+    """`meta` (JSON text) with chat messages added under schema.META_MESSAGES (a line's own meta field of that
+    name wins): a call's request messages, or with `include_completion` a whole episode's conversation, its
+    last answer included (marked by schema.META_MESSAGES_INCLUDE_COMPLETION)."""
     fields = json.loads(meta)
-    fields.setdefault(S.META_MESSAGES, messages)
+    if S.META_MESSAGES not in fields:
+        fields[S.META_MESSAGES] = messages
+        if include_completion:
+            fields[S.META_MESSAGES_INCLUDE_COMPLETION] = True
     return meta_json(fields)
 
 

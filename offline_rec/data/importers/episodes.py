@@ -19,14 +19,19 @@ logged log-probs) and 0 on the inserted tokens (behavior_logprobs 0 there), so t
 off-policy estimates and the KL see only what the policy sampled. completion: the completion ids
 decoded (special tokens kept); finish_reason: the last call's; reward: the line's "reward" (a
 number or null), or --rewards FILE's for the "episode_id"; meta: the line's "meta" (plus its
-"episode_id").
+"episode_id"). With --keep-messages, meta also holds the whole conversation the user had: "messages"
+= the last call's request messages (every earlier turn: system, user, assistant replies, tool
+results) followed by the last reply as the final assistant turn, and "messages_include_completion":
+true, which tells `reward --reward-model` to score those messages as they are (the completion is in
+them already; schema.py). A completions-API episode (string prompts) has no messages to keep.
 
 A later call's context must extend the earlier one token for token (its prompt ids start with the
 previous call's prompt ids + reply ids). Where it does not (the chat template or the tokenizer
 re-tokenized an earlier turn, calls out of order), the line is refused naming the call and the
 first differing token, unless --split-episodes, which imports one row per call instead: each call's
 own context as its prompt, its reply as the completion, the episode's reward and group on every
-row (meta "episode_call": 1, 2, ...). The trade-off: a split episode's rows repeat the shared
+row (meta "episode_call": 1, 2, ...; with --keep-messages, each row keeps its own call's request
+messages, as a single call does). The trade-off: a split episode's rows repeat the shared
 context, and a later call's reply is trained in the context the template rebuilt, not in the one
 the policy actually saw.
 
@@ -39,7 +44,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from offline_rec.data.importers.calls import Call, CallContext, group_value, line_meta, read_call
+from offline_rec.data.importers.calls import (
+    Call,
+    CallContext,
+    group_value,
+    line_meta,
+    meta_with_messages,
+    read_call,
+)
 from offline_rec.data.importers.common import (
     BAD_EPISODE,
     DUPLICATE,
@@ -85,25 +97,45 @@ def parse_episode(record: Record, context: CallContext, rewards: Rewards, seen_i
             choice = call.choices[0]
             meta = json.loads(line_meta(data))
             meta["episode_call"] = number
+            meta = json.dumps(meta, sort_keys=True, ensure_ascii=False)
+            messages = data["calls"][number - 1]["request"].get("messages")
+            if config.keep_messages and isinstance(messages, list):
+                meta = meta_with_messages(meta, messages)
             row = dict(prompt=call.prompt, prompt_ids=call.prompt_ids, completion=choice.text,
                        completion_ids=choice.ids, behavior_logprobs=choice.logprobs,
-                       finish_reason=choice.finish_reason, meta=json.dumps(meta, sort_keys=True, ensure_ascii=False),
-                       **common)
+                       finish_reason=choice.finish_reason, meta=meta, **common)
             rows.append(ParsedRow(record.file, record.line, group_id, (record.file, record.line, number),
                                   _finished(row, number, config)))
     else:
         ids, mask, logprobs = episode_completion(calls, context.tokenizer)
         last = calls[-1].choices[0]
+        meta = line_meta(data)
+        conversation = _whole_conversation(data["calls"][-1], last) if config.keep_messages else None
+        if conversation is not None:
+            meta = meta_with_messages(meta, conversation, include_completion=True)
         row = dict(prompt=calls[0].prompt, prompt_ids=calls[0].prompt_ids,
                    completion=context.tokenizer.decode(ids, skip_special_tokens=False), completion_ids=ids,
                    behavior_logprobs=logprobs, loss_mask=mask, finish_reason=last.finish_reason,
-                   meta=line_meta(data), **common)
+                   meta=meta, **common)
         rows = [ParsedRow(record.file, record.line, group_id, (record.file, record.line), _finished(row, None, config))]
     if episode_id is not None:
         seen_ids.add(episode_id)
     for call, raw in zip(calls, data["calls"]):
         context.note_sampling(raw["request"], call.model)
     return rows
+
+
+def _whole_conversation(last_call: dict, reply) -> list | None:
+    """The last call's request messages + its reply as the final assistant turn (with the reply's tool calls,
+    where it made some); None for a completions-API call (a string prompt)."""
+    messages = last_call["request"].get("messages")
+    if not isinstance(messages, list):
+        return None
+    answer = {"role": "assistant", "content": reply.text}
+    message = last_call["response"]["choices"][0].get("message")
+    if isinstance(message, dict) and message.get("tool_calls"):
+        answer["tool_calls"] = message["tool_calls"]
+    return [*messages, answer]
 
 
 def _finished(row: dict, call_number: int | None, config) -> dict:
