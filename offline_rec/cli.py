@@ -19,6 +19,7 @@ from offline_rec import __version__
 from offline_rec.data.config import DatasetToDataset, FilterOptions, JudgeOptions, MergeOptions, RewardConfig
 from offline_rec.data.importers.config import ImportConfig
 from offline_rec.data.view.config import ViewConfig
+from offline_rec.demo.pipeline import DemoOptions
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.options import command, overrides
@@ -432,68 +433,10 @@ def report(
 # demo  (owned by offline_rec/demo/pipeline.py)
 
 
-@app.command()
-def demo(
-    out: Path = typer.Option(
-        Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json."
-    ),
-    algorithm: str | None = typer.Option(
-        None, "--algorithm", help="Loss preset to train with (default rec-oneside-nois; --logged: with its baseline)."
-    ),
-    wide_clip: bool | None = typer.Option(
-        None, "--wide-clip/--default-clip",
-        help="The paper's wide clip eps_low 0.6, eps_high 2.0 (the default), or the preset's.",
-    ),
-    backend: str = typer.Option(
-        "hf", "--backend", help="Sampling backend: hf (fastest for this tiny model on a CPU) or vllm."
-    ),
-    num_prompts: int | None = typer.Option(
-        None, "--num-prompts", help="Train prompts sampled (default 4096; 64 with --quick)."
-    ),
-    epochs: int | None = typer.Option(
-        None, "--epochs", help="Passes over the fixed dataset (default 2; 2 with --quick)."
-    ),
-    eval_prompts: int | None = typer.Option(
-        None, "--eval-prompts", help="Held-out test prompts (default 512; 64 with --quick)."
-    ),
-    seed: int = typer.Option(0, "--seed", help="Seeds the train prompts, the sampling and the shuffle."),
-    select: str = typer.Option(
-        "best-validation", "--select",
-        help="The result: best-validation (the checkpoint best on train-split prompts not trained on) or final.",
-    ),
-    model: str | None = typer.Option(
-        None, "--model", help="Behavior policy folder (default: the shipped demo policy)."
-    ),
-    quick: bool = typer.Option(
-        False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute."
-    ),
-    logged: bool = typer.Option(
-        False, "--logged",
-        help="Production-like logs: ONE response per prompt, trained with the setting recommended for them "
-        "(the data's mean reward as baseline, clip-higher 0.2/2.0, lr 1e-4, 8 epochs of 128 rows).",
-    ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an earlier demo's outputs in --out."),
-    threads: int = typer.Option(
-        1, "--threads", help="torch CPU threads (1 is fastest for this tiny model on a shared CPU)."
-    ),
-) -> None:
+@command(app, options=DemoOptions)
+def demo(options: DemoOptions) -> None:
     """Collect, validate, train offline, evaluate and report on a tiny arith policy: the whole pipeline on a CPU."""
-    from offline_rec.demo.pipeline import run_demo
-
-    given = dict(num_prompts=num_prompts, epochs=epochs, eval_prompts=eval_prompts, algorithm=algorithm,
-                 wide_clip=wide_clip)
-    summary = run_demo(
-        out,
-        model=model,
-        quick=quick,
-        logged=logged,
-        overwrite=overwrite,
-        threads=threads,
-        backend=backend,
-        seed=seed,
-        select=select,
-        **{k: v for k, v in given.items() if v is not None},
-    )
+    summary = options.run()
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
 
 

@@ -167,7 +167,7 @@ def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = 
         call.__module__ = handler.__module__
         call.__signature__ = inspect.Signature(parameters)
         call.__annotations__ = {p.name: p.annotation for p in parameters}
-        call.config_classes = {k: (v.cls if isinstance(v, Overrides) else v) for k, v in configs.items()}
+        call.options_from = dict(configs)  # for tests/test_cli_options.py
         app.command(name)(call)
         return call
 

@@ -88,6 +88,12 @@ class RewardConfig:
         1, "--data-parallel-size",
         help="--reward-model: worker processes scoring shards side by side (one GPU each).",
     )
+    ray_address: str | None = option(
+        None, "--ray-address",
+        help="--reward-model: run the --data-parallel-size scoring workers as Ray actors on this Ray cluster "
+             "('auto': the one this machine belongs to), one GPU each where it has GPUs; this process reads the "
+             "shards and writes the scores (pip install 'offline-rec[ray]').",
+    )
     judge: str | None = option(
         None, "--judge",
         help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1).",

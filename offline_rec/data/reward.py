@@ -112,7 +112,7 @@ def reward_dataset(src: str | Path, out: str | Path, config: RewardConfig, judge
         summary = score_with_reward_model(
             src, out, config.reward_model, label=config.reward_label, normalize=config.normalize, dtype=config.dtype,
             max_batch_tokens=config.max_batch_tokens, progress=progress, backend=config.backend,
-            data_parallel_size=config.data_parallel_size)
+            data_parallel_size=config.data_parallel_size, ray_address=config.ray_address)
     else:
         summary = rescore_dataset(src, out, config.task, reward=config.reward, timeout_s=config.timeout)
     return {"kind": config.kind, **summary}

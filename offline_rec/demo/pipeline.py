@@ -49,6 +49,7 @@ from pathlib import Path
 
 from offline_rec.errors import UserError
 from offline_rec.files import cache_root
+from offline_rec.options import option
 
 DEMO_ALGORITHM = "rec-oneside-nois"
 DEMO_TASK = "arith"
@@ -169,8 +170,63 @@ rewards' mean as the baseline, clip-higher (negatives' side 0.2, positives' side
 validation), 8 epochs of 128 rows per step (256 steps over 4096 prompts)."""
 
 
+DEMO_THREADS = 1
+"""torch CPU threads of the demo (see run_demo)."""
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """The options of `offline-rec demo`: where, how, and the DemoSettings a user may change from the command
+    line (None: the recipe's value, from DemoSettings, QUICK or LOGGED)."""
+
+    out: Path = option(Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json.")
+    algorithm: str | None = option(
+        None, "--algorithm",
+        help="Loss preset to train with (default rec-oneside-nois; --logged: with its baseline).",
+    )
+    wide_clip: bool | None = option(
+        None, "--wide-clip/--default-clip",
+        help="The paper's wide clip eps_low 0.6, eps_high 2.0 (the default), or the preset's.",
+    )
+    backend: str = option(
+        DemoSettings.backend, "--backend",
+        help="Sampling backend: hf (fastest for this tiny model on a CPU) or vllm.",
+    )
+    num_prompts: int | None = option(
+        None, "--num-prompts", help="Train prompts sampled (default 4096; 64 with --quick).")
+    epochs: int | None = option(
+        None, "--epochs", help="Passes over the fixed dataset (default 2; 2 with --quick).")
+    eval_prompts: int | None = option(
+        None, "--eval-prompts", help="Held-out test prompts (default 512; 64 with --quick).")
+    seed: int = option(DemoSettings.seed, "--seed", help="Seeds the train prompts, the sampling and the shuffle.")
+    select: str = option(
+        DemoSettings.select, "--select",
+        help="The result: best-validation (the checkpoint best on train-split prompts not trained on) or final.",
+    )
+    model: str | None = option(
+        None, "--model", help="Behavior policy folder (default: the shipped demo policy).")
+    quick: bool = option(
+        False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute.")
+    logged: bool = option(
+        False, "--logged",
+        help="Production-like logs: ONE response per prompt, trained with the setting recommended for them "
+             "(the data's mean reward as baseline, clip-higher 0.2/2.0, lr 1e-4, 8 epochs of 128 rows).",
+    )
+    overwrite: bool = option(False, "--overwrite", help="Replace an earlier demo's outputs in --out.")
+    threads: int = option(
+        DEMO_THREADS, "--threads", help="torch CPU threads (1 is fastest for this tiny model on a shared CPU).")
+
+    def run(self) -> dict:
+        """`run_demo` with these options."""
+        settings = dict(num_prompts=self.num_prompts, epochs=self.epochs, eval_prompts=self.eval_prompts,
+                        algorithm=self.algorithm, wide_clip=self.wide_clip, backend=self.backend, seed=self.seed,
+                        select=self.select)
+        return run_demo(self.out, model=self.model, quick=self.quick, logged=self.logged, overwrite=self.overwrite,
+                        threads=self.threads, **settings)
+
+
 def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: bool = False,
-             overwrite: bool = False, threads: int | None = 1, progress: bool = True, console=None,
+             overwrite: bool = False, threads: int | None = DEMO_THREADS, progress: bool = True, console=None,
              **settings) -> dict:
     """Run every stage (module docstring) into `out_dir`; returns the summary also written to OUT/summary.json.
 

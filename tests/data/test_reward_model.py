@@ -409,9 +409,9 @@ def test_two_data_parallel_workers_equal_one_process(models, logged, tmp_path, c
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monkeypatch):
-    """Two Ray actors on a local Ray score what one process scores; a run that died after a shard resumes on Ray;
-    a Ray connection the caller opened stays open."""
+def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monkeypatch, capsys):
+    """Two Ray actors on a local Ray score what one process scores (`reward --ray-address`); a run that died after
+    a shard resumes on Ray; a Ray connection the caller opened stays open."""
     ray = pytest.importorskip("ray")
     from paths import REPO
 
@@ -431,8 +431,10 @@ def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monke
     monkeypatch.setattr(rm, "_score_shard", real_shard)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        fresh = rm.score_with_reward_model(logged, tmp_path / "ray", models["chat"], progress=False,
-                                           data_parallel_size=2, ray_address="auto")
+        code, out, _ = run_cli(capsys, "reward", logged, "--reward-model", models["chat"], "--out", tmp_path / "ray",
+                               "--data-parallel-size", 2, "--ray-address", "auto", "--json", "-q")
+        assert code == 0
+        fresh = json.loads(out)
         resumed = rm.score_with_reward_model(logged, tmp_path / "resumed", models["chat"], progress=False,
                                              data_parallel_size=2, ray_address="auto")
         assert ray.is_initialized()  # a connection the caller opened is left open

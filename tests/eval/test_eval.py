@@ -19,8 +19,8 @@ from offline_rec.data.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval import rollouts as E
 from offline_rec.eval.config import EvalConfig, cli_arguments
-from offline_rec.options import cli_fields
 from offline_rec.models.tiny import DEFAULT_ALPHABET, build_char_tokenizer, make_tiny_checkpoint
+from offline_rec.options import cli_fields
 from offline_rec.rollout import backends
 from offline_rec.training.config import TrainConfig
 

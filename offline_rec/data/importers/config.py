@@ -72,9 +72,10 @@ class ImportConfig:
     )
     keep_messages: bool = option(
         False, "--keep-messages",
-        help="openai: keep each call's request messages in the row's meta (\"messages\"): `reward --reward-model` "
-             "then scores the conversation under the reward model's own chat template (single calls, not "
-             "episodes).",
+        help="openai: keep the chat messages in the row's meta (\"messages\"): a call's request messages (so too "
+             "each row of --split-episodes), or an episode row's whole conversation (the last call's request "
+             "messages and the final reply, marked \"messages_include_completion\"); `reward --reward-model` then "
+             "scores the conversation under the reward model's own chat template.",
     )
     rewards: Path | None = option(
         None, "--rewards",

@@ -1,0 +1,146 @@
+"""Every option is declared once: on its command's config dataclass (offline_rec/options.py).
+
+Walks the typer parameters of every command built from config classes and the fields of those
+classes: each flagged field is exactly one parameter, with the field's own default (None where
+the flags only override, as train's do), and cli.py declares none of those flags again by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import typer
+import typer.main
+from typer.testing import CliRunner
+
+from offline_rec.cli import app
+from offline_rec.options import (
+    SHARED,
+    Overrides,
+    argument,
+    cli_fields,
+    command,
+    field_default,
+    option,
+    overrides,
+    required,
+)
+
+BUILT = ("import", "filter", "reward", "train", "collect", "merge", "eval", "record", "view", "demo")
+
+
+def commands() -> dict:
+    group = typer.main.get_command(app)
+    return {name: cmd for name, cmd in group.commands.items() if hasattr(cmd.callback, "options_from")}
+
+
+def test_the_big_commands_are_built_from_their_configs():
+    assert set(commands()) == set(BUILT)
+
+
+@pytest.mark.parametrize("name", BUILT)
+def test_each_field_is_one_parameter_with_the_fields_default(name):
+    cmd = commands()[name]
+    params = {p.name: p for p in cmd.params}
+    seen = []
+    for target in cmd.callback.options_from.values():
+        cls = target.cls if isinstance(target, Overrides) else target
+        for field in cli_fields(cls):
+            seen.append(field.name)
+            param = params[field.name]
+            want = None if isinstance(target, Overrides) else field_default(field)
+            got = param.default
+            if want is dataclasses.MISSING:
+                assert param.required, field.name
+            elif isinstance(want, list):
+                assert list(got or []) == want, field.name
+            else:
+                assert got == want, (field.name, got, want)
+            flags = [f for flag in field.metadata.get("flags", ()) for f in flag.split("/")]
+            assert set(flags) <= set(param.opts) | set(param.secondary_opts), (field.name, flags, param.opts)
+    assert len(seen) == len(set(seen)), f"{name}: a field name serves two parameters"
+
+
+# What a built command may declare besides its config fields and SHARED (--quiet, --json): train's own flags.
+HANDLER_OWN = {"train": {"config_file", "set_", "list_options"}}
+
+
+@pytest.mark.parametrize("name", BUILT)
+def test_a_built_command_declares_nothing_by_hand_but_its_own_flags(name):
+    cmd = commands()[name]
+    from_fields = {f.name for target in cmd.callback.options_from.values()
+                   for f in cli_fields(target.cls if isinstance(target, Overrides) else target)}
+    by_hand = {p.name for p in cmd.params} - from_fields - set(SHARED)
+    assert by_hand == HANDLER_OWN.get(name, set())
+    flags = [opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)]
+    assert len(flags) == len(set(flags)), f"{name}: a flag declared twice"
+
+
+# -------------------------------------------------------------------------------------------
+# the helper itself, on a config of its own
+
+
+@dataclasses.dataclass
+class Toy:
+    src: Path = argument(help="Input.")
+    out: Path = required("--out", "-o", help="Output.")
+    count: int = option(3, "--count", help="How many.")
+    names: list[str] = option([], "--name", help="Names (repeatable).")
+    pair: tuple[int, int] | None = option(None, "--pair", cli_type=str | None, help="a,b.")
+    secret: str | None = option(None, "--secret", envvar="TOY_SECRET", help="A secret.")
+    hidden: int = dataclasses.field(default=7, metadata={"help": "not on the command line"})
+
+    def __post_init__(self):
+        if isinstance(self.pair, str):
+            self.pair = tuple(int(x) for x in self.pair.split(","))
+
+
+def toy_app(**configs):
+    toy, got = typer.Typer(), {}
+
+    @command(toy, "go", order=("out",), **configs)
+    def go(config, quiet: bool, extra: int = typer.Option(0, "--extra", help="Not a field.")) -> None:
+        got.update(config=config, quiet=quiet, extra=extra)
+
+    @toy.command("other")
+    def other() -> None:  # a second command keeps typer from folding the app into `go`
+        pass
+
+    return toy, got
+
+
+def test_command_builds_the_config_and_passes_the_shared_and_plain_parameters(monkeypatch):
+    toy, got = toy_app(config=Toy)
+    monkeypatch.setenv("TOY_SECRET", "s3")
+    result = CliRunner().invoke(toy, ["go", "in", "-o", "x", "--name", "a", "--name", "b", "--pair", "1,2", "-q",
+                                      "--extra", "5"])
+    assert result.exit_code == 0, result.output
+    config = got["config"]
+    assert (config.src, config.out, config.count, config.names, config.pair) == (Path("in"), Path("x"), 3,
+                                                                                  ["a", "b"], (1, 2))
+    assert (config.secret, config.hidden, got["quiet"], got["extra"]) == ("s3", 7, True, 5)
+    help_text = CliRunner().invoke(toy, ["go", "--help"], terminal_width=200).output
+    assert help_text.index("--out") < help_text.index("--count") < help_text.index("--quiet") < help_text.index(
+        "--extra")  # `order` first, then the fields, then the handler's own parameters
+    assert "--hidden" not in help_text and "TOY_SECRET" not in help_text
+    assert CliRunner().invoke(toy, ["go", "in"]).exit_code == 2  # --out is required
+
+
+def test_overrides_pass_only_the_flags_given():
+    toy, got = toy_app(config=overrides(Toy))
+    result = CliRunner().invoke(toy, ["go", "in", "--count", "5"])
+    assert result.exit_code == 0, result.output
+    assert got["config"] == {"src": Path("in"), "count": 5}
+
+
+def test_a_name_declared_twice_is_refused():
+    @dataclasses.dataclass
+    class Clash:
+        quiet: bool = option(False, "--quiet2", help="Clashes with the shared --quiet.")
+
+    with pytest.raises(TypeError, match="declared twice"):
+        @command(typer.Typer(), "x", config=Clash)
+        def x(config, quiet: bool) -> None:
+            pass
