@@ -394,3 +394,21 @@ def test_resume_after_kill_9_gives_the_uninterrupted_groups(tmp_path, checkpoint
     assert len(resumed) == 40 and open_dataset(out).num_rows == 80
     # Same ids, and, as a batch's seed depends only on (seed, its prompts), the same samples.
     assert resumed == expected
+
+
+def test_a_new_backend_is_one_class_and_one_table_entry(checkpoint, tmp_path, monkeypatch):
+    """A backend registered in BACKENDS, with nothing else edited, serves collect and eval by its --backend name."""
+    from offline_rec.rollout import backends
+
+    class CopyBackend(HFBackend):
+        name, engine = "hf-copy", "transformers-copy"
+
+    monkeypatch.setitem(backends.BACKENDS, CopyBackend.name, CopyBackend)
+    common = ("--model", checkpoint, "--task", "arith", "--num-prompts", 2, "-k", 2, "--max-new-tokens", 4,
+              "--backend", "hf-copy", "-q")
+    assert run_main("collect", *common, "--out", tmp_path / "ds") == 0
+    source = open_dataset(tmp_path / "ds").manifest[S.M_SOURCE]
+    assert source["options"]["backend"] == "hf-copy", source
+    assert run_main("eval", *common, "--out", tmp_path / "eval") == 0
+    summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert summary["metrics"]["num_prompts"] == 2, summary
