@@ -17,8 +17,9 @@ is the arm's result, and its test curve is shown. Arms:
   step, dataset, constant   rec-oneside-nois, wide clip (0.6/2.0), with the baseline named (constant: 0.5)
   dataset-asym              rec-oneside-nois with the dataset baseline and clip-higher: eps_low 0.2 (negatives
                             stop once pushed below 0.8 rho), eps_high 2.0 (positives learn on, as in SFT)
-  topr                      TOPR (its 0.5 threshold; negatives tapered by min(rho, 1))
-  topr-dataset              TOPR's taper with the dataset baseline (the training rewards' mean) as threshold
+  topr                      TOPR as its preset: negatives tapered by min(rho, 1), the training rewards' mean as
+                            threshold (its baseline)
+  topr-0.5                  TOPR with the fixed threshold 0.5 (the paper's +-1 rewards with threshold 0)
   kto                       TRL KTOTrainer (prompt, completion, label = reward > 0), in TRL's own venv
   sft-positives             TRL SFTTrainer on the positive responses (filtered behaviour cloning)
   group-k8                  reference: the full demo data (8 responses per prompt, group baseline), lr 3e-4,
@@ -53,7 +54,7 @@ ARMS: dict[str, tuple[str, dict] | None] = {
     # clip-higher: the negatives' side stays at the preset's 0.2, the positives' side opens to 2.0
     "dataset-asym": ("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0, "baseline": "dataset"}),
     "topr": ("topr", {}),
-    "topr-dataset": ("topr", {"baseline": "dataset"}),
+    "topr-0.5": ("topr", {"baseline": "constant", "baseline_value": 0.5}),
     "kto": None,
     "sft-positives": None,
     "group-k8": ("rec-oneside-nois", dict(WIDE_CLIP)),

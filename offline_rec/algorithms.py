@@ -218,10 +218,14 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("red-drop", drop="balance"),
         AlgorithmSpec("red-weight", weight="advantage", temp=1.0),
         # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group.
-        # Its positives/negatives are split by the reward threshold, not by a group mean: 0.5 is the
-        # midpoint of 0/1 rewards (the paper's +-1 rewards with threshold 0); set baseline_value to yours.
-        AlgorithmSpec("topr", weight="topr", baseline="constant", baseline_value=0.5, group_mean=False),
-        AlgorithmSpec("topr-seq", weight="topr-seq", baseline="constant", baseline_value=0.5, group_mean=False),
+        # Its positives/negatives are split by a reward threshold (REINFORCE's baseline), never a group
+        # mean. The paper shows that threshold sets the data's effective share of positives; the training
+        # rewards' mean gives positives and negatives equal total weight whatever their count (with a
+        # share p of 0/1 rewards at 1: p (1 - p) each side). A fixed 0.5 (the paper's +-1 rewards with
+        # threshold 0) collapsed on logs with 22% positives (docs/paper.md, "One response per prompt"):
+        # `--set algorithm.baseline=constant --set algorithm.baseline_value=0.5` gives it back.
+        AlgorithmSpec("topr", weight="topr", baseline="dataset", group_mean=False),
+        AlgorithmSpec("topr-seq", weight="topr-seq", baseline="dataset", group_mean=False),
         # The peers' objectives (see the docstring below for each formula and the source of each default).
         AlgorithmSpec("cispo", weight="cispo", eps_low=1.0, eps_high=0.28),
         AlgorithmSpec("m2po", clip="m2po", weight="is", m2_threshold=0.04),

@@ -215,10 +215,10 @@ def test_presets_match_the_notes_table():
         assert got == (clip, weight, reg, coef, std, drop, lo, hi), name
         assert spec.name == name
         assert (spec.eps_low_prime, spec.eps_high_prime, spec.temp) == (0.6, 2.0, 1.0)
-        # TOPR splits by its reward threshold (0.5: the midpoint of 0/1 rewards), never by the group mean
+        # TOPR splits by its reward threshold (the training rewards' mean), never by the group mean
         topr = name.startswith("topr")
         assert (spec.baseline, spec.baseline_value, spec.group_mean) == (
-            ("constant", 0.5, False) if topr else ("group", 0.0, True)), name
+            ("dataset", 0.0, False) if topr else ("group", 0.0, True)), name
     assert WIDE_CLIP == {"eps_low": 0.6, "eps_high": 2.0}
 
 
@@ -648,8 +648,9 @@ def test_dataset_and_constant_baselines_by_hand():
     torch.testing.assert_close(adv, torch.tensor([0.75 / (0.5 + 1e-6), -0.25 / (0.5 + 1e-6), -c, c]))
     adv, _ = group_advantages(AlgorithmSpec(baseline="constant", baseline_value=0.5), rewards, groups)
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5]))
-    adv, _ = group_advantages(ALGORITHMS["topr"], torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "b", "c", "c"])
-    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.5, 0.5]))  # never the group mean
+    adv, _ = group_advantages(ALGORITHMS["topr"], torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "b", "c", "c"],
+                              dataset_moments=moments)
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, 0.75, 0.75]))  # r - 0.25, never the group mean
     with pytest.raises(ValueError, match="dataset_moments"):
         group_advantages(AlgorithmSpec(baseline="dataset"), rewards, groups)
 

@@ -375,10 +375,12 @@ def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline
     assert all(m["singleton_groups"] == m["groups"] and m["grad_norm"] > 0 for m in metrics)
     baseline = json.loads((out / "run" / "baseline.json").read_text())
     assert baseline["baseline"] == LOGGED["baseline"]
-    # another preset keeps its own baseline: topr's threshold, not the logged recipe's
+    # another preset keeps its own spec: topr's threshold (the data's mean), not the logged recipe's clip
     code, output = run_demo_cli(capsys, "demo", "--out", str(tmp_path / "topr"), "--model", tiny_policy, "--quick",
                                 "--logged", "--algorithm", "topr", "--num-prompts", "16", "--epochs", "1",
                                 "--eval-prompts", "8", "--select", "final", "--default-clip")
     assert code == 0, output
     baseline = json.loads((tmp_path / "topr" / "run" / "baseline.json").read_text())
-    assert (baseline["baseline"], baseline["baseline_value"], baseline["group_mean"]) == ("constant", 0.5, False)
+    assert (baseline["baseline"], baseline["group_mean"]) == ("dataset", False)
+    topr_summary = json.loads((tmp_path / "topr" / "summary.json").read_text())
+    assert "eps_low" not in topr_summary["algorithm_overrides"], topr_summary["algorithm_overrides"]

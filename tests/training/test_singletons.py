@@ -75,11 +75,12 @@ def test_all_equal_rewards_are_refused_whatever_the_baseline(tmp_path, model_dir
             train(config(tmp_path, model_dir, data, max_steps=1,
                          algorithm_overrides=overrides))
     assert not (tmp_path / "run").exists()  # refused before the run folder is written
-    with pytest.raises(UserError, match="every reward of the training data"):
-        train(config(tmp_path, model_dir, data, max_steps=1, algorithm="topr",
-                     algorithm_overrides={"baseline_value": 1.0}))
+    for overrides in ({}, {"baseline": "constant", "baseline_value": 1.0}):  # topr's own threshold: the mean
+        with pytest.raises(UserError, match="every reward of the training data"):
+            train(config(tmp_path, model_dir, data, max_steps=1, algorithm="topr", algorithm_overrides=overrides))
     # a constant under every reward still gives signal (A = 1 - 0.5 > 0 everywhere: imitation)
-    summary = train(config(tmp_path, model_dir, data, max_steps=1, algorithm="topr"))
+    summary = train(config(tmp_path, model_dir, data, max_steps=1, algorithm="topr",
+                           algorithm_overrides={"baseline": "constant", "baseline_value": 0.5}))
     assert summary["final_metrics"]["grad_norm"] > 0
 
 
