@@ -131,7 +131,9 @@ def test_streams_reach_the_client_with_what_it_asked_and_nothing_more(session):
     streams = [(e, b, p, d) for e, b, p, d in session["calls"] if b.get("stream")]
     assert len(streams) == 3
     for endpoint, body, through, direct in streams:
-        assert through[-1] == "[DONE]" and len(through) > 3  # streamed in pieces, not one blob
+        # streamed in pieces (at least an opening chunk and one more), not one blob; a sampled answer may be
+        # a single token, so the count is not asked to exceed that (CI saw 3 events once)
+        assert through[-1] == "[DONE]" and len(through) >= 3
         assert _reassembled(endpoint, through) == _reassembled(endpoint, direct)
         for chunk in through[:-1]:
             assert set(chunk) == set(next(c for c in direct if c != "[DONE]" and set(c) == set(chunk))), chunk
