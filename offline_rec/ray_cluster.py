@@ -91,13 +91,19 @@ class _ActorHost:
     """The Ray actor around one `build(rank)` object (its methods run one at a time, in the actor's process)."""
 
     def __init__(self, build: Callable[[int], object], rank: int, environment: dict[str, str]):
-        os.environ.update(environment)
-        threads = environment.get("OMP_NUM_THREADS")
-        if threads:  # torch reads OMP_NUM_THREADS at import only, which may have happened already
-            import torch
-
-            torch.set_num_threads(int(threads))
+        enter_worker_environment(environment)
         self.target = build(rank)
 
     def call(self, method: str, *args):
         return getattr(self.target, method)(*args)
+
+
+def enter_worker_environment(environment: dict[str, str]) -> None:
+    """In a worker process (a Ray actor, or collect's local engine processes): set `environment`, and torch's
+    threads to its OMP_NUM_THREADS, which torch reads at import only (that may have happened already)."""
+    os.environ.update(environment)
+    threads = environment.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))

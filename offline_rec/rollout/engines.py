@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 
 from offline_rec.errors import UserError
+from offline_rec.ray_cluster import enter_worker_environment
 from offline_rec.rollout.backends import Sample, SamplingSettings, derive_seed
 from offline_rec.rollout.config import DEFAULT_REWARD_WORKERS
 
@@ -463,11 +464,10 @@ def _exit_description(code: int | None) -> str:
 
 def _engine_process(connection, spec: EngineSpec, rank: int, environment: dict[str, str]) -> None:
     """A child process's life: build the engine, then serve begin/work/end until close (or the coordinator's end)."""
-    os.environ.update(environment)
     _die_with_parent()
     worker = None
     try:
-        _set_threads(environment)
+        enter_worker_environment(environment)
         worker = EngineWorker(spec.build(rank))
         connection.send(("ready", worker.info))
         while True:
@@ -506,14 +506,6 @@ def _engine_process(connection, spec: EngineSpec, rank: int, environment: dict[s
 def _describe(error: BaseException) -> str:
     text = str(error).strip()
     return text if isinstance(error, UserError) else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _set_threads(environment: dict[str, str]) -> None:
-    threads = environment.get("OMP_NUM_THREADS")
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
 
 
 def _die_with_parent() -> None:
