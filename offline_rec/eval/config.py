@@ -20,6 +20,7 @@ from pathlib import Path
 
 from offline_rec.errors import UserError
 from offline_rec.options import api_only, cli_fields, option
+from offline_rec.rollout.config import sampling_option
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
 SUCCESS_THRESHOLD = 0.5
@@ -44,41 +45,26 @@ class EvalConfig:
     # -- rollouts
     num_samples: int = option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k).")
     greedy: bool = option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy).")
-    prompts: str | None = option(
-        None, "--prompts",
-        help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).",
-    )
-    prompt_column: str | None = option(
-        None, "--prompt-column",
-        help="The prompt file's prompt column (default: the task's).",
-    )
-    num_prompts: int | None = option(
-        None, "--num-prompts",
-        help="First N prompts of the file, or N built-in prompts (default: all / 512).",
-    )
+    prompts: str | None = sampling_option("prompts")
+    prompt_column: str | None = sampling_option("prompt_column")
+    num_prompts: int | None = sampling_option("num_prompts")
     split: str = option("test", "--split", help="Built-in prompts: test (held out, the default) or train.")
-    reward: str | None = option(None, "--reward", help="Replace the task's reward with module:function.")
-    backend: str | None = option(None, "--backend", help="hf or vllm (default: vllm when importable, else hf).")
+    reward: str | None = sampling_option("reward")
+    backend: str | None = sampling_option("backend")
     temperature: float | None = option(
         None, "--temperature",
         help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
     )
-    top_p: float = option(1.0, "--top-p", help="Nucleus sampling mass (1: off).")
-    top_k: int | None = option(None, "--top-k", help="Top-k truncation (default: none).")
-    max_new_tokens: int = option(256, "--max-new-tokens", help="Longest completion, in tokens.")
+    top_p: float = sampling_option("top_p")
+    top_k: int | None = sampling_option("top_k")
+    max_new_tokens: int = sampling_option("max_new_tokens")
     seed: int = option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap.")
     batch_size: int = option(
         16, "--batch-size",
         help="Prompts per generate call; --offline: sequences per forward pass.",
     )
-    dtype: str | None = option(
-        None, "--dtype",
-        help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).",
-    )
-    chat_template: bool = option(
-        True, "--chat-template/--no-chat-template",
-        help="Render chat-message prompts with the tokenizer's chat template.",
-    )
+    dtype: str | None = sampling_option("dtype")
+    chat_template: bool = sampling_option("chat_template")
     success_threshold: float = option(
         SUCCESS_THRESHOLD, "--success-threshold",
         help="A sample is correct when its reward is above this (accuracy, pass@k).",
@@ -91,10 +77,7 @@ class EvalConfig:
         1, "--data-parallel-size",
         help="Engines sampling the rollouts (one per GPU set; on a CPU, processes).",
     )
-    ray_address: str | None = option(
-        None, "--ray-address",
-        help="Run the engines as Ray actors on this Ray cluster ('auto': the running one).",
-    )
+    ray_address: str | None = sampling_option("ray_address")
     reward_timeout_s: float = option(
         REWARD_TIMEOUT_S, "--reward-timeout",
         help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
