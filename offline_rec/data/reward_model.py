@@ -198,14 +198,19 @@ def _score_worker(shards: list[str], score_files: list[str], device: str | None,
     """One data-parallel worker: its own model on its own GPU, its shards' scores committed one by one."""
     if device is not None:  # before torch or vLLM initialise CUDA: this process sees its GPU only
         os.environ["CUDA_VISIBLE_DEVICES"] = device
+    scorer, max_batch_tokens = _worker_scorer(options)
+    for shard, path in zip(shards, score_files):
+        if not Path(path).exists():
+            _commit_scores(_score_shard(Path(shard), scorer, max_batch_tokens), Path(path))
+
+
+def _worker_scorer(options: dict) -> tuple:
+    """A data-parallel worker's (reward model, max_batch_tokens), from the options its coordinator passed."""
     from offline_rec.models.reward_model import load_reward_model
 
     options = dict(options)
     max_batch_tokens = options.pop("max_batch_tokens")
-    scorer = load_reward_model(options.pop("model"), **options)
-    for shard, path in zip(shards, score_files):
-        if not Path(path).exists():
-            _commit_scores(_score_shard(Path(shard), scorer, max_batch_tokens), Path(path))
+    return load_reward_model(options.pop("model"), **options), max_batch_tokens
 
 
 RAY_SHARDS_IN_FLIGHT = 2  # shards handed to each Ray worker at once: the next one waits while one is scored
@@ -252,11 +257,7 @@ class _RayScorer:
     """One Ray actor's reward model (held by ray_cluster's actor host, in the actor's process)."""
 
     def __init__(self, options: dict, rank: int):
-        from offline_rec.models.reward_model import load_reward_model
-
-        options = dict(options)
-        self.max_batch_tokens = options.pop("max_batch_tokens")
-        self.scorer = load_reward_model(options.pop("model"), **options)
+        self.scorer, self.max_batch_tokens = _worker_scorer(options)
 
     def score(self, rows: pa.Table) -> pa.Table:
         return _score_rows(rows, self.scorer, self.max_batch_tokens)
