@@ -99,6 +99,17 @@ def test_the_package_modules_all_have_a_docstring(graph):
     assert not missing, missing
 
 
+def test_no_two_classes_of_the_package_share_a_name():
+    """A reader who meets a class name (in a traceback, a doc, a grep) finds one class."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module_name(path))
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not shared, shared
+
+
 # --------------------------------------------------------------------------------------------
 # backends: what a backend can do is read from its class in rollout/backends/, never from its name
 
