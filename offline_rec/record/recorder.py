@@ -38,7 +38,7 @@ from typing import Any
 from offline_rec.errors import UserError
 from offline_rec.record import episodes as E
 from offline_rec.record import sink
-from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source
+from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source, read_field
 
 REDACTED = "[redacted]"
 JOURNAL_COMPACT_BYTES = 64 << 20  # rewrite the journal past this size when most of it is closed episodes
@@ -134,7 +134,7 @@ def call_records(
     prompts = _batch_prompts(endpoint, request)
     if prompts is None:
         return [{"record_id": uuid.uuid4().hex, "request": request, "response": response, **base}]
-    n = request.get("n") or 1
+    n = read_field(request, "n", int) or 1  # "2" and 2.0 are 2, as vLLM reads them
     records = []
     for k, prompt in enumerate(prompts):
         choices = [
