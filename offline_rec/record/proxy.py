@@ -775,6 +775,8 @@ def run_record(
         warn(f"recovered what a stopped proxy left in {out}: {len(recovered.closed_files)} file(s) closed "
              f"({recovered.torn_bytes} bytes of a torn last line cut), {len(recovered.episodes)} open episode(s) "
              "written")
+    for path, why in recovered.left_alone:
+        warn(f"record: {path.name} in {out} left alone by recovery ({why})")
     tick = min(1.0, options.episode_idle_timeout / 4, options.fsync_interval or 1.0)
     config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=30)

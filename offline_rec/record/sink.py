@@ -14,8 +14,10 @@ Files in the output directory (STEM = `record-<UTC time>-<pid>`, one per proxy r
   a "closed" line once the episode's line is written), so a killed proxy loses no finished call.
 
 Files are created 0600 and the directory 0700 (recorded prompts are user data); no file is
-opened through a symlink (O_NOFOLLOW), and recovery leaves anything but a regular file alone,
-so a link planted in the directory cannot make the proxy truncate or rename a file elsewhere.
+opened through a symlink (O_NOFOLLOW), a new file is never opened over an existing name
+(O_EXCL), and recovery leaves alone anything but a regular file of the proxy's own user with one
+link, so a symlink or hard link planted in the directory cannot make the proxy write, truncate or
+rename a file elsewhere.
 
 The proxy holds an exclusive `flock` on its `.open` file and journal. A new proxy starting on
 the directory recovers the files whose lock is free (their writer is gone): it cuts a torn last
@@ -191,14 +193,25 @@ def whole_lines(path: Path) -> Iterator[bytes]:
                 yield raw
 
 
-def _try_lock(path: Path) -> int | None:
-    """A locked read-write descriptor of `path`, or None while another process holds it."""
+def _try_lock(path: Path, left_alone: list) -> int | None:
+    """A locked read-write descriptor of `path`, or None: while another process holds it, or when the file
+    may not be ours (noted in `left_alone` as (path, why)): a hard link (more than one name, so
+    possibly a file elsewhere), a file of another user, anything but a regular file."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, OSError):  # gone, or a symlink (ELOOP), or not openable: not ours to touch
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device, a directory
+    info = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(info.st_mode):  # a FIFO, a device, a directory
+        why = "not a regular file"
+    elif info.st_nlink > 1:
+        why = f"{info.st_nlink} hard links: it may be a file elsewhere"
+    elif info.st_uid != os.geteuid():
+        why = f"owned by user {info.st_uid}, not this proxy's"
+    if why is not None:
         os.close(fd)
+        left_alone.append((path, why))
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -237,13 +250,14 @@ class Recovered:
     torn_bytes: int = 0
     episodes: list[dict] = field(default_factory=list)  # {"episode_id", "calls"}
     journals: list[Path] = field(default_factory=list)  # remove once the episodes are written
+    left_alone: list[tuple[Path, str]] = field(default_factory=list)  # (file, why recovery did not touch it)
 
 
 def recover(directory: Path) -> Recovered:
     """Close the `.open` files and read the journals of proxies that are gone (their lock is free)."""
     found = Recovered()
     for path in sorted(directory.glob(f"{PREFIX}*{OPEN_SUFFIX}")):
-        fd = _try_lock(path)
+        fd = _try_lock(path, found.left_alone)
         if fd is None:
             continue
         try:
@@ -257,7 +271,7 @@ def recover(directory: Path) -> Recovered:
         finally:
             os.close(fd)
     for journal in sorted(directory.glob(f"{PREFIX}*{JOURNAL_SUFFIX}")):
-        fd = _try_lock(journal)
+        fd = _try_lock(journal, found.left_alone)
         if fd is None:
             continue
         try:
