@@ -203,7 +203,7 @@ class Recorder:
         recovered = sink.recover(self.out)
         stem = sink.new_stem()
         self.files = sink.RecordFiles(self.out, stem, self.options.rotate_bytes, self.options.rotate_seconds,
-                                      self.clock)
+                                      self.clock, warn=self.warn)
         self.journal = sink.LineFile(self.out / f"{stem}{sink.JOURNAL_SUFFIX}")
         self._last_sync = self.clock()
         for episode in recovered.episodes:
@@ -218,14 +218,24 @@ class Recorder:
         """Write the episodes still open (closed_by "shutdown"), close the files (they become `.jsonl`)."""
         if self.files is None:
             return
+        failed_before = self.stats["write_errors"]
         for episode in self.book.drain():
             self._write_episode(episode, E.CLOSED_BY_SHUTDOWN)
-        self.files.close()
-        journal_path = self.journal.path
-        self.journal.close()
-        journal_path.unlink(missing_ok=True)
-        sink.fsync_dir(self.out)
+        try:
+            self.files.close()
+        except OSError as e:
+            self._write_failed(e)
         self.files = None
+        journal_path = self.journal.path
+        try:
+            self.journal.close()
+            if self.stats["write_errors"] == failed_before:
+                journal_path.unlink(missing_ok=True)
+            else:  # an episode's line may be missing: the next proxy's recovery writes it from the journal
+                self.warn(f"record: {journal_path.name} kept for the next proxy's recovery (write errors at shutdown)")
+            sink.fsync_dir(self.out)
+        except OSError as e:
+            self._write_failed(e)
 
     # ---- calls
 
