@@ -99,6 +99,7 @@ class ProxyState:
     models_fetched_at: float = -1e9
     models_task: object = None
     tasks: list = field(default_factory=list)
+    stopping: bool = False  # a stop signal came: calls cancelled from now on were cut by the shutdown
 
     def __post_init__(self):
         self.upstream, basic = split_credentials(self.upstream)
@@ -238,24 +239,42 @@ async def _ticker(state: ProxyState, period: float) -> None:
 # handlers
 
 
-def _streaming_response(content, cleanup, status_code: int, headers: dict):
-    """A streamed response that always runs `cleanup` (close the upstream, settle the call), even when
-    the client goes away before the first byte (starlette then never starts the body iterator)."""
+def _streaming_response(state: ProxyState, content, cleanup, status_code: int, headers: dict,
+                        cut_event: bytes | None = None):
+    """A streamed response that always runs `cleanup(cut)` (close the upstream, settle the call), even when
+    the client goes away before the first byte (starlette then never starts the body iterator).
+
+    cut: the proxy's shutdown cancelled the stream (--shutdown-timeout ran out). The cancellation
+    ends here, not in uvicorn (which would log it as a traceback); the client gets `cut_event` (an
+    SSE error event) and the end of the body, so it learns that its stream did not finish."""
     import anyio
     from starlette.responses import StreamingResponse
 
     class Streamed(StreamingResponse):
         async def __call__(self, scope, receive, send):
+            cut = False
             try:
                 await super().__call__(scope, receive, send)
+            except asyncio.CancelledError:
+                if not state.stopping:
+                    raise
+                cut = True
+                if cut_event is not None:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await send({"type": "http.response.body", "body": cut_event, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 with anyio.CancelScope(shield=True):
                     close = getattr(self.body_iterator, "aclose", None)
                     if close is not None:
                         await close()
-                    await cleanup()
+                    await cleanup(cut)
 
     return Streamed(content, status_code=status_code, headers=headers)
+
+
+def _shutdown_cut_message(state: ProxyState) -> str:
+    return f"cut by shutdown (--shutdown-timeout {state.settings.shutdown_timeout} s)"
 
 
 class Refused(Exception):
@@ -432,6 +451,12 @@ async def handle(state: ProxyState, request):
         from starlette.responses import Response
 
         return Response(status_code=499)
+    except asyncio.CancelledError:
+        if not state.stopping:
+            raise
+        # the shutdown timeout ran out before the answer: said here, not as uvicorn's traceback
+        state.warn(f"record: a call {_shutdown_cut_message(state)} ({path}); the call is not recorded")
+        return _error(503, "the proxy shut down before the answer; the call is not recorded", "ServiceUnavailable")
 
 
 async def passthrough(state: ProxyState, request, path: str, body: bytes):
@@ -441,7 +466,7 @@ async def passthrough(state: ProxyState, request, path: str, body: bytes):
         upstream = await _send(state, request.method, url, _forward_headers(state, request.headers, False), body)
     except _upstream_errors() as e:
         return _bad_gateway(state, e)
-    return _streaming_response(upstream.content.iter_any(), lambda: _release(upstream), upstream.status,
+    return _streaming_response(state, upstream.content.iter_any(), lambda cut: _release(upstream), upstream.status,
                                _client_headers(state, upstream.headers, False))
 
 
@@ -648,13 +673,18 @@ async def recorded(state: ProxyState, request, path: str, identity: str, raw: by
         if splitter.rest():
             yield splitter.rest()
 
-    async def finish() -> None:
+    async def finish(cut: bool) -> None:
         if not settled and not ended:
-            state.warn(f"record: a client went away during its stream ({path}); the call is not recorded")
+            why = _shutdown_cut_message(state) if cut else "a client went away during its stream"
+            state.warn(f"record: {why} ({path}); the call is not recorded")
         settle()
         upstream.release()
 
-    return _streaming_response(events(), finish, 200, _client_headers(state, upstream.headers, True))
+    cut_event = format_event(exchange.dumps({"error": {
+        "message": "offline-rec record: the proxy shut down before this stream ended; it is not recorded",
+        "type": "ServiceUnavailable", "param": None, "code": 503}}))
+    return _streaming_response(state, events(), finish, 200, _client_headers(state, upstream.headers, True),
+                               cut_event)
 
 # --------------------------------------------------------------------------------------------
 # the app
@@ -704,12 +734,33 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
     return Starlette(routes=[Route("/{path:path}", every_route, methods=methods)], lifespan=lifespan)
 
 
-def _server(config):
+def _server(config, state: ProxyState):
     """uvicorn's Server, minus re-raising SIGINT/SIGTERM after its graceful shutdown (the process would
-    die of it before `record` prints its summary and exits 0)."""
+    die of it before `record` prints its summary and exits 0), with a shutdown of its own: calls in
+    flight get --shutdown-timeout seconds (none after a second SIGINT), the rest are cut (each said
+    once, no traceback), and the app's shutdown (open episodes written, files closed) always runs."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.stopping = True
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()  # idle ones close now, busy ones after their response
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + state.settings.shutdown_timeout
+            while self.server_state.tasks and not self.force_exit and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            running = list(self.server_state.tasks)
+            if running:
+                for task in running:
+                    task.cancel()
+                await asyncio.wait(running, timeout=10)
+            await self.lifespan.shutdown()
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -778,9 +829,8 @@ def run_record(
     for path, why in recovered.left_alone:
         warn(f"record: {path.name} in {out} left alone by recovery ({why})")
     tick = min(1.0, options.episode_idle_timeout / 4, options.fsync_interval or 1.0)
-    config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=30)
+    config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on")
     auth = f"{len(keys)} client key(s)" if keys else "no client key"
     warn(f"recording http://{host}:{sock.getsockname()[1]} -> {state.upstream} into {out} ({auth})")
-    _server(config).run(sockets=[sock])
+    _server(config, state).run(sockets=[sock])
     return dict(recorder.stats)

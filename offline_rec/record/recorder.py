@@ -191,7 +191,7 @@ class Recorder:
         self.files: sink.RecordFiles | None = None
         self.journal: sink.LineFile | None = None
         self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0,
-                      "unrecordable": 0}
+                      "unrecordable": 0, "recovered_episodes": 0}
         self._last_sync = 0.0
         self._last_warning = -1e9
 
@@ -207,7 +207,10 @@ class Recorder:
         self.journal = sink.LineFile(self.out / f"{stem}{sink.JOURNAL_SUFFIX}")
         self._last_sync = self.clock()
         for episode in recovered.episodes:
-            self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY))
+            if self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY)):
+                self.stats["recovered_episodes"] += 1  # counted in "episodes" and "calls" too
+                self.stats["episodes"] += 1
+                self.stats["calls"] += len(episode["calls"])
         self.files.current.sync()
         for journal in recovered.journals:
             journal.unlink(missing_ok=True)
