@@ -48,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from offline_rec.errors import UserError, one_of
-from offline_rec.record import exchange
+from offline_rec.record import exchange, heads
 from offline_rec.record.assemble import DONE, SseSplitter, StreamAssembler, event_data, expected_choices, format_event
 from offline_rec.record.episodes import END_HEADER, ID_HEADER, is_end
 from offline_rec.record.recorder import Recorder, RecordOptions, call_records
@@ -62,7 +62,11 @@ PROBE_PROMPT = "The quick brown fox"
 PROBE_TOLERANCE = 1e-3  # nats: raw log-probs of one prompt at two temperatures agree far closer
 MODELS_REFRESH_SECONDS = 30.0
 MAX_JSON_DEPTH = 200  # a recorded request nested deeper is refused (the line writer must never hit recursion)
-OPEN_PATHS = ("/health",)  # answered without a client key (load balancers), as vLLM's server does
+HEALTH = "/health"  # answered by the proxy itself, GET and HEAD only, without a client key (load balancers)
+# Routes where vLLM generates answers in shapes this proxy does not record: refused (501), so that no
+# generated answer passes through unrecorded. A path under one of them is refused too.
+UNRECORDED_GENERATION = ("/invocations", "/v1/responses", "/v1/messages", "/v1/audio/transcriptions",
+                         "/v1/audio/translations")
 
 
 def upstream_base(url: str) -> str:
@@ -432,7 +436,12 @@ async def handle(state: ProxyState, request):
     try:
         _check_headers(state, request.scope)
         path = canonical_path(request.scope["path"])
-        identity = None if path in OPEN_PATHS else _client_identity(state, request.headers)
+        if path == HEALTH:
+            return _health(request)
+        identity = _client_identity(state, request.headers)
+        if any(path == route or path.startswith(route + "/") for route in UNRECORDED_GENERATION):
+            raise Refused(501, f"{path} is not recorded: send chat completions to /v1/chat/completions and "
+                               "completions to /v1/completions", "NotImplemented")
         if path in exchange.ENDPOINTS and request.method != "POST":
             raise Refused(405, f"{path} takes POST", "MethodNotAllowed")
         body = await _read_body(state, request)
@@ -457,6 +466,15 @@ async def handle(state: ProxyState, request):
         # the shutdown timeout ran out before the answer: said here, not as uvicorn's traceback
         state.warn(f"record: a call {_shutdown_cut_message(state)} ({path}); the call is not recorded")
         return _error(503, "the proxy shut down before the answer; the call is not recorded", "ServiceUnavailable")
+
+
+def _health(request):
+    """200 while the proxy serves (it says nothing of the upstream: ask the upstream's own /health)."""
+    from starlette.responses import Response
+
+    if request.method not in ("GET", "HEAD"):
+        raise Refused(405, f"{HEALTH} takes GET or HEAD", "MethodNotAllowed")
+    return Response(status_code=200)
 
 
 async def passthrough(state: ProxyState, request, path: str, body: bytes):
@@ -829,7 +847,13 @@ def run_record(
     for path, why in recovered.left_alone:
         warn(f"record: {path.name} in {out} left alone by recovery ({why})")
     tick = min(1.0, options.episode_idle_timeout / 4, options.fsync_interval or 1.0)
-    config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on")
+    protocol = heads.head_limited_protocol(
+        settings.max_header_bytes + heads.REQUEST_LINE_BYTES, settings.header_timeout,
+        too_large=f"request head over {settings.max_header_bytes + heads.REQUEST_LINE_BYTES} bytes (--max-header-kb "
+                  f"{settings.max_header_kb}, plus {heads.REQUEST_LINE_BYTES} for the request line)",
+        too_slow=f"request line and headers not received within --header-timeout {settings.header_timeout} s")
+    config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on",
+                            http=protocol)
     auth = f"{len(keys)} client key(s)" if keys else "no client key"
     warn(f"recording http://{host}:{sock.getsockname()[1]} -> {state.upstream} into {out} ({auth})")
     _server(config, state).run(sockets=[sock])

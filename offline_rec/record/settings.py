@@ -88,7 +88,7 @@ class ProxySettings:
     )
     shutdown_timeout: float = option(
         30.0, "--shutdown-timeout",
-        help="Seconds calls in flight have to finish after SIGINT/SIGTERM (a second signal: none); "
+        help="Seconds calls in flight have to finish after SIGINT/SIGTERM (after a second SIGINT: none); "
              "longer: cut, not recorded.",
     )
     max_open_episodes: int = option(
