@@ -527,10 +527,11 @@ def _episode_of(state: ProxyState, request, identity: str) -> tuple[str, str] | 
         raise Refused(400, f"X-Episode-Id is longer than {MAX_EPISODE_ID_CHARS} characters", "BadRequestError",
                       ID_HEADER)
     key = (identity, episode_id)
-    book = state.recorder.book.open
-    if key not in book and len(book) >= state.settings.max_open_episodes:
-        raise Refused(429, f"{len(book)} episodes are open (--max-open-episodes): close one (X-Episode-End) "
-                           "or wait for the idle timeout", "TooManyRequests", ID_HEADER)
+    book = state.recorder.book
+    if key not in book.open and book.open_by(identity) >= state.settings.max_open_episodes:
+        raise Refused(429, f"{book.open_by(identity)} episodes of this client are open (--max-open-episodes, per "
+                           "key): close one (X-Episode-End) or wait for the idle timeout", "TooManyRequests",
+                      ID_HEADER)
     return key
 
 

@@ -167,6 +167,14 @@ class RecordOptions:
     """Seconds between fsyncs of the open files; 0: fsync before each response's last byte goes out."""
     episode_idle_timeout: float = 300.0
     redact_fields: tuple[tuple[str, ...], ...] = ()
+    max_episode_bytes: int = 64 << 20
+    """An episode whose recorded calls pass this size is written (closed_by "max-size") once its calls
+    in flight finish; the id's next call starts a new episode."""
+
+
+def _closed_by(episode: E.Episode) -> str:
+    """Why an episode closed when its last call in flight finished: an end header, else its size."""
+    return E.CLOSED_BY_END if episode.ending else E.CLOSED_BY_SIZE
 
 
 class Recorder:
@@ -178,6 +186,8 @@ class Recorder:
             raise UserError(f"--rotate-mb must be > 0, got {options.rotate_bytes / (1 << 20)}")
         if options.fsync_interval < 0:
             raise UserError(f"--fsync-interval must be >= 0, got {options.fsync_interval}")
+        if options.max_episode_bytes < 1:
+            raise UserError(f"--max-episode-mb must be > 0, got {options.max_episode_bytes / (1 << 20)}")
         if options.episode_idle_timeout <= 0:
             raise UserError(f"--episode-idle-timeout must be > 0, got {options.episode_idle_timeout}")
         self.out = Path(out)
@@ -187,7 +197,7 @@ class Recorder:
         self.warn = warn or (lambda message: None)
         self.wall_clock = wall_clock
         self.clock = clock
-        self.book = E.EpisodeBook()
+        self.book = E.EpisodeBook(owner=lambda key: key[0])  # key: (client, X-Episode-Id)
         self.files: sink.RecordFiles | None = None
         self.journal: sink.LineFile | None = None
         self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0,
@@ -268,9 +278,12 @@ class Recorder:
                 self._write_bytes(line)
         else:
             self._journal_bytes(lines[0])
+            held = self.book.open[episode]  # open until this call (in flight) finishes
+            held.size += len(lines[0])
+            held.too_large = held.too_large or held.size > self.options.max_episode_bytes
             closed = self.book.finish(episode, seq, records, end, self.clock())
             if closed is not None:
-                self._write_episode(closed, E.CLOSED_BY_END)
+                self._write_episode(closed, _closed_by(closed))
         if self.options.fsync_interval == 0:
             await self.sync()
         return True
@@ -282,7 +295,7 @@ class Recorder:
             return
         closed = self.book.finish(episode, seq, None, end, self.clock())
         if closed is not None:
-            self._write_episode(closed, E.CLOSED_BY_END)
+            self._write_episode(closed, _closed_by(closed))
 
     async def tick(self) -> None:
         """Periodic work: close idle episodes, rotate an old file, fsync per the policy."""

@@ -37,6 +37,11 @@ class RecordConfig:
         300.0, "--episode-idle-timeout",
         help="Seconds without a call after which an episode is written as it is.",
     )
+    max_episode_mb: float = option(
+        64.0, "--max-episode-mb",
+        help="An episode whose calls pass this size (MB) is written (closed_by max-size); its id's next call "
+             "starts a new one.",
+    )
     rotate_mb: float = option(256.0, "--rotate-mb", help="Start a new file past this size (MB).")
     rotate_seconds: float = option(3600.0, "--rotate-seconds", help="Start a new file after this many seconds.")
     fsync_interval: float = option(
@@ -93,7 +98,7 @@ class ProxySettings:
     )
     max_open_episodes: int = option(
         10000, "--max-open-episodes",
-        help="Most episodes open at once; a call opening one more: 429.",
+        help="Most episodes open at once per client key; a call opening one more: 429.",
     )
 
     def __post_init__(self):

@@ -434,3 +434,48 @@ def test_generating_routes_the_proxy_cannot_record_are_refused(fake, proxy, path
                         timeout=5)
     assert answer.status_code == 501 and "/v1/chat/completions" in answer.json()["error"]["message"]
     assert len(fake.requests) == sent
+
+
+# -------------------------------------------------------------------------------------------- risks: episodes
+
+
+def test_the_open_episode_quota_is_per_key(fake, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("key-one\nkey-two\n")
+    process = RecordProcess(fake.url, tmp_path / "rec", "--api-key-file", str(keys), "--max-open-episodes", "2",
+                            "--logprobs-mode", "processed_logprobs")
+
+    def episode_call(key: str, episode: str, end: bool = False):
+        headers = {"Authorization": f"Bearer {key}", "X-Episode-Id": episode, **({"X-Episode-End": "1"} if end else {})}
+        return httpx.post(process.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, headers=headers, timeout=30)
+
+    try:
+        assert [episode_call("key-one", f"a{k}").status_code for k in range(3)] == [200, 200, 429]
+        assert "per key" in episode_call("key-one", "a3").json()["error"]["message"]
+        assert [episode_call("key-two", f"b{k}").status_code for k in range(3)] == [200, 200, 429]  # its own quota
+        assert episode_call("key-one", "a0", end=True).status_code == 200  # closing one frees a place
+        assert episode_call("key-one", "a2").status_code == 200
+    finally:
+        assert process.stop() == 0
+    closed = sorted((line["episode_id"], len(line["calls"])) for line in strict_lines(tmp_path / "rec"))
+    assert closed == [("a0", 2), ("a1", 1), ("a2", 1), ("b0", 1), ("b1", 1)]
+
+
+def test_an_episode_past_max_episode_mb_is_written_and_the_id_starts_a_new_one(fake, tmp_path):
+    process = RecordProcess(fake.url, tmp_path / "rec", "--max-episode-mb", "0.004",
+                            "--logprobs-mode", "processed_logprobs")
+    ids = []
+    try:
+        for k in range(6):
+            headers = {"X-Episode-Id": "long", **({"X-Episode-End": "1"} if k == 5 else {})}
+            answer = httpx.post(process.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, headers=headers,
+                                timeout=30)
+            ids.append(answer.json()["id"])
+    finally:
+        assert process.stop() == 0
+    lines = strict_lines(tmp_path / "rec")
+    assert len(lines) >= 2 and {line["episode_id"] for line in lines} == {"long"}
+    assert [line["closed_by"] for line in lines] == ["max-size"] * (len(lines) - 1) + ["end-header"]
+    assert [c["response"]["id"] for line in lines for c in line["calls"]] == ids  # every call once, in order
+    for line in lines[:-1]:  # each written as soon as it passed 4 KB: one call more would not fit
+        assert len(json.dumps(line["calls"][:-1])) < 0.004 * (1 << 20) < len(json.dumps(line["calls"])) + 2048
