@@ -6,7 +6,9 @@ POST /v1/chat/completions and /v1/completions (streamed or not) go upstream with
 needs added (`exchange.upstream_request`), come back to the client as it asked for them, and are
 recorded once complete (`recorder.Recorder`): for a streamed response the line is written before
 the final `data: [DONE]` event goes out, for a whole one before the response. Everything else
-(/v1/models, /health, /tokenize, ...) passes through untouched and unrecorded.
+(/v1/models, /tokenize, ...) passes through untouched and unrecorded, except /health (answered
+by the proxy: GET and HEAD, 200) and the routes where vLLM generates answers of other shapes
+(`UNRECORDED_GENERATION`: refused with 501, so that nothing generated leaves unrecorded).
 
 Upstream errors (any status but 200, an error event in a stream, an unreachable upstream) reach
 the client unchanged (unreachable: 502, timed out: 504, with an OpenAI-style error body) and are
@@ -15,8 +17,9 @@ has an upstream key of its own) minus hop-by-hop headers, the episode headers an
 (the proxy reads the bodies); none is ever written to disk. Credentials in --upstream are never
 shown (errors, logs): they are sent as the upstream's Authorization instead.
 
-Every request is checked once, in this order, before anything goes upstream (`handle`): header
-size and count (431), the path, normalized once (dot segments, duplicate and trailing slashes; a
+A request's head is bounded in bytes and time while it is read, before the app sees it
+(`heads`). Every request is then checked once, in this order, before anything goes upstream
+(`handle`): header size and count (431), the path, normalized once (dot segments, duplicate and trailing slashes; a
 path holding an encoded `?`, `#`, backslash or control character: 400), the client's key (401;
 `/health` excepted), the body's size (413) and the time it takes to arrive (408). A normalized
 path that names a recorded route IS that route (recorded, or refused with 400 naming what makes
