@@ -8,8 +8,8 @@ header timeout, so a connection silent mid-header stayed open for good (issue 38
 
 - bytes: a head still incomplete past `max_head_bytes` is answered 431 and the connection closed
   (at most one read, <= 256 KB, beyond the limit is ever held);
-- time: a head not complete `header_timeout` seconds after its first byte (for a new connection:
-  after it opened) is answered 408 (closed without an answer when not a byte came). An idle
+- time: a head not complete `header_timeout` seconds after its first bytes came (for a new
+  connection: after it opened) is answered 408 (closed without an answer when not a byte came). An idle
   kept-alive connection between requests is uvicorn's keep-alive timeout's business, not this one's.
 """
 
@@ -46,11 +46,13 @@ def head_limited_protocol(max_head_bytes: int, header_timeout: float, too_large:
 
         def data_received(self, data: bytes) -> None:
             if self.reading_head:
-                self._start_head_clock()  # a kept-alive connection: the next request's first byte
                 self.head_bytes += len(data)
             super().data_received(data)
-            if self.reading_head and self.head_bytes > max_head_bytes and not self.transport.is_closing():
-                self._refuse(431, too_large)
+            if self.reading_head and self.head_bytes and not self.transport.is_closing():
+                if self.head_bytes > max_head_bytes:
+                    self._refuse(431, too_large)
+                else:  # a head still incomplete (a kept-alive connection: the next request's first bytes)
+                    self._start_head_clock()
 
         def on_headers_complete(self) -> None:
             self.reading_head = False
@@ -76,8 +78,12 @@ def head_limited_protocol(max_head_bytes: int, header_timeout: float, too_large:
                 self.transport.close()
 
         def _refuse(self, status: int, message: str) -> None:
-            """Answer `status` with an OpenAI-style error body, and close the connection."""
+            """Answer `status` with an OpenAI-style error body, and close the connection (without an answer
+            while an earlier request's response is still going out: it would land inside that one)."""
             self._stop_head_clock()
+            if self.cycle is not None and not self.cycle.response_complete:
+                self.transport.close()
+                return
             phrase = http.HTTPStatus(status).phrase
             body = json.dumps({"error": {"message": f"offline-rec record: {message}", "type": phrase.replace(" ", ""),
                                          "param": None, "code": status}}).encode()

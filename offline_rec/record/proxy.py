@@ -19,9 +19,10 @@ shown (errors, logs): they are sent as the upstream's Authorization instead.
 
 A request's head is bounded in bytes and time while it is read, before the app sees it
 (`heads`). Every request is then checked once, in this order, before anything goes upstream
-(`handle`): header size and count (431), the path, normalized once (dot segments, duplicate and trailing slashes; a
-path holding an encoded `?`, `#`, backslash or control character: 400), the client's key (401;
-`/health` excepted), the body's size (413) and the time it takes to arrive (408). A normalized
+(`handle`): header size and count (431), the path, normalized once (dot segments, duplicate and
+trailing slashes; a path holding an encoded `?`, `#`, backslash or control character: 400), the
+client's key (401; `/health` excepted), the body's size (413) and the time it takes to arrive
+(408). A normalized
 path that names a recorded route IS that route (recorded, or refused with 400 naming what makes
 it unrecordable), never passed through unrecorded. A non-streamed call whose client disconnects
 before the answer is cancelled upstream and not recorded.

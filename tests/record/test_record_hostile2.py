@@ -350,16 +350,22 @@ def test_6_a_stream_longer_than_the_shutdown_timeout_is_cut_and_said_so(fake, tm
                             "--logprobs-mode", "processed_logprobs")
     received: list = []
     streams = [stream_in_background(process.url, 0.5, received) for _ in range(3)]  # ~4 s each
+    whole: list = []
+    waiting = threading.Thread(target=lambda: whole.append(httpx.post(
+        process.url + CHAT, json={"model": MODEL, "messages": MESSAGES}, headers={"x-fake-delay": "0.5"}, timeout=30)))
+    waiting.start()  # a whole answer that takes ~4 s too
     wait_streaming(streams)
     began = time.monotonic()
     code = process.stop()
     stopped = time.monotonic() - began
     for thread, _ in streams:
         thread.join(10)
+    waiting.join(10)
     err = process.stderr()
     assert code == 0 and stopped < 4, (stopped, err)
     assert "Traceback" not in err and "went away" not in err, err
-    assert err.count("cut by shutdown") == 3 and "--shutdown-timeout 1" in err, err
+    assert err.count("cut by shutdown") == 4 and "--shutdown-timeout 1" in err, err
+    assert whole[0].status_code == 503 and "shut down" in whole[0].json()["error"]["message"]
     body = b"".join(r for r in received if isinstance(r, bytes))
     assert b"[DONE]" not in body and body.count(b"shut down") == 3  # each client is told in its stream
     assert "recorded 0 lines" in process.stdout()
