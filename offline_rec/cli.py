@@ -406,6 +406,7 @@ def record(config: RecordConfig, settings: ProxySettings) -> None:
         rotate_bytes=int(config.rotate_mb * (1 << 20)), rotate_seconds=config.rotate_seconds,
         fsync_interval=config.fsync_interval, episode_idle_timeout=config.episode_idle_timeout,
         redact_fields=tuple(parse_redact_field(f) for f in config.redact_field),
+        max_episode_bytes=int(config.max_episode_mb * (1 << 20)),
     )
     stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=options,
                        settings=settings, logprobs_mode=config.logprobs_mode,

@@ -80,7 +80,9 @@ def merge_line(summary: dict) -> str:
 
 
 def record_line(stats: dict, out) -> str:
-    return (f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
+    recovered = stats.get("recovered_episodes", 0)
+    return (f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes"
+            + (f"; {recovered} recovered from a stopped proxy" if recovered else "") + f") into {out}; "
             f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors")
 
 

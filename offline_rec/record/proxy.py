@@ -6,7 +6,9 @@ POST /v1/chat/completions and /v1/completions (streamed or not) go upstream with
 needs added (`exchange.upstream_request`), come back to the client as it asked for them, and are
 recorded once complete (`recorder.Recorder`): for a streamed response the line is written before
 the final `data: [DONE]` event goes out, for a whole one before the response. Everything else
-(/v1/models, /health, /tokenize, ...) passes through untouched and unrecorded.
+(/v1/models, /tokenize, ...) passes through untouched and unrecorded, except /health (answered
+by the proxy: GET and HEAD, 200) and the routes where vLLM generates answers of other shapes
+(`UNRECORDED_GENERATION`: refused with 501, so that nothing generated leaves unrecorded).
 
 Upstream errors (any status but 200, an error event in a stream, an unreachable upstream) reach
 the client unchanged (unreachable: 502, timed out: 504, with an OpenAI-style error body) and are
@@ -15,10 +17,12 @@ has an upstream key of its own) minus hop-by-hop headers, the episode headers an
 (the proxy reads the bodies); none is ever written to disk. Credentials in --upstream are never
 shown (errors, logs): they are sent as the upstream's Authorization instead.
 
-Every request is checked once, in this order, before anything goes upstream (`handle`): header
-size and count (431), the path, normalized once (dot segments, duplicate and trailing slashes; a
-path holding an encoded `?`, `#`, backslash or control character: 400), the client's key (401;
-`/health` excepted), the body's size (413) and the time it takes to arrive (408). A normalized
+A request's head is bounded in bytes and time while it is read, before the app sees it
+(`heads`). Every request is then checked once, in this order, before anything goes upstream
+(`handle`): header size and count (431), the path, normalized once (dot segments, duplicate and
+trailing slashes; a path holding an encoded `?`, `#`, backslash or control character: 400), the
+client's key (401; `/health` excepted), the body's size (413) and the time it takes to arrive
+(408). A normalized
 path that names a recorded route IS that route (recorded, or refused with 400 naming what makes
 it unrecordable), never passed through unrecorded. A non-streamed call whose client disconnects
 before the answer is cancelled upstream and not recorded.
@@ -48,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from offline_rec.errors import UserError, one_of
-from offline_rec.record import exchange
+from offline_rec.record import exchange, heads
 from offline_rec.record.assemble import DONE, SseSplitter, StreamAssembler, event_data, expected_choices, format_event
 from offline_rec.record.episodes import END_HEADER, ID_HEADER, is_end
 from offline_rec.record.recorder import Recorder, RecordOptions, call_records
@@ -62,7 +66,11 @@ PROBE_PROMPT = "The quick brown fox"
 PROBE_TOLERANCE = 1e-3  # nats: raw log-probs of one prompt at two temperatures agree far closer
 MODELS_REFRESH_SECONDS = 30.0
 MAX_JSON_DEPTH = 200  # a recorded request nested deeper is refused (the line writer must never hit recursion)
-OPEN_PATHS = ("/health",)  # answered without a client key (load balancers), as vLLM's server does
+HEALTH = "/health"  # answered by the proxy itself, GET and HEAD only, without a client key (load balancers)
+# Routes where vLLM generates answers in shapes this proxy does not record: refused (501), so that no
+# generated answer passes through unrecorded. A path under one of them is refused too.
+UNRECORDED_GENERATION = ("/invocations", "/v1/responses", "/v1/messages", "/v1/audio/transcriptions",
+                         "/v1/audio/translations")
 
 
 def upstream_base(url: str) -> str:
@@ -99,6 +107,7 @@ class ProxyState:
     models_fetched_at: float = -1e9
     models_task: object = None
     tasks: list = field(default_factory=list)
+    stopping: bool = False  # a stop signal came: calls cancelled from now on were cut by the shutdown
 
     def __post_init__(self):
         self.upstream, basic = split_credentials(self.upstream)
@@ -238,24 +247,42 @@ async def _ticker(state: ProxyState, period: float) -> None:
 # handlers
 
 
-def _streaming_response(content, cleanup, status_code: int, headers: dict):
-    """A streamed response that always runs `cleanup` (close the upstream, settle the call), even when
-    the client goes away before the first byte (starlette then never starts the body iterator)."""
+def _streaming_response(state: ProxyState, content, cleanup, status_code: int, headers: dict,
+                        cut_event: bytes | None = None):
+    """A streamed response that always runs `cleanup(cut)` (close the upstream, settle the call), even when
+    the client goes away before the first byte (starlette then never starts the body iterator).
+
+    cut: the proxy's shutdown cancelled the stream (--shutdown-timeout ran out). The cancellation
+    ends here, not in uvicorn (which would log it as a traceback); the client gets `cut_event` (an
+    SSE error event) and the end of the body, so it learns that its stream did not finish."""
     import anyio
     from starlette.responses import StreamingResponse
 
     class Streamed(StreamingResponse):
         async def __call__(self, scope, receive, send):
+            cut = False
             try:
                 await super().__call__(scope, receive, send)
+            except asyncio.CancelledError:
+                if not state.stopping:
+                    raise
+                cut = True
+                if cut_event is not None:
+                    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                        await send({"type": "http.response.body", "body": cut_event, "more_body": True})
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 with anyio.CancelScope(shield=True):
                     close = getattr(self.body_iterator, "aclose", None)
                     if close is not None:
                         await close()
-                    await cleanup()
+                    await cleanup(cut)
 
     return Streamed(content, status_code=status_code, headers=headers)
+
+
+def _shutdown_cut_message(state: ProxyState) -> str:
+    return f"cut by shutdown (--shutdown-timeout {state.settings.shutdown_timeout} s)"
 
 
 class Refused(Exception):
@@ -413,7 +440,12 @@ async def handle(state: ProxyState, request):
     try:
         _check_headers(state, request.scope)
         path = canonical_path(request.scope["path"])
-        identity = None if path in OPEN_PATHS else _client_identity(state, request.headers)
+        if path == HEALTH:
+            return _health(request)
+        identity = _client_identity(state, request.headers)
+        if any(path == route or path.startswith(route + "/") for route in UNRECORDED_GENERATION):
+            raise Refused(501, f"{path} is not recorded: send chat completions to /v1/chat/completions and "
+                               "completions to /v1/completions", "NotImplemented")
         if path in exchange.ENDPOINTS and request.method != "POST":
             raise Refused(405, f"{path} takes POST", "MethodNotAllowed")
         body = await _read_body(state, request)
@@ -432,6 +464,21 @@ async def handle(state: ProxyState, request):
         from starlette.responses import Response
 
         return Response(status_code=499)
+    except asyncio.CancelledError:
+        if not state.stopping:
+            raise
+        # the shutdown timeout ran out before the answer: said here, not as uvicorn's traceback
+        state.warn(f"record: a call {_shutdown_cut_message(state)} ({path}); the call is not recorded")
+        return _error(503, "the proxy shut down before the answer; the call is not recorded", "ServiceUnavailable")
+
+
+def _health(request):
+    """200 while the proxy serves (it says nothing of the upstream: ask the upstream's own /health)."""
+    from starlette.responses import Response
+
+    if request.method not in ("GET", "HEAD"):
+        raise Refused(405, f"{HEALTH} takes GET or HEAD", "MethodNotAllowed")
+    return Response(status_code=200)
 
 
 async def passthrough(state: ProxyState, request, path: str, body: bytes):
@@ -441,7 +488,7 @@ async def passthrough(state: ProxyState, request, path: str, body: bytes):
         upstream = await _send(state, request.method, url, _forward_headers(state, request.headers, False), body)
     except _upstream_errors() as e:
         return _bad_gateway(state, e)
-    return _streaming_response(upstream.content.iter_any(), lambda: _release(upstream), upstream.status,
+    return _streaming_response(state, upstream.content.iter_any(), lambda cut: _release(upstream), upstream.status,
                                _client_headers(state, upstream.headers, False))
 
 
@@ -484,10 +531,11 @@ def _episode_of(state: ProxyState, request, identity: str) -> tuple[str, str] | 
         raise Refused(400, f"X-Episode-Id is longer than {MAX_EPISODE_ID_CHARS} characters", "BadRequestError",
                       ID_HEADER)
     key = (identity, episode_id)
-    book = state.recorder.book.open
-    if key not in book and len(book) >= state.settings.max_open_episodes:
-        raise Refused(429, f"{len(book)} episodes are open (--max-open-episodes): close one (X-Episode-End) "
-                           "or wait for the idle timeout", "TooManyRequests", ID_HEADER)
+    book = state.recorder.book
+    if key not in book.open and book.open_by(identity) >= state.settings.max_open_episodes:
+        raise Refused(429, f"{book.open_by(identity)} episodes of this client are open (--max-open-episodes, per "
+                           "key): close one (X-Episode-End) or wait for the idle timeout", "TooManyRequests",
+                      ID_HEADER)
     return key
 
 
@@ -648,13 +696,18 @@ async def recorded(state: ProxyState, request, path: str, identity: str, raw: by
         if splitter.rest():
             yield splitter.rest()
 
-    async def finish() -> None:
+    async def finish(cut: bool) -> None:
         if not settled and not ended:
-            state.warn(f"record: a client went away during its stream ({path}); the call is not recorded")
+            why = _shutdown_cut_message(state) if cut else "a client went away during its stream"
+            state.warn(f"record: {why} ({path}); the call is not recorded")
         settle()
         upstream.release()
 
-    return _streaming_response(events(), finish, 200, _client_headers(state, upstream.headers, True))
+    cut_event = format_event(exchange.dumps({"error": {
+        "message": "offline-rec record: the proxy shut down before this stream ended; it is not recorded",
+        "type": "ServiceUnavailable", "param": None, "code": 503}}))
+    return _streaming_response(state, events(), finish, 200, _client_headers(state, upstream.headers, True),
+                               cut_event)
 
 # --------------------------------------------------------------------------------------------
 # the app
@@ -704,12 +757,33 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
     return Starlette(routes=[Route("/{path:path}", every_route, methods=methods)], lifespan=lifespan)
 
 
-def _server(config):
+def _server(config, state: ProxyState):
     """uvicorn's Server, minus re-raising SIGINT/SIGTERM after its graceful shutdown (the process would
-    die of it before `record` prints its summary and exits 0)."""
+    die of it before `record` prints its summary and exits 0), with a shutdown of its own: calls in
+    flight get --shutdown-timeout seconds (none after a second SIGINT), the rest are cut (each said
+    once, no traceback), and the app's shutdown (open episodes written, files closed) always runs."""
     import uvicorn
 
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            state.stopping = True
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            for connection in list(self.server_state.connections):
+                connection.shutdown()  # idle ones close now, busy ones after their response
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + state.settings.shutdown_timeout
+            while self.server_state.tasks and not self.force_exit and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            running = list(self.server_state.tasks)
+            if running:
+                for task in running:
+                    task.cancel()
+                await asyncio.wait(running, timeout=10)
+            await self.lifespan.shutdown()
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -775,10 +849,17 @@ def run_record(
         warn(f"recovered what a stopped proxy left in {out}: {len(recovered.closed_files)} file(s) closed "
              f"({recovered.torn_bytes} bytes of a torn last line cut), {len(recovered.episodes)} open episode(s) "
              "written")
+    for path, why in recovered.left_alone:
+        warn(f"record: {path.name} in {out} left alone by recovery ({why})")
     tick = min(1.0, options.episode_idle_timeout / 4, options.fsync_interval or 1.0)
+    protocol = heads.head_limited_protocol(
+        settings.max_header_bytes + heads.REQUEST_LINE_BYTES, settings.header_timeout,
+        too_large=f"request head over {settings.max_header_bytes + heads.REQUEST_LINE_BYTES} bytes (--max-header-kb "
+                  f"{settings.max_header_kb}, plus {heads.REQUEST_LINE_BYTES} for the request line)",
+        too_slow=f"request line and headers not received within --header-timeout {settings.header_timeout} s")
     config = uvicorn.Config(create_app(state, tick), log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=30)
+                            http=protocol)
     auth = f"{len(keys)} client key(s)" if keys else "no client key"
     warn(f"recording http://{host}:{sock.getsockname()[1]} -> {state.upstream} into {out} ({auth})")
-    _server(config).run(sockets=[sock])
+    _server(config, state).run(sockets=[sock])
     return dict(recorder.stats)

@@ -214,7 +214,7 @@ def test_unreachable_upstream_is_a_502(tmp_path):
     assert read_lines(tmp_path / "rec") == []
 
 
-def test_models_and_health_pass_through(fake, proxy):
+def test_models_pass_through_and_health_is_answered_by_the_proxy(fake, proxy):
     p = proxy()
     assert httpx.get(p.url + "/v1/models").json() == httpx.get(fake.url + "/v1/models").json()
     assert httpx.get(p.url + "/health").status_code == 200
