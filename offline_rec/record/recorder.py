@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from offline_rec.errors import UserError
-from offline_rec.record import episodes as E
+from offline_rec.record import open_episodes as E
 from offline_rec.record import sink
 from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source, read_field
 

@@ -228,7 +228,8 @@ def test_judge_through_record_in_front_of_vllm(vllm_server, tmp_path, rubric, ca
 
     from record_support import ServerThread, read_lines
 
-    from offline_rec.record.proxy import ProxyState, create_app, upstream_base
+    from offline_rec.record.proxy import create_app
+    from offline_rec.record.proxy_state import ProxyState, upstream_base
     from offline_rec.record.recorder import Recorder, RecordOptions
 
     recorder = Recorder(tmp_path / "recorded", RecordOptions())

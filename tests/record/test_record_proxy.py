@@ -9,7 +9,8 @@ import httpx
 import pytest
 from record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
 
-from offline_rec.record.proxy import ProxyState, create_app
+from offline_rec.record.proxy import create_app
+from offline_rec.record.proxy_state import ProxyState
 from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_field
 
 CHAT = "/v1/chat/completions"

@@ -1,4 +1,4 @@
-"""The calls of one conversation, held until the episode closes.
+"""The open episodes: the calls of one conversation, held until the episode closes (`EpisodeBook`).
 
 A client names an episode with the header `X-Episode-Id` on each of its calls and closes it with
 `X-Episode-End: true` on the last one; an episode with no call for `idle_timeout` seconds closes
