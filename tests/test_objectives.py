@@ -737,6 +737,28 @@ def test_kl_estimator_k2_is_trinity_rec_kl_loss():
         TrainConfig(data=["d"], model="m", algorithm="rec-oneside-nois", out="r", kl_estimator="k1")
 
 
+def test_the_trinity_overrides_parse_from_the_command_line():
+    # the --set lines docs/paper.md and the README give for Trinity-RFT's behaviour, through train's own parser
+    from offline_rec.training.config import build_config
+
+    def spec_of(algorithm, *sets):
+        config = build_config(None, dict(data=["d"], model="m", out="r", algorithm=algorithm), sets)
+        return config, get_algorithm(config.algorithm, **config.algorithm_overrides)
+
+    assert spec_of("grpo", "algorithm.clip=dual-clip")[1] == dataclasses.replace(ALGORITHMS["grpo"], clip="dual-clip")
+    assert spec_of("dapo", "algorithm.clip=dual-clip")[1].dual_clip_c == 3.0
+    config, _ = spec_of("rec-oneside-nois", "kl_to_initial=0.001", "kl_estimator=k2")
+    assert (config.kl_to_initial, config.kl_estimator) == (0.001, "k2")
+    _, spec = spec_of("rec-oneside-nois", "algorithm.std_normalize=true", "algorithm.population_std=true")
+    assert (spec.std_normalize, spec.population_std) == (True, True)
+    _, spec = spec_of("sapo", "algorithm.weight=sapo-gate", "algorithm.aggregation=token-mean")
+    assert (spec.weight, spec.aggregation) == ("sapo-gate", "token-mean")
+    _, spec = spec_of("dr-grpo", "algorithm.max_completion_length=512")
+    assert spec.max_completion_length == 512
+    _, spec = spec_of("icepop-seq", "algorithm.weight=is")
+    assert (spec.clip, spec.weight) == ("icepop-seq", "is")
+
+
 def test_list_options_names_every_preset_and_field():
     from offline_rec.training.config import option_help
 
