@@ -435,9 +435,11 @@ def m2po_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Ten
     selection would need a second forward pass over the whole step). What that does and does not change:
     every micro-batch's kept candidates have a mean (log rho)^2 <= threshold, so the step's kept ones do
     too (a mean of means each <= threshold); tokens outside the trust region are never dropped; a split
-    whose every part already meets the bound drops nothing, exactly as the whole step would. But WHICH
-    candidates are dropped depends on which others share the micro-batch: one micro-batch per step
-    (micro_batch_tokens >= the step's tokens) is the paper's rule; smaller ones may drop more or fewer.
+    whose every part already meets the bound drops nothing, exactly as the whole step would. And a split
+    never keeps MORE candidates than the whole: the whole keeps the most tokens any subset with mean <= the
+    threshold can hold (the smallest values), and the union of the parts' kept sets is such a subset. But
+    WHICH candidates are dropped depends on which others share the micro-batch: one micro-batch per step
+    (micro_batch_tokens >= the step's tokens) is the paper's rule; smaller ones may drop more.
     """
     import torch
 

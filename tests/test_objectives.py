@@ -533,19 +533,23 @@ def test_m2po_selects_within_each_micro_batch():
 
 @pytest.mark.parametrize("seed", [5, 6, 9])
 def test_m2po_what_the_micro_batch_split_keeps(seed):
-    # Invariant under any split: tokens outside the trust region are never dropped, and the step's kept
-    # trust-region tokens have a mean (log rho)^2 <= tau (each micro-batch's do). A split whose every part meets
-    # the bound gives exactly the one-batch loss and gradient.
+    # Invariant under any split: tokens outside the trust region are never dropped, the step's kept
+    # trust-region tokens have a mean (log rho)^2 <= tau (each micro-batch's do), and no split keeps more of them
+    # than the one-batch selection (which keeps the most any subset under the bound can). A split whose every
+    # part meets the bound gives exactly the one-batch loss and gradient.
     spec = ALGORITHMS["m2po"]
     logp, blogp, adv, mask = _clean(seed)
     log_ratio = torch.where(mask, logp.detach() - blogp, 0.0)
     region = mask & (adv[:, None] * log_ratio > 0)
+    kept_whole = None
     for chunks in ((slice(0, 6),), (slice(0, 3), slice(3, 6)), tuple(slice(i, i + 1) for i in range(6))):
         _, keep = _m2po_split(spec, logp, blogp, adv, mask, chunks)
         assert keep[mask & ~region].all()
         kept = region & keep
         assert (log_ratio[kept] ** 2).mean() <= spec.m2_threshold
         assert (~keep[region]).any()  # the data is far off-policy: every split drops some
+        kept_whole = int(kept.sum()) if kept_whole is None else kept_whole
+        assert kept.sum() <= kept_whole
     wide = dataclasses.replace(spec, m2_threshold=10.0)  # every part, and the whole, within the bound
     whole, _ = _m2po_split(wide, logp, blogp, adv, mask, (slice(0, 6),))
     split, _ = _m2po_split(wide, logp, blogp, adv, mask, tuple(slice(i, i + 1) for i in range(6)))
