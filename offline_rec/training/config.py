@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec
+from offline_rec.algorithms import ALGORITHMS, KL_ESTIMATORS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
 from offline_rec.options import api_only, option
@@ -155,6 +155,8 @@ class TrainConfig:
         1.0, help="policy log-probs are of softmax(logits / temperature): use the sampling temperature")
     logprob_chunk_size: int = api_only(1024, help="rows of the lm_head computed at a time for per-token log-probs")
     kl_to_initial: float = api_only(0.0, help="coefficient of a k3 KL penalty to the initial policy (0 = off)")
+    kl_estimator: str = api_only(
+        "k3", help="per-token estimator of the kl_to_initial penalty: k3 | k2 ((logp - ref)^2 / 2, Trinity-RFT's)")
     lora_r: int = api_only(0, help="LoRA rank (0 = full fine-tuning); needs peft")
     lora_alpha: float = api_only(16.0, help="LoRA alpha")
     lora_dropout: float = api_only(0.0, help="LoRA dropout")
@@ -217,6 +219,7 @@ class TrainConfig:
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                  f"betas must be two numbers in [0, 1), got {self.betas}")
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _choice("model_dtype", self.model_dtype, MODEL_DTYPES)
         for reporter in self.report_to:

@@ -307,7 +307,7 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
     if config.lora_r:
         rows.append(("lora", f"r {config.lora_r}, alpha {config.lora_alpha:g}, targets {config.lora_target_modules}"))
     if config.kl_to_initial:
-        rows.append(("kl_to_initial", f"{config.kl_to_initial:g}"))
+        rows.append(("kl_to_initial", f"{config.kl_to_initial:g} ({config.kl_estimator})"))
     for key, value in rows:
         console.print(f"[bold]{key:>10}[/bold]  {value}")
     if index.truncated_rows:
