@@ -14,6 +14,8 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
    seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences; the
    `aggregation` field picks another (`aggregate`). The peers' objectives (CISPO, M2PO, dual-clip,
    IcePop, OPSM, SAPO, GMPO, DAPO, Dr. GRPO) are presets of the same family: see `ALGORITHMS`.
+   Caps that bound the importance weights (is_cap, dual_clip_negatives, icepop_mask, ratio_level) are
+   overrides of any preset, off by default (`cap_mask`, `policy_loss`).
 3. GRPO is written in the same REC form as rec-oneside-is (-M * rho.detach() * A * logp), not as
    PPO's -min(rho*A, clip(rho)*A) with rho carrying gradient. Both forms have the same gradient
    (-M * rho * A * grad logp); only the loss VALUE differs. GRPO differs from rec-oneside-is
