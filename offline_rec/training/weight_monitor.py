@@ -24,6 +24,7 @@ pushed down 5000 times harder than the rest collapses the policy in a few steps 
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import numpy as np
@@ -40,7 +41,7 @@ BOUNDING_OPTIONS = ("--set algorithm.is_cap=10 or algorithm.dual_clip_negatives=
 """What a warning tells the user to do (README, "Importance weights on logs of several behavior policies")."""
 
 STEP_PREFIX = "behavior/"
-"""metrics.jsonl keys of the per-behavior step metrics: behavior/<name>/<metric>."""
+"""metrics.jsonl keys of the per-behavior step metrics: behavior/<name>/<metric> (name: `metric_name`)."""
 
 # Per-behavior sums of a step: index of each quantity (all summed over ranks, but the max).
 _SUMS = ("tokens", "ratio_sum", "ratio_sq_sum", "high", "low", "ratio_max")
@@ -250,7 +251,7 @@ class WeightMonitor:
             if not tokens:
                 continue
             stats = _from_sums((tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max))
-            metrics.update({f"{STEP_PREFIX}{name}/{key}": value for key, value in stats.items()})
+            metrics.update({f"{STEP_PREFIX}{metric_name(name)}/{key}": value for key, value in stats.items()})
         return metrics
 
     def check(self, step: int, metrics: dict) -> bool:
@@ -299,6 +300,12 @@ def summary_text(weights: dict) -> str:
     if weights["steps_below_threshold"]:
         return text + f"; {weights['steps_below_threshold']} steps below {weights['threshold']:g}"
     return text + f"; never below {weights['threshold']:g}"
+
+
+def metric_name(behavior: str) -> str:
+    """A behavior as it appears in metric keys: characters other than letters, digits, '.', '-' and '_' become
+    '_' (a behavior is often a model's path, and '/' separates the trackers' key groups)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", behavior)
 
 
 def _sums(flat: np.ndarray) -> tuple:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from offline_rec.training.weight_monitor import (
     WeightMonitor,
     behavior_codes,
     behavior_weight_stats,
+    metric_name,
     summary_text,
     weight_stats,
 )
@@ -100,6 +102,10 @@ def test_without_weights_the_warning_says_what_a_low_ess_means_there():
                               "from the data's behavior: its clip mask decides which tokens train\n")
 
 
+def test_behavior_names_in_metric_keys():
+    assert metric_name("runs/b/final") == "runs_b_final" and metric_name("Qwen2.5-7B_x") == "Qwen2.5-7B_x"
+
+
 def test_monitor_stop_option():
     monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], threshold=0.1, stop=True, out=io.StringIO())
     assert not monitor.check(1, {"ess": 0.5, "ratio_max": 2.0})
@@ -154,12 +160,19 @@ def test_a_cap_bounds_the_weights_of_the_run(tmp_path, model_dir, mixed_dir):
 
 
 def test_eval_offline_and_inspect_break_rows_down_by_behavior(tmp_path, model_dir, mixed_dir):
+    from rich.console import Console
+
+    from offline_rec.display import eval_summary_table
     from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.offline import offline_evaluate
 
     summary = offline_evaluate(EvalConfig(offline=True, model=model_dir, data=[mixed_dir], num_bootstrap=0))
     behaviors = summary["behaviors"]
     assert [behaviors[name]["rows"] for name in ("A", "B")] == [16, 16]
+    console = Console(record=True, width=200)
+    console.print(eval_summary_table(summary))
+    assert re.search(r"behavior B .* 16 rows, reward [0-9.]+, log-prob -[0-9.]+, token ESS 100\.0%, max ratio 20\.0",
+                     console.export_text())
     assert behaviors["B"]["ratio_max"] == pytest.approx(math.exp(3), rel=1e-4)
     assert behaviors["A"]["ess"] == pytest.approx(1.0, abs=1e-6)
     described = describe_dataset(mixed_dir)["behaviors"]
