@@ -161,7 +161,7 @@ def training_reward_moments(index: group_index.GroupIndex, schedule: scheduling.
 
 
 def check_logprobs_sources(spec: AlgorithmSpec, datasets, force_raw: bool = False) -> list[str]:
-    """What importance weights pi/mu assume of the data, checked for a spec whose W or M reads the ratio
+    """What importance weights pi/mu assume of the data, checked for a spec whose weight W reads the ratio
     (`weighs_by_ratio`): returns warning lines for rows whose log-probs are of `unknown` source; UserError for
     `raw` log-probs (the model's softmax at temperature 1) of rows sampled at another temperature, unless
     `force_raw`: mu is then not the distribution the tokens were drawn from."""
