@@ -630,8 +630,8 @@ def policy_loss(
     the chi-square divergence chi2(pi || mu) (E_mu[rho^2] - 1), filter_fraction (share removed by
     dual-clip's cap or opsm's sequence filter on top of the one-side mask; 0 for other clips; its
     share is inside clip_fraction), ratio_high_fraction and ratio_low_fraction (shares of rho > RATIO_HIGH
-    and rho < RATIO_LOW), weight_max (the largest W a kept token gets: what bounds a token's gradient
-    coefficient |W * A|; 0 when M keeps nothing); num_tokens and
+    and rho < RATIO_LOW), weight_max (the largest W of a kept token with A != 0: what multiplies a token's
+    gradient beyond |A|; 0 when no such token); num_tokens and
     num_sequences of this batch (weight the per-token means by num_tokens when combining
     micro-batches). With no completion tokens the ratios read 1 and the rest 0.
     """
@@ -692,7 +692,9 @@ def policy_loss(
             if spec.clip in ("dual-clip", "opsm") else torch.zeros((), dtype=dtype, device=rho.device),
             "ratio_high_fraction": masked_mean((rho > RATIO_HIGH).to(dtype)),
             "ratio_low_fraction": masked_mean((rho < RATIO_LOW).to(dtype)),
-            "weight_max": torch.where(kept, weight, 0.0).amax() if weight.numel() else weight.new_zeros(()),
+            # over the tokens that get a gradient: a token with A = 0 (an all-equal group) may keep any W
+            "weight_max": torch.where(kept & (adv != 0), weight, 0.0).amax() if weight.numel()
+            else weight.new_zeros(()),
             "num_tokens": count.to(dtype),
         }
         values = torch.stack(list(named.values())).tolist()  # one device sync for all metrics

@@ -53,6 +53,14 @@ def test_without_caps_the_far_negative_gets_5000_times_the_gradient():
     assert metrics["ratio_high_fraction"] == pytest.approx(1 / 8) and metrics["ratio_low_fraction"] == 0.0
 
 
+def test_weight_max_counts_only_tokens_that_get_a_gradient():
+    # the same batch with advantages 0 (an all-equal group): rho 5000 is kept by one-side (A <= 0, rho >= 0.8)
+    # but multiplies nothing
+    logp, blogp, _, mask = far_negative_batch()
+    _, metrics = policy_loss(ALGORITHMS["rec-oneside-is"], logp, blogp, torch.zeros(2, dtype=torch.float64), mask)
+    assert metrics["weight_max"] == 0.0 and metrics["ratio_max"] == pytest.approx(5000.0)
+
+
 @pytest.mark.parametrize("name", IS_PRESETS)
 @pytest.mark.parametrize("cap", CAPS)
 def test_each_cap_bounds_the_far_negatives_gradient(name, cap):

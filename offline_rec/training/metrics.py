@@ -148,8 +148,8 @@ class MetricsLog:
     weight_mean, ess (effective sample size of pi/mu as a fraction, 0..1), chi2 (mean (pi/mu)^2 - 1,
     token-level chi-square divergence estimate), filter_fraction (share removed by dual-clip's cap or
     opsm's filter beyond the one-side mask), ratio_high_fraction / ratio_low_fraction (shares of pi/mu > 10
-    and < 0.1), weight_max (the largest weight a kept token got: what the caps bound); per behavior where the
-    data has several (`weight_monitor`): behavior/<name>/ess, ratio_max, ratio_high_fraction,
+    and < 0.1), weight_max (the largest weight of a token that gets a gradient: what the caps bound); per
+    behavior where the data has several (`weight_monitor`): behavior/<name>/ess, ratio_max, ratio_high_fraction,
     ratio_low_fraction, tokens; over its rows: reward_mean, dropped_fraction (RED-Drop),
     policy_version_mean/max
     (of the behavior policies), trained_policy_version (updates the trained weights had before
