@@ -14,6 +14,8 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
    seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences; the
    `aggregation` field picks another (`aggregate`). The peers' objectives (CISPO, M2PO, dual-clip,
    IcePop, OPSM, SAPO, GMPO, DAPO, Dr. GRPO) are presets of the same family: see `ALGORITHMS`.
+   Caps that bound the importance weights (is_cap, dual_clip_negatives, icepop_mask, ratio_level) are
+   overrides of any preset, off by default (`cap_mask`, `policy_loss`).
 3. GRPO is written in the same REC form as rec-oneside-is (-M * rho.detach() * A * logp), not as
    PPO's -min(rho*A, clip(rho)*A) with rho carrying gradient. Both forms have the same gradient
    (-M * rho * A * grad logp); only the loss VALUE differs. GRPO differs from rec-oneside-is
@@ -50,6 +52,7 @@ DROPS = ("none", "balance")
 BASELINES = ("group", "step", "dataset", "constant")
 KL_ESTIMATORS = ("k3", "k2")
 """Per-token estimators `kl_to_initial` takes: k3 (the default) and k2 (Trinity-RFT's kl_loss_fn default)."""
+RATIO_LEVELS = ("token", "sequence")
 
 STD_EPS = 1e-6
 """Added to the group std before dividing (std_normalize)."""
@@ -68,6 +71,11 @@ change; but a token whose log-probs differ by more than ~88, or an advantage abo
 on a 0-100 scale), would overflow float32 to inf, turning the loss into inf or NaN and the clipped
 gradient into NaN. Only the weights, masks and ratio metrics see the clamp; R uses logp - blogp."""
 
+RATIO_HIGH = 10.0
+"""policy_loss's ratio_high_fraction: the share of completion tokens with rho > RATIO_HIGH."""
+RATIO_LOW = 0.1
+"""policy_loss's ratio_low_fraction: the share of completion tokens with rho < RATIO_LOW."""
+
 WIDE_CLIP = dict(eps_low=0.6, eps_high=2.0)
 """The paper's recommended wide clip for rec-oneside: dataclasses.replace(spec, **WIDE_CLIP)."""
 
@@ -85,6 +93,9 @@ METRIC_KEYS = (
     "ess",
     "chi2",
     "filter_fraction",
+    "ratio_high_fraction",
+    "ratio_low_fraction",
+    "weight_max",
     "num_tokens",
     "num_sequences",
 )
@@ -151,6 +162,18 @@ class AlgorithmSpec:
     """sapo: gate temperature for A > 0."""
     sapo_tau_neg: float = 1.05
     """sapo: gate temperature for A <= 0."""
+    # Caps that bound the importance weights of any preset (the -is ones above all); each is off by default,
+    # and off leaves M, W and so the gradient exactly what the preset computes (see `cap_mask`).
+    is_cap: float = 0.0
+    """Truncated IS: W = min(W, is_cap) when > 0 (0: off)."""
+    dual_clip_negatives: bool = False
+    """Dual-clip on negatives: tokens with A < 0 and rho > dual_clip_c lose their gradient, on top of the clip."""
+    icepop_mask: bool = False
+    """IcePop-style masking: tokens whose rho is outside [mask_low, mask_high] lose their gradient, on top of
+    the clip."""
+    ratio_level: str = "token"
+    """token | sequence: each token's rho replaced, in M and W, by its row's geometric-mean ratio
+    s_i = exp(mean_t log rho) (GSPO's sequence ratio); needs weight none, is or tis."""
 
     def __post_init__(self):
         for field, valid in _CHOICES.items():
@@ -167,7 +190,7 @@ class AlgorithmSpec:
         if self.temp == 0:
             raise ValueError("temp must be > 0")
         self._check_objective_fields()
-        for field in ("std_normalize", "population_std", "group_mean"):
+        for field in ("std_normalize", "population_std", "group_mean", "dual_clip_negatives", "icepop_mask"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         value = self.baseline_value
@@ -195,18 +218,26 @@ class AlgorithmSpec:
             raise ValueError(f"max_completion_length must be an integer >= 0, got {length!r}")
         if self.aggregation == "dr-grpo" and length == 0:
             raise ValueError("aggregation dr-grpo needs max_completion_length > 0 (its constant denominator)")
-        if self.clip == "dual-clip" and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
         if self.mask_high < self.mask_low:
             raise ValueError(f"mask_high must be >= mask_low, got {self.mask_low} / {self.mask_high}")
         if self.sapo_tau_pos == 0 or self.sapo_tau_neg == 0:
             raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
+        if (self.dual_clip_negatives or self.clip == "dual-clip") and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.ratio_level == "sequence" and (self.weight not in _SEQUENCE_LEVEL_WEIGHTS
+                                               or self.clip not in _SEQUENCE_LEVEL_CLIPS):
+            raise ValueError(f"ratio_level sequence needs a weight among {', '.join(_SEQUENCE_LEVEL_WEIGHTS)} and a "
+                             f"clip among {', '.join(_SEQUENCE_LEVEL_CLIPS)}; got {self.weight} / {self.clip}")
 
 
 _CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES,
-            "aggregation": AGGREGATIONS}
+            "aggregation": AGGREGATIONS, "ratio_level": RATIO_LEVELS}
 _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
-                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg")
+                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap")
+# ratio_level sequence: the clips and weights that read nothing but each token's own ratio (the others read the
+# row's product or mean already, or A alone).
+_SEQUENCE_LEVEL_CLIPS = ("none", "one-side", "two-side", "ring", "dual-clip", "icepop")
+_SEQUENCE_LEVEL_WEIGHTS = ("none", "is", "tis")
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.name: spec
@@ -417,6 +448,25 @@ def clip_mask(
     )
 
 
+def cap_mask(spec: AlgorithmSpec, rho: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """The caps' share of M, a bool [B, T] that `policy_loss` ANDs with `clip_mask` (all True when both are off).
+
+      dual_clip_negatives  not (A < 0 and rho > c)        (c = dual_clip_c: dual-clip PPO's cap on negatives)
+      icepop_mask          mask_low <= rho <= mask_high   (IcePop's band)
+    rho [B, T] (the token ratios, or s_i per token with ratio_level sequence), advantages [B, 1]. A negative
+    logged far from the policy (rho in the thousands) otherwise keeps its gradient under one-side and ring,
+    weighted by rho under W = rho.
+    """
+    import torch
+
+    keep = torch.ones_like(rho, dtype=torch.bool)
+    if spec.dual_clip_negatives:
+        keep &= ~((advantages < 0) & (rho > spec.dual_clip_c))
+    if spec.icepop_mask:
+        keep &= (rho >= spec.mask_low) & (rho <= spec.mask_high)
+    return keep
+
+
 def m2po_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
     """M2PO's keep mask [B, T] (bool), Algorithm 1 of the paper, from log_ratio [B, T] = log rho, advantages
     [B, 1] (or [B, T]) and the completion mask [B, T]:
@@ -624,6 +674,7 @@ def policy_loss(
         rho       = exp(clamp(logp - blogp, +-EXPONENT_LIMIT))   detached, [B, T]
         per_token = -M * W * A * logp + R                     M, W from rho (or s_i), detached
         loss      = aggregate(per_token, m, num_tokens, num_sequences)
+    M = clip_mask AND cap_mask, and W = min(W, is_cap) where is_cap > 0 (the caps; off by default).
 
     logprobs [B, T] (carries gradient), behavior_logprobs [B, T], advantages [B], mask [B, T]
     (bool or 0/1 float). Positions outside the mask may hold anything, inf and nan included:
@@ -639,7 +690,9 @@ def policy_loss(
     token importance weights as a fraction (0..1], chi2 = mean(rho^2) - 1, the token-level estimate of
     the chi-square divergence chi2(pi || mu) (E_mu[rho^2] - 1), filter_fraction (share removed by
     dual-clip's cap or opsm's sequence filter on top of the one-side mask; 0 for other clips; its
-    share is inside clip_fraction); num_tokens and
+    share is inside clip_fraction), ratio_high_fraction and ratio_low_fraction (shares of rho > RATIO_HIGH
+    and rho < RATIO_LOW), weight_max (the largest W of a kept token with A != 0: what multiplies a token's
+    gradient beyond |A|; 0 when no such token); num_tokens and
     num_sequences of this batch (weight the per-token means by num_tokens when combining
     micro-batches). With no completion tokens the ratios read 1 and the rest 0.
     """
@@ -662,8 +715,12 @@ def policy_loss(
     log_ratio = (logp.detach() - blogp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)  # [B, T], 0 off the mask
     rho = log_ratio.exp()  # [B, T]
     seq_ratio = sequence_ratio(log_ratio, mask)  # [B, 1]
-    kept = clip_mask(spec, rho, seq_ratio, adv, mask) & mask  # [B, T]
-    weight = token_weights(spec, rho, seq_ratio, adv, mask)  # [B, T]
+    # The ratio M and W read: rho itself, or each row's geometric-mean ratio s_i (ratio_level sequence).
+    ratio = rho if spec.ratio_level == "token" else torch.where(mask, seq_ratio.expand_as(rho), 1.0)  # [B, T]
+    kept = clip_mask(spec, ratio, seq_ratio, adv, mask) & cap_mask(spec, ratio, adv) & mask  # [B, T]
+    weight = token_weights(spec, ratio, seq_ratio, adv, mask)  # [B, T]
+    if spec.is_cap:  # truncated IS
+        weight = weight.clamp(max=spec.is_cap)
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
     coef = torch.where(kept, weight * adv, 0.0)  # [B, T], M * W * A, detached
     pg = -coef * logp  # [B, T]
@@ -694,6 +751,11 @@ def policy_loss(
             "chi2": ratio_sq_mean - 1,
             "filter_fraction": masked_mean((_one_side(rho, adv, spec) & ~kept).to(dtype))
             if spec.clip in ("dual-clip", "opsm") else torch.zeros((), dtype=dtype, device=rho.device),
+            "ratio_high_fraction": masked_mean((rho > RATIO_HIGH).to(dtype)),
+            "ratio_low_fraction": masked_mean((rho < RATIO_LOW).to(dtype)),
+            # over the tokens that get a gradient: a token with A = 0 (an all-equal group) may keep any W
+            "weight_max": torch.where(kept & (adv != 0), weight, 0.0).amax() if weight.numel()
+            else weight.new_zeros(()),
             "num_tokens": count.to(dtype),
         }
         values = torch.stack(list(named.values())).tolist()  # one device sync for all metrics

@@ -73,10 +73,17 @@ def collect_line(manifest: dict, path) -> str:
 
 def merge_line(summary: dict) -> str:
     if "joined_groups" in summary:
-        return (f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
+        line = (f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
                 f"+ {summary['fresh_rows']} fresh rows -> {summary['out']}")
-    return (f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
-            f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> {summary['out']}")
+    else:
+        line = (f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
+                f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> "
+                f"{summary['out']}")
+    if summary.get("logprobs_sources_differ"):
+        listed = "; ".join(f"{path}: {', '.join(sources)}" for path, sources in summary["logprobs_sources"].items())
+        line += (f"\nwarning: the inputs' log-prob sources differ ({listed}): importance weights of the merged rows "
+                 "divide by log-probs of different kinds of distribution")
+    return line
 
 
 def record_line(stats: dict, out) -> str:
@@ -88,5 +95,9 @@ def record_line(stats: dict, out) -> str:
 
 def train_line(summary: dict) -> str:
     final = summary.get("final_metrics", {})
+    from offline_rec.training.weight_monitor import summary_text
+
+    weights = summary_text(summary.get("importance_weights") or {})
     return (f"trained {summary['steps']} steps -> {summary['final_model']}"
-            + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
+            + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else "")
+            + (f"; {weights}" if weights else ""))

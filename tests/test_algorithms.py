@@ -244,7 +244,7 @@ def test_unknown_algorithm_lists_valid_names():
 
 
 def test_unknown_field_lists_valid_fields():
-    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, eps_high, eps_high_prime"
+    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, dual_clip_negatives, eps_high"
     with pytest.raises(errors.UserError, match=r"unknown algorithm field 'epsilon'; " + valid):
         get_algorithm("grpo", epsilon=0.3)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from offline_rec import schema as S
 from offline_rec.algorithms import AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
@@ -157,6 +158,37 @@ SINGLETON_FIX = ("give them a baseline: --set algorithm.baseline=step (or datase
 def training_reward_moments(index: group_index.GroupIndex, schedule: scheduling.Schedule) -> RewardMoments:
     """Mean and std of the training rows' rewards (holdout left out): the `dataset` baseline, fixed for the run."""
     return RewardMoments.of(index.reward[index.rows_of_groups(schedule.train_groups)])
+
+
+def check_logprobs_sources(spec: AlgorithmSpec, datasets, force_raw: bool = False) -> list[str]:
+    """What importance weights pi/mu assume of the data, checked for a spec whose weight W reads the ratio
+    (`weighs_by_ratio`): returns warning lines for rows whose log-probs are of `unknown` source; UserError for
+    `raw` log-probs (the model's softmax at temperature 1) of rows sampled at another temperature, unless
+    `force_raw`: mu is then not the distribution the tokens were drawn from."""
+    from offline_rec.data.merge import logprobs_provenance
+
+    if not weighs_by_ratio(spec):
+        return []
+    warnings = []
+    for dataset in datasets:
+        for block in logprobs_provenance(dataset.behavior, dataset.manifest.get(S.M_SOURCE)):
+            origin = f"{dataset.path} (from {block['command'] or 'an unrecorded command'}, model {block['model']})"
+            if block["logprobs_source"] == "unknown":
+                warnings.append(f"warning: {spec.name} weights tokens by pi/mu, and the log-probs of {origin} are of "
+                                "unknown source: the weights assume they are the log-probs of the distribution each "
+                                "token was sampled from (temperature, top-k, top-p applied)")
+            temperature = block["temperature"]
+            if block["logprobs_source"] == "raw" and temperature not in (None, 1, 1.0) and not force_raw:
+                raise UserError(f"{dataset.path} holds raw log-probs (the model's softmax at temperature 1) of rows "
+                                f"sampled at temperature {temperature}: {spec.name}'s weights pi/mu would divide by a "
+                                "distribution nobody sampled from; use a -nois preset, re-score the log-probs, or set "
+                                "force_raw_logprobs: true")
+    return warnings
+
+
+def weighs_by_ratio(spec: AlgorithmSpec) -> bool:
+    """True when spec's per-token weight W is a function of rho = pi/mu (the -is presets and the peers' weights)."""
+    return spec.weight not in ("none", "advantage")
 
 
 def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, schedule: scheduling.Schedule,

@@ -59,12 +59,15 @@ def any_rank(flag: bool, accelerator) -> bool:
 
 
 def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coef: float, num_tokens: int,
-                     num_sequences: int, accelerator,
-                     kl_estimator: str = "k3") -> tuple[torch.Tensor, dict, torch.Tensor]:
+                     num_sequences: int, accelerator, kl_estimator: str = "k3",
+                     observe=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The policy loss of one micro-batch (its share of the step's token-mean), plus the KL penalty to the
-    initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off)."""
+    initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off).
+    `observe(logprobs, batch)`, if given, sees the pass's log-probs (the weight monitor's per-behavior sums)."""
     inputs = micro_batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
     logprobs = scorer(**inputs)  # [B, L-1]
+    if observe is not None:
+        observe(logprobs, batch)
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
     kl_initial = torch.zeros((), device=accelerator.device)
@@ -81,8 +84,9 @@ def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coe
 
 
 def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: step_plan.StepPlan, spec: AlgorithmSpec,
-             config: TrainConfig, pad_id: int) -> dict:
-    """Forward/backward every micro-batch of `plan`, clip, take one optimizer and scheduler step.
+             config: TrainConfig, pad_id: int, observe=None) -> dict:
+    """Forward/backward every micro-batch of `plan`, clip, take one optimizer and scheduler step
+    (`observe`: see `micro_batch_loss`).
 
     Returns the step's pass metrics (combined over ranks), grad_norm (before clipping), lr and num_tokens.
     """
@@ -104,7 +108,7 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: step_pl
         with accelerator.no_sync(scorer) if defer_reduction and not last else contextlib.nullcontext():
             loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config.kl_to_initial,
                                                        max(num_tokens, 1), max(num_sequences, 1), accelerator,
-                                                       config.kl_estimator)
+                                                       config.kl_estimator, observe)
             accelerator.backward(loss * accelerator.num_processes)
         sums.add(stats, kl_initial, batch)
 
