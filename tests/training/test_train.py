@@ -165,7 +165,8 @@ def test_training_step_is_invariant_to_the_token_budget(tmp_path, model_dir, dat
         torch.testing.assert_close(delta, deltas[0], atol=1e-6, rtol=1e-4)
         assert norm == pytest.approx(norms[0], rel=1e-5)
     for values in diagnostics[1:]:  # ess and chi2 come from sums over micro-batches
-        assert values == pytest.approx(diagnostics[0], rel=1e-5)
+        # abs: on this on-policy data chi2 = E[rho^2] - 1 is float32 rounding (~1e-8) that moves with the sum order
+        assert values == pytest.approx(diagnostics[0], rel=1e-5, abs=1e-6)
 
 
 def test_padding_free_and_padded_train_to_the_same_weights(tmp_path, model_dir, capsys, monkeypatch):
