@@ -47,7 +47,7 @@ import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from offline_rec.errors import UserError, one_of
+from offline_rec.errors import UserError, one_of, require_extra
 from offline_rec.record import exchange
 from offline_rec.record.assemble import DONE, SseSplitter, StreamAssembler, event_data, expected_choices, format_event
 from offline_rec.record.episodes import END_HEADER, ID_HEADER, is_end
@@ -741,6 +741,7 @@ def run_record(
     written, the open file is closed); returns the recorder's counts."""
     import socket
 
+    require_extra("offline-rec record", "record", "starlette", "uvicorn", "aiohttp")  # pydantic: typer brings it
     import uvicorn
 
     if not upstream.startswith(("http://", "https://")):
