@@ -79,25 +79,23 @@ def test_reward_judge(dataset, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "judged").exists()
 
 
-def test_reward_model_on_vllm(dataset, tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory) -> str:
     tokenizer = build_char_tokenizer()
-    model = save_tiny(build_tiny_reward_model(tokenizer), tokenizer, tmp_path / "rm")
-    missing(monkeypatch, "vllm")
-    code, _, err = run_cli(capsys, "reward", dataset, "--reward-model", model, "--backend", "vllm",
+    return save_tiny(build_tiny_reward_model(tokenizer), tokenizer, tmp_path_factory.mktemp("extras") / "rm")
+
+
+@pytest.mark.parametrize("flags, module, expected", [
+    (["--backend", "vllm"], "vllm", f"error: --backend vllm needs vllm: {VLLM_LINE}"),
+    (["--ray-address", "auto"], "ray", 'error: --ray-address needs ray: pip install "offline-rec[ray]"'),
+])
+def test_reward_model(dataset, reward_model, tmp_path, capsys, monkeypatch, flags, module, expected):
+    missing(monkeypatch, module)
+    code, _, err = run_cli(capsys, "reward", dataset, "--reward-model", reward_model, *flags,
                            "--out", tmp_path / "scored", "-q")
     assert code == 2
-    assert one_error_line(err) == f"error: --backend vllm needs vllm: {VLLM_LINE}"
+    assert one_error_line(err) == expected
     assert not (tmp_path / "scored").exists()
-
-
-def test_reward_model_on_ray(dataset, tmp_path, capsys, monkeypatch):
-    tokenizer = build_char_tokenizer()
-    model = save_tiny(build_tiny_reward_model(tokenizer), tokenizer, tmp_path / "rm")
-    missing(monkeypatch, "ray")
-    code, _, err = run_cli(capsys, "reward", dataset, "--reward-model", model, "--ray-address", "auto",
-                           "--out", tmp_path / "scored", "-q")
-    assert code == 2
-    assert one_error_line(err) == "error: --ray-address needs ray: pip install \"offline-rec[ray]\""
 
 
 def test_collect_on_vllm(policy, tmp_path, capsys, monkeypatch):
