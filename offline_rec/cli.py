@@ -289,7 +289,7 @@ def collect(config: CollectConfig, quiet: bool) -> None:
     from offline_rec.data.dataset import read_manifest
     from offline_rec.rollout.collect import collect as run_collect
     from offline_rec.rollout.engines import EngineError
-    from offline_rec.summaries import collect_line
+    from offline_rec.summaries import collect_line, collect_unrewarded_line
 
     config.show_progress = not quiet
     try:
@@ -297,7 +297,12 @@ def collect(config: CollectConfig, quiet: bool) -> None:
     except EngineError as error:  # an engine died or failed: what finished is committed, --resume goes on
         typer.echo(f"error: {error}", err=True)
         sys.exit(1)
-    typer.echo(collect_line(read_manifest(path), path))
+    manifest = read_manifest(path)
+    unrewarded = collect_unrewarded_line(manifest, path)
+    if unrewarded is not None:  # exit 1, not a UserError's 2: the dataset is written
+        typer.echo(f"error: {unrewarded}", err=True)
+        sys.exit(1)
+    typer.echo(collect_line(manifest, path))
 
 
 @command(app, config=MergeOptions)

@@ -5,6 +5,8 @@ Plain text (no rich): the CLI echoes these lines; `--json` prints the summary it
 
 from __future__ import annotations
 
+from offline_rec.tasks.builtin import none_rewarded, null_reward_causes
+
 
 def import_lines(summary: dict) -> list[str]:
     lines = [f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['imported_lines']} of "
@@ -28,12 +30,10 @@ def import_lines(summary: dict) -> list[str]:
 
 
 def filter_lines(summary: dict) -> list[str]:
-    lines = [f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} "
-             f"groups -> {summary['out']}"]
-    for reason, counts in summary["dropped"].items():
-        if counts["rows"] or counts["groups"]:
-            lines.append(f"  dropped by {reason}: {counts['rows']} rows, {counts['groups']} whole groups")
-    return lines
+    from offline_rec.data.filter import dropped_parts
+
+    return ([f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} "
+             f"groups -> {summary['out']}"] + [f"  {part}" for part in dropped_parts(summary["dropped"])])
 
 
 def reward_lines(summary: dict, scorer: str) -> list[str]:
@@ -56,11 +56,7 @@ def reward_lines(summary: dict, scorer: str) -> list[str]:
     stats = summary["reward_stats"]
     lines = [f"{head} -> {summary['out']}"]
     if summary["null"]:
-        lines.append(
-            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, "
-            f"returned None {stats.get('returned_none', 0)})"
-            + (f"; first error: {stats['first_error']}" if stats.get("first_error") else "")
-        )
+        lines.append(f"  null rewards: {summary['null']} ({null_reward_causes(stats)})")
     return lines
 
 
@@ -69,6 +65,17 @@ def collect_line(manifest: dict, path) -> str:
     finish = ", ".join(f"{reason} {n}" for reason, n in sorted((stats.get("finish_reasons") or {}).items()))
     return (f"collected {totals['rows']} rows in {totals['groups']} groups ({totals['completion_tokens']} completion "
             f"tokens; {finish}) -> {path}")
+
+
+def collect_unrewarded_line(manifest: dict, path) -> str | None:
+    """The error of a collect whose every sample has a null reward (None when some got one): the samples are kept,
+    and `reward` scores them once the reward works."""
+    stats = (manifest.get("stats") or {}).get("reward") or {}
+    if not none_rewarded(stats):
+        return None
+    task = (manifest.get("task") or {}).get("name") or "TASK"
+    return (f"collect: no sample got a reward ({manifest['totals']['rows']} rows: {null_reward_causes(stats)}); the "
+            f"samples are kept in {path}: fix the reward, then `offline-rec reward {path} --task {task} --out NEW`")
 
 
 def merge_line(summary: dict) -> str:

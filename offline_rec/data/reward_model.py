@@ -43,7 +43,7 @@ from offline_rec.data.config import NORMALIZATIONS
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
 from offline_rec.devices import visible_gpus
-from offline_rec.errors import DataError, UserError, one_of
+from offline_rec.errors import DataError, UserError, one_of, require_extra
 from offline_rec.files import atomic_write_json, fsync_dir
 from offline_rec.models.reward_model import DEFAULT_MAX_BATCH_TOKENS
 
@@ -309,6 +309,8 @@ def score_with_reward_model(
     dataset = open_dataset(src, require_complete=True)
     if data_parallel_size < 1:
         raise UserError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if ray_address:  # refused before the scores folder is made
+        require_extra("--ray-address", "ray", "ray")
     if scorer is not None and (data_parallel_size > 1 or ray_address):
         raise UserError("a loaded reward model is one scorer: --data-parallel-size and --ray-address load their own")
     if scorer is not None:

@@ -26,7 +26,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-from offline_rec.errors import UserError, one_of
+from offline_rec.errors import UserError, one_of, require_extra
 from offline_rec.record import exchange, heads
 from offline_rec.record.forwarding import ClientGone, passthrough, quietly, refresh_models
 from offline_rec.record.logprobs_probe import probe_until_known
@@ -208,6 +208,7 @@ def run_record(
     written, the open file is closed); returns the recorder's counts."""
     import socket
 
+    require_extra("offline-rec record", "record", "starlette", "uvicorn", "aiohttp")  # pydantic: typer brings it
     import uvicorn
 
     if not upstream.startswith(("http://", "https://")):

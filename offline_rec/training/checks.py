@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from offline_rec import schema as S
 from offline_rec.algorithms import AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, require_extra
 from offline_rec.models.loading import (
     check_token_ids_fit,
     check_tokenizers,
@@ -23,7 +22,7 @@ from offline_rec.models.loading import (
     tokenizer_hash,
 )
 from offline_rec.training import checkpoint as ckpt
-from offline_rec.training import group_index, scheduling
+from offline_rec.training import distributed, group_index, scheduling
 from offline_rec.training.config import TrainConfig
 
 
@@ -89,14 +88,13 @@ def check_context(index: group_index.GroupIndex, model: str) -> None:
 
 def check_optional_features(config: TrainConfig, hooks) -> None:
     """Features that need an extra package, or a hook the caller must wire in: refuse them up front, with the fix."""
-    needs = [
-        (config.lora_r > 0, "peft", "lora_r > 0 needs peft: pip install 'offline-rec[lora]'"),
-        *((name in config.report_to, name, f"report_to: {name} needs {name}: pip install 'offline-rec[{name}]'")
-          for name in ("wandb", "mlflow", "trackio")),
-    ]
-    for wanted, module, message in needs:
-        if wanted and importlib.util.find_spec(module) is None:
-            raise UserError(message)
+    if config.lora_r > 0:
+        require_extra("lora_r > 0", "lora", "peft")
+    if distributed.launched_backend() == "DEEPSPEED":  # else accelerate fails later, with a traceback
+        require_extra("a launch with a DeepSpeed config (zero2, zero3)", "deepspeed", "deepspeed")
+    for tracker in ("wandb", "mlflow", "trackio"):  # each tracker is the extra of its own name
+        if tracker in config.report_to:
+            require_extra(f"report_to: {tracker}", tracker, tracker)
     # The loop never imports evaluation or the Hub (they sit above it): the caller passes them in.
     fix = "pass hooks=offline_rec.eval.hooks.training_hooks(config) to train() (the CLI and the demo do)"
     if config.eval_every > 0 and hooks.evaluate is None:
