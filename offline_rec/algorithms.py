@@ -4,7 +4,9 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
 2509.24203). In four points:
 
 1. Every algorithm of the paper (REINFORCE, GRPO, REC-*, OPMD, AsymRE, RED-*) is one
-   `AlgorithmSpec`: a clip mask M, a per-token weight W, a regularizer R, an advantage rule.
+   `AlgorithmSpec`: a clip mask M, a per-token weight W, a regularizer R, an advantage rule. Each
+   choice is a key of a registry of `offline_rec.objectives` (one function per value, its formula in
+   its docstring); this module holds the spec, the presets, `policy_loss` and the advantages.
 2. The loss is
        per_token[i,t] = - M[i,t] * W[i,t] * A[i] * logp[i,t] + R[i,t]
        loss           = sum_{i,t} per_token[i,t] * m[i,t] / N
