@@ -118,7 +118,7 @@ class AlgorithmSpec:
     """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | seq-is (prod_t rho_t) | advantage
     (exp(A/temp)) | the peers' weights (see `token_weights`)."""
     regularizer: str = "none"
-    """Regularizer R: none | k2 (c*(logp-blogp)^2) | forward-kl (-c*logp)."""
+    """Regularizer R: none | k2 (c*(logp-blogp)^2) | forward-kl (-c*logp) | k3 (c*(rho-1-log rho))."""
     reg_coef: float = 0.0
     """c, the regularizer coefficient."""
     eps_low: float = 0.2
@@ -258,6 +258,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("rec-gspo-nois", clip="gspo-one-side", eps_low=3e-4, eps_high=4e-4),
         AlgorithmSpec("opmd", regularizer="k2", reg_coef=0.1),
         AlgorithmSpec("asymre", regularizer="forward-kl", reg_coef=0.1),
+        AlgorithmSpec("reinforce-k3", regularizer="k3", reg_coef=0.1),
         AlgorithmSpec("red-drop", drop="balance"),
         AlgorithmSpec("red-weight", weight="advantage", temp=1.0),
         # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group.

@@ -448,10 +448,23 @@ def forward_kl(logp, blogp, *, reg_coef):
     return -reg_coef * logp
 
 
+def k3(logp, blogp, *, reg_coef):
+    """k3: R = c * (rho - 1 - log rho), rho = exp(logp - blogp) carrying gradient (c = reg_coef): the k3 estimate
+    of KL(mu || pi) on the behavior's own samples (policy_loss's kl_behavior), >= 0 and 0 where logp = blogp;
+    dR/dlogp = c * (rho - 1), so it pulls each logged token's log-prob back toward the behavior's like k2 but
+    asymmetrically (a token the policy raised is pulled harder than one it lowered). Past log rho =
+    EXPONENT_LIMIT, exp is continued by its tangent (value and slope e^20): float32 cannot overflow."""
+    log_ratio = logp - blogp
+    capped = log_ratio.clamp(max=EXPONENT_LIMIT)
+    rho = capped.exp() * (1 + log_ratio - capped)  # exp(log_ratio) up to the limit, e^L (1 + log_ratio - L) past it
+    return reg_coef * (rho - 1 - log_ratio)
+
+
 REGULARIZER_TERMS: dict[str, Term] = {
     "none": Term(no_regularizer),
     "k2": Term(k2),
     "forward-kl": Term(forward_kl),
+    "k3": Term(k3),
 }
 """The regularizers R by `AlgorithmSpec.regularizer` value."""
 
