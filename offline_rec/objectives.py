@@ -68,6 +68,10 @@ class Ratios:
     """[B, 1] s_i = exp(mean_t log_ratio) over row i's completion tokens (GSPO's sequence ratio); 1 for none."""
     mask: torch.Tensor
     """[B, T] bool, the completion tokens m."""
+    count: torch.Tensor
+    """The number of completion tokens (a 0-d tensor)."""
+    denominator: torch.Tensor
+    """count, at least 1: what `mean` divides by."""
 
     def level(self, ratio_level: str) -> torch.Tensor:
         """The [B, T] ratio the clip mask and weight read: rho (token), or each row's s_i on each of its
@@ -80,16 +84,11 @@ class Ratios:
             return torch.where(self.mask, self.seq_ratio.expand_as(self.rho), 1.0)
         raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
 
-    @property
-    def count(self) -> torch.Tensor:
-        """The number of completion tokens (a 0-d tensor)."""
-        return self.mask.sum()
-
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean of values [B, T] over the completion tokens (0 with none)."""
         import torch
 
-        return torch.where(self.mask, values, 0.0).sum() / self.count.clamp(min=1)
+        return torch.where(self.mask, values, 0.0).sum() / self.denominator
 
     def metrics(self) -> dict[str, torch.Tensor]:
         """The ratio diagnostics over the completion tokens, as 0-d tensors (`policy_loss`'s metrics, `eval
@@ -129,7 +128,8 @@ def ratios(logp: torch.Tensor, blogp: torch.Tensor, mask: torch.Tensor) -> Ratio
 
     mask = mask.bool()
     log_ratio = torch.where(mask, logp.detach() - blogp.detach(), 0.0).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)
-    return Ratios(log_ratio, log_ratio.exp(), sequence_ratio(log_ratio, mask), mask)
+    count = mask.sum()
+    return Ratios(log_ratio, log_ratio.exp(), sequence_ratio(log_ratio, mask), mask, count, count.clamp(min=1))
 
 
 def sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
