@@ -4,7 +4,9 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
 2509.24203). In four points:
 
 1. Every algorithm of the paper (REINFORCE, GRPO, REC-*, OPMD, AsymRE, RED-*) is one
-   `AlgorithmSpec`: a clip mask M, a per-token weight W, a regularizer R, an advantage rule.
+   `AlgorithmSpec`: a clip mask M, a per-token weight W, a regularizer R, an advantage rule. Each
+   choice is a key of a registry of `offline_rec.objectives` (one function per value, its formula in
+   its docstring); this module holds the spec, the presets, `policy_loss` and the advantages.
 2. The loss is
        per_token[i,t] = - M[i,t] * W[i,t] * A[i] * logp[i,t] + R[i,t]
        loss           = sum_{i,t} per_token[i,t] * m[i,t] / N
@@ -39,23 +41,37 @@ from collections.abc import Hashable, Sequence
 
 from offline_rec import errors
 from offline_rec.coerce import coerce_scalar
+from offline_rec.objectives import (  # noqa: F401 (the loss family's public names, re-exported)
+    AGGREGATORS,
+    BASELINE_RULES,
+    CLIP_MASKS,
+    EXPONENT_LIMIT,
+    NO_TOKEN_RATIO_METRICS,
+    RATIO_HIGH,
+    RATIO_LOW,
+    REGULARIZER_TERMS,
+    STD_EPS,
+    TOKEN_WEIGHTS,
+    Ratios,
+    m2po_mask,
+    ratios,
+    row_ratio,
+    sequence_ratio,
+)
 
 if typing.TYPE_CHECKING:
     import torch
 
-CLIPS = ("none", "one-side", "two-side", "ring", "gspo-one-side", "dual-clip", "icepop", "icepop-seq", "m2po", "opsm")
-WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage", "topr", "topr-seq", "cispo", "sapo", "gmpo", "seq-is",
-           "sapo-gate")
-AGGREGATIONS = ("auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "dr-grpo")
-REGULARIZERS = ("none", "k2", "forward-kl")
+CLIPS = tuple(CLIP_MASKS)
+WEIGHTS = tuple(TOKEN_WEIGHTS)
+AGGREGATIONS = ("auto", *AGGREGATORS)
+"""auto: the clip's own aggregation (`objectives.Term.aggregation`), the others `objectives.AGGREGATORS`."""
+REGULARIZERS = tuple(REGULARIZER_TERMS)
 DROPS = ("none", "balance")
-BASELINES = ("group", "step", "dataset", "constant")
+BASELINES = tuple(BASELINE_RULES)
 KL_ESTIMATORS = ("k3", "k2")
 """Per-token estimators `kl_to_initial` takes: k3 (the default) and k2 (Trinity-RFT's kl_loss_fn default)."""
 RATIO_LEVELS = ("token", "sequence")
-
-STD_EPS = 1e-6
-"""Added to the group std before dividing (std_normalize)."""
 
 TIE_TOLERANCE = 1e-6
 """RED-Drop counts r as negative only when r < mean - TIE_TOLERANCE * (1 + |mean|): float rounding
@@ -63,18 +79,6 @@ of the mean (e.g. rewards [0.1, 0.2, 0.3]) must not turn a reward equal to the m
 
 DEFAULT_DROP_SEED = 0
 """Seed of the generator RED-Drop uses when the caller passes none (reproducible by default)."""
-
-EXPONENT_LIMIT = 20.0
-"""Exponents in the loss are clamped to [-20, 20] before exp(): the log ratio logp - blogp that gives
-rho (and s_i), and RED-Weight's A / temp. e^20 = 4.9e8 is far beyond any clip band, so masks never
-change; but a token whose log-probs differ by more than ~88, or an advantage above 88 * temp (rewards
-on a 0-100 scale), would overflow float32 to inf, turning the loss into inf or NaN and the clipped
-gradient into NaN. Only the weights, masks and ratio metrics see the clamp; R uses logp - blogp."""
-
-RATIO_HIGH = 10.0
-"""policy_loss's ratio_high_fraction: the share of completion tokens with rho > RATIO_HIGH."""
-RATIO_LOW = 0.1
-"""policy_loss's ratio_low_fraction: the share of completion tokens with rho < RATIO_LOW."""
 
 WIDE_CLIP = dict(eps_low=0.6, eps_high=2.0)
 """The paper's recommended wide clip for rec-oneside: dataclasses.replace(spec, **WIDE_CLIP)."""
@@ -114,7 +118,7 @@ class AlgorithmSpec:
     """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | seq-is (prod_t rho_t) | advantage
     (exp(A/temp)) | the peers' weights (see `token_weights`)."""
     regularizer: str = "none"
-    """Regularizer R: none | k2 (c*(logp-blogp)^2) | forward-kl (-c*logp)."""
+    """Regularizer R: none | k2 (c*(logp-blogp)^2) | forward-kl (-c*logp) | k3 (c*(rho-1-log rho))."""
     reg_coef: float = 0.0
     """c, the regularizer coefficient."""
     eps_low: float = 0.2
@@ -236,8 +240,8 @@ _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_p
                  "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap")
 # ratio_level sequence: the clips and weights that read nothing but each token's own ratio (the others read the
 # row's product or mean already, or A alone).
-_SEQUENCE_LEVEL_CLIPS = ("none", "one-side", "two-side", "ring", "dual-clip", "icepop")
-_SEQUENCE_LEVEL_WEIGHTS = ("none", "is", "tis")
+_SEQUENCE_LEVEL_CLIPS = tuple(name for name, term in CLIP_MASKS.items() if term.token_ratio)
+_SEQUENCE_LEVEL_WEIGHTS = tuple(name for name, term in TOKEN_WEIGHTS.items() if term.token_ratio)
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.name: spec
@@ -254,6 +258,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("rec-gspo-nois", clip="gspo-one-side", eps_low=3e-4, eps_high=4e-4),
         AlgorithmSpec("opmd", regularizer="k2", reg_coef=0.1),
         AlgorithmSpec("asymre", regularizer="forward-kl", reg_coef=0.1),
+        AlgorithmSpec("reinforce-k3", regularizer="k3", reg_coef=0.1),
         AlgorithmSpec("red-drop", drop="balance"),
         AlgorithmSpec("red-weight", weight="advantage", temp=1.0),
         # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group.
@@ -369,83 +374,28 @@ def get_algorithm(name: str, **overrides) -> AlgorithmSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# The loss: four separate choices (M, W, R, aggregation), then `policy_loss` puts them together.
+# The loss: four separate choices (M, W, R, aggregation), each a registry of `offline_rec.objectives`, then
+# `policy_loss` puts them together.
 
 
-def sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """s_i = exp(mean over completion tokens of (logp - blogp)), [B, 1]; 1 for a row with no tokens."""
+def _all_tokens(rho: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """mask, or every position when None."""
     import torch
 
-    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
-    return torch.exp(torch.where(mask, log_ratio, 0.0).sum(dim=1, keepdim=True) / lengths)
-
-
-def row_ratio(rho: torch.Tensor) -> torch.Tensor:
-    """The row's ratio prod_t rho_t, [B, 1], from token ratios rho [B, T] that are 1 off the completion mask:
-    exp of the row's log-ratio sum clamped to +-EXPONENT_LIMIT (as verl clamps it), so a long row cannot
-    overflow; 1 for a row with no tokens."""
-    return rho.log().sum(dim=1, keepdim=True).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT).exp()
-
-
-def _one_side(ratio: torch.Tensor, advantages: torch.Tensor, spec: AlgorithmSpec) -> torch.Tensor:
-    """(A >= 0 and ratio <= 1+eps_high) or (A <= 0 and ratio >= 1-eps_low): PPO-clip's gradient region."""
-    return ((advantages >= 0) & (ratio <= 1 + spec.eps_high)) | (
-        (advantages <= 0) & (ratio >= 1 - spec.eps_low)
-    )
+    return torch.ones_like(rho, dtype=torch.bool) if mask is None else mask
 
 
 def clip_mask(
     spec: AlgorithmSpec, rho: torch.Tensor, seq_ratio: torch.Tensor, advantages: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """M, a bool [B, T]: the tokens whose policy-gradient term is kept.
+    """M, a bool [B, T]: the tokens whose policy-gradient term is kept, by `spec.clip` (`objectives.CLIP_MASKS`:
+    each value's formula is in its function's docstring).
 
     rho [B, T] token ratios (1 off the completion mask), seq_ratio [B, 1] sequence ratios, advantages
     [B, 1], mask [B, T] the completion tokens (m2po's population; default all).
-      none           M = 1
-      one-side       M = (A >= 0 and rho <= 1+eps_high) or (A <= 0 and rho >= 1-eps_low)
-      two-side       M = 1-eps_low <= rho <= 1+eps_high
-      ring           M = two-side or (A >= 0 and rho <= 1-eps_low') or (A <= 0 and rho >= 1+eps_high')
-      gspo-one-side  one-side with s_i in place of rho (whole sequences kept or masked)
-      dual-clip      one-side and not (A < 0 and rho > c)              (dual-clip PPO's cap at -c*A)
-      icepop         M = a <= rho <= b                                  (a, b = mask_low, mask_high)
-      icepop-seq     M = a <= prod_t rho_t <= b                         (whole rows; `row_ratio`)
-      m2po           M = `m2po_mask`: among the trust-region tokens (A * log rho > 0) those of largest
-                     (log rho)^2 dropped until the mean of (log rho)^2 over the remaining ones is
-                     <= m2_threshold; every other token kept
-      opsm           one-side and not (A < 0 and mean_t(blogp - logp) > opsm_delta)   (whole rows)
     """
-    import torch
-
-    if spec.clip == "none":
-        return torch.ones_like(rho, dtype=torch.bool)
-    if spec.clip == "one-side":
-        return _one_side(rho, advantages, spec)
-    if spec.clip == "gspo-one-side":
-        return _one_side(seq_ratio, advantages, spec).expand_as(rho)
-    if spec.clip == "dual-clip":
-        return _one_side(rho, advantages, spec) & ~((advantages < 0) & (rho > spec.dual_clip_c))
-    if spec.clip == "icepop":
-        return (rho >= spec.mask_low) & (rho <= spec.mask_high)
-    if spec.clip == "icepop-seq":
-        product = row_ratio(rho)  # [B, 1]
-        return ((product >= spec.mask_low) & (product <= spec.mask_high)).expand_as(rho)
-    if spec.clip == "m2po":
-        return m2po_mask(rho.log(), advantages, torch.ones_like(rho, dtype=torch.bool) if mask is None else mask,
-                         spec.m2_threshold)
-    if spec.clip == "opsm":
-        # seq_ratio = exp(mean_t log rho), so -log(seq_ratio) = mean_t (blogp - logp), the k1 estimate of KL(mu || pi)
-        far = (advantages < 0) & (-seq_ratio.log() > spec.opsm_delta)  # [B, 1]
-        return _one_side(rho, advantages, spec) & ~far
-    band = (rho >= 1 - spec.eps_low) & (rho <= 1 + spec.eps_high)  # [B, T]
-    if spec.clip == "two-side":
-        return band
-    # ring: also keep tokens that drifted far in the harmful direction, so they are pulled back.
-    return (
-        band
-        | ((advantages >= 0) & (rho <= 1 - spec.eps_low_prime))
-        | ((advantages <= 0) & (rho >= 1 + spec.eps_high_prime))
-    )
+    return CLIP_MASKS[spec.clip](spec, rho, seq_ratio, advantages, _all_tokens(rho, mask))
 
 
 def cap_mask(spec: AlgorithmSpec, rho: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
@@ -467,117 +417,30 @@ def cap_mask(spec: AlgorithmSpec, rho: torch.Tensor, advantages: torch.Tensor) -
     return keep
 
 
-def m2po_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """M2PO's keep mask [B, T] (bool), Algorithm 1 of the paper, from log_ratio [B, T] = log rho, advantages
-    [B, 1] (or [B, T]) and the completion mask [B, T]:
-
-      candidates T = completion tokens with A * log rho > 0 (A > 0 and rho > 1, or A < 0 and rho < 1:
-                     the trust-region tokens, where PPO's clip would act)
-      while mean_{T} (log rho)^2 > threshold: drop the candidate of largest (log rho)^2 from T
-      keep = completion tokens that are not candidates, and the candidates left in T
-
-    Dropping from the top keeps the j smallest candidates for the largest j whose mean is <= threshold
-    (prefix means of ascending values never decrease); all are dropped if even the smallest exceeds it.
-    Sorted on the tensors' device, no host sync; ties at the cut are kept in sort order.
-
-    The population is the tokens passed in: `train` passes one micro-batch, so the selection is per
-    micro-batch (a step's log-probs exist only micro-batch by micro-batch; the paper's batch-level
-    selection would need a second forward pass over the whole step). What that does and does not change:
-    every micro-batch's kept candidates have a mean (log rho)^2 <= threshold, so the step's kept ones do
-    too (a mean of means each <= threshold); tokens outside the trust region are never dropped; a split
-    whose every part already meets the bound drops nothing, exactly as the whole step would. And a split
-    never keeps MORE candidates than the whole: the whole keeps the most tokens any subset with mean <= the
-    threshold can hold (the smallest values), and the union of the parts' kept sets is such a subset. But
-    WHICH candidates are dropped depends on which others share the micro-batch: one micro-batch per step
-    (micro_batch_tokens >= the step's tokens) is the paper's rule; smaller ones may drop more.
-    """
-    import torch
-
-    log_ratio = log_ratio.detach()
-    candidate = mask & (advantages * log_ratio > 0)  # [B, T]
-    second = torch.where(candidate, log_ratio**2, math.inf).flatten()  # [B*T]; non-candidates sort last
-    values, order = torch.sort(second)
-    counts = torch.arange(1, len(values) + 1, device=values.device, dtype=values.dtype)
-    prefix_mean = values.cumsum(0) / counts  # inf once a non-candidate position is included
-    keep_sorted = (prefix_mean <= threshold).int().cumprod(0).bool()  # a prefix, even under rounding
-    kept_candidate = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted).view_as(mask)  # [B, T]
-    return mask & (~candidate | kept_candidate)
+def keep_mask(spec: AlgorithmSpec, r: Ratios, advantages: torch.Tensor) -> torch.Tensor:
+    """The tokens whose policy-gradient term `policy_loss` keeps, a bool [B, T]: clip_mask AND cap_mask AND m, on
+    the ratio `spec.ratio_level` reads (`Ratios.level`); advantages [B, 1]."""
+    ratio = r.level(spec.ratio_level)  # [B, T]
+    return clip_mask(spec, ratio, r.seq_ratio, advantages, r.mask) & cap_mask(spec, ratio, advantages) & r.mask
 
 
 def token_weights(
     spec: AlgorithmSpec, rho: torch.Tensor, seq_ratio: torch.Tensor, advantages: torch.Tensor,
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """W, a [B, T] float: the detached per-token weight of the policy-gradient term.
+    """W, a [B, T] float: the detached per-token weight of the policy-gradient term, by `spec.weight`
+    (`objectives.TOKEN_WEIGHTS`: each value's formula is in its function's docstring).
 
-      none       W = 1
-      is         W = rho
-      tis        W = clamp(rho, 1-eps_low', 1+eps_high')
-      gspo-is    W = s_i
-      seq-is     W = prod_t rho_t = `row_ratio`   (sequence-level IS: the row's ratio on each of its tokens)
-      advantage  W = exp(A / temp)   (RED-Weight; the exponent clamped to +-EXPONENT_LIMIT)
-      topr       W = 1 if A >= 0, else clamp(rho, 0, 1)          (TOPR, per token)
-      topr-seq   W = 1 if A >= 0, else min(prod_t rho_t, 1)      (TOPR on the whole response's ratio)
-      cispo      W = clamp(rho, 1-eps_low, 1+eps_high)           (CISPO: the band clamps W, masks nothing)
-      sapo       W = 4 * s * (1 - s) * rho, s = sigmoid(tau * (rho - 1)), tau = tau_pos if A > 0 else tau_neg:
-                 the derivative of SAPO's gate (4/tau) * sigmoid(tau * (rho - 1)) with respect to logp
-      sapo-gate  W = (4/tau) * s: the gate's VALUE (Trinity-RFT 0.6.0's SAPO loss, -sg(gate) * A * logp)
-      gmpo       W = R_i = exp(mean_t g_t), g_t = min(log rho, log(1+eps_high)) if A > 0,
-                 max(log rho, log(1-eps_low)) if A < 0, 0 if A = 0 (GMPO's geometric mean of the
-                 sign-aware clipped ratios; the mean over the completion tokens of `mask`)
-    TOPR keeps plain REINFORCE (SFT-like) on positives and tapers negatives by their truncated
-    ratio, so a negative the policy already moved away from stops pushing it further.
+    rho [B, T] token ratios (1 off the completion mask), seq_ratio [B, 1], advantages [B, 1], mask [B, T] the
+    completion tokens (gmpo's mean; default all).
     """
-    import torch
-
-    if spec.weight == "none":
-        return torch.ones_like(rho)
-    if spec.weight == "is":
-        return rho
-    if spec.weight == "tis":
-        return rho.clamp(1 - spec.eps_low_prime, 1 + spec.eps_high_prime)
-    if spec.weight == "gspo-is":
-        return seq_ratio.expand_as(rho)
-    if spec.weight == "seq-is":
-        return row_ratio(rho).expand_as(rho)
-    if spec.weight == "topr":
-        return torch.where(advantages >= 0, 1.0, rho.clamp(max=1.0))
-    if spec.weight == "cispo":
-        return rho.clamp(1 - spec.eps_low, 1 + spec.eps_high)
-    if spec.weight in ("sapo", "sapo-gate"):
-        tau = torch.where(advantages > 0, spec.sapo_tau_pos, spec.sapo_tau_neg)  # [B, 1]
-        gate = torch.sigmoid(tau * (rho - 1))  # [B, T]
-        return 4 * gate * (1 - gate) * rho if spec.weight == "sapo" else 4 / tau * gate
-    if spec.weight == "gmpo":
-        log_ratio = rho.log()  # [B, T], 0 off the mask
-        lower = math.log(1 - spec.eps_low) if spec.eps_low < 1 else -math.inf
-        clipped = torch.where(advantages > 0, log_ratio.clamp(max=math.log(1 + spec.eps_high)),
-                              torch.where(advantages < 0, log_ratio.clamp(min=lower), 0.0))  # [B, T]
-        if mask is not None:
-            clipped = torch.where(mask, clipped, 0.0)
-        lengths = (torch.ones_like(rho) if mask is None else mask.to(rho.dtype)).sum(dim=1, keepdim=True)
-        return (clipped.sum(dim=1, keepdim=True) / lengths.clamp(min=1)).exp().expand_as(rho)
-    if spec.weight == "topr-seq":
-        # rho is 1 off the completion mask, so the row's log-ratio sum is over its own tokens only
-        sequence = rho.log().sum(dim=1, keepdim=True).clamp(max=0.0).exp()  # [B, 1], <= 1
-        return torch.where(advantages >= 0, 1.0, sequence).expand_as(rho)
-    return torch.exp((advantages / spec.temp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)).expand_as(rho)
+    return TOKEN_WEIGHTS[spec.weight](spec, rho, seq_ratio, advantages, _all_tokens(rho, mask))
 
 
 def regularizer(spec: AlgorithmSpec, logp: torch.Tensor, blogp: torch.Tensor) -> torch.Tensor:
-    """R, a [B, T] float carrying gradient through logp; the caller masks it with m (not M).
-
-      none        R = 0
-      k2          R = c * (logp - blogp)^2    (OPMD; the 1/2 is folded into c)
-      forward-kl  R = -c * logp              (AsymRE: the baseline shifted down by c)
-    """
-    import torch
-
-    if spec.regularizer == "none":
-        return torch.zeros_like(logp)
-    if spec.regularizer == "k2":
-        return spec.reg_coef * (logp - blogp) ** 2
-    return -spec.reg_coef * logp
+    """R, a [B, T] float carrying gradient through logp, by `spec.regularizer` (`objectives.REGULARIZER_TERMS`);
+    the caller masks it with m (not M)."""
+    return REGULARIZER_TERMS[spec.regularizer](spec, logp, blogp)
 
 
 def kl_to_initial(
@@ -617,7 +480,8 @@ def aggregate(
     num_tokens: float | torch.Tensor | None = None,
     num_sequences: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The scalar loss from per_token [B, T] and the completion mask m [B, T] (bool), by spec.aggregation.
+    """The scalar loss from per_token [B, T] and the completion mask m [B, T] (bool), by `aggregation_of(spec)`
+    (`objectives.AGGREGATORS`):
 
       token-mean (auto: every clip but gspo-one-side):  sum_{i,t} per_token * m / num_tokens
       seq-mean-token-mean (auto for gspo-one-side):     sum_i (sum_t per_token * m / n_i) / num_sequences
@@ -631,33 +495,15 @@ def aggregate(
     import torch
 
     per_token = torch.where(mask, per_token, 0.0)  # [B, T]
-    mode = aggregation_of(spec)
-    if mode in ("seq-mean-token-sum", "dr-grpo"):
-        sequences = max(per_token.shape[0], 1) if num_sequences is None else _positive(num_sequences, "num_sequences")
-        scale = spec.max_completion_length if mode == "dr-grpo" else 1
-        return per_token.sum() / (sequences * scale)
-    if mode == "seq-mean-token-mean":
-        lengths = mask.sum(dim=1).clamp(min=1)  # [B]
-        per_sequence = per_token.sum(dim=1) / lengths  # [B]
-        if num_sequences is None:
-            return per_sequence.sum() / max(per_token.shape[0], 1)
-        return per_sequence.sum() / _positive(num_sequences, "num_sequences")
-    denominator = mask.sum().clamp(min=1) if num_tokens is None else _positive(num_tokens, "num_tokens")
-    return per_token.sum() / denominator
+    return AGGREGATORS[aggregation_of(spec)](spec, per_token, mask, num_tokens, num_sequences)
 
 
 def aggregation_of(spec: AlgorithmSpec) -> str:
-    """The aggregation `spec` uses: its own, or for auto seq-mean-token-mean under gspo-one-side, else token-mean."""
+    """The aggregation `spec` uses: its own, or for auto its clip's (`objectives.Term.aggregation`: seq-mean-token-mean
+    under gspo-one-side, token-mean otherwise)."""
     if spec.aggregation != "auto":
         return spec.aggregation
-    return "seq-mean-token-mean" if spec.clip == "gspo-one-side" else "token-mean"
-
-
-def _positive(count, name: str):
-    """A caller-given normalizer: a python number must be > 0 (a tensor is trusted: no device sync)."""
-    if isinstance(count, (int, float)) and not count > 0:
-        raise ValueError(f"{name} must be > 0, got {count!r}")
-    return count
+    return CLIP_MASKS[spec.clip].aggregation
 
 
 def policy_loss(
@@ -712,13 +558,10 @@ def policy_loss(
     blogp = torch.where(mask, behavior_logprobs.detach().to(dtype), 0.0)  # [B, T]
     adv = advantages.detach().to(dtype).unsqueeze(1)  # [B, 1]
 
-    log_ratio = (logp.detach() - blogp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)  # [B, T], 0 off the mask
-    rho = log_ratio.exp()  # [B, T]
-    seq_ratio = sequence_ratio(log_ratio, mask)  # [B, 1]
-    # The ratio M and W read: rho itself, or each row's geometric-mean ratio s_i (ratio_level sequence).
-    ratio = rho if spec.ratio_level == "token" else torch.where(mask, seq_ratio.expand_as(rho), 1.0)  # [B, T]
-    kept = clip_mask(spec, ratio, seq_ratio, adv, mask) & cap_mask(spec, ratio, adv) & mask  # [B, T]
-    weight = token_weights(spec, ratio, seq_ratio, adv, mask)  # [B, T]
+    r = ratios(logp, blogp, mask)  # rho, log rho, s_i: detached
+    # M and W read rho itself, or each row's geometric-mean ratio s_i (ratio_level sequence).
+    kept = keep_mask(spec, r, adv)  # [B, T]
+    weight = token_weights(spec, r.level(spec.ratio_level), r.seq_ratio, adv, mask)  # [B, T]
     if spec.is_cap:  # truncated IS
         weight = weight.clamp(max=spec.is_cap)
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
@@ -728,42 +571,37 @@ def policy_loss(
 
     loss = aggregate(spec, pg + reg, mask, num_tokens, num_sequences)
     with torch.no_grad():
-        pg_loss = aggregate(spec, pg, mask, num_tokens, num_sequences)
-        reg_loss = aggregate(spec, reg, mask, num_tokens, num_sequences)
-        count = mask.sum()
-        denominator = count.clamp(min=1)
-
-        def masked_mean(values):  # mean over the completion tokens of this batch
-            return torch.where(mask, values, 0.0).sum() / denominator
-
         named = {
             "loss": loss.detach(),
-            "pg_loss": pg_loss,
-            "reg_loss": reg_loss,
-            "clip_fraction": masked_mean((~kept).to(dtype)),
-            "ratio_mean": masked_mean(rho),
-            "ratio_min": torch.where(mask, rho, math.inf).amin(),
-            "ratio_max": torch.where(mask, rho, -math.inf).amax(),
-            "kl_behavior": masked_mean(rho - 1 - log_ratio),  # k3
-            "weight_mean": masked_mean(weight),
-            "ratio_sq_mean": (ratio_sq_mean := masked_mean(rho**2)),
-            "ess": masked_mean(rho) ** 2 / ratio_sq_mean.clamp(min=torch.finfo(dtype).tiny),
-            "chi2": ratio_sq_mean - 1,
-            "filter_fraction": masked_mean((_one_side(rho, adv, spec) & ~kept).to(dtype))
-            if spec.clip in ("dual-clip", "opsm") else torch.zeros((), dtype=dtype, device=rho.device),
-            "ratio_high_fraction": masked_mean((rho > RATIO_HIGH).to(dtype)),
-            "ratio_low_fraction": masked_mean((rho < RATIO_LOW).to(dtype)),
+            "pg_loss": aggregate(spec, pg, mask, num_tokens, num_sequences),
+            "reg_loss": aggregate(spec, reg, mask, num_tokens, num_sequences),
+            "clip_fraction": r.mean((~kept).to(dtype)),
+            "weight_mean": r.mean(weight),
+            "filter_fraction": _filter_fraction(spec, r, adv, kept),
             # over the tokens that get a gradient: a token with A = 0 (an all-equal group) may keep any W
             "weight_max": torch.where(kept & (adv != 0), weight, 0.0).amax() if weight.numel()
             else weight.new_zeros(()),
-            "num_tokens": count.to(dtype),
+            "num_tokens": r.count.to(dtype),
+            **r.metrics(),
         }
+        named = {key: named[key] for key in METRIC_KEYS if key in named}
         values = torch.stack(list(named.values())).tolist()  # one device sync for all metrics
     metrics = dict(zip(named, values))
     metrics["num_sequences"] = float(logprobs.shape[0])
     if metrics["num_tokens"] == 0:
-        metrics.update(ratio_min=1.0, ratio_max=1.0, ratio_mean=1.0, ratio_sq_mean=1.0, ess=1.0, chi2=0.0)
+        metrics.update(NO_TOKEN_RATIO_METRICS)
     return loss, metrics
+
+
+def _filter_fraction(spec: AlgorithmSpec, r: Ratios, advantages: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The share of completion tokens the clip's filter removes from the one-side mask (on the token ratios), for
+    a clip that is one-side minus a filter (`objectives.Term.filters_one_side`: dual-clip, opsm); 0 otherwise."""
+    import torch
+
+    if not CLIP_MASKS[spec.clip].filters_one_side:
+        return torch.zeros((), dtype=r.rho.dtype, device=r.rho.device)
+    one_side = CLIP_MASKS["one-side"](spec, r.rho, r.seq_ratio, advantages, r.mask)
+    return r.mean((one_side & ~kept).to(r.rho.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -915,41 +753,9 @@ def group_advantages(
     if spec.std_normalize:
         centred = centred / (std[codes] + STD_EPS)
     grouped = keep & (count[codes] > 1) if spec.group_mean else torch.zeros_like(keep)  # [N]
-    fallback = _baseline_advantages(spec, values, keep, dataset_moments)  # [N]
+    fallback = BASELINE_RULES[spec.baseline](spec, values, keep, dataset_moments)  # [N], float64
     advantages = torch.where(grouped, centred, torch.where(keep, fallback, 0.0))  # [N]
     return advantages.to(out_dtype), keep
-
-
-def _baseline_advantages(spec: AlgorithmSpec, values, keep, dataset_moments: RewardMoments | None):
-    """A [N] of every row under `spec.baseline` alone (see `group_advantages`); float64 in, float64 out."""
-    import torch
-
-    if spec.baseline == "group":
-        return torch.zeros_like(values)
-    if spec.baseline == "constant":
-        return values - spec.baseline_value
-    if spec.baseline == "dataset":
-        if dataset_moments is None:
-            raise ValueError("baseline=dataset needs the training data's reward moments (dataset_moments)")
-        centred = values - dataset_moments.mean
-        if not spec.std_normalize:
-            return centred
-        spread = dataset_moments.std  # unbiased; the population std is sqrt((n - 1) / n) of it
-        if spec.population_std and dataset_moments.count > 1:
-            spread *= math.sqrt((dataset_moments.count - 1) / dataset_moments.count)
-        return centred / (spread + STD_EPS)
-    # step: leave-one-out moments of the other kept rows, from the population's sums
-    weight = keep.to(values.dtype)  # [N]
-    others = weight.sum() - weight  # [N] kept rows besides row i
-    total = (values * weight).sum() - values * weight  # [N]
-    loo_mean = total / others.clamp(min=1)  # [N]
-    centred = torch.where(others >= 1, values - loo_mean, 0.0)  # [N]
-    if not spec.std_normalize:
-        return centred
-    squares = (values**2 * weight).sum() - values**2 * weight  # [N] sum of the others' squares
-    ddof = 0 if spec.population_std else 1
-    variance = ((squares - others * loo_mean**2) / (others - ddof).clamp(min=1)).clamp(min=0)  # [N]
-    return torch.where(others >= 2, centred / (variance.sqrt() + STD_EPS), 0.0)
 
 
 def advantage_stats(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> dict[str, int]:

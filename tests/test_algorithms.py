@@ -161,6 +161,7 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "none": 0.0,
                 "k2": spec.reg_coef * (logp[i, t] - float(blogp[i, t])) ** 2,
                 "forward-kl": -spec.reg_coef * logp[i, t],
+                "k3": spec.reg_coef * ((logp[i, t] - float(blogp[i, t])).exp() - 1 - (logp[i, t] - float(blogp[i, t]))),
             }[spec.regularizer]
             row = row + (-float(M) * W * A * logp[i, t] + R)
             num_clipped += not M
@@ -433,6 +434,28 @@ def test_forward_kl_regularizer_by_hand():
     loss, grad, _ = grad_of(spec, logp, torch.tensor([[-2.0, -2.0]]), torch.zeros(1), torch.ones(1, 2))
     assert loss.item() == pytest.approx(0.2)
     torch.testing.assert_close(grad, torch.full((1, 2), -0.05, dtype=torch.float64))
+
+
+def test_k3_regularizer_by_hand():
+    # A = 0 so only R = c * (rho - 1 - log rho) counts, c = 0.1: rho = [2, 0.5] gives
+    # R = 0.1 * [1 - ln 2, ln 2 - 0.5] = [0.030685, 0.019315], loss = mean = 0.025; it equals c * kl_behavior.
+    # grad = c * (rho - 1) / N = 0.1 * [1, -0.5] / 2 = [0.05, -0.025]: the raised token is pulled harder.
+    logp, blogp, adv, mask = batch_with_ratios([[2.0, 0.5]], [[-1.0]], [0.0])
+    loss, grad, metrics = grad_of(ALGORITHMS["reinforce-k3"], logp, blogp, adv, mask)
+    ln2 = math.log(2)
+    assert loss.item() == pytest.approx(0.1 * ((1 - ln2) + (ln2 - 0.5)) / 2)
+    assert loss.item() == pytest.approx(0.1 * metrics["kl_behavior"])
+    torch.testing.assert_close(grad, torch.tensor([[0.05, -0.025]], dtype=torch.float64))
+
+
+def test_k3_regularizer_past_the_exponent_limit_is_finite_and_keeps_its_sign():
+    # log rho = 100 in float32: exp would overflow; the tangent at 20 keeps R finite and the pull downward.
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    loss, _ = policy_loss(ALGORITHMS["reinforce-k3"], logp, torch.tensor([[-100.0]]), torch.zeros(1),
+                          torch.ones(1, 1))
+    loss.backward()
+    assert math.isfinite(loss.item()) and loss.item() == pytest.approx(0.1 * (math.exp(20) * 81 - 101), rel=1e-5)
+    assert logp.grad.item() == pytest.approx(0.1 * (math.exp(20) - 1), rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from paths import REPO
 PACKAGE = REPO / "offline_rec"
 LAYERS = [
     {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.progress",
-     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.algorithms", "offline_rec.options",
+     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.objectives", "offline_rec.algorithms",
+     "offline_rec.options",
      "offline_rec.ray_cluster", "offline_rec.devices"},
     {"offline_rec.models"},
     {"offline_rec.tasks"},

@@ -160,22 +160,22 @@ def objective_diagnostics(token_log_ratios, rewards, group_ids) -> dict:
     """
     import torch
 
-    from offline_rec.algorithms import ALGORITHMS, group_advantages, policy_loss
+    from offline_rec.algorithms import ALGORITHMS, NO_TOKEN_RATIO_METRICS, group_advantages, keep_mask, ratios
 
     lengths = torch.tensor([len(r) for r in token_log_ratios], dtype=torch.long)  # [N]
     width = int(lengths.max()) if len(lengths) else 0
     mask = torch.arange(width)[None, :] < lengths[:, None]  # [N, C]
     log_ratio = torch.zeros(len(token_log_ratios), width, dtype=torch.float64)  # [N, C]
-    for i, ratios in enumerate(token_log_ratios):
-        log_ratio[i, : len(ratios)] = torch.as_tensor(ratios, dtype=torch.float64)
+    for i, row in enumerate(token_log_ratios):
+        log_ratio[i, : len(row)] = torch.as_tensor(row, dtype=torch.float64)
     advantages, _ = group_advantages(ALGORITHMS["reinforce"], torch.tensor(rewards, dtype=torch.float64), group_ids)
-    zeros = torch.zeros_like(log_ratio)
-    _, stats = policy_loss(ALGORITHMS["reinforce"], log_ratio, zeros, advantages, mask)  # rho = exp(log_ratio - 0)
+    r = ratios(log_ratio, torch.zeros_like(log_ratio), mask)  # rho = exp(log_ratio - 0), as the loss reads it
+    stats = NO_TOKEN_RATIO_METRICS if not r.count else {key: value.item() for key, value in r.metrics().items()}
     diagnostics = {"ess_token": stats["ess"], "chi2_token": stats["chi2"]}
     for name, spec in ALGORITHMS.items():
         if spec.clip != "none":
-            _, stats = policy_loss(spec, log_ratio, zeros, advantages, mask)
-            diagnostics[MASKED_PREFIX + name] = stats["clip_fraction"]
+            kept = keep_mask(spec, r, advantages.unsqueeze(1))  # [N, C]
+            diagnostics[MASKED_PREFIX + name] = r.mean((~kept).to(log_ratio.dtype)).item()
     return diagnostics
 
 

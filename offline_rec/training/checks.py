@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from offline_rec import schema as S
-from offline_rec.algorithms import AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
+from offline_rec.algorithms import TOKEN_WEIGHTS, AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
 from offline_rec.errors import UserError, require_extra
@@ -186,7 +186,7 @@ def check_logprobs_sources(spec: AlgorithmSpec, datasets, force_raw: bool = Fals
 
 def weighs_by_ratio(spec: AlgorithmSpec) -> bool:
     """True when spec's per-token weight W is a function of rho = pi/mu (the -is presets and the peers' weights)."""
-    return spec.weight not in ("none", "advantage")
+    return TOKEN_WEIGHTS[spec.weight].by_ratio
 
 
 def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, schedule: scheduling.Schedule,

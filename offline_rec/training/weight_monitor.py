@@ -30,7 +30,7 @@ import sys
 import numpy as np
 
 from offline_rec import schema as S
-from offline_rec.algorithms import RATIO_HIGH, RATIO_LOW
+from offline_rec.algorithms import EXPONENT_LIMIT, RATIO_HIGH, RATIO_LOW
 from offline_rec.errors import UserError
 
 ESS_WARNING = 0.1
@@ -45,7 +45,6 @@ STEP_PREFIX = "behavior/"
 
 # Per-behavior sums of a step: index of each quantity (all summed over ranks, but the max).
 _SUMS = ("tokens", "ratio_sum", "ratio_sq_sum", "high", "low", "ratio_max")
-_EXPONENT_LIMIT = 20.0  # the clamp policy_loss applies to log rho (algorithms.EXPONENT_LIMIT)
 
 
 class WeightCollapse(UserError):
@@ -216,9 +215,10 @@ class WeightMonitor:
             return
         import torch
 
-        mask = batch["loss_mask"].bool()  # [B, T]
-        log_ratio = torch.where(mask, logprobs.detach().double() - batch["behavior_logprobs"].double(), 0.0)
-        rho = log_ratio.clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT).exp()  # [B, T]
+        from offline_rec.algorithms import ratios
+
+        r = ratios(logprobs.double(), batch["behavior_logprobs"].double(), batch["loss_mask"])
+        mask, rho = r.mask, r.rho  # [B, T]
         rows = batch["rows"].cpu().numpy()
         codes = torch.as_tensor(np.where(rows >= 0, self.codes[np.maximum(rows, 0)], 0), dtype=torch.long,
                                 device=rho.device)  # [B]
@@ -309,7 +309,7 @@ def metric_name(behavior: str) -> str:
 
 
 def _sums(flat: np.ndarray) -> tuple:
-    rho = np.exp(np.clip(flat, -_EXPONENT_LIMIT, _EXPONENT_LIMIT))
+    rho = np.exp(np.clip(flat, -EXPONENT_LIMIT, EXPONENT_LIMIT))
     return (float(len(rho)), float(rho.sum()), float((rho**2).sum()), float((rho > RATIO_HIGH).sum()),
             float((rho < RATIO_LOW).sum()), float(rho.max()) if len(rho) else 1.0)
 

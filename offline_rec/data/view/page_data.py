@@ -285,16 +285,13 @@ def _dropped(spec, logp: list[float], blogp: list[float], mask: list[bool], adva
     """Positions of the sampled tokens the preset's clip mask M drops (as `policy_loss` computes M)."""
     import torch
 
-    from offline_rec.algorithms import EXPONENT_LIMIT, clip_mask, sequence_ratio
+    from offline_rec.algorithms import clip_mask, ratios
 
     if not logp:
         return []
-    trained = torch.tensor([mask])  # [1, T]
-    log_ratio = torch.where(trained, torch.tensor([logp], dtype=torch.float32) - torch.tensor([blogp]), 0.0)
-    log_ratio = log_ratio.clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)  # [1, T]
-    kept = clip_mask(spec, log_ratio.exp(), sequence_ratio(log_ratio, trained),
-                     torch.tensor([[advantage]], dtype=torch.float32))  # [1, T]
-    return torch.nonzero(trained[0] & ~kept[0]).flatten().tolist()
+    r = ratios(torch.tensor([logp], dtype=torch.float32), torch.tensor([blogp]), torch.tensor([mask]))  # [1, T]
+    kept = clip_mask(spec, r.rho, r.seq_ratio, torch.tensor([[advantage]], dtype=torch.float32))  # [1, T]
+    return torch.nonzero(r.mask[0] & ~kept[0]).flatten().tolist()
 
 
 def page_payload(rows: list[dict], text: TokenText, spec, scorer: TeacherForcedScorer | None = None) -> dict:
