@@ -36,7 +36,7 @@ def first_page(data: str, tokenizer: str, out: str) -> dict:
     started = time.perf_counter()
     from offline_rec.data.view.config import ViewConfig
     from offline_rec.data.view.page import open_view, page_file_text, write_page
-    from offline_rec.data.view.rows import scan_index
+    from offline_rec.data.view.page_data import scan_index
 
     imported = time.perf_counter()
     view = open_view(ViewConfig(dataset=data, out=out, tokenizer=tokenizer))

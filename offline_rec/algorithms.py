@@ -14,6 +14,8 @@ After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm"
    seq-mean-token-mean instead: sum_i (sum_t per_token[i,t] m[i,t] / n_i) / num_sequences; the
    `aggregation` field picks another (`aggregate`). The peers' objectives (CISPO, M2PO, dual-clip,
    IcePop, OPSM, SAPO, GMPO, DAPO, Dr. GRPO) are presets of the same family: see `ALGORITHMS`.
+   Caps that bound the importance weights (is_cap, dual_clip_negatives, icepop_mask, ratio_level) are
+   overrides of any preset, off by default (`cap_mask`, `policy_loss`).
 3. GRPO is written in the same REC form as rec-oneside-is (-M * rho.detach() * A * logp), not as
    PPO's -min(rho*A, clip(rho)*A) with rho carrying gradient. Both forms have the same gradient
    (-M * rho * A * grad logp); only the loss VALUE differs. GRPO differs from rec-oneside-is
@@ -42,11 +44,15 @@ if typing.TYPE_CHECKING:
     import torch
 
 CLIPS = ("none", "one-side", "two-side", "ring", "gspo-one-side", "dual-clip", "icepop", "icepop-seq", "m2po", "opsm")
-WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage", "topr", "topr-seq", "cispo", "sapo", "gmpo")
+WEIGHTS = ("none", "is", "tis", "gspo-is", "advantage", "topr", "topr-seq", "cispo", "sapo", "gmpo", "seq-is",
+           "sapo-gate")
 AGGREGATIONS = ("auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "dr-grpo")
 REGULARIZERS = ("none", "k2", "forward-kl")
 DROPS = ("none", "balance")
 BASELINES = ("group", "step", "dataset", "constant")
+KL_ESTIMATORS = ("k3", "k2")
+"""Per-token estimators `kl_to_initial` takes: k3 (the default) and k2 (Trinity-RFT's kl_loss_fn default)."""
+RATIO_LEVELS = ("token", "sequence")
 
 STD_EPS = 1e-6
 """Added to the group std before dividing (std_normalize)."""
@@ -65,6 +71,11 @@ change; but a token whose log-probs differ by more than ~88, or an advantage abo
 on a 0-100 scale), would overflow float32 to inf, turning the loss into inf or NaN and the clipped
 gradient into NaN. Only the weights, masks and ratio metrics see the clamp; R uses logp - blogp."""
 
+RATIO_HIGH = 10.0
+"""policy_loss's ratio_high_fraction: the share of completion tokens with rho > RATIO_HIGH."""
+RATIO_LOW = 0.1
+"""policy_loss's ratio_low_fraction: the share of completion tokens with rho < RATIO_LOW."""
+
 WIDE_CLIP = dict(eps_low=0.6, eps_high=2.0)
 """The paper's recommended wide clip for rec-oneside: dataclasses.replace(spec, **WIDE_CLIP)."""
 
@@ -82,6 +93,9 @@ METRIC_KEYS = (
     "ess",
     "chi2",
     "filter_fraction",
+    "ratio_high_fraction",
+    "ratio_low_fraction",
+    "weight_max",
     "num_tokens",
     "num_sequences",
 )
@@ -97,7 +111,8 @@ class AlgorithmSpec:
     clip: str = "none"
     """Clip mask M: none | one-side | two-side | ring | gspo-one-side."""
     weight: str = "none"
-    """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | advantage (exp(A/temp))."""
+    """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | seq-is (prod_t rho_t) | advantage
+    (exp(A/temp)) | the peers' weights (see `token_weights`)."""
     regularizer: str = "none"
     """Regularizer R: none | k2 (c*(logp-blogp)^2) | forward-kl (-c*logp)."""
     reg_coef: float = 0.0
@@ -114,6 +129,10 @@ class AlgorithmSpec:
     """RED-Weight temperature: W = exp(A / temp)."""
     std_normalize: bool = False
     """Divide group-centred rewards by the unbiased group std + 1e-6 (GRPO)."""
+    population_std: bool = False
+    """With std_normalize, divide by the POPULATION std of the group (ddof 0, Trinity-RFT's REC advantage)
+    instead of the unbiased sample std (ddof 1, GRPO, verl, Trinity-RFT's grpo); the step and dataset
+    baselines' std too."""
     drop: str = "none"
     """Data shaping: none | balance (RED-Drop: drop surplus negatives in each group)."""
     baseline: str = "group"
@@ -143,6 +162,18 @@ class AlgorithmSpec:
     """sapo: gate temperature for A > 0."""
     sapo_tau_neg: float = 1.05
     """sapo: gate temperature for A <= 0."""
+    # Caps that bound the importance weights of any preset (the -is ones above all); each is off by default,
+    # and off leaves M, W and so the gradient exactly what the preset computes (see `cap_mask`).
+    is_cap: float = 0.0
+    """Truncated IS: W = min(W, is_cap) when > 0 (0: off)."""
+    dual_clip_negatives: bool = False
+    """Dual-clip on negatives: tokens with A < 0 and rho > dual_clip_c lose their gradient, on top of the clip."""
+    icepop_mask: bool = False
+    """IcePop-style masking: tokens whose rho is outside [mask_low, mask_high] lose their gradient, on top of
+    the clip."""
+    ratio_level: str = "token"
+    """token | sequence: each token's rho replaced, in M and W, by its row's geometric-mean ratio
+    s_i = exp(mean_t log rho) (GSPO's sequence ratio); needs weight none, is or tis."""
 
     def __post_init__(self):
         for field, valid in _CHOICES.items():
@@ -159,7 +190,7 @@ class AlgorithmSpec:
         if self.temp == 0:
             raise ValueError("temp must be > 0")
         self._check_objective_fields()
-        for field in ("std_normalize", "group_mean"):
+        for field in ("std_normalize", "population_std", "group_mean", "dual_clip_negatives", "icepop_mask"):
             if not isinstance(getattr(self, field), bool):
                 raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
         value = self.baseline_value
@@ -187,18 +218,26 @@ class AlgorithmSpec:
             raise ValueError(f"max_completion_length must be an integer >= 0, got {length!r}")
         if self.aggregation == "dr-grpo" and length == 0:
             raise ValueError("aggregation dr-grpo needs max_completion_length > 0 (its constant denominator)")
-        if self.clip == "dual-clip" and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
         if self.mask_high < self.mask_low:
             raise ValueError(f"mask_high must be >= mask_low, got {self.mask_low} / {self.mask_high}")
         if self.sapo_tau_pos == 0 or self.sapo_tau_neg == 0:
             raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
+        if (self.dual_clip_negatives or self.clip == "dual-clip") and self.dual_clip_c <= 1:
+            raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
+        if self.ratio_level == "sequence" and (self.weight not in _SEQUENCE_LEVEL_WEIGHTS
+                                               or self.clip not in _SEQUENCE_LEVEL_CLIPS):
+            raise ValueError(f"ratio_level sequence needs a weight among {', '.join(_SEQUENCE_LEVEL_WEIGHTS)} and a "
+                             f"clip among {', '.join(_SEQUENCE_LEVEL_CLIPS)}; got {self.weight} / {self.clip}")
 
 
 _CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES,
-            "aggregation": AGGREGATIONS}
+            "aggregation": AGGREGATIONS, "ratio_level": RATIO_LEVELS}
 _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
-                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg")
+                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap")
+# ratio_level sequence: the clips and weights that read nothing but each token's own ratio (the others read the
+# row's product or mean already, or A alone).
+_SEQUENCE_LEVEL_CLIPS = ("none", "one-side", "two-side", "ring", "dual-clip", "icepop")
+_SEQUENCE_LEVEL_WEIGHTS = ("none", "is", "tis")
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.name: spec
@@ -231,7 +270,7 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("m2po", clip="m2po", weight="is", m2_threshold=0.04),
         AlgorithmSpec("dual-clip", clip="dual-clip", weight="is", dual_clip_c=3.0),
         AlgorithmSpec("icepop", clip="icepop", weight="is", mask_low=0.5, mask_high=5.0),
-        AlgorithmSpec("icepop-seq", clip="icepop-seq", weight="is", mask_low=0.5, mask_high=2.0),
+        AlgorithmSpec("icepop-seq", clip="icepop-seq", weight="seq-is", mask_low=0.5, mask_high=2.0),
         AlgorithmSpec("opsm", clip="opsm", weight="is", opsm_delta=0.1),
         AlgorithmSpec("sapo", weight="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
         AlgorithmSpec("gmpo", clip="one-side", weight="gmpo", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1,
@@ -253,11 +292,21 @@ presets differ only in the objective; the authors use GRPO's std-normalized adva
               cispo default clip_range_low 1.0), eps_high 0.28 (Trinity-RFT default clip_range_high; the
               paper tunes it without a published value; ScaleRL arXiv 2510.13786 via TRL's docs
               recommends a cap of 5, i.e. eps_high 4.0).
-  m2po        M2PO (Zheng et al., arXiv 2510.01161): J = sum M * rho * A / N, no clip; M drops the
-              tokens of largest (log rho)^2 until the mean of (log rho)^2 over the kept ones is
-              <= tau (the M2PO objective as AReaL's docs write it); gradient M * rho * A: clip m2po,
-              weight is. tau 0.04: Trinity-RFT's value as the project's notes record it (AReaL names the
-              knob m2_threshold; its file was not read here). Selection per micro-batch (`m2po_mask`).
+  m2po        M2PO (Zheng et al., arXiv 2510.01161, Algorithm 1 "M2PO Masking"): J = sum M * rho * A / N, no
+              clip, N all completion tokens (masked ones too); gradient M * rho * A: clip m2po, weight is.
+              Candidates: the trust-region tokens only, A > 0 with rho > 1 or A < 0 with rho < 1 (where
+              PPO's clip would act; the authors' release github.com/Infini-AI-Lab/M2PO selects exactly these
+              in verl/trainer/ppo/core_algos.py `_get_trust_region_tokens_delta_sq`, as does Trinity-RFT's
+              later source, agentscope-ai/Trinity-RFT trinity/algorithm/policy_loss_fn/m2po_policy_loss.py;
+              the 0.6.0 package has no M2PO). Among them the largest (log rho)^2 are dropped until
+              their mean over the REMAINING candidates is <= tau; the other tokens are never dropped. tau
+              0.04: the paper ("across all our experiments we set tau_M2 = 0.04"), the authors' scripts
+              (M2_budget=0.04), AReaL's examples/math/gsm8k_m2po.yaml and Trinity-RFT's default. The set the
+              selection runs over: the paper's "batch" of training tokens; here the tokens of one
+              `policy_loss` call, i.e. one micro-batch in `train` (`m2po_mask` says how that depends on
+              the split). Not taken: AReaL's rule (every completion token a candidate, strict < tau, at
+              least one token kept) and the authors' code's variant (a clip band exp(+-tau') from a capped
+              second moment, which drops at least as many tokens as Algorithm 1).
   dual-clip   dual-clip PPO (Ye et al., arXiv 1912.09729): for A < 0, max(-rho*A, -clip(rho)*A) capped at
               -c * A; gradient -rho * A on one-side tokens except A < 0 with rho > c: clip dual-clip,
               weight is. c 3.0 (verl clip_ratio_c and Trinity-RFT default, the paper's example),
@@ -265,9 +314,16 @@ presets differ only in the objective; the authors use GRPO's std-normalized adva
   icepop      IcePop (Ring-1T, arXiv 2510.18855; INTELLECT-3 eq. 1): J = sum M(rho; a, b) A, M(k) = k inside
               [a, b], 0 outside: M = a <= rho <= b, W = rho (with one update per batch PPO's own ratio is
               1). [a, b] = [0.5, 5.0]: the IcePop post's alpha, beta (also prime-rl's first IcePop defaults).
-  icepop-seq  Sequence masked IS (MIS; verl rollout_rs seq, TRL vllm_importance_sampling_mode
-              sequence_mask): whole rows kept iff a <= prod_t rho_t <= b, W = rho. [0.5, 2.0]: verl's
-              rollout_is_threshold 2.0 with its default lower bound 1 / 2.
+  icepop-seq  Sequence-level masked IS (MIS): whole rows kept iff a <= prod_t rho_t <= b, and every token of a
+              kept row weighted by the row's ratio W = prod_t rho_t (weight seq-is), as TRL 1.16.0
+              (GRPOTrainer, vllm_importance_sampling_mode="sequence_mask": the row's product, set to 0
+              outside [clip_min, clip_max], multiplies each token's loss) and verl 0.9.1
+              (rollout_corr_helper.compute_rollout_correction_weights, rollout_is="sequence" with a
+              "lower_upper" rollout_is_threshold: exp of the row's log-ratio sum clamped to +-20, zeroed
+              outside the band) do. [0.5, 2.0]: verl's rollout_is_threshold 2.0 and its rejection band
+              "0.5_2.0" (RolloutCorrectionConfig.decoupled_seq_is_rs); TRL's default is [none, 3.0]. Before
+              issue 37 this preset weighted each token by its own rho: `--set algorithm.weight=is` (the
+              same rows kept, a lower-variance, biased weight).
   opsm        Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9) on GRPO: one-side,
               and rows with A < 0 and mean_t(blogp - logp) > delta dropped; W = rho. delta 0.1
               (Trinity-RFT delta_sequence_masking default; TRL's docs suggest e.g. 0.5).
@@ -275,6 +331,8 @@ presets differ only in the objective; the authors use GRPO's std-normalized adva
               else tau_neg, rho carrying gradient; d/dlogp = 4 * s * (1 - s) * rho * A with
               s = sigmoid(tau * (rho - 1)): weight sapo, no clip, seq-mean-token-mean (verl and TRL
               aggregate SAPO so). tau_pos 1.0, tau_neg 1.05 (the paper; TRL and verl defaults).
+              Trinity-RFT 0.6.0 weights the gradient by the gate VALUE, -sg((4/tau) sigmoid(tau (rho - 1)))
+              * A * logp, token-mean: `--set algorithm.weight=sapo-gate --set algorithm.aggregation=token-mean`.
   gmpo        GMPO (arXiv 2507.20673): J_i = A * exp(mean_t clip_sgn(log rho)), the log ratio clipped to
               [-0.4, 0.4] on the side sign(A) points to; d/dlogp_t = A * R_i / n_i on unclipped tokens:
               clip one-side with eps_low = 1 - e^-0.4, eps_high = e^0.4 - 1 (the same band in log
@@ -285,8 +343,9 @@ presets differ only in the objective; the authors use GRPO's std-normalized adva
               overlong penalty are data-side and not part of this loss.
   dr-grpo     Dr. GRPO (arXiv 2503.20783): no std division, loss = sum / (num_sequences * L), L the max
               completion length (TRL loss_type dr_grpo; verl seq-mean-token-sum-norm); one-side, W = rho,
-              eps 0.2 / 0.2. L 1024: the paper setting's (Yao et al.) max response tokens (TRL's
-              default max_completion_length is 256); L only scales the step size.
+              eps 0.2 / 0.2. L 1024: the paper setting's (Yao et al.) max response tokens (TRL 1.16.0's
+              default max_completion_length is 512: `--set algorithm.max_completion_length=512`); L only
+              scales the step size.
 """
 
 
@@ -321,6 +380,13 @@ def sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.where(mask, log_ratio, 0.0).sum(dim=1, keepdim=True) / lengths)
 
 
+def row_ratio(rho: torch.Tensor) -> torch.Tensor:
+    """The row's ratio prod_t rho_t, [B, 1], from token ratios rho [B, T] that are 1 off the completion mask:
+    exp of the row's log-ratio sum clamped to +-EXPONENT_LIMIT (as verl clamps it), so a long row cannot
+    overflow; 1 for a row with no tokens."""
+    return rho.log().sum(dim=1, keepdim=True).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT).exp()
+
+
 def _one_side(ratio: torch.Tensor, advantages: torch.Tensor, spec: AlgorithmSpec) -> torch.Tensor:
     """(A >= 0 and ratio <= 1+eps_high) or (A <= 0 and ratio >= 1-eps_low): PPO-clip's gradient region."""
     return ((advantages >= 0) & (ratio <= 1 + spec.eps_high)) | (
@@ -343,9 +409,10 @@ def clip_mask(
       gspo-one-side  one-side with s_i in place of rho (whole sequences kept or masked)
       dual-clip      one-side and not (A < 0 and rho > c)              (dual-clip PPO's cap at -c*A)
       icepop         M = a <= rho <= b                                  (a, b = mask_low, mask_high)
-      icepop-seq     M = a <= prod_t rho_t <= b                         (whole rows)
-      m2po           M = `m2po_mask`: the tokens of largest (log rho)^2 dropped until the mean of
-                     (log rho)^2 over the kept tokens is <= m2_threshold
+      icepop-seq     M = a <= prod_t rho_t <= b                         (whole rows; `row_ratio`)
+      m2po           M = `m2po_mask`: among the trust-region tokens (A * log rho > 0) those of largest
+                     (log rho)^2 dropped until the mean of (log rho)^2 over the remaining ones is
+                     <= m2_threshold; every other token kept
       opsm           one-side and not (A < 0 and mean_t(blogp - logp) > opsm_delta)   (whole rows)
     """
     import torch
@@ -361,10 +428,10 @@ def clip_mask(
     if spec.clip == "icepop":
         return (rho >= spec.mask_low) & (rho <= spec.mask_high)
     if spec.clip == "icepop-seq":
-        product = rho.log().sum(dim=1, keepdim=True).exp()  # [B, 1]; rho is 1 off the mask
+        product = row_ratio(rho)  # [B, 1]
         return ((product >= spec.mask_low) & (product <= spec.mask_high)).expand_as(rho)
     if spec.clip == "m2po":
-        return m2po_mask(rho.log(), torch.ones_like(rho, dtype=torch.bool) if mask is None else mask,
+        return m2po_mask(rho.log(), advantages, torch.ones_like(rho, dtype=torch.bool) if mask is None else mask,
                          spec.m2_threshold)
     if spec.clip == "opsm":
         # seq_ratio = exp(mean_t log rho), so -log(seq_ratio) = mean_t (blogp - logp), the k1 estimate of KL(mu || pi)
@@ -381,25 +448,60 @@ def clip_mask(
     )
 
 
-def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """M2PO's keep mask [B, T] (bool): drop the completion tokens of largest (log rho)^2 until the mean of
-    (log rho)^2 over the kept ones is <= threshold (all dropped if even the smallest one exceeds it).
+def cap_mask(spec: AlgorithmSpec, rho: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """The caps' share of M, a bool [B, T] that `policy_loss` ANDs with `clip_mask` (all True when both are off).
 
-    Dropping from the top keeps the j smallest values for the largest j whose mean is <= threshold (the
-    prefix means of the ascending values never decrease). Sorted on the tensors' device, no host sync.
-    The population is the tokens passed in: the trainer passes one micro-batch, so the selection is per
-    micro-batch (the step's log-probs exist only micro-batch by micro-batch; selecting over the whole
-    step would need a second forward pass). Ties at the cut are kept in sort order.
+      dual_clip_negatives  not (A < 0 and rho > c)        (c = dual_clip_c: dual-clip PPO's cap on negatives)
+      icepop_mask          mask_low <= rho <= mask_high   (IcePop's band)
+    rho [B, T] (the token ratios, or s_i per token with ratio_level sequence), advantages [B, 1]. A negative
+    logged far from the policy (rho in the thousands) otherwise keeps its gradient under one-side and ring,
+    weighted by rho under W = rho.
     """
     import torch
 
-    second = torch.where(mask, log_ratio.detach() ** 2, math.inf).flatten()  # [B*T]; others sort last
+    keep = torch.ones_like(rho, dtype=torch.bool)
+    if spec.dual_clip_negatives:
+        keep &= ~((advantages < 0) & (rho > spec.dual_clip_c))
+    if spec.icepop_mask:
+        keep &= (rho >= spec.mask_low) & (rho <= spec.mask_high)
+    return keep
+
+
+def m2po_mask(log_ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's keep mask [B, T] (bool), Algorithm 1 of the paper, from log_ratio [B, T] = log rho, advantages
+    [B, 1] (or [B, T]) and the completion mask [B, T]:
+
+      candidates T = completion tokens with A * log rho > 0 (A > 0 and rho > 1, or A < 0 and rho < 1:
+                     the trust-region tokens, where PPO's clip would act)
+      while mean_{T} (log rho)^2 > threshold: drop the candidate of largest (log rho)^2 from T
+      keep = completion tokens that are not candidates, and the candidates left in T
+
+    Dropping from the top keeps the j smallest candidates for the largest j whose mean is <= threshold
+    (prefix means of ascending values never decrease); all are dropped if even the smallest exceeds it.
+    Sorted on the tensors' device, no host sync; ties at the cut are kept in sort order.
+
+    The population is the tokens passed in: `train` passes one micro-batch, so the selection is per
+    micro-batch (a step's log-probs exist only micro-batch by micro-batch; the paper's batch-level
+    selection would need a second forward pass over the whole step). What that does and does not change:
+    every micro-batch's kept candidates have a mean (log rho)^2 <= threshold, so the step's kept ones do
+    too (a mean of means each <= threshold); tokens outside the trust region are never dropped; a split
+    whose every part already meets the bound drops nothing, exactly as the whole step would. And a split
+    never keeps MORE candidates than the whole: the whole keeps the most tokens any subset with mean <= the
+    threshold can hold (the smallest values), and the union of the parts' kept sets is such a subset. But
+    WHICH candidates are dropped depends on which others share the micro-batch: one micro-batch per step
+    (micro_batch_tokens >= the step's tokens) is the paper's rule; smaller ones may drop more.
+    """
+    import torch
+
+    log_ratio = log_ratio.detach()
+    candidate = mask & (advantages * log_ratio > 0)  # [B, T]
+    second = torch.where(candidate, log_ratio**2, math.inf).flatten()  # [B*T]; non-candidates sort last
     values, order = torch.sort(second)
     counts = torch.arange(1, len(values) + 1, device=values.device, dtype=values.dtype)
-    prefix_mean = values.cumsum(0) / counts  # inf once a non-completion position is included
+    prefix_mean = values.cumsum(0) / counts  # inf once a non-candidate position is included
     keep_sorted = (prefix_mean <= threshold).int().cumprod(0).bool()  # a prefix, even under rounding
-    keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
-    return keep.view_as(mask) & mask
+    kept_candidate = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted).view_as(mask)  # [B, T]
+    return mask & (~candidate | kept_candidate)
 
 
 def token_weights(
@@ -412,12 +514,14 @@ def token_weights(
       is         W = rho
       tis        W = clamp(rho, 1-eps_low', 1+eps_high')
       gspo-is    W = s_i
+      seq-is     W = prod_t rho_t = `row_ratio`   (sequence-level IS: the row's ratio on each of its tokens)
       advantage  W = exp(A / temp)   (RED-Weight; the exponent clamped to +-EXPONENT_LIMIT)
       topr       W = 1 if A >= 0, else clamp(rho, 0, 1)          (TOPR, per token)
       topr-seq   W = 1 if A >= 0, else min(prod_t rho_t, 1)      (TOPR on the whole response's ratio)
       cispo      W = clamp(rho, 1-eps_low, 1+eps_high)           (CISPO: the band clamps W, masks nothing)
       sapo       W = 4 * s * (1 - s) * rho, s = sigmoid(tau * (rho - 1)), tau = tau_pos if A > 0 else tau_neg:
                  the derivative of SAPO's gate (4/tau) * sigmoid(tau * (rho - 1)) with respect to logp
+      sapo-gate  W = (4/tau) * s: the gate's VALUE (Trinity-RFT 0.6.0's SAPO loss, -sg(gate) * A * logp)
       gmpo       W = R_i = exp(mean_t g_t), g_t = min(log rho, log(1+eps_high)) if A > 0,
                  max(log rho, log(1-eps_low)) if A < 0, 0 if A = 0 (GMPO's geometric mean of the
                  sign-aware clipped ratios; the mean over the completion tokens of `mask`)
@@ -434,14 +538,16 @@ def token_weights(
         return rho.clamp(1 - spec.eps_low_prime, 1 + spec.eps_high_prime)
     if spec.weight == "gspo-is":
         return seq_ratio.expand_as(rho)
+    if spec.weight == "seq-is":
+        return row_ratio(rho).expand_as(rho)
     if spec.weight == "topr":
         return torch.where(advantages >= 0, 1.0, rho.clamp(max=1.0))
     if spec.weight == "cispo":
         return rho.clamp(1 - spec.eps_low, 1 + spec.eps_high)
-    if spec.weight == "sapo":
+    if spec.weight in ("sapo", "sapo-gate"):
         tau = torch.where(advantages > 0, spec.sapo_tau_pos, spec.sapo_tau_neg)  # [B, 1]
         gate = torch.sigmoid(tau * (rho - 1))  # [B, T]
-        return 4 * gate * (1 - gate) * rho
+        return 4 * gate * (1 - gate) * rho if spec.weight == "sapo" else 4 / tau * gate
     if spec.weight == "gmpo":
         log_ratio = rho.log()  # [B, T], 0 off the mask
         lower = math.log(1 - spec.eps_low) if spec.eps_low < 1 else -math.inf
@@ -480,12 +586,14 @@ def kl_to_initial(
     mask: torch.Tensor,
     coef: float,
     num_tokens: float | torch.Tensor,
+    estimator: str = "k3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The KL penalty to the initial policy (train's `kl_to_initial` = coef): (penalty, kl detached).
 
       delta[i,t] = ref[i,t] - logp[i,t]                        [B, T]  ref = initial_logp, detached
       k3[i,t]    = exp(delta) - delta - 1                      [B, T]  >= 0, 0 where logp == ref
-      kl         = sum_{i,t} k3[i,t] * m[i,t] / num_tokens     scalar
+      k2[i,t]    = delta^2 / 2                                 [B, T]  (estimator="k2": Trinity-RFT's k2)
+      kl         = sum_{i,t} k[i,t] * m[i,t] / num_tokens      scalar
       penalty    = coef * kl                                   scalar, gradient through logp
     Evaluated on the logged tokens: the data is not sampled from the current policy, so this is a
     regularizer, not an unbiased KL estimate. num_tokens is the step's count N (as in `aggregate`), so
@@ -494,8 +602,11 @@ def kl_to_initial(
     """
     import torch
 
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid: {', '.join(KL_ESTIMATORS)}")
     delta = torch.where(mask, initial_logp.detach() - logp, 0.0)  # [B, T]
-    kl = torch.where(mask, delta.exp() - delta - 1, 0.0).sum() / num_tokens  # scalar
+    per_token = delta.exp() - delta - 1 if estimator == "k3" else delta**2 / 2  # [B, T]
+    kl = torch.where(mask, per_token, 0.0).sum() / num_tokens  # scalar
     return coef * kl, kl.detach()
 
 
@@ -563,6 +674,7 @@ def policy_loss(
         rho       = exp(clamp(logp - blogp, +-EXPONENT_LIMIT))   detached, [B, T]
         per_token = -M * W * A * logp + R                     M, W from rho (or s_i), detached
         loss      = aggregate(per_token, m, num_tokens, num_sequences)
+    M = clip_mask AND cap_mask, and W = min(W, is_cap) where is_cap > 0 (the caps; off by default).
 
     logprobs [B, T] (carries gradient), behavior_logprobs [B, T], advantages [B], mask [B, T]
     (bool or 0/1 float). Positions outside the mask may hold anything, inf and nan included:
@@ -578,7 +690,9 @@ def policy_loss(
     token importance weights as a fraction (0..1], chi2 = mean(rho^2) - 1, the token-level estimate of
     the chi-square divergence chi2(pi || mu) (E_mu[rho^2] - 1), filter_fraction (share removed by
     dual-clip's cap or opsm's sequence filter on top of the one-side mask; 0 for other clips; its
-    share is inside clip_fraction); num_tokens and
+    share is inside clip_fraction), ratio_high_fraction and ratio_low_fraction (shares of rho > RATIO_HIGH
+    and rho < RATIO_LOW), weight_max (the largest W of a kept token with A != 0: what multiplies a token's
+    gradient beyond |A|; 0 when no such token); num_tokens and
     num_sequences of this batch (weight the per-token means by num_tokens when combining
     micro-batches). With no completion tokens the ratios read 1 and the rest 0.
     """
@@ -601,8 +715,12 @@ def policy_loss(
     log_ratio = (logp.detach() - blogp).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)  # [B, T], 0 off the mask
     rho = log_ratio.exp()  # [B, T]
     seq_ratio = sequence_ratio(log_ratio, mask)  # [B, 1]
-    kept = clip_mask(spec, rho, seq_ratio, adv, mask) & mask  # [B, T]
-    weight = token_weights(spec, rho, seq_ratio, adv, mask)  # [B, T]
+    # The ratio M and W read: rho itself, or each row's geometric-mean ratio s_i (ratio_level sequence).
+    ratio = rho if spec.ratio_level == "token" else torch.where(mask, seq_ratio.expand_as(rho), 1.0)  # [B, T]
+    kept = clip_mask(spec, ratio, seq_ratio, adv, mask) & cap_mask(spec, ratio, adv) & mask  # [B, T]
+    weight = token_weights(spec, ratio, seq_ratio, adv, mask)  # [B, T]
+    if spec.is_cap:  # truncated IS
+        weight = weight.clamp(max=spec.is_cap)
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
     coef = torch.where(kept, weight * adv, 0.0)  # [B, T], M * W * A, detached
     pg = -coef * logp  # [B, T]
@@ -633,6 +751,11 @@ def policy_loss(
             "chi2": ratio_sq_mean - 1,
             "filter_fraction": masked_mean((_one_side(rho, adv, spec) & ~kept).to(dtype))
             if spec.clip in ("dual-clip", "opsm") else torch.zeros((), dtype=dtype, device=rho.device),
+            "ratio_high_fraction": masked_mean((rho > RATIO_HIGH).to(dtype)),
+            "ratio_low_fraction": masked_mean((rho < RATIO_LOW).to(dtype)),
+            # over the tokens that get a gradient: a token with A = 0 (an all-equal group) may keep any W
+            "weight_max": torch.where(kept & (adv != 0), weight, 0.0).amax() if weight.numel()
+            else weight.new_zeros(()),
             "num_tokens": count.to(dtype),
         }
         values = torch.stack(list(named.values())).tolist()  # one device sync for all metrics
@@ -668,8 +791,10 @@ def _group_codes(group_ids: Sequence[Hashable], size: int):
     return np.array(codes, dtype=np.int64), len(index)
 
 
-def _group_moments(rewards: torch.Tensor, codes: torch.Tensor, num_groups: int, keep: torch.Tensor):
-    """Per group over the kept rows: count, mean and unbiased std (std 0 for fewer than 2 rows)."""
+def _group_moments(rewards: torch.Tensor, codes: torch.Tensor, num_groups: int, keep: torch.Tensor,
+                   population: bool = False):
+    """Per group over the kept rows: count, mean and std, unbiased (ddof 1) or with `population` ddof 0
+    (std 0 for a single row either way)."""
     import torch
 
     weight = keep.to(rewards.dtype)  # [N]
@@ -677,7 +802,7 @@ def _group_moments(rewards: torch.Tensor, codes: torch.Tensor, num_groups: int, 
     total = torch.zeros_like(count).index_add_(0, codes, rewards * weight)
     mean = total / count.clamp(min=1)  # [G]
     squares = torch.zeros_like(count).index_add_(0, codes, weight * (rewards - mean[codes]) ** 2)
-    std = (squares / (count - 1).clamp(min=1)).sqrt()  # [G]; a singleton divides by 1, not 0
+    std = (squares / (count - (0 if population else 1)).clamp(min=1)).sqrt()  # [G]; a singleton divides by 1
     return count, mean, std
 
 
@@ -754,7 +879,8 @@ def group_advantages(
 
     A row whose group has >= 2 kept rows is centred on its group (with `spec.group_mean`, the default):
         A_i = r_i - mean_g(r)                               (default)
-        A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)         (std_normalize; unbiased sample std)
+        A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)         (std_normalize; unbiased sample std, or the
+                                                             population std with population_std)
     The other rows (singleton groups; every row without `group_mean`) use `spec.baseline`:
         group     A_i = 0                                   (no baseline)
         step      A_i = r_i - mean_{j != i}(r_j)            (leave-one-out over the kept rows passed in,
@@ -784,7 +910,7 @@ def group_advantages(
     keep = torch.ones_like(values, dtype=torch.bool)  # [N]
     if spec.drop == "balance":
         keep = _balance_drop(values, codes, num_groups, generator)
-    count, mean, std = _group_moments(values, codes, num_groups, keep)
+    count, mean, std = _group_moments(values, codes, num_groups, keep, population=spec.population_std)
     centred = values - mean[codes]  # [N]
     if spec.std_normalize:
         centred = centred / (std[codes] + STD_EPS)
@@ -806,7 +932,12 @@ def _baseline_advantages(spec: AlgorithmSpec, values, keep, dataset_moments: Rew
         if dataset_moments is None:
             raise ValueError("baseline=dataset needs the training data's reward moments (dataset_moments)")
         centred = values - dataset_moments.mean
-        return centred / (dataset_moments.std + STD_EPS) if spec.std_normalize else centred
+        if not spec.std_normalize:
+            return centred
+        spread = dataset_moments.std  # unbiased; the population std is sqrt((n - 1) / n) of it
+        if spec.population_std and dataset_moments.count > 1:
+            spread *= math.sqrt((dataset_moments.count - 1) / dataset_moments.count)
+        return centred / (spread + STD_EPS)
     # step: leave-one-out moments of the other kept rows, from the population's sums
     weight = keep.to(values.dtype)  # [N]
     others = weight.sum() - weight  # [N] kept rows besides row i
@@ -816,7 +947,8 @@ def _baseline_advantages(spec: AlgorithmSpec, values, keep, dataset_moments: Rew
     if not spec.std_normalize:
         return centred
     squares = (values**2 * weight).sum() - values**2 * weight  # [N] sum of the others' squares
-    variance = ((squares - others * loo_mean**2) / (others - 1).clamp(min=1)).clamp(min=0)  # [N], unbiased
+    ddof = 0 if spec.population_std else 1
+    variance = ((squares - others * loo_mean**2) / (others - ddof).clamp(min=1)).clamp(min=0)  # [N]
     return torch.where(others >= 2, centred / (variance.sqrt() + STD_EPS), 0.0)
 
 

@@ -289,7 +289,7 @@ def collect(config: CollectConfig, quiet: bool) -> None:
     from offline_rec.data.dataset import read_manifest
     from offline_rec.rollout.collect import collect as run_collect
     from offline_rec.rollout.engines import EngineError
-    from offline_rec.summaries import collect_line
+    from offline_rec.summaries import collect_line, collect_unrewarded_line
 
     config.show_progress = not quiet
     try:
@@ -297,7 +297,12 @@ def collect(config: CollectConfig, quiet: bool) -> None:
     except EngineError as error:  # an engine died or failed: what finished is committed, --resume goes on
         typer.echo(f"error: {error}", err=True)
         sys.exit(1)
-    typer.echo(collect_line(read_manifest(path), path))
+    manifest = read_manifest(path)
+    unrewarded = collect_unrewarded_line(manifest, path)
+    if unrewarded is not None:  # exit 1, not a UserError's 2: the dataset is written
+        typer.echo(f"error: {unrewarded}", err=True)
+        sys.exit(1)
+    typer.echo(collect_line(manifest, path))
 
 
 @command(app, config=MergeOptions)
@@ -406,6 +411,7 @@ def record(config: RecordConfig, settings: ProxySettings) -> None:
         rotate_bytes=int(config.rotate_mb * (1 << 20)), rotate_seconds=config.rotate_seconds,
         fsync_interval=config.fsync_interval, episode_idle_timeout=config.episode_idle_timeout,
         redact_fields=tuple(parse_redact_field(f) for f in config.redact_field),
+        max_episode_bytes=int(config.max_episode_mb * (1 << 20)),
     )
     stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=options,
                        settings=settings, logprobs_mode=config.logprobs_mode,

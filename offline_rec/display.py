@@ -84,6 +84,15 @@ def print_description(console: Console, stats: dict) -> None:
             "policy versions (version: rows)": stats.get("policy_versions", {}),
         },
     ))
+    behaviors = stats.get("behaviors") or {}
+    if len(behaviors) > 1:  # logs of several loggers: their rows, rewards and log-probs side by side
+        table = Table(title="rows per behavior (importance-weight ESS against a policy: eval --offline)")
+        for column in ("behavior", "rows", "reward mean", "mean log-prob per token"):
+            table.add_column(column, justify="left" if column == "behavior" else "right")
+        for name, row in behaviors.items():
+            table.add_row(escape(str(name)), str(row["rows"]), _number(row["reward_mean"]),
+                          _number(row["logprob_mean"]))
+        console.print(table)
     reward = stats.get("reward")
     if reward:
         console.print(key_value_table("reward", {k: v for k, v in reward.items() if k != "histogram"}))
@@ -102,6 +111,10 @@ def print_description(console: Console, stats: dict) -> None:
     flat = {k: v for k, v in behavior.items() if k != "sampling"}
     flat.update({f"sampling.{k}": v for k, v in (behavior.get("sampling") or {}).items()})
     console.print(key_value_table("behavior provenance", flat))
+
+
+def _number(value) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def eval_summary_table(summary: dict) -> Table:
@@ -131,6 +144,12 @@ def eval_summary_table(summary: dict) -> Table:
                 if key.startswith("masked_fraction_"):
                     table.add_row(escape(f"tokens {key.removeprefix('masked_fraction_')}'s mask removes"),
                                   f"{value:.1%}", "")
+        behaviors = summary.get("behaviors") or {}
+        for name, stats in behaviors.items() if len(behaviors) > 1 else ():
+            table.add_row(escape(f"behavior {name}"),
+                          escape(f"{stats['rows']} rows, reward {stats['reward_mean']:.4f}, log-prob "
+                                 f"{stats['logprob_mean']:.4f}, token ESS {stats['ess']:.1%}, max ratio "
+                                 f"{stats['ratio_max']:.4g}"), "")
         return table
     table = Table(
         title=escape(

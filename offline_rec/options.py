@@ -148,6 +148,9 @@ def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = 
                 parameters.append(_parameter(field, bool))
             else:
                 parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+        unknown = sorted(set(order) - {p.name for p in parameters})
+        if unknown:  # a typo here would silently leave --help in field order
+            raise TypeError(f"{handler.__name__}: order names no parameter of the command: {unknown}")
         rank = {name: i for i, name in enumerate(order)}
         parameters.sort(key=lambda p: rank.get(p.name, len(rank)))  # stable: the others keep their order
         names = [p.name for p in parameters]

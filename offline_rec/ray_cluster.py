@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, missing_extra
 
 
 class RayCluster:
@@ -28,7 +28,7 @@ class RayCluster:
         try:
             import ray
         except ImportError:
-            raise UserError("--ray-address needs Ray: pip install 'offline-rec[ray]'") from None
+            raise missing_extra("--ray-address", "ray", "ray") from None
         self.ray = ray
         self.what, self.failure = what, failure
         self.actors: list = []

@@ -5,6 +5,8 @@ Plain text (no rich): the CLI echoes these lines; `--json` prints the summary it
 
 from __future__ import annotations
 
+from offline_rec.tasks.builtin import none_rewarded, null_reward_causes
+
 
 def import_lines(summary: dict) -> list[str]:
     lines = [f"imported {summary['rows']} rows in {summary['groups']} groups from {summary['imported_lines']} of "
@@ -28,12 +30,10 @@ def import_lines(summary: dict) -> list[str]:
 
 
 def filter_lines(summary: dict) -> list[str]:
-    lines = [f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} "
-             f"groups -> {summary['out']}"]
-    for reason, counts in summary["dropped"].items():
-        if counts["rows"] or counts["groups"]:
-            lines.append(f"  dropped by {reason}: {counts['rows']} rows, {counts['groups']} whole groups")
-    return lines
+    from offline_rec.data.filter import dropped_parts
+
+    return ([f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} "
+             f"groups -> {summary['out']}"] + [f"  {part}" for part in dropped_parts(summary["dropped"])])
 
 
 def reward_lines(summary: dict, scorer: str) -> list[str]:
@@ -56,11 +56,7 @@ def reward_lines(summary: dict, scorer: str) -> list[str]:
     stats = summary["reward_stats"]
     lines = [f"{head} -> {summary['out']}"]
     if summary["null"]:
-        lines.append(
-            f"  null rewards: {summary['null']} (timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, "
-            f"returned None {stats.get('returned_none', 0)})"
-            + (f"; first error: {stats['first_error']}" if stats.get("first_error") else "")
-        )
+        lines.append(f"  null rewards: {summary['null']} ({null_reward_causes(stats)})")
     return lines
 
 
@@ -71,20 +67,44 @@ def collect_line(manifest: dict, path) -> str:
             f"tokens; {finish}) -> {path}")
 
 
+def collect_unrewarded_line(manifest: dict, path) -> str | None:
+    """The error of a collect whose every sample has a null reward (None when some got one): the samples are kept,
+    and `reward` scores them once the reward works."""
+    stats = (manifest.get("stats") or {}).get("reward") or {}
+    if not none_rewarded(stats):
+        return None
+    task = (manifest.get("task") or {}).get("name") or "TASK"
+    return (f"collect: no sample got a reward ({manifest['totals']['rows']} rows: {null_reward_causes(stats)}); the "
+            f"samples are kept in {path}: fix the reward, then `offline-rec reward {path} --task {task} --out NEW`")
+
+
 def merge_line(summary: dict) -> str:
     if "joined_groups" in summary:
-        return (f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
+        line = (f"joined {summary['joined_groups']} of {summary['groups']} groups: {summary['logged_rows']} logged "
                 f"+ {summary['fresh_rows']} fresh rows -> {summary['out']}")
-    return (f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
-            f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> {summary['out']}")
+    else:
+        line = (f"merged {len(summary['inputs'])} datasets: {summary['rows']} rows in {summary['groups']} groups "
+                f"({summary['linked_shards']} shards linked, {summary['rewritten_shards']} rewritten) -> "
+                f"{summary['out']}")
+    if summary.get("logprobs_sources_differ"):
+        listed = "; ".join(f"{path}: {', '.join(sources)}" for path, sources in summary["logprobs_sources"].items())
+        line += (f"\nwarning: the inputs' log-prob sources differ ({listed}): importance weights of the merged rows "
+                 "divide by log-probs of different kinds of distribution")
+    return line
 
 
 def record_line(stats: dict, out) -> str:
-    return (f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes) into {out}; "
+    recovered = stats.get("recovered_episodes", 0)
+    return (f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes"
+            + (f"; {recovered} recovered from a stopped proxy" if recovered else "") + f") into {out}; "
             f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors")
 
 
 def train_line(summary: dict) -> str:
     final = summary.get("final_metrics", {})
+    from offline_rec.training.weight_monitor import summary_text
+
+    weights = summary_text(summary.get("importance_weights") or {})
     return (f"trained {summary['steps']} steps -> {summary['final_model']}"
-            + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else ""))
+            + (f" (loss {final['loss']:.4f}, reward {final['reward_mean']:.3f})" if "loss" in final else "")
+            + (f"; {weights}" if weights else ""))

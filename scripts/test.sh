@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Install everything (scripts/install.sh) and run the whole test suite, slow and vLLM tests included.
+# Install everything (scripts/install.sh --all: every extra the tests need) and run the whole test suite, slow and
+# vLLM tests included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh
+bash scripts/install.sh --all
 # The browser tests (tests/data/test_view_browser.py) open pages in Debian's headless Chromium and drive it
 # through chromedriver; the Noto fonts draw CJK and emoji in their screenshots. Installed here where missing
 # (CI starts from a clean machine).

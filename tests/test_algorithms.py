@@ -44,6 +44,8 @@ EXTRA_SPECS = {
     "sapo-token-mean-dual": AlgorithmSpec("sapo-dual", clip="dual-clip", weight="sapo", dual_clip_c=1.5),
     "gmpo-opsm": AlgorithmSpec("gmpo-opsm", clip="opsm", weight="gmpo", opsm_delta=0.01,
                                aggregation="seq-mean-token-mean"),
+    "sapo-gate": AlgorithmSpec("sapo-gate", weight="sapo-gate", aggregation="token-mean"),
+    "seq-is-oneside": AlgorithmSpec("seq-is-oneside", clip="one-side", weight="seq-is"),
 }
 ALL_SPECS = {**ALGORITHMS, **EXTRA_SPECS}
 
@@ -89,12 +91,15 @@ def grad_of(spec, logp, blogp, advantages, mask, **kwargs):
 # Naive reference, written straight from the notes' formulas with loops over i, t.
 
 
-def naive_m2po_keep(log_ratio, tokens_of_rows, threshold):
-    """M2PO by its words: drop the largest (log rho)^2 one at a time until the kept ones' mean <= threshold."""
-    kept = sorted(((log_ratio[i][t] ** 2, i, t) for i, tokens in enumerate(tokens_of_rows) for t in tokens))
-    while kept and sum(value for value, _, _ in kept) / len(kept) > threshold:
-        kept.pop()  # the largest
-    return {(i, t) for _, i, t in kept}
+def naive_m2po_keep(log_ratio, tokens_of_rows, threshold, advantages):
+    """M2PO's Algorithm 1 by its words: T = the trust-region tokens (A * log rho > 0); while the mean of
+    (log rho)^2 over T exceeds the threshold, drop T's largest. Returns the kept (i, t): all tokens but the dropped."""
+    everything = {(i, t) for i, tokens in enumerate(tokens_of_rows) for t in tokens}
+    region = sorted((log_ratio[i][t] ** 2, i, t) for i, t in everything if float(advantages[i]) * log_ratio[i][t] > 0)
+    while region and sum(value for value, _, _ in region) / len(region) > threshold:
+        _, i, t = region.pop()  # the largest
+        everything.discard((i, t))
+    return everything
 
 
 def naive_loss(spec, logp, blogp, advantages, mask):
@@ -104,7 +109,7 @@ def naive_loss(spec, logp, blogp, advantages, mask):
     lo2, hi2 = 1 - spec.eps_low_prime, 1 + spec.eps_high_prime
     log_ratio = (logp.detach() - blogp).tolist()  # python floats: M, W and s are detached
     tokens_of_rows = [[t for t in range(T) if mask[i, t]] for i in range(B)]
-    m2po_keep = naive_m2po_keep(log_ratio, tokens_of_rows, spec.m2_threshold)
+    m2po_keep = naive_m2po_keep(log_ratio, tokens_of_rows, spec.m2_threshold, advantages)
     per_sequence, row_sums = [], []
     total, num_tokens, num_clipped = 0.0, 0, 0
     for i in range(B):
@@ -148,6 +153,8 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "topr-seq": 1.0 if A >= 0 else min(math.exp(sum(log_ratio[i][u] for u in tokens)), 1.0),
                 "cispo": min(max(rho, lo), hi),
                 "sapo": 4 * gate * (1 - gate) * rho,  # d/dlogp of (4/tau) sigmoid(tau (rho - 1)), over A
+                "sapo-gate": 4 / tau * gate,  # the gate's value (Trinity-RFT)
+                "seq-is": product,  # the row's ratio on each of its tokens
                 "gmpo": geometric,
             }[spec.weight]
             R = {
@@ -237,7 +244,7 @@ def test_unknown_algorithm_lists_valid_names():
 
 
 def test_unknown_field_lists_valid_fields():
-    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, eps_high, eps_high_prime"
+    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, dual_clip_negatives, eps_high"
     with pytest.raises(errors.UserError, match=r"unknown algorithm field 'epsilon'; " + valid):
         get_algorithm("grpo", epsilon=0.3)
 
@@ -369,6 +376,9 @@ EXPECTED_WEIGHTS = {
     "tis": [0.4, 1.0, 3.0],  # loss 2 * 4.4 / 3 = 2.9333
     "gspo-is": [1.2 ** (1 / 3)] * 3,  # loss 2 * 1.06266 = 2.12532
     "advantage": [math.exp(2.0)] * 3,  # temp 1: loss 2 * e^2 = 14.778
+    "seq-is": [1.2] * 3,  # the row's product 0.3 * 1 * 4 = 1.2 on every token: loss 2 * 1.2 = 2.4
+    # A > 0: tau 1.0; 4 * sigmoid(rho - 1) = 4 * [sigmoid(-0.7), 0.5, sigmoid(3)] = [1.327248, 2, 3.810297]
+    "sapo-gate": [4 / (1 + math.exp(0.7)), 2.0, 4 / (1 + math.exp(-3.0))],
 }
 
 

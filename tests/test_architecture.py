@@ -15,7 +15,7 @@ PACKAGE = REPO / "offline_rec"
 LAYERS = [
     {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.progress",
      "offline_rec.coerce", "offline_rec.preemption", "offline_rec.algorithms", "offline_rec.options",
-     "offline_rec.ray_cluster"},
+     "offline_rec.ray_cluster", "offline_rec.devices"},
     {"offline_rec.models"},
     {"offline_rec.tasks"},
     {"offline_rec.data"},
@@ -99,6 +99,17 @@ def test_the_package_modules_all_have_a_docstring(graph):
     assert not missing, missing
 
 
+def test_no_two_classes_of_the_package_share_a_name():
+    """A reader who meets a class name (in a traceback, a doc, a grep) finds one class."""
+    where: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(module_name(path))
+    shared = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not shared, shared
+
+
 # --------------------------------------------------------------------------------------------
 # backends: what a backend can do is read from its class in rollout/backends/, never from its name
 
@@ -146,3 +157,46 @@ def test_every_backend_declares_its_capabilities():
         assert backend.name == key
         assert all(hasattr(backend, attribute) for attribute in declared), (key, declared)
         assert callable(backend.load)
+
+
+# --------------------------------------------------------------------------------------------
+# record/: the proxy's rooms, one job each, lowest first (a room imports only the ones before it)
+
+RECORD_PROXY_ROOMS = ["offline_rec.record.proxy_state", "offline_rec.record.request_checks",
+                      "offline_rec.record.forwarding", "offline_rec.record.logprobs_probe",
+                      "offline_rec.record.recorded_call", "offline_rec.record.proxy"]
+
+
+def test_the_record_proxy_rooms_import_only_the_rooms_below_them(graph):
+    """The checks send nothing upstream, the forwarding records nothing, and only the app sees them all."""
+    assert set(RECORD_PROXY_ROOMS) <= set(graph)
+    upward = [f"{room} imports {above}" for level, room in enumerate(RECORD_PROXY_ROOMS)
+              for above in RECORD_PROXY_ROOMS[level + 1:] if above in graph[room]]
+    assert not upward, upward
+
+
+def function_lengths(source: str) -> list[tuple[int, str]]:
+    """(lines, qualified name) of every function in `source`, methods and nested functions included."""
+    found = []
+
+    def walk(node, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((child.end_lineno - child.lineno + 1, prefix + child.name))
+                walk(child, f"{prefix}{child.name}.")
+            else:
+                walk(child, f"{prefix}{child.name}." if isinstance(child, ast.ClassDef) else prefix)
+
+    walk(ast.parse(source), "")
+    return found
+
+
+def test_function_lengths_count_methods_and_nested_functions():
+    source = "def f():\n    def g():\n        pass\n    return g\n\nclass C:\n    async def m(self):\n        pass\n"
+    assert sorted(function_lengths(source)) == [(2, "C.m"), (2, "f.g"), (4, "f")]
+
+
+def test_no_function_of_record_is_over_100_lines():
+    long = [f"{path.name}:{name} ({lines} lines)" for path in sorted((PACKAGE / "record").glob("*.py"))
+            for lines, name in function_lengths(path.read_text(encoding="utf-8")) if lines > 100]
+    assert not long, long

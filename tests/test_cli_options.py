@@ -144,3 +144,10 @@ def test_a_name_declared_twice_is_refused():
         @command(typer.Typer(), "x", config=Clash)
         def x(config, quiet: bool) -> None:
             pass
+
+
+def test_an_order_naming_no_parameter_is_refused():
+    with pytest.raises(TypeError, match=r"order names no parameter of the command: \['outt'\]"):
+        @command(typer.Typer(), "x", order=("outt",), config=Toy)
+        def x(config) -> None:
+            pass

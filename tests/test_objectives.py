@@ -15,8 +15,18 @@ import pytest
 import torch
 from test_algorithms import batch_with_ratios, grad_of, naive_m2po_keep, ppo_clip_loss, random_batch
 
-from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm, m2po_mask, policy_loss
+from offline_rec.algorithms import (
+    ALGORITHMS,
+    AlgorithmSpec,
+    RewardMoments,
+    get_algorithm,
+    group_advantages,
+    kl_to_initial,
+    m2po_mask,
+    policy_loss,
+)
 from offline_rec.errors import UserError
+from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums, importance_diagnostics
 
 torch.set_num_threads(1)
@@ -31,7 +41,7 @@ def test_peer_presets_are_built_from_separate_choices():
         "m2po": ("m2po", "is", "auto", dict(m2_threshold=0.04)),
         "dual-clip": ("dual-clip", "is", "auto", dict(dual_clip_c=3.0)),
         "icepop": ("icepop", "is", "auto", dict(mask_low=0.5, mask_high=5.0)),
-        "icepop-seq": ("icepop-seq", "is", "auto", dict(mask_low=0.5, mask_high=2.0)),
+        "icepop-seq": ("icepop-seq", "seq-is", "auto", dict(mask_low=0.5, mask_high=2.0)),
         "opsm": ("opsm", "is", "auto", dict(opsm_delta=0.1)),
         "sapo": ("none", "sapo", "seq-mean-token-mean", dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05)),
         "gmpo": ("one-side", "gmpo", "seq-mean-token-mean",
@@ -115,29 +125,88 @@ def test_icepop_by_hand():
 
 def test_icepop_seq_by_hand():
     # band [0.5, 2] on the row's product: row 0 [1.5, 1.2] -> 1.8 kept; row 1 [2.0, 1.5] -> 3.0 dropped;
-    # row 2 [0.5, 0.8] -> 0.4 dropped. A = +1, W = rho: loss = (1.5 + 1.2) / 6 = 0.45
+    # row 2 [0.5, 0.8] -> 0.4 dropped. W = the ROW's ratio 1.8 on both tokens of row 0 (not their own 1.5, 1.2).
+    # A = +1, logp = -1: per token -M*W*A*logp = M*W -> loss = (1.8 + 1.8) / 6 = 0.6; dL/dlogp = -1.8 / 6 = -0.3
     logp, blogp, adv, mask = batch_with_ratios([[1.5, 1.2], [2.0, 1.5], [0.5, 0.8]], [[-1.0]] * 3, [1.0] * 3)
     loss, grad, metrics = grad_of(ALGORITHMS["icepop-seq"], logp, blogp, adv, mask)
-    assert loss.item() == pytest.approx(0.45)
-    torch.testing.assert_close(grad, -torch.tensor([[1.5, 1.2], [0, 0], [0, 0]], dtype=torch.float64) / 6)
+    assert loss.item() == pytest.approx(0.6)
+    torch.testing.assert_close(grad, torch.tensor([[-0.3, -0.3], [0, 0], [0, 0]], dtype=torch.float64))
     assert metrics["clip_fraction"] == pytest.approx(4 / 6)
+    assert metrics["weight_mean"] == pytest.approx((2 * 1.8 + 2 * 3.0 + 2 * 0.4) / 6)  # W of every token
+    # the previous weight (each token's own rho) stays reachable: rows kept alike, W = [1.5, 1.2]
+    _, grad_is, _ = grad_of(get_algorithm("icepop-seq", weight="is"), logp, blogp, adv, mask)
+    torch.testing.assert_close(grad_is, torch.tensor([[-1.5, -1.2], [0, 0], [0, 0]], dtype=torch.float64) / 6)
+
+
+def trl_sequence_mask_loss(spec, logp, blogp, adv, mask):
+    """TRL 1.16.0 GRPOTrainer with vllm_importance_sampling_mode="sequence_mask" and bnpo/dapo's token mean over the
+    batch: w_i = exp(sum_t (old - sampling) * m) per row, masked_fill(w < clip_min or w > clip_max, 0), and
+    per_token_loss = -min(r A, clip(r) A) * w with r = exp(logp - old), old = logp.detach() (one update per batch)."""
+    old = logp.detach()
+    weight = torch.exp(torch.where(mask, old - blogp, 0.0).sum(dim=1, keepdim=True))  # [B, 1]
+    weight = weight.masked_fill((weight < spec.mask_low) | (weight > spec.mask_high), 0.0)
+    r, A = torch.exp(logp - old), adv[:, None]
+    per_token = -torch.minimum(r * A, r.clamp(1 - spec.eps_low, 1 + spec.eps_high) * A) * weight
+    return _token_mean(per_token, mask)
+
+
+def verl_sequence_is_loss(spec, logp, blogp, adv, mask):
+    """verl 0.9.1: compute_rollout_correction_weights(rollout_is="sequence", threshold "a_b") -> w = exp(clamp(sum_t
+    log_ratio * m, -20, 20)), zeroed outside [a, b]; the PPO loss with old = logp.detach(), times w, token-mean."""
+    old = logp.detach()
+    log_sum = torch.where(mask, old - blogp, 0.0).sum(dim=1, keepdim=True).clamp(-20.0, 20.0)
+    raw = torch.exp(log_sum).expand_as(logp) * mask
+    weight = torch.where((raw >= spec.mask_low) & (raw <= spec.mask_high), raw, torch.zeros_like(raw))
+    r, A = torch.exp(logp - old), adv[:, None]
+    pg_losses = torch.maximum(-A * r, -A * r.clamp(1 - spec.eps_low, 1 + spec.eps_high))
+    return _token_mean(pg_losses * weight, mask)
+
+
+@pytest.mark.parametrize("peer", [trl_sequence_mask_loss, verl_sequence_is_loss])
+def test_icepop_seq_gradient_equals_the_peers_sequence_masked_is(peer):
+    # A hand-built batch (logp = -1 everywhere, token ratios chosen so each row's product is exact):
+    #   row 0: rho [1.5, 1.2]      -> prod 1.8  in [0.5, 2]: kept, W = 1.8 on both tokens, A = +1
+    #   row 1: rho [0.8, 0.9, 1.0] -> prod 0.72 kept,        W = 0.72 on all three,          A = -2
+    #   row 2: rho [2.5, 1.0]      -> prod 2.5  > 2: dropped                                  A = +1
+    #   row 3: rho [0.6, 0.7]      -> prod 0.42 < 0.5: dropped                                A = -1
+    # 9 completion tokens (row 1's padding masked): dL/dlogp = -W * A / 9 ->
+    #   row 0: -1.8 / 9 = -0.2 on both; row 1: 0.72 * 2 / 9 = 0.16 on its three; rows 2, 3: 0
+    rhos = [[1.5, 1.2, 1.0], [0.8, 0.9, 1.0], [2.5, 1.0, 1.0], [0.6, 0.7, 1.0]]
+    logp, blogp, adv, mask = batch_with_ratios(rhos, [[-1.0]] * 4, [1.0, -2.0, 1.0, -1.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    expected = torch.tensor([[-0.2, -0.2, 0], [0.16, 0.16, 0.16], [0, 0, 0], [0, 0, 0]], dtype=torch.float64)
+    spec = ALGORITHMS["icepop-seq"]
+    _, grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    torch.testing.assert_close(grad, expected)
+    logp.grad = None
+    peer(spec, logp, blogp, adv, mask).backward()
+    torch.testing.assert_close(torch.where(mask, logp.grad, 0.0), expected)
 
 
 def test_m2po_by_hand():
-    # log rho [0.1, -0.1, 0.3, 0.5] -> (log rho)^2 [0.01, 0.01, 0.09, 0.25], mean 0.09 > 0.04: drop 0.25;
-    # mean of [0.01, 0.01, 0.09] = 0.0367 <= 0.04: stop. W = rho, A = +1:
-    # loss = (e^0.1 + e^-0.1 + e^0.3) / 4 = (1.10517 + 0.90484 + 1.34986) / 4 = 0.83997
-    log_ratio = [0.1, -0.1, 0.3, 0.5]
+    # A = +1, log rho [0.1, -0.7, 0.3, 0.5, 0.1]. Trust-region tokens (A * log rho > 0): 0.1, 0.3, 0.5, 0.1 with
+    # (log rho)^2 [0.01, 0.09, 0.25, 0.01], mean 0.09 > 0.04: drop 0.25; mean of [0.01, 0.09, 0.01] = 0.03667 <= 0.04:
+    # stop. Token 1 (log rho -0.7, (log rho)^2 0.49, the largest) is NOT a candidate: A > 0 and rho < 1, kept.
+    # W = rho, logp = -1, N = 5: loss = (e^0.1 + e^-0.7 + e^0.3 + e^0.1) / 5
+    #                                 = (1.10517 + 0.49659 + 1.34986 + 1.10517) / 5 = 0.811358
+    log_ratio = [0.1, -0.7, 0.3, 0.5, 0.1]
     logp, blogp, adv, mask = batch_with_ratios([[math.exp(x) for x in log_ratio]], [[-1.0]], [1.0])
     loss, grad, metrics = grad_of(ALGORITHMS["m2po"], logp, blogp, adv, mask)
-    kept = [math.exp(0.1), math.exp(-0.1), math.exp(0.3), 0.0]
-    assert loss.item() == pytest.approx(sum(kept) / 4)
-    torch.testing.assert_close(grad, -torch.tensor([kept], dtype=torch.float64) / 4)
-    assert metrics["clip_fraction"] == pytest.approx(0.25)
-    # a batch whose mean is within the bound keeps everything; one whose smallest value exceeds it keeps nothing
-    square = torch.tensor([[0.2, -0.2]], dtype=torch.float64)  # (log rho)^2 = 0.04 each
-    assert m2po_mask(square, torch.ones(1, 2, dtype=torch.bool), 0.0401).tolist() == [[True, True]]
-    assert m2po_mask(square, torch.ones(1, 2, dtype=torch.bool), 0.0399).tolist() == [[False, False]]
+    kept = [math.exp(0.1), math.exp(-0.7), math.exp(0.3), 0.0, math.exp(0.1)]
+    assert loss.item() == pytest.approx(sum(kept) / 5)
+    torch.testing.assert_close(grad, -torch.tensor([kept], dtype=torch.float64) / 5)
+    assert metrics["clip_fraction"] == pytest.approx(0.2)
+    # A = -1 flips the region: candidates are rho < 1 (log rho -0.7 only, 0.49 > 0.04: dropped); the rest kept
+    logp, blogp, adv, mask = batch_with_ratios([[math.exp(x) for x in log_ratio]], [[-1.0]], [-1.0])
+    _, grad, _ = grad_of(ALGORITHMS["m2po"], logp, blogp, adv, mask)
+    assert (grad[0] == 0).tolist() == [False, True, False, False, False]
+    # a region whose mean is within the bound keeps everything; one whose smallest value exceeds it keeps nothing;
+    # A = 0 has no region (nothing dropped)
+    square = torch.tensor([[0.2, 0.2]], dtype=torch.float64)  # (log rho)^2 = 0.04 each, A > 0: both candidates
+    everything = torch.ones(1, 2, dtype=torch.bool)
+    assert m2po_mask(square, torch.ones(1, 1), everything, 0.0401).tolist() == [[True, True]]
+    assert m2po_mask(square, torch.ones(1, 1), everything, 0.0399).tolist() == [[False, False]]
+    assert m2po_mask(square, torch.zeros(1, 1), everything, 0.0399).tolist() == [[True, True]]
 
 
 def test_opsm_by_hand():
@@ -249,10 +318,10 @@ def gmpo_authors(spec, logp, blogp, adv, mask):
 
 
 def m2po_authors(spec, logp, blogp, adv, mask):
-    """M2PO: -sum M * rho * A / N, M from the greedy rule on (log rho)^2 written as a loop; no clip."""
+    """M2PO: -sum M * rho * A / N, M from Algorithm 1 (greedy on the trust-region tokens' (log rho)^2) as a loop."""
     B, T = logp.shape
     log_ratio = (logp.detach() - blogp).tolist()
-    keep = naive_m2po_keep(log_ratio, [[t for t in range(T) if mask[i, t]] for i in range(B)], spec.m2_threshold)
+    keep = naive_m2po_keep(log_ratio, [[t for t in range(T) if mask[i, t]] for i in range(B)], spec.m2_threshold, adv)
     M = torch.tensor([[(i, t) in keep for t in range(T)] for i in range(B)])
     return _token_mean(-M.double() * torch.exp(logp - blogp) * adv[:, None], mask)
 
@@ -346,7 +415,7 @@ def test_wide_filters_reduce_to_their_base():
     _same(dataclasses.replace(ALGORITHMS["dual-clip"], dual_clip_c=1e6), oneside_is)
     _same(dataclasses.replace(ALGORITHMS["opsm"], opsm_delta=1e6), oneside_is)
     _same(dataclasses.replace(ALGORITHMS["m2po"], m2_threshold=1e6), AlgorithmSpec(weight="is"))
-    _same(dataclasses.replace(ALGORITHMS["icepop-seq"], mask_low=0.0, mask_high=1e30), AlgorithmSpec(weight="is"))
+    _same(dataclasses.replace(ALGORITHMS["icepop-seq"], mask_low=0.0, mask_high=1e30), AlgorithmSpec(weight="seq-is"))
 
 
 def test_dr_grpo_is_token_mean_rescaled():
@@ -415,36 +484,79 @@ def test_m2po_mask_equals_the_greedy_rule(seed):
     log_ratio = torch.randn(5, 7, generator=g, dtype=torch.float64) * 0.3
     log_ratio[0, :3] = 0.25  # ties at one value
     mask = torch.rand(5, 7, generator=g) < 0.8
+    advantages = torch.tensor([[1.0], [-0.5], [0.0], [2.0], [-1.0]], dtype=torch.float64)
     threshold = [0.01, 0.04, 0.1][seed % 3]
-    keep = naive_m2po_keep(log_ratio.tolist(), [[t for t in range(7) if mask[i, t]] for i in range(5)], threshold)
-    got = m2po_mask(log_ratio, mask, threshold)
+    keep = naive_m2po_keep(log_ratio.tolist(), [[t for t in range(7) if mask[i, t]] for i in range(5)], threshold,
+                           advantages[:, 0])
+    got = m2po_mask(log_ratio, advantages, mask, threshold)
     assert got.sum() == len(keep)
-    kept_values = sorted((log_ratio[got] ** 2).tolist())
-    assert kept_values == pytest.approx(sorted(log_ratio[i, t].item() ** 2 for i, t in keep))
+    assert sorted((log_ratio[got] ** 2).tolist()) == pytest.approx(sorted(log_ratio[i, t].item() ** 2 for i, t in keep))
     assert not (got & ~mask).any()
+    outside = mask & (advantages * log_ratio <= 0)  # not a trust-region token: never dropped
+    assert got[outside].all()
+
+
+def _m2po_split(spec, logp, blogp, adv, mask, chunks):
+    """The step's loss as `train` builds it from micro-batches (each selecting over its own tokens), and the
+    step's keep mask."""
+    num_tokens = mask.sum()
+    loss, keep = 0.0, []
+    for rows in chunks:
+        loss = loss + policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows], num_tokens=num_tokens)[0]
+        log_ratio = torch.where(mask[rows], logp.detach()[rows] - blogp[rows], 0.0)
+        keep.append(m2po_mask(log_ratio, adv[rows, None], mask[rows], spec.m2_threshold))
+    return loss, torch.cat(keep)
 
 
 def test_m2po_selects_within_each_micro_batch():
     # The trainer calls policy_loss once per micro-batch with the step's N: each micro-batch selects over its own
-    # tokens. Splitting the step therefore gives the sum of the per-chunk selections, not the one-batch loss.
+    # trust-region tokens. Splitting the step therefore gives the sum of the per-chunk selections.
     spec = ALGORITHMS["m2po"]
     logp, blogp, adv, mask = _clean(6)
-    num_tokens = mask.sum()
-    total, reference = 0.0, 0.0
+    total, _ = _m2po_split(spec, logp, blogp, adv, mask, (slice(0, 3), slice(3, 6)))
+    reference = 0.0
     for rows in (slice(0, 3), slice(3, 6)):
-        total = total + policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows], num_tokens=num_tokens)[0]
         chunk = m2po_authors(spec, logp[rows], blogp[rows], adv[rows], mask[rows])  # its own greedy selection
-        reference = reference + chunk * mask[rows].sum() / num_tokens
+        reference = reference + chunk * mask[rows].sum() / mask.sum()
     (split_grad,) = torch.autograd.grad(total, logp)
     (reference_grad,) = torch.autograd.grad(reference, logp)
     torch.testing.assert_close(split_grad, reference_grad)
-    # ... and may differ from the one-batch selection: row 0 log rho [0.3, 0.3] ((log rho)^2 0.09 each), row 1 [0, 0].
-    # Whole batch: mean 0.045 > 0.04, drop one 0.09 -> mean 0.03: 3 kept. Row 0 alone: 0.09 > 0.04 twice -> none
-    # kept; row 1 alone keeps both: 2 kept.
-    logp, blogp, adv, mask = batch_with_ratios([[math.exp(0.3)] * 2, [1.0] * 2], [[-1.0], [-1.0]], [1.0, 1.0])
+    # NOT invariant: WHICH candidates drop. A = +1 on both rows; row 0 log rho [0.3, 0.3] ((log rho)^2 0.09 each),
+    # row 1 [0.1, 0.1] (0.01 each): all four are trust-region tokens. Whole batch: mean 0.05 > 0.04, drop one 0.09
+    # -> mean (0.09 + 0.02) / 3 = 0.0367: 3 kept. Row 0 alone: 0.09 > 0.04 twice -> none kept; row 1 alone keeps both.
+    logp, blogp, adv, mask = batch_with_ratios([[math.exp(0.3)] * 2, [math.exp(0.1)] * 2], [[-1.0], [-1.0]],
+                                               [1.0, 1.0])
     assert policy_loss(spec, logp, blogp, adv, mask)[1]["clip_fraction"] == 0.25
     assert [policy_loss(spec, logp[i:i + 1], blogp[i:i + 1], adv[i:i + 1], mask[i:i + 1])[1]["clip_fraction"]
             for i in (0, 1)] == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("seed", [5, 6, 9])
+def test_m2po_what_the_micro_batch_split_keeps(seed):
+    # Invariant under any split: tokens outside the trust region are never dropped, the step's kept
+    # trust-region tokens have a mean (log rho)^2 <= tau (each micro-batch's do), and no split keeps more of them
+    # than the one-batch selection (which keeps the most any subset under the bound can). A split whose every
+    # part meets the bound gives exactly the one-batch loss and gradient.
+    spec = ALGORITHMS["m2po"]
+    logp, blogp, adv, mask = _clean(seed)
+    log_ratio = torch.where(mask, logp.detach() - blogp, 0.0)
+    region = mask & (adv[:, None] * log_ratio > 0)
+    kept_whole = None
+    for chunks in ((slice(0, 6),), (slice(0, 3), slice(3, 6)), tuple(slice(i, i + 1) for i in range(6))):
+        _, keep = _m2po_split(spec, logp, blogp, adv, mask, chunks)
+        assert keep[mask & ~region].all()
+        kept = region & keep
+        assert (log_ratio[kept] ** 2).mean() <= spec.m2_threshold
+        assert (~keep[region]).any()  # the data is far off-policy: every split drops some
+        kept_whole = int(kept.sum()) if kept_whole is None else kept_whole
+        assert kept.sum() <= kept_whole
+    wide = dataclasses.replace(spec, m2_threshold=10.0)  # every part, and the whole, within the bound
+    whole, _ = _m2po_split(wide, logp, blogp, adv, mask, (slice(0, 6),))
+    split, _ = _m2po_split(wide, logp, blogp, adv, mask, tuple(slice(i, i + 1) for i in range(6)))
+    (grad_whole,) = torch.autograd.grad(whole, logp)
+    (grad_split,) = torch.autograd.grad(split, logp)
+    torch.testing.assert_close(split, whole)
+    torch.testing.assert_close(grad_split, grad_whole)
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,6 +649,118 @@ def test_step_diagnostics_do_not_depend_on_micro_batching(name):
         split = _step_diagnostics(spec, logp, blogp, adv, mask, size=size)
         for key in ("ess", "chi2", "filter_fraction", "clip_fraction", "ratio_mean", "kl_behavior"):
             assert split[key] == pytest.approx(whole[key]), (key, size)
+
+
+# --------------------------------------------------------------------------------------------
+# Where the defaults differ from Trinity-RFT's on purpose, an override gives Trinity's behaviour (docs/paper.md).
+
+
+def test_grpo_with_dual_clip_is_trinity_ppo():
+    # Trinity-RFT 0.6.0's PPO loss (its grpo, dapo) caps A < 0 at -c * A, c = 3: `--set algorithm.clip=dual-clip`.
+    # Row 4 (A = -1.5) gets a token with rho = 3.5 > 3: no gradient under the cap, gradient under plain grpo.
+    spec = get_algorithm("grpo", clip="dual-clip")
+    assert spec.dual_clip_c == 3.0
+    logp, blogp, adv, mask = _clean(5)
+    blogp[4, 0] = logp.detach()[4, 0] - math.log(3.5)
+    _, grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    logp.grad = None
+    dual_clip_authors(spec, logp, blogp, adv, mask).backward()
+    torch.testing.assert_close(grad, torch.where(mask, logp.grad, 0.0))
+    _, plain, _ = grad_of(ALGORITHMS["grpo"], logp, blogp, adv, mask)
+    assert grad[4, 0] == 0 and plain[4, 0] != 0
+
+
+def test_sapo_gate_is_trinity_sapo():
+    # Trinity-RFT 0.6.0: loss = -A * sg((4/tau) sigmoid(tau (rho - 1))) * logp, token-mean:
+    # `--set algorithm.weight=sapo-gate --set algorithm.aggregation=token-mean`.
+    spec = get_algorithm("sapo", weight="sapo-gate", aggregation="token-mean")
+    logp, blogp, adv, mask = _clean(6)
+    _, grad, _ = grad_of(spec, logp, blogp, adv, mask)
+    rho, A = torch.exp(logp.detach() - blogp), adv[:, None]
+    tau = torch.where(A > 0, spec.sapo_tau_pos, spec.sapo_tau_neg)
+    logp.grad = None
+    _token_mean(-A * (torch.sigmoid(tau * (rho - 1)) * 4 / tau) * logp, mask).backward()
+    torch.testing.assert_close(grad, torch.where(mask, logp.grad, 0.0))
+    # by hand, one token, A = +1, rho 1.5: the gate 4 * sigmoid(0.5) = 2.489836; the paper's weight (the gate's
+    # derivative) is 4 * s * (1 - s) * rho = 1.410022
+    logp, blogp, adv, mask = batch_with_ratios([[1.5]], [[-1.0]], [1.0])
+    assert grad_of(spec, logp, blogp, adv, mask)[1].item() == pytest.approx(-4 / (1 + math.exp(-0.5)))
+    assert grad_of(ALGORITHMS["sapo"], logp, blogp, adv, mask)[1].item() == pytest.approx(-1.410022, abs=1e-6)
+
+
+def test_population_std_is_trinity_rec_advantage():
+    # Trinity-RFT's REC advantage with std_normalize divides by the population std (unbiased=False):
+    # `--set algorithm.std_normalize=true --set algorithm.population_std=true`.
+    # Group [1, 0, 0, 1]: mean 0.5, population std 0.5 -> A = +-0.5 / 0.500001 = +-0.999998;
+    # the unbiased std sqrt(1/3) = 0.577350 (GRPO) -> A = +-0.866024.
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64)
+    population = get_algorithm("rec-oneside-nois", std_normalize=True, population_std="true")
+    advantages, _ = group_advantages(population, rewards, [0, 0, 0, 0])
+    torch.testing.assert_close(advantages, torch.tensor([1, -1, -1, 1], dtype=torch.float64) * 0.5 / (0.5 + 1e-6))
+    advantages, _ = group_advantages(ALGORITHMS["grpo"], rewards, [0, 0, 0, 0])
+    torch.testing.assert_close(advantages, torch.tensor([1, -1, -1, 1], dtype=torch.float64) * 0.5 / (3**-0.5 + 1e-6))
+    # singletons under the step baseline: row 0 of rewards [0, 1, 2, 4] leaves [1, 2, 4] out: mean 7/3, squared
+    # deviations 16/9 + 1/9 + 25/9 = 14/3; population std sqrt(14/9) = 1.247219 -> A = -(7/3) / 1.247219 = -1.870829
+    # (unbiased: sqrt(7/3) = 1.527525 -> A = -1.527525)
+    spread = [0.0, 1.0, 2.0, 4.0]
+    step = dataclasses.replace(population, baseline="step")
+    advantages, _ = group_advantages(step, torch.tensor(spread, dtype=torch.float64), [0, 1, 2, 3])
+    assert advantages[0].item() == pytest.approx(-(7 / 3) / (math.sqrt(14 / 9) + 1e-6))
+    advantages, _ = group_advantages(dataclasses.replace(step, population_std=False),
+                                     torch.tensor(spread, dtype=torch.float64), [0, 1, 2, 3])
+    assert advantages[0].item() == pytest.approx(-(7 / 3) / (math.sqrt(7 / 3) + 1e-6))
+    # the dataset baseline of rewards [0, 1, 1, 1]: mean 0.75, unbiased std 0.5, population std sqrt(3) / 4
+    moments = RewardMoments.of([0.0, 1.0, 1.0, 1.0])
+    dataset = dataclasses.replace(population, baseline="dataset")
+    advantages, _ = group_advantages(dataset, torch.tensor([1.0]), [7], dataset_moments=moments)
+    assert advantages.item() == pytest.approx(0.25 / (math.sqrt(3) / 4 + 1e-6))
+    with pytest.raises(UserError, match="population_std expects true/false"):
+        get_algorithm("grpo", population_std="maybe")
+
+
+def test_kl_estimator_k2_is_trinity_rec_kl_loss():
+    # Trinity-RFT's rec adds kl_loss_fn k2 = (logp - ref)^2 / 2 with kl_coef 0.001, token-mean:
+    # `kl_to_initial: 0.001` and `kl_estimator: k2` in the train config file.
+    # delta = ref - logp = [0.2, -0.4]: k2 = [0.02, 0.08], kl = 0.1 / 2 = 0.05, penalty 5e-5;
+    # d penalty / d logp = 0.001 * (logp - ref) / 2 = 0.001 * [-0.2, 0.4] / 2 = [-1e-4, 2e-4]
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    initial = torch.tensor([[-0.8, -2.4]], dtype=torch.float64)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    penalty, kl = kl_to_initial(logp, initial, mask, 0.001, 2, "k2")
+    assert kl.item() == pytest.approx(0.05) and penalty.item() == pytest.approx(5e-5)
+    penalty.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1e-4, 2e-4]], dtype=torch.float64))
+    assert kl_to_initial(logp, initial, mask, 0.001, 2)[1].item() == pytest.approx(
+        ((math.exp(0.2) - 1.2) + (math.exp(-0.4) - 0.6)) / 2)  # the default k3
+    with pytest.raises(ValueError, match="unknown KL estimator 'k1'; valid: k3, k2"):
+        kl_to_initial(logp, initial, mask, 0.001, 2, "k1")
+    config = TrainConfig(data=["d"], model="m", algorithm="rec-oneside-nois", out="r", kl_to_initial=0.001,
+                         kl_estimator="k2")
+    assert (config.kl_to_initial, config.kl_estimator) == (0.001, "k2")
+    with pytest.raises(UserError, match="kl_estimator"):
+        TrainConfig(data=["d"], model="m", algorithm="rec-oneside-nois", out="r", kl_estimator="k1")
+
+
+def test_the_trinity_overrides_parse_from_the_command_line():
+    # the --set lines docs/paper.md and the README give for Trinity-RFT's behaviour, through train's own parser
+    from offline_rec.training.config import build_config
+
+    def spec_of(algorithm, *sets):
+        config = build_config(None, dict(data=["d"], model="m", out="r", algorithm=algorithm), sets)
+        return config, get_algorithm(config.algorithm, **config.algorithm_overrides)
+
+    assert spec_of("grpo", "algorithm.clip=dual-clip")[1] == dataclasses.replace(ALGORITHMS["grpo"], clip="dual-clip")
+    assert spec_of("dapo", "algorithm.clip=dual-clip")[1].dual_clip_c == 3.0
+    config, _ = spec_of("rec-oneside-nois", "kl_to_initial=0.001", "kl_estimator=k2")
+    assert (config.kl_to_initial, config.kl_estimator) == (0.001, "k2")
+    _, spec = spec_of("rec-oneside-nois", "algorithm.std_normalize=true", "algorithm.population_std=true")
+    assert (spec.std_normalize, spec.population_std) == (True, True)
+    _, spec = spec_of("sapo", "algorithm.weight=sapo-gate", "algorithm.aggregation=token-mean")
+    assert (spec.weight, spec.aggregation) == ("sapo-gate", "token-mean")
+    _, spec = spec_of("dr-grpo", "algorithm.max_completion_length=512")
+    assert spec.max_completion_length == 512
+    _, spec = spec_of("icepop-seq", "algorithm.weight=is")
+    assert (spec.clip, spec.weight) == ("icepop-seq", "is")
 
 
 def test_list_options_names_every_preset_and_field():

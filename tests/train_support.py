@@ -29,12 +29,17 @@ def default_reward(completion_ids, sample_index) -> float:
 
 def write_dataset(path, model_dir, num_groups=8, group_size=4, prompt_lengths=(3, 8), completion_lengths=(2, 10),
                   seed=0, reward=default_reward, null_rewards=0, record_hash=True, loss_masks=False,
-                  group_sizes=None, groups_per_shard=3) -> str:
+                  group_sizes=None, groups_per_shard=3, behaviors=("",), logprob_shifts=None,
+                  logprobs_source=S.LOGPROBS_RECOMPUTED, temperature=1.0) -> str:
     """A dataset of random token sequences whose behavior log-probs are the model's own (teacher-forced).
 
     `null_rewards` rows get a null reward; `group_sizes` overrides group_size per group;
-    `loss_masks` gives every other row a loss_mask with its last token masked out.
+    `loss_masks` gives every other row a loss_mask with its last token masked out. Row k of a group is
+    logged by `behaviors[k % len(behaviors)]` (the behavior column), whose log-probs are the model's plus
+    `logprob_shifts[name]` (a logger less sure of each token by that many nats: rho = exp(-shift)).
+    `logprobs_source` and `temperature` go into the manifest's behavior block.
     """
+    shifts = logprob_shifts or {}
     rng = np.random.default_rng(seed)
     tokenizer = load_tokenizer(model_dir)
     model = load_model(model_dir)
@@ -42,8 +47,8 @@ def write_dataset(path, model_dir, num_groups=8, group_size=4, prompt_lengths=(3
     behavior = S.behavior_provenance(
         model=str(model_dir),
         tokenizer_hash=tokenizer_hash(tokenizer) if record_hash else None,
-        temperature=1.0,
-        logprobs_source=S.LOGPROBS_RECOMPUTED,
+        temperature=temperature,
+        logprobs_source=logprobs_source,
     )
     writer = DatasetWriter(path, behavior=behavior, task={"name": "synthetic"}, groups_per_shard=groups_per_shard)
     nulls_left = null_rewards
@@ -57,13 +62,15 @@ def write_dataset(path, model_dir, num_groups=8, group_size=4, prompt_lengths=(3
             ).tolist()
             ids = torch.tensor([prompt + completion])
             with torch.no_grad():
-                logprobs = token_logprobs_from_model(model, ids, torch.ones_like(ids))[0, len(prompt) - 1:].tolist()
+                logprobs = token_logprobs_from_model(model, ids, torch.ones_like(ids))[0, len(prompt) - 1:]
+            name = behaviors[k % len(behaviors)]
+            logprobs = (logprobs + shifts.get(name, 0.0)).tolist()
             value = None if nulls_left > 0 else reward(completion, k)
             nulls_left -= value is None
             mask = [1] * (len(completion) - 1) + [0] if loss_masks and k % 2 else None
             rows.append(make_row(group_id=f"g{seed}-{g}", sample_index=k, prompt="", prompt_ids=prompt, completion="",
                                  completion_ids=completion, behavior_logprobs=logprobs, reward=value, loss_mask=mask,
-                                 policy_version=g % 3))
+                                 policy_version=g % 3, behavior=name))
         writer.add_group(rows)
     writer.close()
     return str(path)

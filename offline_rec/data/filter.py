@@ -102,6 +102,13 @@ def filter_groups(groups, options: FilterOptions, where: str = "the dataset"):
         yield [{**row, S.SAMPLE_INDEX: index} for index, row in enumerate(kept)], dropped
 
 
+def dropped_parts(dropped: dict[str, dict[str, int]]) -> list[str]:
+    """"dropped by REASON: R rows, G whole groups" for each reason of a summary's "dropped" that dropped something
+    (the summary's lines, and the error when nothing is kept)."""
+    return [f"dropped by {reason}: {c['rows']} rows, {c['groups']} whole groups" for reason, c in dropped.items()
+            if c["rows"] or c["groups"]]
+
+
 def filter_dataset(src: str | Path, out: str | Path, options: FilterOptions, groups_per_shard: int = 256) -> dict:
     """Write the rows of SRC that pass `options` to a new dataset OUT; returns the counts.
 
@@ -142,5 +149,8 @@ def filter_dataset(src: str | Path, out: str | Path, options: FilterOptions, gro
             "groups_out": groups_out,
             "dropped": {reason: {"rows": rows, "groups": whole} for reason, (rows, whole) in counts.items()},
         }
+        if rows_in and not rows_out:  # an empty dataset trains nothing: nothing is written
+            raise UserError(f"filter kept no row of {rows_in} ({'; '.join(dropped_parts(summary['dropped']))}); "
+                            "nothing was written: loosen the filters")
         writer.stats.update({"filter": summary})
     return {"out": str(out), **summary}

@@ -192,6 +192,15 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         lf.group_by(S.FINISH_REASON).agg(pl.len().alias("n")).collect(engine="streaming").sort("n", descending=True)
     )
     versions = lf.group_by(S.POLICY_VERSION).agg(pl.len().alias("n")).collect(engine="streaming").sort(S.POLICY_VERSION)
+    # Per value of the behavior column (logs of several loggers merged): the importance weights need a policy
+    # to compare with, so their ESS is `eval --offline`'s (and train's) part of this breakdown.
+    behaviors = (
+        lf.group_by(S.BEHAVIOR).agg(
+            pl.len().alias("rows"), finite.mean().alias("reward_mean"),
+            pl.col(S.BEHAVIOR_LOGPROBS).list.sum().sum().alias("logprob_sum"),
+            pl.col("_completion_len").sum().alias("tokens"),
+        ).collect(engine="streaming").sort(S.BEHAVIOR)
+    )
     n_groups = groups.height
     return {
         **base,
@@ -226,4 +235,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         "signal": signal,
         "finish_reasons": {r[S.FINISH_REASON]: int(r["n"]) for r in finish.iter_rows(named=True)},
         "policy_versions": {int(r[S.POLICY_VERSION]): int(r["n"]) for r in versions.iter_rows(named=True)},
+        "behaviors": {r[S.BEHAVIOR]: {"rows": int(r["rows"]), "reward_mean": r["reward_mean"],
+                                      "logprob_mean": r["logprob_sum"] / r["tokens"] if r["tokens"] else None}
+                      for r in behaviors.iter_rows(named=True)},
     }

@@ -37,6 +37,7 @@ import os
 import re
 import string
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +45,7 @@ from offline_rec import schema as S
 from offline_rec.data.config import JudgeOptions
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
-from offline_rec.errors import DataError, UserError
+from offline_rec.errors import DataError, UserError, require_extra
 
 BUILTIN_FIELDS = ("prompt", "completion")
 AUDIT_FILE = "judge-audit.jsonl"
@@ -186,6 +187,8 @@ class JudgeClient:
                                              connector=aiohttp.TCPConnector(limit=settings.concurrency))
         self.semaphore = asyncio.Semaphore(settings.concurrency)
         self.counts = _Counts()
+        self.unscored = Counter()
+        """The answers that gave no score, and the last error of each failed call: what `no_score_error` names."""
 
     async def close(self) -> None:
         await self.session.close()
@@ -247,8 +250,11 @@ class JudgeClient:
         score = parse_score(answer, settings)
         if answer is None:
             self.counts.failed += 1
+            last = attempts[-1] if attempts else {}
+            self.unscored[("failed", last.get("error") or f"HTTP {last.get('status')}")] += 1
         elif score is None:
             self.counts.unparsed += 1
+            self.unscored[("answer", answer.strip()[:ERROR_TEXT_CHARS])] += 1
         else:
             self.counts.scored += 1
         return score, {"request": body, "attempts": attempts, "answer": answer, "score": score}
@@ -270,6 +276,7 @@ def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, gro
     Returns {"out", "rows", "groups", "rewarded", "null", "counts"}."""
     from offline_rec.progress import ProgressBar
 
+    require_extra("reward --judge", "judge", "aiohttp")
     out = Path(out)
     if out.exists():
         raise UserError(f"output {out} already exists; choose another --out")
@@ -286,7 +293,7 @@ def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, gro
     source = {"command": "reward", "input": str(src), "judge": judge_block,
               "input_source": dataset.manifest.get(S.M_SOURCE)}
 
-    async def run(writer: DatasetWriter, bar) -> tuple[int, int, dict]:
+    async def run(writer: DatasetWriter, bar) -> tuple[int, int, JudgeClient]:
         client = JudgeClient(settings)
         rows_done = rewarded = 0
         try:
@@ -324,15 +331,31 @@ def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, gro
                     await flush()
         finally:
             await client.close()
-        return rows_done, rewarded, client.counts.as_dict()
+        return rows_done, rewarded, client
 
     with ProgressBar("judge", total=dataset.num_rows, unit="rows", enabled=progress) as bar, \
             DatasetWriter(out, behavior=dataset.behavior, task=task_block, source=source,
                           groups_per_shard=groups_per_shard, atomic=True) as writer:
-        rows, rewarded, counts = asyncio.run(run(writer, bar))
+        rows, rewarded, client = asyncio.run(run(writer, bar))
+        if rows and not rewarded:  # a dataset of null rewards trains nothing: nothing is written
+            raise no_score_error(rows, client.unscored, settings)
+        counts = client.counts.as_dict()
         writer.stats.update({"reward": {"rewarded": rewarded, "null": rows - rewarded, "judge": counts}})
     return {"out": str(out), "rows": rows, "groups": dataset.num_groups, "rewarded": rewarded,
             "null": rows - rewarded, "counts": counts}
+
+
+def no_score_error(rows: int, unscored: Counter, settings: JudgeSettings) -> UserError:
+    """The one line when the judge scored no row: its most common answer (or failure), the allowed scores and
+    the flag that sets them."""
+    (kind, text), times = unscored.most_common(1)[0]
+    allowed = ",".join(_score_text(s) for s in settings.scores)
+    if kind == "failed":
+        why = f"the most common outcome was a failed call ({text}: {times} of {rows} rows)"
+    else:
+        why = f"the judge's most common answer was {text!r} ({times} of {rows} rows)"
+    return UserError(f"judge: no row got a score: {why}; allowed scores {allowed} (--judge-scores, "
+                     f"--judge-constrain {settings.constrain}); nothing was written")
 
 
 def read_rubric(path: str | Path) -> str:

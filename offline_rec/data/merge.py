@@ -20,8 +20,9 @@ included) still find any defect, at its place in the output.
 The output is written atomically: it is either absent or complete.
 
 Manifest: the behavior and task blocks keep what all inputs agree on; a field on which they differ
-becomes null (logprobs_source "unknown"), and every input's own blocks are kept in source.inputs.
-Numeric stats are summed.
+becomes null (logprobs_source "unknown"), and every input's own blocks are kept in source.inputs
+(`logprobs_provenance` reads them back). Numeric stats are summed. The summary lists each input's
+log-prob sources and says when they differ (importance weights then mix distributions of different kinds).
 
 `join_groups` (`merge --join-groups LOGGED FRESH`) is the other kind of merge: FRESH holds new answers to
 LOGGED's prompts under LOGGED's group ids (`collect --prompts-from LOGGED`), and the output's groups hold
@@ -89,7 +90,8 @@ def merge_datasets(inputs: Sequence[str | Path], out: str | Path, groups_per_sha
         totals = writer.manifest[S.M_TOTALS]
     linked = sum(1 for *_, linkable in plan if linkable)
     return {"out": str(out), "inputs": [str(d.path) for d in datasets], "rows": totals["rows"],
-            "groups": totals["groups"], "linked_shards": linked, "rewritten_shards": len(plan) - linked}
+            "groups": totals["groups"], "linked_shards": linked, "rewritten_shards": len(plan) - linked,
+            **_sources_note(datasets)}
 
 
 def join_groups(logged: str | Path, fresh: str | Path, out: str | Path, groups_per_shard: int = 256) -> dict:
@@ -132,7 +134,27 @@ def join_groups(logged: str | Path, fresh: str | Path, out: str | Path, groups_p
         writer.commit()
         totals = writer.manifest[S.M_TOTALS]
     return {"out": str(out), "rows": totals["rows"], "groups": totals["groups"], "joined_groups": joined,
-            "logged_rows": logged_rows, "fresh_rows": totals["rows"] - logged_rows}
+            "logged_rows": logged_rows, "fresh_rows": totals["rows"] - logged_rows, **_sources_note(datasets)}
+
+
+def logprobs_provenance(behavior: dict, source: dict | None) -> list[dict]:
+    """Where a dataset's behavior log-probs come from, one block per origin: {"model", "logprobs_source",
+    "temperature", "command"}. A merge whose inputs disagree has "unknown" at the top: its inputs' blocks (kept
+    in source.inputs, recursively) say what each part holds."""
+    source = source or {}
+    known = behavior.get("logprobs_source") not in (None, "unknown")
+    if source.get("command") == "merge" and not known and source.get("inputs"):
+        return [block for entry in source["inputs"]
+                for block in logprobs_provenance(entry.get("behavior") or {}, entry.get("source"))]
+    return [{"model": behavior.get("model"), "logprobs_source": behavior.get("logprobs_source") or "unknown",
+             "temperature": (behavior.get("sampling") or {}).get("temperature"), "command": source.get("command")}]
+
+
+def _sources_note(datasets: list[Dataset]) -> dict:
+    """{"logprobs_sources": {path: its sources}, "logprobs_sources_differ": bool}, for the merge summary."""
+    sources = {str(d.path): sorted({block["logprobs_source"] for block in
+                                    logprobs_provenance(d.behavior, d.manifest.get(S.M_SOURCE))}) for d in datasets}
+    return {"logprobs_sources": sources, "logprobs_sources_differ": len({tuple(v) for v in sources.values()}) > 1}
 
 
 def _linkable(path: Path, entry: dict) -> bool:

@@ -18,8 +18,15 @@ from offline_rec import schema as S
 from offline_rec.data.config import JudgeOptions, RewardConfig
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
-from offline_rec.errors import DataError
-from offline_rec.tasks.builtin import REWARD_TIMEOUT_S, get_task, merge_reward_stats, score_many
+from offline_rec.errors import DataError, UserError
+from offline_rec.tasks.builtin import (
+    REWARD_TIMEOUT_S,
+    get_task,
+    merge_reward_stats,
+    none_rewarded,
+    null_reward_causes,
+    score_many,
+)
 
 SCORE_BATCH_ROWS = 256  # rows handed to score_many at once (whole groups, at least one)
 
@@ -89,6 +96,9 @@ def rescore_dataset(
         if pending:
             flush()
         stats = stats or merge_reward_stats({}, {})
+        if none_rewarded(stats):  # a dataset of null rewards trains nothing: nothing is written
+            raise UserError(f"reward: no row got a reward from task {task.name} ({rows_done} rows: "
+                            f"{null_reward_causes(stats)}); nothing was written")
         writer.stats.update({"reward": {**stats, "rewarded": rewarded, "null": rows_done - rewarded}})
     return {"out": str(out), "rows": rows_done, "groups": groups_done, "rewarded": rewarded,
             "null": rows_done - rewarded, "reward_stats": stats}

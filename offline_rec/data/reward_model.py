@@ -42,7 +42,8 @@ from offline_rec import schema as S
 from offline_rec.data.config import NORMALIZATIONS
 from offline_rec.data.dataset import DatasetWriter, open_dataset
 from offline_rec.data.validate import check_dataset_for_use
-from offline_rec.errors import DataError, UserError, one_of
+from offline_rec.devices import visible_gpus
+from offline_rec.errors import DataError, UserError, one_of, require_extra
 from offline_rec.files import atomic_write_json, fsync_dir
 from offline_rec.models.reward_model import DEFAULT_MAX_BATCH_TOKENS
 
@@ -185,13 +186,9 @@ def _score_in_workers(shards: list[Path], score_files: list[Path], shard_rows: l
 
 
 def _worker_devices(workers: int) -> list[str | None]:
-    """Worker k's GPU (as an index into the visible ones, round robin), or None on a CPU."""
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(count)]
-    return [names[k % count] if count else None for k in range(workers)]
+    """Worker k's GPU (round robin over the visible ones), or None on a CPU."""
+    gpus = visible_gpus()
+    return [gpus[k % len(gpus)] if gpus else None for k in range(workers)]
 
 
 def _score_worker(shards: list[str], score_files: list[str], device: str | None, options: dict) -> None:
@@ -312,6 +309,8 @@ def score_with_reward_model(
     dataset = open_dataset(src, require_complete=True)
     if data_parallel_size < 1:
         raise UserError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+    if ray_address:  # refused before the scores folder is made
+        require_extra("--ray-address", "ray", "ray")
     if scorer is not None and (data_parallel_size > 1 or ray_address):
         raise UserError("a loaded reward model is one scorer: --data-parallel-size and --ray-address load their own")
     if scorer is not None:

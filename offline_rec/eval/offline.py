@@ -9,7 +9,9 @@ temperature (default: the data's sampling temperature) WITHOUT top-k/top-p trunc
 
 Before training, the same token ratios rho = pi / mu say how off-policy the data is for the loss
 (`objective_diagnostics`): the token-level ESS and chi-square estimate a training step logs, and
-the share of logged tokens each preset's mask would remove at the policy's current weights.
+the share of logged tokens each preset's mask would remove at the policy's current weights; per value of
+the behavior column, the rows, reward mean, mean logged log-prob and the token weights' ESS and max ratio
+(`training.weight_monitor.behavior_weight_stats`, the measure train takes before its first step).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from offline_rec.eval.rollouts import (
 )
 from offline_rec.files import atomic_write_json
 from offline_rec.training import checkpoint as ckpt
+from offline_rec.training.weight_monitor import behavior_weight_stats, policy_token_log_ratios
 
 
 def offline_evaluate(config: EvalConfig) -> dict:
@@ -101,6 +104,15 @@ def offline_evaluate(config: EvalConfig) -> dict:
     metrics.update(objective_diagnostics(token_log_ratios, logged["rewards"], logged["row_groups"]))
     metrics["groups"] = logged["groups"]
     metrics["null_reward_rows"] = logged["null_rewards"]
+    # Per value of the behavior column: rows, reward mean, mean logged log-prob, the token weights' ess (train's
+    # measure, `weight_monitor.weight_stats`) and the sequence-level ess of the estimate above.
+    behaviors = behavior_weight_stats(token_log_ratios, logged["behaviors"], logged["rewards"],
+                                      logged["behavior_logprobs"])
+    for name, stats in behaviors.items():
+        picked = [i for i, b in enumerate(logged["behaviors"]) if b == name]
+        stats["ess_sequence_fraction"] = offpolicy_estimates([log_weights[i] for i in picked],
+                                                             [logged["rewards"][i] for i in picked],
+                                                             num_bootstrap=0)["ess_fraction"]
     summary = {
         "kind": "offline",
         "model": model,
@@ -112,6 +124,7 @@ def offline_evaluate(config: EvalConfig) -> dict:
         "confidence": 1 - config.alpha,
         "seed": config.seed,
         "metrics": metrics,
+        "behaviors": behaviors,
     }
     if out is not None:
         clear_out(out)
@@ -129,24 +142,6 @@ def policy_log_weights(policy, tokenizer, prompt_ids, completion_ids, behavior_l
     ratios = policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
                                      batch_size, temperature)
     return [float(r.sum()) for r in ratios], [len(r) for r in ratios]
-
-
-def policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
-                            batch_size: int = 8, temperature: float = 1.0) -> list:
-    """Per sequence, log pi - log mu (float64 array) on its policy tokens (loss_mask 1; None: all), in order."""
-    import numpy as np
-
-    from offline_rec.models.teacher_forced import teacher_forced_logprobs
-
-    policy_logprobs = teacher_forced_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
-                                     temperature=temperature)
-    ratios = []
-    for pi, mu, mask in zip(policy_logprobs, behavior_logprobs, loss_masks):
-        pi = np.asarray(pi, dtype=np.float64)  # [C]
-        mu = np.asarray(mu, dtype=np.float64)  # [C]
-        keep = np.ones(len(pi), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [C]
-        ratios.append((pi - mu)[keep])
-    return ratios
 
 
 MASKED_PREFIX = "masked_fraction_"
@@ -201,9 +196,9 @@ def _read_holdout(run: Path) -> dict:
 
 def _read_logged(datasets, group_ids: set[str] | None, context: int | None = None) -> dict:
     """The logged rows to estimate from: tokens, behavior log-probs, masks, rewards (null-reward rows left out)."""
-    columns = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD]
+    columns = [S.PROMPT_IDS, S.COMPLETION_IDS, S.BEHAVIOR_LOGPROBS, S.LOSS_MASK, S.REWARD, S.BEHAVIOR]
     logged = {"prompt_ids": [], "completion_ids": [], "behavior_logprobs": [], "loss_masks": [], "rewards": [],
-              "row_groups": [], "groups": 0, "null_rewards": 0, "max_token_id": -1}
+              "row_groups": [], "behaviors": [], "groups": 0, "null_rewards": 0, "max_token_id": -1}
     found: set[str] = set()
     for dataset in datasets:
         for rows in dataset.iter_groups(columns):
@@ -230,6 +225,7 @@ def _read_logged(datasets, group_ids: set[str] | None, context: int | None = Non
                 logged["loss_masks"].append(row[S.LOSS_MASK])
                 logged["rewards"].append(row[S.REWARD])
                 logged["row_groups"].append(group_id)
+                logged["behaviors"].append(row[S.BEHAVIOR] or "unknown")
                 logged["max_token_id"] = max(logged["max_token_id"], *row[S.PROMPT_IDS], *row[S.COMPLETION_IDS])
     logged["groups"] = len(found)
     where = ", ".join(str(d.path) for d in datasets)

@@ -138,10 +138,15 @@ def aggregate_metrics(per_prompt: list[dict], lengths: Sequence[int], greedy_rew
         "reward_null": sum(p["reward_null"] for p in per_prompt),
     }
     if greedy_rewards is not None:
-        values = [0.0 if r is None else float(r) for r in greedy_rewards]
-        metrics["greedy_accuracy"] = sum(v > success_threshold for v in values) / len(values)
-        metrics["greedy_reward_mean"] = sum(values) / len(values)
+        metrics.update(greedy_metrics(greedy_rewards, success_threshold))
     return metrics
+
+
+def greedy_metrics(greedy_rewards: Sequence[float | None], success_threshold: float = SUCCESS_THRESHOLD) -> dict:
+    """greedy_accuracy and greedy_reward_mean over prompts, one greedy completion each (null rewards count 0)."""
+    values = [0.0 if r is None else float(r) for r in greedy_rewards]
+    return {"greedy_accuracy": sum(v > success_threshold for v in values) / len(values),
+            "greedy_reward_mean": sum(values) / len(values)}
 
 
 def _median(sorted_values: Sequence[int]) -> float:
@@ -180,10 +185,7 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     too big for the model, vLLM not installed, existing `out`) is raised as UserError before
     anything is sampled.
     """
-    from offline_rec.models.loading import check_tokenizer_fits, config_vocab_size, load_tokenizer
-    from offline_rec.models.versions import model_policy_version
-    from offline_rec.rollout.backends import BACKENDS, check_backend_name, make_backend
-    from offline_rec.rollout.collect import CollectConfig, collect, open_engines
+    from offline_rec.rollout.collect import collect, open_engines
 
     if config.offline:
         raise ValueError("an offline EvalConfig: estimate with offline_rec.eval.offline.offline_evaluate")
@@ -191,42 +193,10 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     check_out(out, config.overwrite, config.resume)
     model = resolve_model(config.model)
     task_spec = check_prompts(config)
-    reward_timeout_s = config.reward_timeout_s or None
-    collect_config = CollectConfig(
-        model=model,
-        task=config.task,
-        out=out / ROLLOUTS_DIR,
-        num_samples=config.num_samples,
-        prompts=config.prompts,
-        prompt_column=config.prompt_column,
-        num_prompts=config.num_prompts,
-        split=config.split,
-        reward=config.reward,
-        temperature=config.sampling_temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        max_new_tokens=config.max_new_tokens,
-        seed=config.seed,
-        batch_size=config.batch_size,
-        dtype=config.dtype,
-        chat_template=config.chat_template,
-        policy_version=model_policy_version(model),
-        reward_timeout_s=reward_timeout_s,
-        show_progress=config.show_progress,
-        data_parallel_size=config.data_parallel_size,
-        ray_address=config.ray_address,
-        resume=config.resume,
-    )  # validates the sampling settings
+    collect_config = rollout_config(config, model)
     engine_kwargs = {}
     if backend is None:
-        backend_name = check_backend_name(config.backend)
-        tokenizer = load_tokenizer(model)
-        check_tokenizer_fits(tokenizer, config_vocab_size(model), f" of {model}")
-        if config.gpu_memory_utilization is not None and BACKENDS[backend_name].takes_gpu_memory_share:
-            engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-        if config.data_parallel_size == 1 and not config.ray_address:
-            backend = make_backend(backend_name, model, tokenizer=tokenizer, dtype=config.dtype, seed=config.seed,
-                                   **engine_kwargs)
+        backend, engine_kwargs = load_backend(config, model)
     with open_engines(collect_config, backend, engine_kwargs) as engines:  # --data-parallel-size: N engines
         clear_out(out, keep_rollouts=config.resume)
         rollouts = collect(collect_config, engines=engines)  # a stop signal: Preempted, the finished groups kept
@@ -263,6 +233,71 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         "metrics": metrics,
     }
     atomic_write_text(out / PER_PROMPT_FILE, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in per_prompt))
+    atomic_write_json(out / SUMMARY_FILE, summary)
+    return summary
+
+
+def rollout_config(config: EvalConfig, model: str):
+    """The `collect` run of an evaluation: its sampling settings, prompts and engines (validated)."""
+    from offline_rec.models.versions import model_policy_version
+    from offline_rec.rollout.collect import CollectConfig
+
+    return CollectConfig(
+        model=model, task=config.task, out=config.out / ROLLOUTS_DIR, num_samples=config.num_samples,
+        prompts=config.prompts, prompt_column=config.prompt_column, num_prompts=config.num_prompts,
+        split=config.split, reward=config.reward, temperature=config.sampling_temperature, top_p=config.top_p,
+        top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed, batch_size=config.batch_size,
+        dtype=config.dtype, chat_template=config.chat_template, policy_version=model_policy_version(model),
+        reward_timeout_s=config.reward_timeout_s or None, show_progress=config.show_progress,
+        data_parallel_size=config.data_parallel_size, ray_address=config.ray_address, resume=config.resume,
+    )
+
+
+def load_backend(config: EvalConfig, model: str | None = None):
+    """(the backend `evaluate` loads for `config`, the vLLM engine options); the backend is None where
+    --data-parallel-size or --ray-address start their own engines. `model`: the resolved `config.model`."""
+    from offline_rec.models.loading import check_tokenizer_fits, config_vocab_size, load_tokenizer
+    from offline_rec.rollout.backends import BACKENDS, check_backend_name, make_backend
+
+    model = model or resolve_model(config.model)
+    engine_kwargs = {}
+    backend_name = check_backend_name(config.backend)
+    tokenizer = load_tokenizer(model)
+    check_tokenizer_fits(tokenizer, config_vocab_size(model), f" of {model}")
+    if config.gpu_memory_utilization is not None and BACKENDS[backend_name].takes_gpu_memory_share:
+        engine_kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+    if config.data_parallel_size > 1 or config.ray_address:
+        return None, engine_kwargs
+    return make_backend(backend_name, model, tokenizer=tokenizer, dtype=config.dtype, seed=config.seed,
+                        **engine_kwargs), engine_kwargs
+
+
+def evaluate_greedy(config: EvalConfig, backend) -> dict:
+    """Greedy decoding alone, on a loaded `backend`: one greedy completion per prompt of `config`, rewarded;
+    nothing is sampled and no rollouts dataset is written. EVAL/summary.json holds greedy_accuracy,
+    greedy_reward_mean and num_prompts, EVAL/per_prompt.jsonl each prompt's greedy completion; returns the
+    summary. The completions are those `evaluate` decodes greedily (same prompts, same batches), without the
+    cost of its samples: what a checkpoint choice that reads greedy scores only needs."""
+    from offline_rec.rollout.collect import open_engines, planned_prompts
+
+    out = config.out
+    check_out(out, config.overwrite)
+    model = resolve_model(config.model)
+    task_spec = check_prompts(config)
+    collect_config = rollout_config(config, model)
+    prompts = planned_prompts(collect_config, backend.tokenizer)
+    with open_engines(collect_config, backend) as engines:
+        greedy = _greedy_pass(engines, collect_config,
+                              [{"prompt": text, "prompt_ids": ids, "fields": fields} for text, ids, fields in prompts])
+    metrics = {"num_prompts": len(greedy),
+               **greedy_metrics([g["greedy_reward"] for g in greedy], config.success_threshold)}
+    summary = {"kind": "greedy", "model": model, "task": task_spec.name, "backend": backend.engine,
+               "prompts": str(config.prompts) if config.prompts else f"builtin:{task_spec.name}/{config.split}",
+               "success_threshold": config.success_threshold, "metrics": metrics}
+    clear_out(out)
+    atomic_write_text(out / PER_PROMPT_FILE, "".join(
+        json.dumps({"prompt": text, "fields": fields, **g}, ensure_ascii=False) + "\n"
+        for (text, _, fields), g in zip(prompts, greedy)))
     atomic_write_json(out / SUMMARY_FILE, summary)
     return summary
 

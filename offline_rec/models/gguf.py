@@ -12,7 +12,6 @@ The folder is built once per GGUF file (its path, size and modification time) in
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -20,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, require_extra
 from offline_rec.files import cache_root
 
 GGUF_SUFFIX = ".gguf"
@@ -58,9 +57,7 @@ def converted_folder(gguf_path: Path, cache: Path | None = None) -> Path:
     folder = root / f"{gguf_path.stem}-{key}"
     if (folder / SOURCE_FILE).is_file():  # written last: the folder is complete
         return folder
-    if importlib.util.find_spec("gguf") is None:
-        raise UserError(f"model {gguf_path} is a GGUF file: reading it needs the gguf package "
-                        "(pip install 'offline-rec[gguf]')")
+    require_extra(f"model {gguf_path} is a GGUF file: reading it", "gguf", "gguf")
     try:
         root.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=root))

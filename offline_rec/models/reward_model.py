@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offline_rec.errors import UserError, one_of
+from offline_rec.errors import UserError, install_command, one_of, require_extra
 from offline_rec.models.loading import _load_error, load_tokenizer, model_source, torch_dtype
 
 DEFAULT_MAX_BATCH_TOKENS = 16384  # padded tokens per forward pass
 ENGINES = {"hf": "transformers", "vllm": "vllm"}
 """--backend of `reward --reward-model` -> the engine that scores (recorded in the manifest)."""
 BACKENDS = tuple(ENGINES)
+BACKEND_PACKAGES = {"hf": (), "vllm": ("vllm",)}
+"""The optional packages each backend needs (from the extra of the backend's name)."""
 
 
 def _is_classifier(config) -> bool:
@@ -125,6 +127,8 @@ def reward_model_identity(name_or_path: str, label: str | None = None, dtype: st
         label_index = labels.index(label)
     if backend not in BACKENDS:
         raise one_of("reward backend", backend, BACKENDS)
+    # refused here, before the scores folder is made, rather than when the engine loads
+    require_extra(f"--backend {backend}", backend, *BACKEND_PACKAGES[backend])
     return {"model": name_or_path, "revision": getattr(config, "_commit_hash", None), "label": label,
             "label_index": label_index, "dtype": str(torch_dtype(dtype, name_or_path)).removeprefix("torch."),
             "engine": ENGINES[backend],
@@ -179,7 +183,8 @@ def _vllm_engine(name_or_path: str, dtype: str):
         from vllm import LLM
     except Exception as error:  # a broken install raises more than ImportError
         raise UserError(f"--backend vllm: vLLM cannot be imported ({type(error).__name__}: "
-                        f"{str(error).splitlines()[0] if str(error) else ''}); use --backend hf") from None
+                        f"{str(error).splitlines()[0] if str(error) else ''}); {install_command('vllm')}, or use "
+                        "--backend hf") from None
     try:
         return LLM(model=model_source(name_or_path), runner="pooling", dtype=dtype, enforce_eager=not cuda_available())
     except (OSError, ValueError) as error:

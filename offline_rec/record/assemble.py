@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from offline_rec.record.exchange import CHAT
+from offline_rec.record.exchange import CHAT, BadField, read_field
 
 DONE = "[DONE]"
 
@@ -212,10 +212,12 @@ class StreamAssembler:
 
 def expected_choices(endpoint: str, request: dict) -> int | None:
     """How many choices the request asks for (n per prompt), None when that is not plain."""
-    n = request.get("n", 1)
-    if n is None:
-        n = 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    try:
+        n = read_field(request, "n", int)  # as vLLM reads it: "2" and 2.0 are 2
+    except BadField:
+        return None
+    n = 1 if n is None else n
+    if n < 1:
         return None
     if endpoint == CHAT:
         return n

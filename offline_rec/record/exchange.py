@@ -33,6 +33,7 @@ PROCESSED_LOGPROBS = "processed_logprobs"
 RAW_LOGPROBS = "raw_logprobs"
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 UNKNOWN = "unknown"
+GREEDY_TEMPERATURE = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
 
 
 @dataclass(frozen=True)
@@ -63,47 +64,58 @@ class BadField(ValueError):
 _ADAPTERS: dict = {}
 
 
-def _read(body: dict, name: str, kind: type) -> Any:
-    """body[name] as vLLM's pydantic models read it (lax: "false", "0", 0 are False; "5" is 5); None when absent."""
+KIND_NAMES = {bool: "boolean", int: "integer", float: "number"}
+# The request fields the recorder reads beyond the flags below, with their type in vLLM's request models:
+# checked (a 400 naming the field) before anything goes upstream, then read with `read_field`.
+READ_FIELDS = {"n": int, "temperature": float}
+
+
+def read_field(body: dict, name: str, kind: type) -> Any:
+    """body[name] as vLLM's pydantic models read it (lax: "false", "0", 0 are False; "5", 5.0 and True are
+    ints 5, 5, 1; "1e-6" is the float 1e-6); None when absent or null. BadField when vLLM could not read it."""
     value = body.get(name)
     if value is None:
         return None
+    if type(value) is kind:
+        return value
     adapter = _ADAPTERS.get(kind)
     if adapter is None:
         from pydantic import TypeAdapter
 
         adapter = _ADAPTERS[kind] = TypeAdapter(kind)
-    if type(value) is kind:
-        return value
     try:
         return adapter.validate_python(value)
     except ValueError:
-        raise BadField(name, value, "boolean" if kind is bool else "integer") from None
+        raise BadField(name, value, KIND_NAMES[kind]) from None
+
 
 
 def upstream_request(endpoint: str, body: Any) -> tuple[dict, Added] | None:
     """The request to send upstream (a new dict) and what was added to it; None when the call is
     not recorded and goes upstream exactly as the client sent it. Flags are read as the upstream
-    reads them (`"logprobs": "false"` is false); one it could not read raises BadField."""
+    reads them (`"logprobs": "false"` is false); one it could not read raises BadField, and so do
+`READ_FIELDS` (n, temperature) vLLM could not read."""
     if not isinstance(body, dict):
         return None
-    stream = _read(body, "stream", bool)
-    if endpoint == COMPLETIONS and _read(body, "echo", bool):
+    for name, kind in READ_FIELDS.items():
+        read_field(body, name, kind)
+    stream = read_field(body, "stream", bool)
+    if endpoint == COMPLETIONS and read_field(body, "echo", bool):
         return None
     added: dict = {}
     if endpoint == CHAT:
         # A client that sets top_logprobs or logprob_token_ids without logprobs sent a request vLLM
         # refuses; adding logprobs would make it valid and change the answer, so it goes as is.
-        if not _read(body, "logprobs", bool) and not _read(body, "top_logprobs", int) \
+        if not read_field(body, "logprobs", bool) and not read_field(body, "top_logprobs", int) \
                 and not body.get("logprob_token_ids"):
             added["logprobs"] = True
-    elif _read(body, "logprobs", int) is None and not body.get("logprob_token_ids"):
+    elif read_field(body, "logprobs", int) is None and not body.get("logprob_token_ids"):
         added["logprobs"] = 0
-    if "logprobs" in added and _read(body, "return_tokens_as_token_ids", bool) is None:
+    if "logprobs" in added and read_field(body, "return_tokens_as_token_ids", bool) is None:
         # The client will not see these log-prob entries: "token_id:N" spares the server decoding
         # each token to text (measured: a third of what the log-probs cost vLLM's API server).
         added["return_tokens_as_token_ids"] = True
-    if not _read(body, "return_token_ids", bool):
+    if not read_field(body, "return_token_ids", bool):
         added["return_token_ids"] = True
     request = {**body, **added}
     return request, Added(endpoint, stream is True, {name: body.get(name) for name in added})
@@ -176,8 +188,8 @@ def logprobs_source(mode: str, request: dict) -> str:
     modes return logits, not log-probs ("unknown"); so does an upstream whose mode is unknown.
     """
     if mode == PROCESSED_LOGPROBS:
-        temperature = request.get("temperature")
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature < 1e-5:
+        temperature = read_field(request, "temperature", float)  # "0" and "1e-6" are greedy too
+        if temperature is not None and temperature < GREEDY_TEMPERATURE:
             return UNKNOWN
         return S.LOGPROBS_SAMPLED
     if mode == RAW_LOGPROBS:

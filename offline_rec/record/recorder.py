@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from offline_rec.errors import UserError
-from offline_rec.record import episodes as E
+from offline_rec.record import open_episodes as E
 from offline_rec.record import sink
-from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source
+from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source, read_field
 
 REDACTED = "[redacted]"
 JOURNAL_COMPACT_BYTES = 64 << 20  # rewrite the journal past this size when most of it is closed episodes
@@ -134,7 +134,7 @@ def call_records(
     prompts = _batch_prompts(endpoint, request)
     if prompts is None:
         return [{"record_id": uuid.uuid4().hex, "request": request, "response": response, **base}]
-    n = request.get("n") or 1
+    n = read_field(request, "n", int) or 1  # "2" and 2.0 are 2, as vLLM reads them
     records = []
     for k, prompt in enumerate(prompts):
         choices = [
@@ -167,6 +167,14 @@ class RecordOptions:
     """Seconds between fsyncs of the open files; 0: fsync before each response's last byte goes out."""
     episode_idle_timeout: float = 300.0
     redact_fields: tuple[tuple[str, ...], ...] = ()
+    max_episode_bytes: int = 64 << 20
+    """An episode whose recorded calls pass this size is written (closed_by "max-size") once its calls
+    in flight finish; the id's next call starts a new episode."""
+
+
+def _closed_by(episode: E.Episode) -> str:
+    """Why an episode closed when its last call in flight finished: an end header, else its size."""
+    return E.CLOSED_BY_END if episode.ending else E.CLOSED_BY_SIZE
 
 
 class Recorder:
@@ -178,6 +186,8 @@ class Recorder:
             raise UserError(f"--rotate-mb must be > 0, got {options.rotate_bytes / (1 << 20)}")
         if options.fsync_interval < 0:
             raise UserError(f"--fsync-interval must be >= 0, got {options.fsync_interval}")
+        if options.max_episode_bytes < 1:
+            raise UserError(f"--max-episode-mb must be > 0, got {options.max_episode_bytes / (1 << 20)}")
         if options.episode_idle_timeout <= 0:
             raise UserError(f"--episode-idle-timeout must be > 0, got {options.episode_idle_timeout}")
         self.out = Path(out)
@@ -187,11 +197,11 @@ class Recorder:
         self.warn = warn or (lambda message: None)
         self.wall_clock = wall_clock
         self.clock = clock
-        self.book = E.EpisodeBook()
+        self.book = E.EpisodeBook(owner=lambda key: key[0])  # key: (client, X-Episode-Id)
         self.files: sink.RecordFiles | None = None
         self.journal: sink.LineFile | None = None
         self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0,
-                      "unrecordable": 0}
+                      "unrecordable": 0, "recovered_episodes": 0}
         self._last_sync = 0.0
         self._last_warning = -1e9
 
@@ -203,11 +213,14 @@ class Recorder:
         recovered = sink.recover(self.out)
         stem = sink.new_stem()
         self.files = sink.RecordFiles(self.out, stem, self.options.rotate_bytes, self.options.rotate_seconds,
-                                      self.clock)
+                                      self.clock, warn=self.warn)
         self.journal = sink.LineFile(self.out / f"{stem}{sink.JOURNAL_SUFFIX}")
         self._last_sync = self.clock()
         for episode in recovered.episodes:
-            self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY))
+            if self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY)):
+                self.stats["recovered_episodes"] += 1  # counted in "episodes" and "calls" too
+                self.stats["episodes"] += 1
+                self.stats["calls"] += len(episode["calls"])
         self.files.current.sync()
         for journal in recovered.journals:
             journal.unlink(missing_ok=True)
@@ -218,14 +231,24 @@ class Recorder:
         """Write the episodes still open (closed_by "shutdown"), close the files (they become `.jsonl`)."""
         if self.files is None:
             return
+        failed_before = self.stats["write_errors"]
         for episode in self.book.drain():
             self._write_episode(episode, E.CLOSED_BY_SHUTDOWN)
-        self.files.close()
-        journal_path = self.journal.path
-        self.journal.close()
-        journal_path.unlink(missing_ok=True)
-        sink.fsync_dir(self.out)
+        try:
+            self.files.close()
+        except OSError as e:
+            self._write_failed(e)
         self.files = None
+        journal_path = self.journal.path
+        try:
+            self.journal.close()
+            if self.stats["write_errors"] == failed_before:
+                journal_path.unlink(missing_ok=True)
+            else:  # an episode's line may be missing: the next proxy's recovery writes it from the journal
+                self.warn(f"record: {journal_path.name} kept for the next proxy's recovery (write errors at shutdown)")
+            sink.fsync_dir(self.out)
+        except OSError as e:
+            self._write_failed(e)
 
     # ---- calls
 
@@ -255,9 +278,12 @@ class Recorder:
                 self._write_bytes(line)
         else:
             self._journal_bytes(lines[0])
+            held = self.book.open[episode]  # open until this call (in flight) finishes
+            held.size += len(lines[0])
+            held.too_large = held.too_large or held.size > self.options.max_episode_bytes
             closed = self.book.finish(episode, seq, records, end, self.clock())
             if closed is not None:
-                self._write_episode(closed, E.CLOSED_BY_END)
+                self._write_episode(closed, _closed_by(closed))
         if self.options.fsync_interval == 0:
             await self.sync()
         return True
@@ -269,7 +295,7 @@ class Recorder:
             return
         closed = self.book.finish(episode, seq, None, end, self.clock())
         if closed is not None:
-            self._write_episode(closed, E.CLOSED_BY_END)
+            self._write_episode(closed, _closed_by(closed))
 
     async def tick(self) -> None:
         """Periodic work: close idle episodes, rotate an old file, fsync per the policy."""

@@ -37,6 +37,11 @@ class RecordConfig:
         300.0, "--episode-idle-timeout",
         help="Seconds without a call after which an episode is written as it is.",
     )
+    max_episode_mb: float = option(
+        64.0, "--max-episode-mb",
+        help="An episode whose calls pass this size (MB) is written (closed_by max-size); its id's next call "
+             "starts a new one.",
+    )
     rotate_mb: float = option(256.0, "--rotate-mb", help="Start a new file past this size (MB).")
     rotate_seconds: float = option(3600.0, "--rotate-seconds", help="Start a new file after this many seconds.")
     fsync_interval: float = option(
@@ -68,6 +73,11 @@ class ProxySettings:
     max_body_mb: float = option(16.0, "--max-body-mb", help="Largest request body (MB); larger: 413.")
     max_header_kb: float = option(32.0, "--max-header-kb", help="Largest total request header size (KB); larger: 431.")
     max_headers: int = option(100, "--max-headers", help="Most request headers; more: 431.")
+    header_timeout: float = option(
+        10.0, "--header-timeout",
+        help="Seconds a client has to send a request's line and headers, from its first byte (a new "
+             "connection: from its opening); slower: 408 and the connection closed.",
+    )
     request_timeout: float = option(
         60.0, "--request-timeout",
         help="Seconds a client has to send its whole request body; slower: 408.",
@@ -81,16 +91,23 @@ class ProxySettings:
         help="Seconds the upstream may stay silent (no byte) while answering; longer: 504 "
              "(mid-stream: the stream ends).",
     )
+    shutdown_timeout: float = option(
+        30.0, "--shutdown-timeout",
+        help="Seconds calls in flight have to finish after SIGINT/SIGTERM (after a second SIGINT: none); "
+             "longer: cut, not recorded.",
+    )
     max_open_episodes: int = option(
         10000, "--max-open-episodes",
-        help="Most episodes open at once; a call opening one more: 429.",
+        help="Most episodes open at once per client key; a call opening one more: 429.",
     )
 
     def __post_init__(self):
-        for name in ("max_body_mb", "max_header_kb", "request_timeout", "upstream_connect_timeout",
+        for name in ("max_body_mb", "max_header_kb", "header_timeout", "request_timeout", "upstream_connect_timeout",
                      "upstream_read_timeout"):
             if not getattr(self, name) > 0:
                 raise UserError(f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:
+            raise UserError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout}")
         for name in ("max_headers", "max_open_episodes"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -14,8 +14,10 @@ Files in the output directory (STEM = `record-<UTC time>-<pid>`, one per proxy r
   a "closed" line once the episode's line is written), so a killed proxy loses no finished call.
 
 Files are created 0600 and the directory 0700 (recorded prompts are user data); no file is
-opened through a symlink (O_NOFOLLOW), and recovery leaves anything but a regular file alone,
-so a link planted in the directory cannot make the proxy truncate or rename a file elsewhere.
+opened through a symlink (O_NOFOLLOW), a new file is never opened over an existing name
+(O_EXCL), and recovery leaves alone anything but a regular file of the proxy's own user with one
+link, so a symlink or hard link planted in the directory cannot make the proxy write, truncate or
+rename a file elsewhere.
 
 The proxy holds an exclusive `flock` on its `.open` file and journal. A new proxy starting on
 the directory recovers the files whose lock is free (their writer is gone): it cuts a torn last
@@ -41,6 +43,8 @@ CLOSED_SUFFIX = ".jsonl"
 JOURNAL_SUFFIX = ".episodes"
 PREFIX = "record-"
 FILE_MODE = 0o600
+NAME_TRIES = 100  # names tried for the next data file before the rotation waits
+ROTATE_RETRY_SECONDS = 10.0  # after a rotation that could not open a file
 DIR_MODE = 0o700
 
 
@@ -52,11 +56,13 @@ def make_private_dir(directory: Path) -> None:
 
 
 class LineFile:
-    """An append-only file of whole lines, locked by this process."""
+    """An append-only file of whole lines, locked by this process; created new (FileExistsError when the
+    name is taken: by a file, or a link planted to one elsewhere)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.fd = os.open(path, flags, FILE_MODE)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -121,29 +127,45 @@ class RecordFiles:
 
     A new file starts when the open one would grow past `rotate_bytes`, or is older than
     `rotate_seconds` (checked at each line and by `rotate_if_due`); an empty file is never rotated.
+    The next file is opened before the current one is closed: a name already taken (a file or a
+    link planted there) is skipped for the next number, and when no new file can be opened
+    (EMFILE, ENOSPC, every name tried taken) the lines go on into the current file, `warn` says
+    so, and the rotation is tried again after ROTATE_RETRY_SECONDS.
     """
 
-    def __init__(self, directory: Path, stem: str, rotate_bytes: int, rotate_seconds: float | None, clock):
+    def __init__(self, directory: Path, stem: str, rotate_bytes: int, rotate_seconds: float | None, clock,
+                 warn=None):
         self.directory = directory
         self.stem = stem
         self.rotate_bytes = rotate_bytes
         self.rotate_seconds = rotate_seconds
         self.clock = clock
+        self.warn = warn or (lambda message: None)
         self.number = 0
         self.closed_files: list[Path] = []
-        self.current: LineFile | None = None
         self.opened_at = 0.0
-        self._open_next()
+        self.retry_at = -float("inf")  # no rotation before then (the last one could not open a file)
+        self.current: LineFile | None = self._open_next()
 
-    def _open_next(self) -> None:
-        self.number += 1
-        self.current = LineFile(self.directory / f"{self.stem}-{self.number:05d}{OPEN_SUFFIX}")
-        self.opened_at = self.clock()
-        fsync_dir(self.directory)
+    def _open_next(self) -> LineFile:
+        """The next file, under the first free name after the current one's number (OSError: none opened)."""
+        for number in range(self.number + 1, self.number + 1 + NAME_TRIES):
+            path = self.directory / f"{self.stem}-{number:05d}{OPEN_SUFFIX}"
+            try:
+                opened = LineFile(path)
+            except FileExistsError:
+                self.warn(f"record: {path.name} exists and is not this proxy's: left alone, the next name taken")
+                continue
+            self.number = number
+            self.opened_at = self.clock()
+            fsync_dir(self.directory)
+            return opened
+        raise FileExistsError(f"names {self.stem}-{self.number + 1:05d} .. -{self.number + NAME_TRIES:05d}"
+                              f"{OPEN_SUFFIX} are all taken")
 
     def _due(self, incoming: int) -> bool:
         current = self.current
-        if current.size == 0:
+        if current.size == 0 or self.clock() < self.retry_at:
             return False
         if current.size + incoming > self.rotate_bytes:
             return True
@@ -159,24 +181,34 @@ class RecordFiles:
             self.rotate()
 
     def rotate(self) -> None:
-        self._close_current()
-        self._open_next()
+        """Open the next file, then close the current one; on failure keep the current one (and say so)."""
+        try:
+            opened = self._open_next()
+        except OSError as e:
+            self.retry_at = self.clock() + ROTATE_RETRY_SECONDS
+            self.warn(f"record: could not start the file after {self.current.path.name} ({e}); lines go on "
+                      f"into it, next try in {ROTATE_RETRY_SECONDS:.0f} s")
+            return
+        previous, self.current = self.current, opened
+        try:
+            self._close(previous)
+        except OSError as e:  # its lines stay in it: the next proxy's recovery closes it
+            self.warn(f"record: could not close {previous.path.name} ({e}); lines go on into {opened.path.name}")
 
-    def _close_current(self) -> None:
-        current = self.current
-        current.close()
-        if current.size == 0:
-            current.path.unlink(missing_ok=True)
+    def _close(self, file: LineFile) -> None:
+        file.close()
+        if file.size == 0:
+            file.path.unlink(missing_ok=True)
         else:
-            closed = current.path.with_name(current.path.name[: -len(OPEN_SUFFIX)] + CLOSED_SUFFIX)
-            os.replace(current.path, closed)
+            closed = file.path.with_name(file.path.name[: -len(OPEN_SUFFIX)] + CLOSED_SUFFIX)
+            os.replace(file.path, closed)
             self.closed_files.append(closed)
         fsync_dir(self.directory)
 
     def close(self) -> None:
         if self.current is not None:
-            self._close_current()
-            self.current = None
+            current, self.current = self.current, None
+            self._close(current)
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,14 +223,25 @@ def whole_lines(path: Path) -> Iterator[bytes]:
                 yield raw
 
 
-def _try_lock(path: Path) -> int | None:
-    """A locked read-write descriptor of `path`, or None while another process holds it."""
+def _try_lock(path: Path, left_alone: list) -> int | None:
+    """A locked read-write descriptor of `path`, or None: while another process holds it, or when the file
+    may not be ours (noted in `left_alone` as (path, why)): a hard link (more than one name, so
+    possibly a file elsewhere), a file of another user, anything but a regular file."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (FileNotFoundError, OSError):  # gone, or a symlink (ELOOP), or not openable: not ours to touch
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO, a device, a directory
+    info = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(info.st_mode):  # a FIFO, a device, a directory
+        why = "not a regular file"
+    elif info.st_nlink > 1:
+        why = f"{info.st_nlink} hard links: it may be a file elsewhere"
+    elif info.st_uid != os.geteuid():
+        why = f"owned by user {info.st_uid}, not this proxy's"
+    if why is not None:
         os.close(fd)
+        left_alone.append((path, why))
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -237,13 +280,14 @@ class Recovered:
     torn_bytes: int = 0
     episodes: list[dict] = field(default_factory=list)  # {"episode_id", "calls"}
     journals: list[Path] = field(default_factory=list)  # remove once the episodes are written
+    left_alone: list[tuple[Path, str]] = field(default_factory=list)  # (file, why recovery did not touch it)
 
 
 def recover(directory: Path) -> Recovered:
     """Close the `.open` files and read the journals of proxies that are gone (their lock is free)."""
     found = Recovered()
     for path in sorted(directory.glob(f"{PREFIX}*{OPEN_SUFFIX}")):
-        fd = _try_lock(path)
+        fd = _try_lock(path, found.left_alone)
         if fd is None:
             continue
         try:
@@ -257,7 +301,7 @@ def recover(directory: Path) -> Recovered:
         finally:
             os.close(fd)
     for journal in sorted(directory.glob(f"{PREFIX}*{JOURNAL_SUFFIX}")):
-        fd = _try_lock(journal)
+        fd = _try_lock(journal, found.left_alone)
         if fd is None:
             continue
         try:

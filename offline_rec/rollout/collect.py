@@ -192,6 +192,13 @@ def open_engines(config: CollectConfig, backend: Backend | None = None, engine_k
     return LocalEngines(spec.build(0))
 
 
+def planned_prompts(config: CollectConfig, tokenizer) -> list[tuple[str, list[int], dict]]:
+    """(text, token ids, fields) of every prompt `config` names, in order, rendered and tokenized as `collect`
+    does: what `sample_greedy` decodes when nothing is sampled first."""
+    plan = _plan(config, get_task(config.task, config.reward), tokenizer, unit_size=1)
+    return [(plan.texts[i], plan.prompt_ids[i], plan.items[i].fields) for i in plan.indices]
+
+
 def sample_greedy(engines, config: CollectConfig, prompts: list[tuple[str, list[int], dict]],
                   unit_size: int = 1) -> list[PromptResult]:
     """One greedy completion per (prompt text, prompt ids, task fields), rewarded with `config`'s task,

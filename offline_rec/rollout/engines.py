@@ -33,6 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from functools import partial
 
+from offline_rec.devices import visible_gpus
 from offline_rec.errors import UserError
 from offline_rec.ray_cluster import enter_worker_environment
 from offline_rec.rollout.backends import Sample, SamplingSettings, derive_seed
@@ -331,16 +332,6 @@ def engine_environment(rank: int, size: int, tensor_parallel_size: int, gpus: li
         return {"CUDA_VISIBLE_DEVICES": ",".join(share)}
     threads = str(max(1, (os.cpu_count() or 1) // size))
     return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-
-
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use (CUDA_VISIBLE_DEVICES, else all that torch sees); [] without CUDA."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [g for g in listed.split(",") if g.strip()]
-    import torch
-
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def check_gpus(size: int, tensor_parallel_size: int, gpus: list[str]) -> None:

@@ -607,6 +607,19 @@ def merge_reward_stats(total: dict, more: dict) -> dict:
     return merged
 
 
+def null_reward_causes(stats: dict) -> str:
+    """Why rewards are null, from `score_many` stats: "timeouts T, errors E, returned None N[; first error: ...]"."""
+    return (f"timeouts {stats.get('timeouts', 0)}, errors {stats.get('errors', 0)}, returned None "
+            f"{stats.get('returned_none', 0)}" + (f"; first error: {stats['first_error']}"
+                                                  if stats.get("first_error") else ""))
+
+
+def none_rewarded(stats: dict) -> bool:
+    """True when `score_many` stats count calls and every one of them gave a null reward."""
+    calls = stats.get("calls", 0)
+    return calls > 0 and stats.get("timeouts", 0) + stats.get("errors", 0) + stats.get("returned_none", 0) == calls
+
+
 def _call_reward(reward_fn: RewardFn, prompt, completion: str, fields: dict) -> float | None:
     return _as_reward(reward_fn(prompt, completion, fields))
 

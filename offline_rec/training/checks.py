@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 
+from offline_rec import schema as S
 from offline_rec.algorithms import AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.data.dataset import open_dataset
 from offline_rec.data.locations import is_hub_path
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, require_extra
 from offline_rec.models.loading import (
     check_token_ids_fit,
     check_tokenizers,
@@ -22,7 +22,7 @@ from offline_rec.models.loading import (
     tokenizer_hash,
 )
 from offline_rec.training import checkpoint as ckpt
-from offline_rec.training import group_index, scheduling
+from offline_rec.training import distributed, group_index, scheduling
 from offline_rec.training.config import TrainConfig
 
 
@@ -88,14 +88,13 @@ def check_context(index: group_index.GroupIndex, model: str) -> None:
 
 def check_optional_features(config: TrainConfig, hooks) -> None:
     """Features that need an extra package, or a hook the caller must wire in: refuse them up front, with the fix."""
-    needs = [
-        (config.lora_r > 0, "peft", "lora_r > 0 needs peft: pip install 'offline-rec[lora]'"),
-        *((name in config.report_to, name, f"report_to: {name} needs {name}: pip install 'offline-rec[{name}]'")
-          for name in ("wandb", "mlflow", "trackio")),
-    ]
-    for wanted, module, message in needs:
-        if wanted and importlib.util.find_spec(module) is None:
-            raise UserError(message)
+    if config.lora_r > 0:
+        require_extra("lora_r > 0", "lora", "peft")
+    if distributed.launched_backend() == "DEEPSPEED":  # else accelerate fails later, with a traceback
+        require_extra("a launch with a DeepSpeed config (zero2, zero3)", "deepspeed", "deepspeed")
+    for tracker in ("wandb", "mlflow", "trackio"):  # each tracker is the extra of its own name
+        if tracker in config.report_to:
+            require_extra(f"report_to: {tracker}", tracker, tracker)
     # The loop never imports evaluation or the Hub (they sit above it): the caller passes them in.
     fix = "pass hooks=offline_rec.eval.hooks.training_hooks(config) to train() (the CLI and the demo do)"
     if config.eval_every > 0 and hooks.evaluate is None:
@@ -157,6 +156,37 @@ SINGLETON_FIX = ("give them a baseline: --set algorithm.baseline=step (or datase
 def training_reward_moments(index: group_index.GroupIndex, schedule: scheduling.Schedule) -> RewardMoments:
     """Mean and std of the training rows' rewards (holdout left out): the `dataset` baseline, fixed for the run."""
     return RewardMoments.of(index.reward[index.rows_of_groups(schedule.train_groups)])
+
+
+def check_logprobs_sources(spec: AlgorithmSpec, datasets, force_raw: bool = False) -> list[str]:
+    """What importance weights pi/mu assume of the data, checked for a spec whose weight W reads the ratio
+    (`weighs_by_ratio`): returns warning lines for rows whose log-probs are of `unknown` source; UserError for
+    `raw` log-probs (the model's softmax at temperature 1) of rows sampled at another temperature, unless
+    `force_raw`: mu is then not the distribution the tokens were drawn from."""
+    from offline_rec.data.merge import logprobs_provenance
+
+    if not weighs_by_ratio(spec):
+        return []
+    warnings = []
+    for dataset in datasets:
+        for block in logprobs_provenance(dataset.behavior, dataset.manifest.get(S.M_SOURCE)):
+            origin = f"{dataset.path} (from {block['command'] or 'an unrecorded command'}, model {block['model']})"
+            if block["logprobs_source"] == "unknown":
+                warnings.append(f"warning: {spec.name} weights tokens by pi/mu, and the log-probs of {origin} are of "
+                                "unknown source: the weights assume they are the log-probs of the distribution each "
+                                "token was sampled from (temperature, top-k, top-p applied)")
+            temperature = block["temperature"]
+            if block["logprobs_source"] == "raw" and temperature not in (None, 1, 1.0) and not force_raw:
+                raise UserError(f"{dataset.path} holds raw log-probs (the model's softmax at temperature 1) of rows "
+                                f"sampled at temperature {temperature}: {spec.name}'s weights pi/mu would divide by a "
+                                "distribution nobody sampled from; use a -nois preset, re-score the log-probs, or set "
+                                "force_raw_logprobs: true")
+    return warnings
+
+
+def weighs_by_ratio(spec: AlgorithmSpec) -> bool:
+    """True when spec's per-token weight W is a function of rho = pi/mu (the -is presets and the peers' weights)."""
+    return spec.weight not in ("none", "advantage")
 
 
 def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, schedule: scheduling.Schedule,

@@ -29,7 +29,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec
+from offline_rec.algorithms import ALGORITHMS, KL_ESTIMATORS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
 from offline_rec.options import api_only, option
@@ -45,7 +45,8 @@ REPORTERS = ("tensorboard", "wandb", "mlflow", "trackio")
 RESUMABLE_CHANGES = frozenset(
     {"resume", "epochs", "max_steps", "save_every", "keep_last", "report_to", "wandb_project", "mlflow_experiment",
      "mlflow_tracking_uri", "trackio_project",
-     "progress", "eval_every", "eval_task", "push_to_hub", "reader_cache_dir"}
+     "progress", "eval_every", "eval_task", "push_to_hub", "reader_cache_dir", "weight_ess_warning",
+     "stop_on_weight_collapse", "weight_check_rows"}
 )
 
 
@@ -155,6 +156,18 @@ class TrainConfig:
         1.0, help="policy log-probs are of softmax(logits / temperature): use the sampling temperature")
     logprob_chunk_size: int = api_only(1024, help="rows of the lm_head computed at a time for per-token log-probs")
     kl_to_initial: float = api_only(0.0, help="coefficient of a k3 KL penalty to the initial policy (0 = off)")
+    kl_estimator: str = api_only(
+        "k3", help="per-token estimator of the kl_to_initial penalty: k3 | k2 ((logp - ref)^2 / 2, Trinity-RFT's)")
+    weight_ess_warning: float = api_only(
+        0.1, help="warn when a step's importance-weight ESS (token fraction, metrics.jsonl ess) is below this "
+                  "(0 = never)")
+    stop_on_weight_collapse: bool = api_only(
+        False, help="stop the run (exit 2) instead of warning when the ESS falls below weight_ess_warning")
+    weight_check_rows: int = api_only(
+        256, help="training rows whose importance weights are measured against the initial policy before step 1 "
+                  "(0 = skip)")
+    force_raw_logprobs: bool = api_only(
+        False, help="train an importance-weighted preset on `raw` log-probs sampled at a temperature other than 1")
     lora_r: int = api_only(0, help="LoRA rank (0 = full fine-tuning); needs peft")
     lora_alpha: float = api_only(16.0, help="LoRA alpha")
     lora_dropout: float = api_only(0.0, help="LoRA dropout")
@@ -203,11 +216,14 @@ class TrainConfig:
         get_algorithm(self.algorithm, **self.algorithm_overrides)
         for name in ("prompts_per_step", "epochs", "micro_batch_tokens", "max_length", "logprob_chunk_size"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "lora_r"):
+        for name in ("max_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "lora_r",
+                     "weight_check_rows"):
             _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "weight_decay", "adam_eps", "max_grad_norm", "kl_to_initial", "lora_alpha"):
             value = getattr(self, name)
             _require(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value}")
+        _require(0.0 <= self.weight_ess_warning <= 1.0,
+                 f"weight_ess_warning is an ESS fraction in [0, 1], got {self.weight_ess_warning}")
         _require(0.0 <= self.holdout < 1.0, f"holdout is a fraction in [0, 1), got {self.holdout}")
         _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         _require(0.0 <= self.lora_dropout < 1.0, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
@@ -217,6 +233,7 @@ class TrainConfig:
         _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
                  f"betas must be two numbers in [0, 1), got {self.betas}")
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _choice("model_dtype", self.model_dtype, MODEL_DTYPES)
         for reporter in self.report_to:

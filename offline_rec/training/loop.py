@@ -35,7 +35,7 @@ from offline_rec.models.packing import choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.training import checkpoint as ckpt
-from offline_rec.training import checks, distributed, group_index, scheduling, step_plan
+from offline_rec.training import checks, distributed, group_index, scheduling, step_plan, weight_monitor
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import MetricsLog, print_settings, step_metrics
 from offline_rec.training.policy import (
@@ -89,6 +89,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     checks.check_resumable(state, schedule, resume_from)
     moments = checks.training_reward_moments(index, schedule)  # the `dataset` baseline, fixed for the run
     signal = checks.check_learning_signal(spec, index, schedule, moments)  # refuses data with no signal at all
+    source_warnings = checks.check_logprobs_sources(spec, datasets, config.force_raw_logprobs)  # what pi/mu assumes
 
     # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
     # A process group that exists already belongs to someone else (an in-process vLLM engine, a
@@ -134,10 +135,13 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
                              state["metrics"] if state else None)
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
                            enabled=config.progress and accelerator.is_main_process)
+    # The importance weights, measured against the initial policy now and watched at every step.
+    weights = weight_monitor.monitor_run(config, index, datasets, schedule, accelerator, scorer, tokenizer,
+                                         start_step, distributed.is_sharded(accelerator), source_warnings)
 
     # ---- 4. The loop: one iteration = one optimizer step. A stop signal (preemption) ends it after the
     # step in progress, with that step checkpointed like a periodic save.
-    last_saved, metrics, last_eval, preempted = None, {}, {}, False
+    last_saved, metrics, last_eval, preempted, collapsed = None, {}, {}, False, False
     with progress, StopRequest() as stop:
         for step in range(start_step, schedule.total_steps):
             step_started = time.time()
@@ -146,8 +150,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
                                        accelerator.num_processes, config.micro_batch_tokens,
                                        layout.padding_free, layout.one_row, dataset_moments=moments)
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
-                              tokenizer.pad_token_id)
+                              tokenizer.pad_token_id, observe=weights.observe)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)
+            metrics.update(weights.step_metrics(accelerator))
+            collapsed = weights.check(step + 1, metrics)  # a warning line, or stop_on_weight_collapse
             preempted = any_rank(stop.requested, accelerator)  # every rank saves, whichever got the signal
 
             # Checkpoint (also when an evaluation needs one), evaluation, logs.
@@ -166,14 +172,16 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
             metrics_log.write(metrics)
             progress.advance(1, f"loss {metrics['loss']:.4f}  reward {metrics['reward_mean']:.3f}  "
                                 f"{metrics['tokens_per_s']:.0f} tok/s")
-            if preempted and not done:
+            if (preempted and not done) or collapsed:
                 break
-    if preempted and not done:
+    if (preempted and not done) or collapsed:
         metrics_log.close()
         index.close()
         accelerator.wait_for_everyone()
         if not foreign_process_group:
             accelerator.end_training()
+        if collapsed:
+            raise weight_monitor.WeightCollapse(weights.stop_line)
         raise Preempted(f"{stop.signal_name or 'a stop signal on another rank'} after step {step + 1} of "
                         f"{schedule.total_steps}: {last_saved} is saved; run the same command with --resume")
 
@@ -195,6 +203,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         "padding_free": layout.padding_free,
         "seconds": time.time() - started,
         "final_metrics": metrics,
+        "importance_weights": weights.summary(),
     }
     # A sharded run gathers its full model once, here (every rank takes part).
     sharded = distributed.is_sharded(accelerator)

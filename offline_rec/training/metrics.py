@@ -25,7 +25,7 @@ class PassSums:
 
     KEYS = ("loss", "pg_loss", "reg_loss", "kl_initial", "clipped", "ratio_sum", "kl_behavior_sum",
             "weight_sum", "tokens", "model_tokens", "padded_tokens", "ratio_max", "neg_ratio_min", "ratio_sq_sum",
-            "filtered")
+            "filtered", "ratio_high", "ratio_low", "weight_max")
 
     def __init__(self):
         self.values = torch.zeros(len(self.KEYS), dtype=torch.float64)
@@ -45,6 +45,8 @@ class PassSums:
             "weight_sum": stats["weight_mean"] * n,
             "ratio_sq_sum": stats["ratio_sq_mean"] * n,  # ess and chi2 come from these sums: micro-batch and rank
             "filtered": stats["filter_fraction"] * n,  # invariant, unlike an average of per-pass ratios
+            "ratio_high": stats["ratio_high_fraction"] * n,
+            "ratio_low": stats["ratio_low_fraction"] * n,
             "tokens": n,
             # A padding-free batch has no attention_mask: its real tokens are its sequences' lengths.
             "model_tokens": int(batch["attention_mask"].sum() if "attention_mask" in batch
@@ -56,6 +58,8 @@ class PassSums:
         if n:
             at_max, at_min = self.KEYS.index("ratio_max"), self.KEYS.index("neg_ratio_min")
             self.values[at_max] = max(float(self.values[at_max]), stats["ratio_max"])
+            at_weight = self.KEYS.index("weight_max")
+            self.values[at_weight] = max(float(self.values[at_weight]), stats["weight_max"])
             self.values[at_min] = max(float(self.values[at_min]), -stats["ratio_min"])
 
     def combine(self, accelerator) -> dict:
@@ -75,6 +79,9 @@ class PassSums:
             "ratio_max": float(gathered[:, self.KEYS.index("ratio_max")].max()) if total["tokens"] else 1.0,
             "kl_behavior": total["kl_behavior_sum"] / tokens,
             "weight_mean": total["weight_sum"] / tokens,
+            "weight_max": float(gathered[:, self.KEYS.index("weight_max")].max()),
+            "ratio_high_fraction": total["ratio_high"] / tokens,
+            "ratio_low_fraction": total["ratio_low"] / tokens,
             **importance_diagnostics(total["ratio_sum"], total["ratio_sq_sum"], total["tokens"]),
             "filter_fraction": total["filtered"] / tokens,
             "padding_efficiency": total["model_tokens"] / total["padded_tokens"] if total["padded_tokens"] else 1.0,
@@ -121,7 +128,7 @@ def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: 
 _NAMESPACES = {
     "losses": ("loss", "pg_loss", "reg_loss", "kl_initial"),
     "policy": ("clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "kl_behavior", "weight_mean", "grad_norm",
-               "ess", "chi2", "filter_fraction"),
+               "ess", "chi2", "filter_fraction", "ratio_high_fraction", "ratio_low_fraction", "weight_max"),
     "data": ("reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction",
              "policy_version_mean", "policy_version_max", "trained_policy_version", "staleness", "staleness_max",
              "num_tokens", "groups"),
@@ -140,7 +147,10 @@ class MetricsLog:
     ratio_min / ratio_max of pi/mu, kl_behavior (k3 estimate of KL(behavior || policy)),
     weight_mean, ess (effective sample size of pi/mu as a fraction, 0..1), chi2 (mean (pi/mu)^2 - 1,
     token-level chi-square divergence estimate), filter_fraction (share removed by dual-clip's cap or
-    opsm's filter beyond the one-side mask); over its rows: reward_mean, dropped_fraction (RED-Drop),
+    opsm's filter beyond the one-side mask), ratio_high_fraction / ratio_low_fraction (shares of pi/mu > 10
+    and < 0.1), weight_max (the largest weight of a token that gets a gradient: what the caps bound); per
+    behavior where the data has several (`weight_monitor`): behavior/<name>/ess, ratio_max, ratio_high_fraction,
+    ratio_low_fraction, tokens; over its rows: reward_mean, dropped_fraction (RED-Drop),
     policy_version_mean/max
     (of the behavior policies), trained_policy_version (updates the trained weights had before
     the step: step - 1, plus the init_from checkpoint's version) and staleness
@@ -307,7 +317,7 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
     if config.lora_r:
         rows.append(("lora", f"r {config.lora_r}, alpha {config.lora_alpha:g}, targets {config.lora_target_modules}"))
     if config.kl_to_initial:
-        rows.append(("kl_to_initial", f"{config.kl_to_initial:g}"))
+        rows.append(("kl_to_initial", f"{config.kl_to_initial:g} ({config.kl_estimator})"))
     for key, value in rows:
         console.print(f"[bold]{key:>10}[/bold]  {value}")
     if index.truncated_rows:

@@ -135,6 +135,7 @@ class Row:
     loss_mask: np.ndarray | None  # [C] int8 0/1, the data's loss_mask; None where it is null (all ones)
     advantage: float
     length: int  # P + C
+    index_row: int = -1  # the row's number in the GroupIndex (per-row metrics: its behavior)
 
     @property
     def trainable_tokens(self) -> int:
@@ -166,6 +167,7 @@ def read_step_rows(index: GroupIndex, rows, advantages) -> list[Row]:
             columns[S.LOSS_MASK],
             np.asarray(advantages, dtype=np.float64).tolist(),
             lengths,
+            numbers,
         )
     ]
 
@@ -183,7 +185,7 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
     input_ids, attention_mask [B, L]; and, over the L-1 next-token positions (position t
     predicts token t+1): positions_mask [B, L-1] (True where a completion token with
     loss_mask 1 is predicted), loss_mask (the same positions), behavior_logprobs [B, L-1]
-    (0 elsewhere); advantages [B].
+    (0 elsewhere); advantages [B]; rows [B], the rows' numbers in the GroupIndex.
     """
     input_ids, attention_mask, positions_mask, behavior = _padded_arrays(rows, pad_id)
     input_ids, attention_mask = torch.from_numpy(input_ids), torch.from_numpy(attention_mask)
@@ -194,7 +196,8 @@ def collate(rows: list[Row], pad_id: int) -> dict[str, torch.Tensor]:
         attention_mask = torch.cat([attention_mask, torch.zeros((len(rows), 1), dtype=torch.long)], dim=1)
     # The loss covers exactly the scored positions (the trainer's zero-loss pass is the exception).
     return dict(input_ids=input_ids, attention_mask=attention_mask, positions_mask=positions_mask,
-                loss_mask=positions_mask.clone(), behavior_logprobs=behavior, advantages=advantages)
+                loss_mask=positions_mask.clone(), behavior_logprobs=behavior, advantages=advantages,
+                rows=_index_rows(rows))
 
 
 def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -205,7 +208,7 @@ def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch
     of its own; no attention_mask: see `offline_rec.models.packing`) and positions_mask
     [R, W-1], the scored positions. What the loss reads, in the padded layout of the sequences
     (packed row after packed row; B sequences, L the longest): loss_mask, behavior_logprobs
-    [B, L-1], advantages [B] as in `collate`, and output_mask [B, L-1], where the scored
+    [B, L-1], advantages [B], rows [B] as in `collate`, and output_mask [B, L-1], where the scored
     log-probs go (they come in the same order in both layouts); sequence_lengths [B] (the real
     tokens, for the metrics). `model_inputs` gives the model's arguments.
     """
@@ -233,7 +236,11 @@ def collate_packed(packed_rows: list[list[Row]], pad_id: int) -> dict[str, torch
                 positions_mask=torch.from_numpy(np.ascontiguousarray(positions_mask[:, :-1])),
                 output_mask=loss_mask.clone(), loss_mask=loss_mask, behavior_logprobs=torch.from_numpy(behavior),
                 advantages=torch.tensor([row.advantage for row in rows], dtype=torch.float32),
-                sequence_lengths=torch.tensor([row.length for row in rows], dtype=torch.long))
+                sequence_lengths=torch.tensor([row.length for row in rows], dtype=torch.long), rows=_index_rows(rows))
+
+
+def _index_rows(rows: list[Row]) -> torch.Tensor:
+    return torch.tensor([row.index_row for row in rows], dtype=torch.long)
 
 
 def model_inputs(batch: dict) -> dict:
@@ -250,4 +257,4 @@ def zero_loss_batch(pad_id: int) -> dict[str, torch.Tensor]:
                 positions_mask=torch.ones((1, 1), dtype=torch.bool),
                 loss_mask=torch.zeros((1, 1), dtype=torch.bool),
                 behavior_logprobs=torch.zeros((1, 1)),
-                advantages=torch.zeros(1))
+                advantages=torch.zeros(1), rows=torch.full((1,), -1, dtype=torch.long))

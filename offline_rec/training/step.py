@@ -23,9 +23,10 @@ optimizer and scheduler wrappers step after the loop. Gradient reduction per bac
              clipping and the update are DeepSpeed's, at the boundary.
 
 Optional KL penalty to the initial policy (`kl_to_initial` = beta): `algorithms.kl_to_initial`
-(beta * sum(k3 * m) / N, the formula there) is added to the policy loss. The reference log-probs
-come from the initial model run under no_grad, prepared like the policy (sharded under FSDP2 and
-ZeRO-3); with LoRA it is the same model with its adapters disabled.
+(beta * sum(k * m) / N, k the per-token `kl_estimator`: k3, or k2 as Trinity-RFT; the formula there)
+is added to the policy loss. The reference log-probs come from the initial model run under no_grad,
+prepared like the policy (sharded under FSDP2 and ZeRO-3); with LoRA it is the same model with its
+adapters disabled.
 """
 
 from __future__ import annotations
@@ -58,11 +59,15 @@ def any_rank(flag: bool, accelerator) -> bool:
 
 
 def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coef: float, num_tokens: int,
-                     num_sequences: int, accelerator) -> tuple[torch.Tensor, dict, torch.Tensor]:
+                     num_sequences: int, accelerator, kl_estimator: str = "k3",
+                     observe=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The policy loss of one micro-batch (its share of the step's token-mean), plus the KL penalty to the
-    initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off)."""
+    initial policy when `kl_coef` > 0 (`reference` None then: LoRA, the policy with its adapters off).
+    `observe(logprobs, batch)`, if given, sees the pass's log-probs (the weight monitor's per-behavior sums)."""
     inputs = micro_batching.model_inputs(batch)  # padded rows, or packed rows scored into the padded layout
     logprobs = scorer(**inputs)  # [B, L-1]
+    if observe is not None:
+        observe(logprobs, batch)
     loss, stats = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
                               num_tokens=num_tokens, num_sequences=num_sequences)
     kl_initial = torch.zeros((), device=accelerator.device)
@@ -72,14 +77,16 @@ def micro_batch_loss(scorer, reference, batch: dict, spec: AlgorithmSpec, kl_coe
                 initial_logprobs = scorer(**inputs, adapters=False)  # [B, L-1]
             else:
                 initial_logprobs = reference(**inputs)  # [B, L-1]
-        penalty, kl_initial = kl_to_initial(logprobs, initial_logprobs, batch["loss_mask"], kl_coef, num_tokens)
+        penalty, kl_initial = kl_to_initial(logprobs, initial_logprobs, batch["loss_mask"], kl_coef, num_tokens,
+                                            kl_estimator)
         loss = loss + penalty
     return loss, stats, kl_initial
 
 
 def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: step_plan.StepPlan, spec: AlgorithmSpec,
-             config: TrainConfig, pad_id: int) -> dict:
-    """Forward/backward every micro-batch of `plan`, clip, take one optimizer and scheduler step.
+             config: TrainConfig, pad_id: int, observe=None) -> dict:
+    """Forward/backward every micro-batch of `plan`, clip, take one optimizer and scheduler step
+    (`observe`: see `micro_batch_loss`).
 
     Returns the step's pass metrics (combined over ranks), grad_norm (before clipping), lr and num_tokens.
     """
@@ -100,7 +107,8 @@ def run_step(accelerator, scorer, reference, optimizer, scheduler, plan: step_pl
         accelerator.sync_gradients = last
         with accelerator.no_sync(scorer) if defer_reduction and not last else contextlib.nullcontext():
             loss, stats, kl_initial = micro_batch_loss(scorer, reference, batch, spec, config.kl_to_initial,
-                                                       max(num_tokens, 1), max(num_sequences, 1), accelerator)
+                                                       max(num_tokens, 1), max(num_sequences, 1), accelerator,
+                                                       config.kl_estimator, observe)
             accelerator.backward(loss * accelerator.num_processes)
         sums.add(stats, kl_initial, batch)
 

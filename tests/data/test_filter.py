@@ -134,6 +134,15 @@ def test_drop_all_equal_refuses_null_rewards(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+def test_keeping_no_row_fails_with_one_line_and_writes_nothing(source, tmp_path, capsys):
+    # Every group holds a completion longer than 1 token (g0000's 1-token row goes with its group): 8 rows dropped.
+    code, out, err = run_cli(capsys, "filter", source, "--out", tmp_path / "out", "--max-completion-tokens", "1")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == ("error: filter kept no row of 8 (dropped by max_completion_tokens: 8 rows, 4 whole groups); "
+                           "nothing was written: loosen the filters")
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
 def test_cli_summary_manifest_and_input_untouched(source, tmp_path, capsys):
     before = tree_digest(source)
     code, out, _ = run_cli(

@@ -164,6 +164,18 @@ def test_rows_skip_bad_writes_good_rows_and_rejects(tmp_path, capsys):
     clean(tmp_path / "ds")
 
 
+def test_skip_bad_with_every_line_refused_fails_with_one_line(tmp_path, capsys):
+    # --skip-bad with no good line: nothing to import, so no empty dataset; one line with the reasons, most common
+    # first (not the list of bad lines a refusal without --skip-bad prints).
+    src = tmp_path / "all_bad.jsonl"
+    src.write_text('{"group_id": \n' + "not json\n" + json.dumps({"group_id": "g1"}) + "\n")
+    code, out, err = run_main(capsys, "import", src, "-f", "rows", "-o", tmp_path / "ds", "--skip-bad")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"error: every line of {src} was refused (3 bad line(s): bad-json 2, missing-column 1), "
+                          f"nothing written; first: {src}:1: ")
+    nothing_written(tmp_path / "ds")
+
+
 def test_rows_without_logprobs_need_score_with(tmp_path):
     src = tmp_path / "nolp.jsonl"
     row = json.loads((FIXTURES / "rows_good.jsonl").read_text().splitlines()[0])

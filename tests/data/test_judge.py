@@ -161,6 +161,35 @@ def test_faults_are_counted_nulls_and_nothing_is_lost(fake, logged, rubric, tmp_
             assert SECRET.encode() not in path.read_bytes(), path
 
 
+def test_no_row_scored_is_one_line_naming_the_answer_and_the_scores(fake, logged, tmp_path, capsys):
+    """The issue's case: a rubric asking for 0-10 under the default scores 1..5, a judge that answers 7 (a server
+    without structured outputs): exit 2, one line with the answer, the allowed scores and the flag; no dataset."""
+    sevens = write_dataset(tmp_path / "sevens", judged_groups([["ok-7"] * 8, ["ok-7"] * 8]))
+    rubric = tmp_path / "ten.txt"
+    rubric.write_text("Rate from 0 to 10.\nQuestion: {prompt}\nANSWER: {completion}\nScore:", encoding="utf-8")
+    code, out, err = run_cli(capsys, "reward", sevens, *judge_args(fake.url, rubric, tmp_path / "judged"))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == ("error: judge: no row got a score: the judge's most common answer was '7' (16 of 16 rows); "
+                           "allowed scores 1,2,3,4,5 (--judge-scores, --judge-constrain choice); nothing was written")
+    assert not (tmp_path / "judged").exists() and out == ""
+    # the fix the line names works: the same run with the rubric's scale
+    code, out, err = run_cli(capsys, "reward", sevens, *judge_args(fake.url, rubric, tmp_path / "judged",
+                                                                   "--judge-scores", ",".join(map(str, range(11)))))
+    assert code == 0 and "rewarded 16/16 rows" in out, err
+
+
+def test_no_row_scored_because_every_call_failed(logged, rubric, tmp_path, capsys):
+    server = FakeJudge(status_for_all=503)  # retryable: the first call is not a refusal, every call ends failed
+    try:
+        code, _, err = run_cli(capsys, "reward", logged, *judge_args(server.url, rubric, tmp_path / "judged",
+                                                                     "--judge-retries", 0))
+    finally:
+        server.close()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no row got a score: the most common outcome was a failed call (HTTP 503: 11 of 11 rows)" in err
+    assert not (tmp_path / "judged").exists()
+
+
 def test_unknown_rubric_field_refused_before_any_call(fake, logged, tmp_path, capsys):
     bad = tmp_path / "bad.txt"
     bad.write_text("{prompt} {completion} {reference}", encoding="utf-8")
@@ -228,7 +257,8 @@ def test_judge_through_record_in_front_of_vllm(vllm_server, tmp_path, rubric, ca
 
     from record_support import ServerThread, read_lines
 
-    from offline_rec.record.proxy import ProxyState, create_app, upstream_base
+    from offline_rec.record.proxy import create_app
+    from offline_rec.record.proxy_state import ProxyState, upstream_base
     from offline_rec.record.recorder import Recorder, RecordOptions
 
     recorder = Recorder(tmp_path / "recorded", RecordOptions())

@@ -92,6 +92,16 @@ def test_failures_timeouts_and_none_are_counted(unrewarded, tmp_path, monkeypatc
     assert open_dataset(tmp_path / "scored").task["reward_function"] == "flaky_rewards:score"
 
 
+def test_no_row_rewarded_fails_with_one_line_and_writes_nothing(unrewarded, tmp_path, monkeypatch, capsys):
+    (tmp_path / "none_rewards.py").write_text("def score(prompt, completion, fields):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert run("reward", unrewarded, "--task", "none_rewards:score", "--out", tmp_path / "scored", "-q") == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ("error: reward: no row got a reward from task generic (5 rows: "
+                                                   "timeouts 0, errors 0, returned None 5); nothing was written\n")
+    assert not (tmp_path / "scored").exists()
+
+
 def test_refusals_leave_nothing(unrewarded, tmp_path, capsys):
     before = tree_digest(unrewarded)
     assert run("reward", unrewarded, "--task", "nope", "--out", tmp_path / "a") == 2

@@ -19,7 +19,7 @@ from view_support import SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dat
 from offline_rec import schema as S
 from offline_rec.data.view.config import ViewConfig
 from offline_rec.data.view.page import open_view, page_file_text, script_json, write_view
-from offline_rec.data.view.rows import (
+from offline_rec.data.view.page_data import (
     HEX,
     NO_SIGNAL,
     SIGNAL,

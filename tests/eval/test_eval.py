@@ -103,6 +103,24 @@ def test_prompt_and_aggregate_metrics_by_hand():
     assert "greedy_accuracy" not in E.aggregate_metrics([a], [3, 5, 2, 8], None)
 
 
+def test_greedy_evaluation_alone_decodes_what_evaluate_decodes_greedily(tmp_path, checkpoint):
+    # 40 built-in arith prompts, batches of 16 (a last, smaller batch too): the same completions and the same
+    # greedy accuracy as evaluate's greedy pass, on the same loaded model, with nothing sampled at T=1.
+    config = dict(model=checkpoint, task="arith", num_prompts=40, split="test", num_samples=1, max_new_tokens=6,
+                  backend="hf", batch_size=16, seed=3, show_progress=False)
+    backend, _ = E.load_backend(EvalConfig(out=tmp_path / "unused", **config))
+    full = E.evaluate(EvalConfig(out=tmp_path / "full", **config), backend)
+    alone = E.evaluate_greedy(EvalConfig(out=tmp_path / "alone", **config), backend)
+    read = [json.loads(line) for line in (tmp_path / "full" / "per_prompt.jsonl").read_text().splitlines()]
+    greedy = [json.loads(line) for line in (tmp_path / "alone" / "per_prompt.jsonl").read_text().splitlines()]
+    assert [(p["prompt"], p["greedy_completion"], p["greedy_reward"]) for p in read] == [
+        (p["prompt"], p["greedy_completion"], p["greedy_reward"]) for p in greedy]
+    assert alone == json.loads((tmp_path / "alone" / "summary.json").read_text())
+    assert alone["metrics"] == {key: full["metrics"][key] for key in ("num_prompts", "greedy_accuracy",
+                                                                      "greedy_reward_mean")}
+    assert alone["metrics"]["num_prompts"] == 40 and not (tmp_path / "alone" / "rollouts").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # the EVAL folder
 

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_support import run_cli
 from datagen import make_rows, tree_digest, write_dataset
 from datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
 from paths import REPO as ROOT
 
-from offline_rec import cli
 from offline_rec import schema as S
 from offline_rec.data.card import card_problem, split_front_matter
 from offline_rec.errors import UserError
@@ -108,14 +108,6 @@ def dataset(tmp_path):
     groups = make_rows([2, 3, 2], completion_lengths=[[1, 2], [3, 4, 5], [6, 7]])
     behavior = S.behavior_provenance(model="tiny-org/tiny", temperature=1.0, logprobs_source=S.LOGPROBS_SAMPLED)
     return write_dataset(tmp_path / "datasets" / "ds", groups, groups_per_shard=2, behavior=behavior)
-
-
-def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of `offline-rec ARGV` run in this process."""
-    with pytest.raises(SystemExit) as exited:
-        cli.main([str(a) for a in argv])
-    out = capsys.readouterr()
-    return exited.value.code, out.out, out.err
 
 
 def sha256(data: bytes) -> str:

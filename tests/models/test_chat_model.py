@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from offline_rec.data.importers.tokens import is_valid_utf8
 from offline_rec.models.tiny import (
     CHAT_SYSTEM_PROMPT,
     build_chat_tokenizer,
@@ -18,14 +19,6 @@ from offline_rec.models.tiny import (
 @pytest.fixture(scope="module")
 def chat_checkpoint(tmp_path_factory) -> str:
     return make_chat_checkpoint(tmp_path_factory.mktemp("chat") / "model")
-
-
-def _valid_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def test_chat_checkpoint_loads_with_gqa_and_partial_utf8_tokens(chat_checkpoint):
@@ -43,9 +36,9 @@ def test_chat_checkpoint_loads_with_gqa_and_partial_utf8_tokens(chat_checkpoint)
     pieces = token_bytes(tokenizer)
     # "中" is E4 B8 AD; byte-level BPE trained on Chinese text merges its first two bytes into a token
     # that is no character on its own
-    assert b"\xe4\xb8" in pieces and not _valid_utf8(b"\xe4\xb8")
+    assert b"\xe4\xb8" in pieces and not is_valid_utf8(b"\xe4\xb8")
     assert tokenizer.convert_ids_to_tokens(pieces.index(b"\xe4\xb8")) == "ä¸"  # GPT-2's byte characters
-    assert sum(not _valid_utf8(piece) for piece in pieces[3:]) > 256 // 2  # the lone high bytes and merged partials
+    assert sum(not is_valid_utf8(piece) for piece in pieces[3:]) > 256 // 2  # the lone high bytes and merged partials
 
     # the reloaded tokenizer (transformers picks Qwen2Tokenizer for a qwen2 checkpoint) encodes as the built one
     built = build_chat_tokenizer()

@@ -3,6 +3,7 @@ one-line errors for model paths that exist nowhere. The real conversion of a rea
 tests/models/test_real_model.py (slow)."""
 
 import os
+import sys
 
 import pytest
 
@@ -53,9 +54,8 @@ def test_a_folder_with_several_gguf_files_asks_for_one(tmp_path):
 def test_without_the_gguf_package_the_extra_is_named(tmp_path, monkeypatch):
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     monkeypatch.setenv("OFFLINE_REC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(gguf.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(UserError, match=r"is a GGUF file: reading it needs the gguf package \(pip install "
-                                        r"'offline-rec\[gguf\]'\)"):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # how a missing package is simulated (errors.require_extra)
+    with pytest.raises(UserError, match=r"is a GGUF file: reading it needs gguf: pip install \"offline-rec\[gguf\]\""):
         load_tokenizer(str(tmp_path / "m.gguf"))
 
 

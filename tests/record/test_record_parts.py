@@ -12,8 +12,9 @@ from offline_rec.errors import UserError
 from offline_rec.record import exchange as X
 from offline_rec.record import sink
 from offline_rec.record.assemble import SseSplitter, StreamAssembler, event_data, expected_choices
-from offline_rec.record.episodes import EpisodeBook, is_end
-from offline_rec.record.proxy import _classify, upstream_base
+from offline_rec.record.logprobs_probe import classify
+from offline_rec.record.open_episodes import EpisodeBook, is_end
+from offline_rec.record.proxy_state import upstream_base
 from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_field, redact
 
 # --------------------------------------------------------------------------------------------
@@ -82,10 +83,10 @@ def test_probe_classification():
     row = [2.0, 1.0, 0.5, 0.0, -1.0]
     logprobs = [v - 3.0 for v in row]  # the top of a full distribution: log-sum-exp < 0
     sharper = [2 * v - 4.5 for v in row]
-    assert _classify(logprobs, logprobs) == "raw_logprobs"
-    assert _classify(logprobs, sharper) == "processed_logprobs"
-    assert _classify(row, row) == "raw_logits"
-    assert _classify(row, [2 * v for v in row]) == "processed_logits"
+    assert classify(logprobs, logprobs) == "raw_logprobs"
+    assert classify(logprobs, sharper) == "processed_logprobs"
+    assert classify(row, row) == "raw_logits"
+    assert classify(row, [2 * v for v in row]) == "processed_logits"
     assert upstream_base("http://h:8000/v1/") == upstream_base("http://h:8000") == "http://h:8000"
 
 

@@ -9,7 +9,8 @@ import httpx
 import pytest
 from record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
 
-from offline_rec.record.proxy import ProxyState, create_app
+from offline_rec.record.proxy import create_app
+from offline_rec.record.proxy_state import ProxyState
 from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_field
 
 CHAT = "/v1/chat/completions"
@@ -214,7 +215,7 @@ def test_unreachable_upstream_is_a_502(tmp_path):
     assert read_lines(tmp_path / "rec") == []
 
 
-def test_models_and_health_pass_through(fake, proxy):
+def test_models_pass_through_and_health_is_answered_by_the_proxy(fake, proxy):
     p = proxy()
     assert httpx.get(p.url + "/v1/models").json() == httpx.get(fake.url + "/v1/models").json()
     assert httpx.get(p.url + "/health").status_code == 200

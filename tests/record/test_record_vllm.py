@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 
 from offline_rec.record.assemble import StreamAssembler
 from offline_rec.record.exchange import CHAT, COMPLETIONS
-from offline_rec.record.proxy import ProxyState, create_app, upstream_base
+from offline_rec.record.proxy import create_app
+from offline_rec.record.proxy_state import ProxyState, upstream_base
 from offline_rec.record.recorder import Recorder, RecordOptions
 
 pytestmark = pytest.mark.vllm

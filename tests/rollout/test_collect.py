@@ -305,6 +305,25 @@ def test_prompt_file_with_a_repeated_prompt_gives_distinct_groups(tmp_path, chec
     assert open_dataset(path).task["prompts"] == str(prompts)
 
 
+def test_every_reward_null_fails_with_one_line_and_keeps_the_samples(tmp_path, checkpoint, monkeypatch, capsys):
+    # A reward that raises on every sample: the dataset (samples and log-probs) is written, and the command fails
+    # with one line that names the first error and how to score the samples once the reward is fixed.
+    (tmp_path / "broken_reward.py").write_text("def score(prompt, completion, fields):\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "ds"
+    code = run_main("collect", "--model", checkpoint, "--task", "arith", "--reward", "broken_reward:score",
+                    "--out", out, "--num-prompts", "3", "--num-samples", "2", "--max-new-tokens", "4",
+                    "--backend", "hf", "-q")
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()  # transformers' "Loading weights" bar may come first
+    assert code == 1 and captured.out == "" and sum("error" in line for line in lines) == 1, captured
+    assert lines[-1] == (
+        "error: collect: no sample got a reward (6 rows: timeouts 0, errors 6, returned None 0; first error: row 0: "
+        f"ZeroDivisionError: division by zero); the samples are kept in {out}: fix the reward, then "
+        f"`offline-rec reward {out} --task arith --out NEW`")
+    assert open_dataset(out).num_rows == 6
+
+
 def test_resume_with_nothing_committed_starts_afresh(tmp_path, checkpoint, backend):
     # A collect killed before its first commit leaves a manifest without shards (here: other options).
     DatasetWriter(tmp_path / "ds", task={"name": "something else"})

@@ -171,7 +171,7 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(tmp_path, capsys
     code, out, err = run_cli(capsys, "train", "--data", str(tmp_path / "d"), "--model", str(tmp_path / "m"),
                              "--algorithm", "grpo", "--out", str(tmp_path / "run"), "--set", f"report_to=[{name}]")
     assert code == 2
-    assert err.strip() == f"error: report_to: {name} needs {name}: pip install 'offline-rec[{name}]'"
+    assert err.strip() == f'error: report_to: {name} needs {name}: pip install "offline-rec[{name}]"'
     assert not (tmp_path / "run").exists()
 
 

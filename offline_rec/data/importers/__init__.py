@@ -167,10 +167,10 @@ def import_dataset(config: ImportConfig) -> dict:
             rejects,
         )
     good = drop_lines(parsed.rows, rejects)
-    if not good:
-        raise BadLinesError(
-            f"no good rows in {src} ({len(rejects)} bad line(s)), nothing written; first: {rejects[0]}", rejects
-        )
+    if not good:  # one line (not the list of bad lines that BadLinesError prints): the reasons, most common first
+        reasons = ", ".join(f"{code} {n}" for code, n in Counter(r.code for r in rejects).most_common())
+        raise UserError(f"every line of {src} was refused ({len(rejects)} bad line(s): {reasons}), nothing written; "
+                        f"first: {rejects[0]}")
     if model is not None:
         from offline_rec.models.teacher_forced import teacher_forced_logprobs
 

@@ -50,7 +50,7 @@ TOKEN_ID_STRING = re.compile(r"token_id:(\d+)")
 REPLACEMENT = "\ufffd"
 
 
-def _valid_utf8(data: bytes) -> bool:
+def is_valid_utf8(data: bytes) -> bool:
     try:
         data.decode("utf-8")
     except UnicodeDecodeError:
@@ -153,7 +153,7 @@ def entry_evidence(token: object, token_bytes_field: object) -> Evidence:
     if isinstance(token_bytes_field, list) and token_bytes_field and all(
             isinstance(b, int) and not isinstance(b, bool) and 0 <= b < 256 for b in token_bytes_field):
         data = bytes(token_bytes_field)
-        if not _valid_utf8(data):  # no decoded string encodes to this: the token's own bytes (OpenAI)
+        if not is_valid_utf8(data):  # no decoded string encodes to this: the token's own bytes (OpenAI)
             return Evidence("bytes", data)
         if not isinstance(token, str):
             token = data.decode("utf-8")
@@ -204,13 +204,13 @@ def _steps(evidence: Evidence, text: bytes, state: State, vocabulary: Vocabulary
         elif evidence.kind == "partial":
             keep = _inside_character(text, end)
         elif not evidence.value:  # a string of U+FFFD only, or none: nothing to hold the token to
-            keep = evidence.text is None or not _valid_utf8(data) or data.decode("utf-8") == evidence.text
+            keep = evidence.text is None or not is_valid_utf8(data) or data.decode("utf-8") == evidence.text
         elif REPLACEMENT in evidence.text:
             # the token's own bytes, printed lossily: the text after the last U+FFFD ends the token, the
             # bytes before it are no text alone (unless the token's text is that very string)
             tail = evidence.value
             keep = (text.endswith(tail, 0, end) and (tail.endswith(data) or data.endswith(tail))
-                    and (not _valid_utf8(data) or data.decode("utf-8") == evidence.text))
+                    and (not is_valid_utf8(data) or data.decode("utf-8") == evidence.text))
         else:
             # whole text: the bytes of this token and of the "" entries right before it, no more, no less
             keep = end - run_start == len(evidence.value) and text.startswith(evidence.value, run_start)

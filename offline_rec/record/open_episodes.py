@@ -1,12 +1,12 @@
-"""The calls of one conversation, held until the episode closes.
+"""The open episodes: the calls of one conversation, held until the episode closes (`EpisodeBook`).
 
 A client names an episode with the header `X-Episode-Id` on each of its calls and closes it with
 `X-Episode-End: true` on the last one; an episode with no call for `idle_timeout` seconds closes
 by itself. Calls keep the order in which they ARRIVED (an agent sends call k+1 after reading
-reply k); an episode whose end has been announced is written once its calls still in flight have
-finished. A failed call (an upstream error, a client that went away) is not part of the episode;
-an episode none of whose calls succeeded writes nothing. An id used again after its episode
-closed starts a new episode.
+reply k); an episode whose end has been announced (or whose recorded calls grew past the size
+limit) is written once its calls still in flight have finished. A failed call (an upstream
+error, a client that went away) is not part of the episode; an episode none of whose calls
+succeeded writes nothing. An id used again after its episode closed starts a new episode.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ CLOSED_BY_END = "end-header"
 CLOSED_BY_IDLE = "idle-timeout"
 CLOSED_BY_SHUTDOWN = "shutdown"
 CLOSED_BY_RECOVERY = "recovered"
+CLOSED_BY_SIZE = "max-size"
 
 
 def is_end(value: str | None) -> bool:
@@ -34,22 +35,41 @@ class Episode:
     calls: dict[int, list[dict]] = field(default_factory=dict)  # seq -> the call's records (a batch gives several)
     in_flight: set[int] = field(default_factory=set)
     ending: bool = False
+    size: int = 0  # bytes of the calls recorded so far (the caller adds them)
+    too_large: bool = False  # its calls passed the size limit: it ends too (ending: its end was announced)
 
     def ordered_calls(self) -> list[dict]:
         return [record for seq in sorted(self.calls) for record in self.calls[seq]]
 
 
 class EpisodeBook:
-    """Open episodes by id. Pure bookkeeping: the caller writes what it returns."""
+    """Open episodes by id. Pure bookkeeping: the caller writes what it returns.
 
-    def __init__(self):
+    `owner(episode_id)` names who opened an episode (the recorder's: the client); `open_by(owner)`
+    counts that owner's open episodes (a quota per client)."""
+
+    def __init__(self, owner=lambda episode_id: None):
         self.open: dict[str, Episode] = {}
+        self.owner = owner
+        self.counts: dict = {}  # owner -> open episodes
+
+    def open_by(self, owner) -> int:
+        return self.counts.get(owner, 0)
+
+    def _remove(self, episode_id: Hashable) -> Episode:
+        owner = self.owner(episode_id)
+        self.counts[owner] -= 1
+        if not self.counts[owner]:
+            del self.counts[owner]
+        return self.open.pop(episode_id)
 
     def begin(self, episode_id: Hashable, now: float) -> int:
         """A call of `episode_id` arrives: its sequence number within the episode."""
         episode = self.open.get(episode_id)
         if episode is None:
             episode = self.open[episode_id] = Episode(episode_id, last_activity=now)
+            owner = self.owner(episode_id)
+            self.counts[owner] = self.counts.get(owner, 0) + 1
         seq = episode.next_seq
         episode.next_seq += 1
         episode.in_flight.add(seq)
@@ -65,8 +85,8 @@ class EpisodeBook:
         if call is not None:
             episode.calls[seq] = call
         episode.ending = episode.ending or end
-        if episode.ending and not episode.in_flight:
-            return self.open.pop(episode_id)
+        if (episode.ending or episode.too_large) and not episode.in_flight:
+            return self._remove(episode_id)
         return None
 
     def expired(self, now: float, idle_timeout: float) -> list[Episode]:
@@ -75,11 +95,12 @@ class EpisodeBook:
             e for e in self.open.values() if not e.in_flight and now - e.last_activity >= idle_timeout
         ]
         for episode in done:
-            del self.open[episode.episode_id]
+            self._remove(episode.episode_id)
         return done
 
     def drain(self) -> list[Episode]:
         """Every open episode (shutdown), removed from the book."""
         episodes = list(self.open.values())
         self.open.clear()
+        self.counts.clear()
         return episodes

@@ -8,7 +8,7 @@
 - `TokenText`: the text of each token id from its BYTES (models/vocab.py): a token that is only
   part of a UTF-8 character is shown as the bytes it is (kind HEX), never as a replacement character.
 - `page_payload`: one page as plain JSON-able data, with the group advantages of the chosen preset and,
-  given a `PolicyScorer`, the policy's teacher-forced log-probs and the tokens its clip mask drops.
+  given a `TeacherForcedScorer`, the policy's teacher-forced log-probs and the tokens its clip mask drops.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class TokenText:
 
 
 @dataclass
-class GroupIndex:
+class PageIndex:
     """Per-group numbers for filtering (lists, one entry per group, in file order) and the pages.
 
     `pages[p]` = (first group, [(shard number, first row, end row), ...]): page p holds the groups
@@ -149,9 +149,9 @@ def _shard_table(path: Path, columns: list[str]) -> pa.Table:
         raise DataError(f"{path}: cannot read Parquet shard ({error}); run `offline-rec validate`") from None
 
 
-def scan_index(dataset: Dataset, groups_per_page: int) -> GroupIndex:
+def scan_index(dataset: Dataset, groups_per_page: int) -> PageIndex:
     """The group index of `dataset`, one shard in memory at a time, with pages of `groups_per_page` groups."""
-    index = GroupIndex()
+    index = PageIndex()
     reason_bit: dict[str, int] = {}
     for shard_number, shard in enumerate(dataset.shard_paths):
         table = _shard_table(shard, INDEX_COLUMNS)
@@ -200,7 +200,7 @@ class PageReader:
 
     OPEN_FILES = 8
 
-    def __init__(self, dataset: Dataset, index: GroupIndex):
+    def __init__(self, dataset: Dataset, index: PageIndex):
         self.dataset, self.index = dataset, index
         self._files: dict[int, tuple[pq.ParquetFile, np.ndarray]] = {}
 
@@ -235,7 +235,7 @@ class PageReader:
 # one page as data
 
 
-class PolicyScorer:
+class TeacherForcedScorer:
     """Teacher-forced log-probs of completions under the policy (--model), at the data's temperature."""
 
     def __init__(self, model, tokenizer, temperature: float, batch_size: int, name: str = "the policy"):
@@ -297,7 +297,7 @@ def _dropped(spec, logp: list[float], blogp: list[float], mask: list[bool], adva
     return torch.nonzero(trained[0] & ~kept[0]).flatten().tolist()
 
 
-def page_payload(rows: list[dict], text: TokenText, spec, scorer: PolicyScorer | None = None) -> dict:
+def page_payload(rows: list[dict], text: TokenText, spec, scorer: TeacherForcedScorer | None = None) -> dict:
     """One page as JSON-able data: groups of rows, each row's tokens as ids plus the text of every id used."""
     advantages, keep = _advantages(spec, rows)
     policy = scorer(rows) if scorer is not None and rows else None

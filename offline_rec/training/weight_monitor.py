@@ -1,0 +1,323 @@
+"""The importance weights rho = pi / mu of the logged tokens, watched: before the first step and at every step.
+
+Logs from a behavior mu far from the policy pi (another model, an older or a stronger one) give token
+ratios in the thousands; an -is preset multiplies a token's gradient by its ratio, and a negative row
+pushed down 5000 times harder than the rest collapses the policy in a few steps (issue 42). In four points:
+
+1. `weight_stats` is the one measure, for train and `eval --offline` alike: over the policy tokens of
+   some rows, ess = (sum rho)^2 / (n sum rho^2) in (0, 1] (the token-level effective sample size as a
+   fraction: the `ess` that `policy_loss` logs), ratio_max, and the shares of tokens with rho > 10
+   (`RATIO_HIGH`) and rho < 0.1 (`RATIO_LOW`); `behavior_weight_stats` gives them with the rows, reward
+   mean and mean logged log-prob of each value of the `behavior` column.
+2. Before the first step, `initial_weights` measures a seeded sample of the training rows against the
+   INITIAL policy (teacher-forced, as `eval --offline` does), per behavior.
+3. At every step, `WeightMonitor.observe` reads each pass's log-probs (the ones the loss uses: no extra
+   forward) and adds per-behavior sums, gathered over ranks once at the step's end (`step_metrics`);
+   the step's overall ess, ratio_max and shares come from `policy_loss` (metrics.jsonl).
+4. `check`: an ess below `weight_ess_warning` (default `ESS_WARNING` = 0.1: the weight of the step sits
+   on a tenth of its tokens) prints one warning line (step, ess, max ratio) naming the options that bound
+   the weights (under a preset without weights, that the policy is far from the data); again only when
+   the ess halves since the last warning. With `stop_on_weight_collapse`
+   the run stops there instead (`WeightCollapse`). `summary` says what the weights did over the run.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+
+import numpy as np
+
+from offline_rec import schema as S
+from offline_rec.algorithms import RATIO_HIGH, RATIO_LOW
+from offline_rec.errors import UserError
+
+ESS_WARNING = 0.1
+"""Default of train's weight_ess_warning: a step whose token ESS fraction is below it gets a warning."""
+
+BOUNDING_OPTIONS = ("--set algorithm.is_cap=10 or algorithm.dual_clip_negatives=true bounds the weights "
+                    "(or a -nois preset, which has none)")
+"""What a warning tells the user to do (README, "Importance weights on logs of several behavior policies")."""
+
+STEP_PREFIX = "behavior/"
+"""metrics.jsonl keys of the per-behavior step metrics: behavior/<name>/<metric> (name: `metric_name`)."""
+
+# Per-behavior sums of a step: index of each quantity (all summed over ranks, but the max).
+_SUMS = ("tokens", "ratio_sum", "ratio_sq_sum", "high", "low", "ratio_max")
+_EXPONENT_LIMIT = 20.0  # the clamp policy_loss applies to log rho (algorithms.EXPONENT_LIMIT)
+
+
+class WeightCollapse(UserError):
+    """stop_on_weight_collapse: the importance weights' ESS fell below the threshold."""
+
+
+def weight_stats(token_log_ratios) -> dict:
+    """ess, ratio_max, ratio_high_fraction, ratio_low_fraction, tokens of the token ratios rho = exp(log pi -
+    log mu) over every sequence of `token_log_ratios` (a list of 1-D arrays, one per row, its policy tokens).
+
+    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0. log rho is
+    clamped to +-20 first, as the loss does (float64: no overflow either way).
+    """
+    flat = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in token_log_ratios] or [np.zeros(0)])
+    return _from_sums(_sums(flat))
+
+
+def behavior_weight_stats(token_log_ratios, behaviors, rewards=None, behavior_logprobs=None) -> dict:
+    """{behavior: rows, weight_stats of its rows, and with `rewards` reward_mean, with `behavior_logprobs` (one
+    array per row, its logged log-probs) logprob_mean, the mean logged log-prob per token}; sorted by name.
+
+    `behaviors` [N] names each row's behavior.
+    """
+    names = np.asarray(behaviors, dtype=object)
+    table = {}
+    for name in sorted(set(names.tolist())):
+        picked = np.flatnonzero(names == name)
+        table[name] = {"rows": len(picked), **weight_stats([token_log_ratios[i] for i in picked])}
+        if rewards is not None:
+            table[name]["reward_mean"] = float(np.mean([rewards[i] for i in picked]))
+        if behavior_logprobs is not None:
+            table[name]["logprob_mean"] = mean_logprob([behavior_logprobs[i] for i in picked])
+    return table
+
+
+def mean_logprob(logprobs) -> float:
+    """The mean over every token of `logprobs` (one array per row); nan with no tokens."""
+    flat = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in logprobs] or [np.zeros(0)])
+    return float(flat.mean()) if len(flat) else math.nan
+
+
+def behavior_codes(datasets) -> tuple[np.ndarray, list[str]]:
+    """Each row's behavior as a code [R] int32, in the order the group index reads rows (dataset after
+    dataset, shard after shard), and the names of the codes (sorted; an empty or null behavior is "unknown").
+    Reads the behavior column only."""
+    import pyarrow.compute as pc
+
+    names: dict[str, int] = {}
+    parts = []
+    for dataset in datasets:
+        for _, batch in dataset.iter_batches(columns=[S.BEHAVIOR]):
+            encoded = pc.dictionary_encode(batch.column(S.BEHAVIOR).fill_null(""))
+            local = [names.setdefault(value or "unknown", len(names)) for value in encoded.dictionary.to_pylist()]
+            parts.append(np.asarray(local, dtype=np.int32)[encoded.indices.to_numpy(zero_copy_only=False)])
+    codes = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    order = sorted(names)  # codes renumbered so that code k names order[k]
+    renumber = np.array([order.index(name) for name in names], dtype=np.int32)
+    return (renumber[codes] if len(codes) else codes), order
+
+
+def policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
+                            batch_size: int = 8, temperature: float = 1.0) -> list:
+    """Per sequence, log pi - log mu (float64 array) on its policy tokens (loss_mask 1; None: all), in order;
+    log pi teacher-forced at `temperature` (`models.teacher_forced.teacher_forced_logprobs`)."""
+    from offline_rec.models.teacher_forced import teacher_forced_logprobs
+
+    policy_logprobs = teacher_forced_logprobs(policy, tokenizer, prompt_ids, completion_ids, batch_size=batch_size,
+                                              temperature=temperature)
+    ratios = []
+    for pi, mu, mask in zip(policy_logprobs, behavior_logprobs, loss_masks):
+        pi = np.asarray(pi, dtype=np.float64)  # [C]
+        mu = np.asarray(mu, dtype=np.float64)  # [C]
+        keep = np.ones(len(pi), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)  # [C]
+        ratios.append((pi - mu)[keep])
+    return ratios
+
+
+def initial_weights(policy, tokenizer, index, groups, codes: np.ndarray, names: list[str], rows: int, seed: int,
+                    temperature: float, batch_size: int = 8) -> dict:
+    """weight_stats of up to `rows` training rows (whole groups, in a seeded random order of `groups`) under
+    `policy` as it starts, with a "behaviors" table where the data has several; {} when `rows` is 0."""
+    from offline_rec.training.micro_batching import read_step_rows
+
+    if rows <= 0 or not len(groups):
+        return {}
+    order = np.random.default_rng(seed).permutation(np.asarray(groups, dtype=np.int64))
+    taken = order[: max(1, int(np.searchsorted(np.cumsum(index.size[order]), rows, side="left")) + 1)]
+    numbers = index.rows_of_groups(taken)[:rows]  # [n]
+    sample = [(n, row) for n, row in zip(numbers.tolist(), read_step_rows(index, numbers, np.zeros(len(numbers))))
+              if len(row.prompt_ids)]  # a row with an empty prompt has no context for its first token
+    ratios = policy_token_log_ratios(policy, tokenizer, [row.prompt_ids.tolist() for _, row in sample],
+                                     [row.completion_ids.tolist() for _, row in sample],
+                                     [row.behavior_logprobs for _, row in sample],
+                                     [row.loss_mask for _, row in sample], batch_size, temperature)
+    measured = {"rows": len(sample), **weight_stats(ratios)}
+    if len(names) > 1:
+        measured["behaviors"] = behavior_weight_stats(ratios, [names[codes[n]] for n, _ in sample],
+                                                      index.reward[[n for n, _ in sample]],
+                                                      [row.behavior_logprobs for _, row in sample])
+    return measured
+
+
+def describe(stats: dict) -> str:
+    """One line of weight_stats: 'ess 0.040, max ratio 4983, 2.1% of tokens > 10, 0.3% < 0.1'."""
+    return (f"ess {stats['ess']:.3g}, max ratio {stats['ratio_max']:.4g}, {100 * stats['ratio_high_fraction']:.1f}% "
+            f"of tokens > {RATIO_HIGH:g}, {100 * stats['ratio_low_fraction']:.1f}% < {RATIO_LOW:g}")
+
+
+def monitor_run(config, index, datasets, schedule, accelerator, scorer, tokenizer, start_step: int,
+                sharded: bool, notes=()) -> WeightMonitor:
+    """The run's monitor, its measure before step 1 taken (fresh runs, main process, unsharded models: a
+    sharded model has no whole copy to score with outside a step); `notes`: lines printed first
+    (`checks.check_logprobs_sources`'s warnings)."""
+    from offline_rec.algorithms import get_algorithm
+    from offline_rec.training.checks import weighs_by_ratio
+
+    codes, names = behavior_codes(datasets)
+    weighted = weighs_by_ratio(get_algorithm(config.algorithm, **config.algorithm_overrides))
+    monitor = WeightMonitor(codes, names, config.weight_ess_warning, config.stop_on_weight_collapse,
+                            active=accelerator.is_main_process, weighted=weighted)
+    for line in notes:
+        monitor.say(line)
+    if start_step == 0 and accelerator.is_main_process and not sharded:
+        policy = accelerator.unwrap_model(scorer).policy
+        monitor.start(initial_weights(policy, tokenizer, index, schedule.train_groups, codes, names,
+                                      config.weight_check_rows, config.seed, config.temperature))
+    return monitor
+
+
+class WeightMonitor:
+    """The per-step watch (see the module docstring): per-behavior sums of the passes, the warning, the summary."""
+
+    def __init__(self, codes: np.ndarray, names: list[str], threshold: float = ESS_WARNING, stop: bool = False,
+                 active: bool = True, out=None, weighted: bool = True):
+        self.codes, self.names = codes, names
+        # Whether the loss multiplies tokens by their ratio (an -is preset): what a low ess means for the step.
+        self.consequence = ("a few tokens carry the step's gradient; " + BOUNDING_OPTIONS if weighted else
+                            "the policy is far from the data's behavior: its clip mask decides which tokens train")
+        self.threshold, self.stop = threshold, stop
+        self.active = active  # prints (the main process); every process keeps the same counts
+        self.out = out or sys.stderr
+        self.by_behavior = len(names) > 1
+        self.sums = None
+        self.lowest = None  # (ess, step, ratio_max) of the step with the lowest ess
+        self.ratio_max = (1.0, 0)  # (largest ratio of any step, its step)
+        self.steps_below = 0
+        self.warned_at = None  # ess of the last warning
+        self.stop_line = ""
+        self.initial: dict = {}
+
+    def start(self, initial: dict) -> None:
+        """Record (and print) the measure before the first step (`initial_weights`)."""
+        self.initial = initial
+        if not initial:
+            return
+        line = f"importance weights before step 1 ({initial['rows']} rows, initial policy): {describe(initial)}"
+        for name, stats in initial.get("behaviors", {}).items():
+            line += f"\n  behavior {name}: {stats['rows']} rows, {describe(stats)}"
+        self.say(line)
+        if initial["ess"] < self.threshold:
+            self.say(f"warning: before step 1: importance weights' ess {initial['ess']:.3g} < {self.threshold:g}, "
+                     f"max ratio {initial['ratio_max']:.4g}: {self.consequence}")
+
+    def observe(self, logprobs, batch: dict) -> None:
+        """Add one pass's per-behavior sums: `logprobs` [B, T] the policy's, `batch` the collated micro-batch
+        (its behavior_logprobs, loss_mask and rows, the index rows: -1 in a zero-loss pass)."""
+        if not self.by_behavior:
+            return
+        import torch
+
+        mask = batch["loss_mask"].bool()  # [B, T]
+        log_ratio = torch.where(mask, logprobs.detach().double() - batch["behavior_logprobs"].double(), 0.0)
+        rho = log_ratio.clamp(-_EXPONENT_LIMIT, _EXPONENT_LIMIT).exp()  # [B, T]
+        rows = batch["rows"].cpu().numpy()
+        codes = torch.as_tensor(np.where(rows >= 0, self.codes[np.maximum(rows, 0)], 0), dtype=torch.long,
+                                device=rho.device)  # [B]
+        if self.sums is None:
+            self.sums = torch.zeros(len(self.names), len(_SUMS), dtype=torch.float64, device=rho.device)
+        masked = mask.double()
+        added = torch.stack([masked.sum(1), (rho * masked).sum(1), (rho**2 * masked).sum(1),
+                             ((rho > RATIO_HIGH) & mask).double().sum(1), ((rho < RATIO_LOW) & mask).double().sum(1)],
+                            dim=1)  # [B, 5]
+        self.sums[:, :5].index_add_(0, codes, added)
+        row_max = torch.where(mask, rho, 0.0).amax(dim=1)  # [B]
+        at_max = self.sums[:, 5].clone().scatter_reduce(0, codes, row_max, "amax")
+        self.sums[:, 5] = at_max
+
+    def step_metrics(self, accelerator) -> dict:
+        """The step's per-behavior metrics (behavior/<name>/...), over all ranks; resets the sums. Every rank
+        calls it (one all-gather); {} when the data has one behavior."""
+        if not self.by_behavior:
+            return {}
+        import torch
+
+        sums = self.sums if self.sums is not None else torch.zeros(len(self.names), len(_SUMS), dtype=torch.float64)
+        gathered = accelerator.gather(sums.to(accelerator.device).unsqueeze(0)).cpu().double()  # [world, K, 6]
+        total = gathered.sum(dim=0)
+        total[:, 5] = gathered[:, :, 5].amax(dim=0)
+        self.sums = None
+        metrics = {}
+        for k, name in enumerate(self.names):
+            tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max = total[k].tolist()
+            if not tokens:
+                continue
+            stats = _from_sums((tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max))
+            metrics.update({f"{STEP_PREFIX}{metric_name(name)}/{key}": value for key, value in stats.items()})
+        return metrics
+
+    def check(self, step: int, metrics: dict) -> bool:
+        """Watch step `step`'s (1-based) ess and ratio_max; print a warning when ess is below the threshold (the
+        first time, then when it halves). True when the run should stop (stop_on_weight_collapse)."""
+        ess, ratio_max = metrics["ess"], metrics["ratio_max"]
+        if self.lowest is None or ess < self.lowest[0]:
+            self.lowest = (ess, step, ratio_max)
+        if ratio_max > self.ratio_max[0]:
+            self.ratio_max = (ratio_max, step)
+        if ess >= self.threshold:
+            return False
+        self.steps_below += 1
+        if self.stop:
+            self.stop_line = (f"stopped at step {step}: the importance weights' ess {ess:.3g} fell below "
+                              f"weight_ess_warning {self.threshold:g} (max ratio {ratio_max:.4g}; "
+                              f"stop_on_weight_collapse); {BOUNDING_OPTIONS}")
+            return True
+        if self.warned_at is None or ess < self.warned_at / 2:
+            self.say(f"warning: step {step}: importance weights' ess {ess:.3g} < {self.threshold:g}, max ratio "
+                        f"{ratio_max:.4g}: {self.consequence}")
+            self.warned_at = ess
+        return False
+
+    def say(self, line: str) -> None:
+        """Print `line` (stderr) on the main process."""
+        if self.active:
+            print(line, file=self.out, flush=True)
+
+    def summary(self) -> dict:
+        """What the weights did: initial measure, lowest ess (its step and max ratio), largest ratio, steps below."""
+        if self.lowest is None:
+            return {"initial": self.initial} if self.initial else {}
+        return {"initial": self.initial, "ess_min": self.lowest[0], "ess_min_step": self.lowest[1],
+                "ratio_max": self.ratio_max[0], "ratio_max_step": self.ratio_max[1],
+                "steps_below_threshold": self.steps_below, "threshold": self.threshold}
+
+
+def summary_text(weights: dict) -> str:
+    """The final line's part on the weights: 'weights: ess min 0.0013 (step 129), max ratio 4983; 120 steps
+    below 0.1' ('' when nothing was measured)."""
+    if "ess_min" not in weights:
+        return ""
+    text = (f"weights: ess min {weights['ess_min']:.3g} (step {weights['ess_min_step']}), max ratio "
+            f"{weights['ratio_max']:.4g} (step {weights['ratio_max_step']})")
+    if weights["steps_below_threshold"]:
+        return text + f"; {weights['steps_below_threshold']} steps below {weights['threshold']:g}"
+    return text + f"; never below {weights['threshold']:g}"
+
+
+def metric_name(behavior: str) -> str:
+    """A behavior as it appears in metric keys: characters other than letters, digits, '.', '-' and '_' become
+    '_' (a behavior is often a model's path, and '/' separates the trackers' key groups)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", behavior)
+
+
+def _sums(flat: np.ndarray) -> tuple:
+    rho = np.exp(np.clip(flat, -_EXPONENT_LIMIT, _EXPONENT_LIMIT))
+    return (float(len(rho)), float(rho.sum()), float((rho**2).sum()), float((rho > RATIO_HIGH).sum()),
+            float((rho < RATIO_LOW).sum()), float(rho.max()) if len(rho) else 1.0)
+
+
+def _from_sums(sums) -> dict:
+    tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max = sums
+    if not tokens:
+        return {"ess": 1.0, "ratio_max": 1.0, "ratio_high_fraction": 0.0, "ratio_low_fraction": 0.0, "tokens": 0}
+    ess = ratio_sum**2 / (tokens * ratio_sq_sum) if ratio_sq_sum else 1.0
+    return {"ess": ess if math.isfinite(ess) else 0.0, "ratio_max": ratio_max, "ratio_high_fraction": high / tokens,
+            "ratio_low_fraction": low / tokens, "tokens": int(tokens)}
