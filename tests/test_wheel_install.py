@@ -23,7 +23,7 @@ from uv_options import uv_options  # noqa: E402
 
 # modules of the extras (tests/test_missing_extras.py): none may come with the core install
 EXTRA_MODULES = ("vllm", "peft", "deepspeed", "ray", "starlette", "uvicorn", "aiohttp", "wandb", "mlflow", "trackio",
-                 "math_verify")
+                 "math_verify", "gguf")
 
 
 def run(command: list, **kwargs) -> subprocess.CompletedProcess:

@@ -53,6 +53,10 @@ from offline_rec.options import option
 
 DEMO_ALGORITHM = "rec-oneside-nois"
 DEMO_TASK = "arith"
+# The shipped policy learnt raw "What is a+b? " prompts and answers with the bare sum: its prompts skip the
+# chat template its character tokenizer has, and its reward is arith's strict form, as when it was measured.
+DEMO_REWARD = "offline_rec.tasks.builtin:arith_reward"
+DEMO_CHAT_TEMPLATE = False
 SETTINGS_FILE = "settings.json"
 SUMMARY_FILE = "summary.json"
 CURVE_FILE = "curve.json"
@@ -386,9 +390,10 @@ def collect_dataset(policy: str, out: Path, config: DemoSettings, progress: bool
     from offline_rec.rollout.collect import CollectConfig, collect
 
     return collect(CollectConfig(
-        model=policy, task=DEMO_TASK, out=out, num_samples=config.collect_samples, num_prompts=config.num_prompts,
-        split="train", backend=config.backend, temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.seed,
-        batch_size=config.batch_size, behavior="demo-policy", show_progress=progress,
+        model=policy, task=DEMO_TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE, out=out,
+        num_samples=config.collect_samples, num_prompts=config.num_prompts, split="train", backend=config.backend,
+        temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.seed, batch_size=config.batch_size,
+        behavior="demo-policy", show_progress=progress,
     ))
 
 
@@ -426,7 +431,8 @@ def eval_config(model: str, out: Path, config: DemoSettings, num_samples: int, p
     from offline_rec.eval.config import EvalConfig
 
     return EvalConfig(
-        model=model, task=DEMO_TASK, out=out, num_samples=num_samples, greedy=True, prompts=prompts,
+        model=model, task=DEMO_TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE, out=out,
+        num_samples=num_samples, greedy=True, prompts=prompts,
         num_prompts=None if prompts else config.eval_prompts, split="test", backend=config.backend,
         temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.eval_seed,
         batch_size=config.batch_size, overwrite=True, show_progress=progress,

@@ -35,7 +35,7 @@ class EvalConfig:
     # -- what to evaluate, where to write
     model: str | None = option(
         None, "--model",
-        help="Policy: model folder, checkpoint, train RUN folder (its final model) or Hub id.",
+        help="Policy: model folder, checkpoint, train RUN folder (its final model), Hub id or GGUF file.",
     )
     task: str | None = option(None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts).")
     out: Path | None = option(

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.models.gguf import converted_folder, gguf_file_in, is_gguf_name
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -36,17 +37,54 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _check_model_path(name_or_path: str) -> None:
-    """A local path must be a model folder; anything else is left to the Hub loader."""
-    p = Path(name_or_path).expanduser()
-    if p.exists():
-        if not (p / "config.json").exists():
+def model_source(name_or_path: str, model_folder: bool = True) -> str:
+    """What transformers and vLLM load for `name_or_path`: a local model folder or a Hub id as given; a GGUF
+    file, or a folder holding one, as its converted plain folder (`gguf.converted_folder`, built once).
+
+    One-line UserErrors: a path that exists nowhere and cannot be a Hub id is named; a local folder
+    without config.json (`model_folder=False` accepts one: a LoRA checkpoint) or a file that is not
+    GGUF is refused. A name that could be a Hub id is left to the Hub (see `_load_error`).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        gguf_file = gguf_file_in(path)
+        if gguf_file is not None:
+            return str(converted_folder(gguf_file))
+        if path.is_file():
+            raise UserError(f"model {name_or_path} is a file: give a model folder (save_pretrained) or a .gguf file")
+        if model_folder and not (path / "config.json").exists():
             raise UserError(
                 f"model {name_or_path} has no config.json (a transformers model folder, e.g. made by save_pretrained, "
-                f"is expected)"
+                f"or a folder holding a .gguf file, is expected)"
             )
-    elif name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+        return name_or_path
+    if not could_be_hub_id(name_or_path):
         raise UserError(f"model {name_or_path} does not exist")
+    return name_or_path
+
+
+def could_be_hub_id(name: str) -> bool:
+    """Whether `name` is spelled like a Hugging Face Hub model id ("org/name" or "name"), not like a path."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith((".", "/", "~")) or is_gguf_name(name):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _load_error(action: str, name_or_path: str, error: Exception) -> UserError:
+    """One line for a failed from_pretrained ("cannot {action} {name_or_path}: why"); for a name that is no
+    local path it says both readings."""
+    reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if not Path(name_or_path).expanduser().exists():
+        return UserError(f"cannot {action} {name_or_path}: there is no such local folder or file, and as a "
+                         f"Hugging Face Hub id: {reason}")
+    return UserError(f"cannot {action} {name_or_path}: {reason}")
 
 
 def load_tokenizer(name_or_path: str, model_folder: bool = True):
@@ -54,12 +92,11 @@ def load_tokenizer(name_or_path: str, model_folder: bool = True):
     folder without config.json (a LoRA checkpoint: adapter and tokenizer files only)."""
     from transformers import AutoTokenizer
 
-    if model_folder:
-        _check_model_path(name_or_path)
+    source = model_source(name_or_path, model_folder)
     try:
-        tok = AutoTokenizer.from_pretrained(name_or_path)
+        tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load a tokenizer from {name_or_path}: {str(e).splitlines()[0]}") from None
+        raise _load_error("load a tokenizer from", name_or_path, e) from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -71,8 +108,10 @@ def torch_dtype(name: str | None, model_path: str | None = None):
 
     if name in (None, "auto"):
         saved = None
-        if model_path and (Path(model_path) / "config.json").exists():
-            cfg = json.loads((Path(model_path) / "config.json").read_text())
+        exists = model_path is not None and Path(model_path).expanduser().exists()
+        folder = Path(model_source(model_path, model_folder=False)) if exists else None  # a GGUF: its conversion
+        if folder is not None and (folder / "config.json").exists():
+            cfg = json.loads((folder / "config.json").read_text())
             saved = cfg.get("dtype") or cfg.get("torch_dtype")
         name = saved or "float32"
     if name not in DTYPES[1:]:
@@ -86,12 +125,12 @@ def load_model(name_or_path: str, dtype: str | None = "auto", device: str | None
     (e.g. "flash_attention_2", "sdpa") as transformers takes it, None for its default."""
     from transformers import AutoModelForCausalLM
 
-    _check_model_path(name_or_path)
+    source = model_source(name_or_path)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch_dtype(dtype, name_or_path), **extra)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype(dtype, source), **extra)
     except (OSError, ValueError, ImportError) as e:  # ImportError: an attention kernel that is not installed
-        raise UserError(f"cannot load a causal LM from {name_or_path}: {str(e).splitlines()[0]}") from None
+        raise _load_error("load a causal LM from", name_or_path, e) from None
     if device:
         model.to(device)
     model.eval()
@@ -110,9 +149,9 @@ def config_vocab_size(name_or_path: str) -> int | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(model_source(name_or_path, model_folder=False))
     except (OSError, ValueError) as error:
-        raise UserError(f"cannot read the model config of {name_or_path}: {str(error).splitlines()[0]}") from None
+        raise _load_error("read the model config of", name_or_path, error) from None
     return getattr(config.get_text_config(), "vocab_size", None)
 
 
@@ -164,8 +203,8 @@ def model_context(name_or_path: str) -> int | None:
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
-    except (OSError, ValueError):
+        config = AutoConfig.from_pretrained(model_source(name_or_path))
+    except (OSError, ValueError, UserError):
         return None
     for attribute in _CONTEXT_ATTRIBUTES:
         value = getattr(config, attribute, None)

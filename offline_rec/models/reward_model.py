@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offline_rec.errors import UserError, install_command, one_of, require_extra
-from offline_rec.models.loading import _check_model_path, load_tokenizer, torch_dtype
+from offline_rec.models.loading import _load_error, load_tokenizer, model_source, torch_dtype
 
 DEFAULT_MAX_BATCH_TOKENS = 16384  # padded tokens per forward pass
 ENGINES = {"hf": "transformers", "vllm": "vllm"}
@@ -106,11 +106,10 @@ def reward_model_identity(name_or_path: str, label: str | None = None, dtype: st
     is not a sequence classifier, or whose labels do not fit `label`, and for an unknown backend."""
     from transformers import AutoConfig
 
-    _check_model_path(name_or_path)
     try:
-        config = AutoConfig.from_pretrained(name_or_path)
+        config = AutoConfig.from_pretrained(model_source(name_or_path))
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot load reward model {name_or_path}: {str(e).splitlines()[0]}") from None
+        raise _load_error("load reward model", name_or_path, e) from None
     if not _is_classifier(config):
         raise UserError(f"{name_or_path} is not a sequence-classification model (architectures: "
                         f"{', '.join(config.architectures or ['none'])}); a reward model is a "
@@ -156,7 +155,7 @@ def _load_transformers(name_or_path: str, torch_type, device: str | None, common
     from transformers import AutoModelForSequenceClassification
 
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(name_or_path, dtype=torch_type)
+        model = AutoModelForSequenceClassification.from_pretrained(model_source(name_or_path), dtype=torch_type)
     except (OSError, ValueError) as e:
         raise UserError(f"cannot load reward model {name_or_path}: {str(e).splitlines()[0]}") from None
     if model.config.pad_token_id is None:  # the pooling finds each row's last token by the pad id
@@ -187,6 +186,6 @@ def _vllm_engine(name_or_path: str, dtype: str):
                         f"{str(error).splitlines()[0] if str(error) else ''}); {install_command('vllm')}, or use "
                         "--backend hf") from None
     try:
-        return LLM(model=name_or_path, runner="pooling", dtype=dtype, enforce_eager=not cuda_available())
+        return LLM(model=model_source(name_or_path), runner="pooling", dtype=dtype, enforce_eager=not cuda_available())
     except (OSError, ValueError) as error:
         raise UserError(f"vLLM cannot load reward model {name_or_path}: {str(error).splitlines()[0]}") from None

@@ -72,7 +72,7 @@ from offline_rec.tasks.builtin import (
     get_task,
     merge_reward_stats,
 )
-from offline_rec.tasks.prompts import PromptItem, render_prompt
+from offline_rec.tasks.prompts import PromptItem, render_prompt, uses_chat_template
 
 DEFAULT_BUILTIN_PROMPTS = 512
 # Collect commits shards itself, at unit boundaries (see the module docstring): the writer's own
@@ -371,7 +371,7 @@ def _plan(config: CollectConfig, task: Task, tokenizer, unit_size: int) -> _Plan
     if config.prompts is None and num_prompts is None:
         num_prompts = DEFAULT_BUILTIN_PROMPTS
     items = get_prompts(task, n=num_prompts, seed=config.seed, split=config.split, prompts_file=config.prompts,
-                        prompt_column=config.prompt_column)
+                        prompt_column=config.prompt_column, chat=uses_chat_template(tokenizer, config.chat_template))
     group_ids = {i: group_id(task.name, item) for i, item in enumerate(items)}
     if len(set(group_ids.values())) != len(items):
         raise UserError("the task's prompts repeat an id; group ids must be unique per prompt instance")

@@ -50,7 +50,7 @@ def sampling_option(name: str) -> Any:
 class CollectConfig:
     """Every option of `offline-rec collect`."""
 
-    model: str = required("--model", help="Behavior policy: model folder or Hub id.")
+    model: str = required("--model", help="Behavior policy: model folder, Hub id or GGUF file.")
     task: str = required("--task", help="arith, gsm8k, math, or module:function (a reward over --prompts).")
     out: Path = required("--out", "-o", help="New dataset directory (or the one to --resume).")
     num_samples: int = option(8, "--num-samples", "-k", help="Completions per prompt (one group).")

@@ -6,7 +6,17 @@ the flat registry `TASKS`:
 
 - ``arith``: synthetic "What is a+b? " prompts (a, b in 10..99) with a fixed train/test split.
 - ``gsm8k``: grade-school word problems from a file (--prompts); reward = final number is right.
-- ``math``: competition problems from a file; reward = the last \\boxed{} answer is right.
+- ``math``: competition problems from a file; reward = the final answer is right.
+
+Chat models: when the tokenizer has a chat template (and it is not turned off), a string prompt of a
+built-in task is sent as one user message, with the task's `chat_instruction` appended
+(`get_prompts(chat=True)`); gsm8k and math prompts are user messages with their instruction anyway.
+
+The task rewards read the answer where an instruct model writes it (`stated_answer`): the first
+"#### n" line, else the last \\boxed{}, else what follows the last "the answer is", else (a number)
+the last number. The strict forms stay importable for ``--reward``: `arith_reward` (the completion is
+exactly the sum: the demo's policy is scored with it), `gsm8k_strict_reward` (the "####" line only),
+`math_reward` (the last \\boxed{} only, or math-verify).
 
 ``generic`` is any prompt file plus the user's own reward, named ``module:function``; passing
 ``module:function`` as the task name selects it.
@@ -63,6 +73,8 @@ class Task:
     """The column of a prompts file that holds the prompt; the other columns are task fields."""
     instruction: str = ""
     """Appended to every prompt read from a file; a string prompt then becomes one user message."""
+    chat_instruction: str = ""
+    """Appended to a string prompt sent to a chat model as one user message (`get_prompts(chat=True)`)."""
     warm_up: Callable[[], object] | None = None
     """Run once, untimed, before scoring: imports that a timeout must not cut in half."""
     description: str = ""
@@ -105,13 +117,26 @@ def arith_prompts(n: int, seed: int = 0, split: str = "train") -> list[PromptIte
     ]
 
 
+ARITH_CHAT_INSTRUCTION = "Give the sum as a number."
+
+
+def _arith_answer(fields: dict) -> int:
+    return int(fields["answer"] if "answer" in fields else fields["a"] + fields["b"])
+
+
 def arith_reward(prompt: str, completion: str, fields: dict) -> float:
-    """1.0 iff the completion, stripped (one trailing "." allowed), is exactly the decimal a+b."""
-    answer = fields["answer"] if "answer" in fields else fields["a"] + fields["b"]
+    """The strict form: 1.0 iff the completion, stripped (one trailing "." allowed), is exactly the decimal a+b."""
     text = completion.strip()
     if text.endswith("."):
         text = text[:-1]
-    return 1.0 if text == str(int(answer)) else 0.0
+    return 1.0 if text == str(_arith_answer(fields)) else 0.0
+
+
+def arith_answer_reward(prompt: str, completion: str, fields: dict) -> float:
+    """The arith task's reward: 1.0 iff the answer the completion states (`final_number`: "#### n", \\boxed{n},
+    "the answer is n", else its last number) is a+b. "53 + 40 = 93." scores 1, "93" too."""
+    predicted = final_number(completion)
+    return 1.0 if predicted is not None and predicted == _arith_answer(fields) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,33 +165,83 @@ def parse_numbers(text: str) -> list[Decimal]:
     return numbers
 
 
-def final_number(text: str) -> Decimal | None:
-    """The answer a solution states: the number on the first "####" line, else the last number in the
-    last \\boxed{}, else the last number anywhere. The first "####" wins because a model that keeps
-    going after its answer often invents the next question and answers that too."""
+# "The answer is", "the final answer is:", "Answer: " (case-insensitive): what follows is the answer.
+_ANSWER_IS = re.compile(r"(?:\banswer\s+is|\banswer\s*:)\s*:?\s*", re.IGNORECASE)
+
+
+def stated_answer(text: str) -> str | None:
+    """The answer `text` states in so many words, None when it states none: the rest of the first "####"
+    line, else the content of the last \\boxed{}, else `answer_phrase`. The first "####" wins because a
+    model that keeps going after its answer often invents the next question and answers that too."""
+    return _hash_line(text) or last_boxed(text) or answer_phrase(text)
+
+
+def answer_phrase(text: str) -> str | None:
+    """The rest of the sentence after the last "the answer is" / "answer:" (any case), None without one."""
+    phrases = list(_ANSWER_IS.finditer(text))
+    if not phrases:
+        return None
+    rest = text[phrases[-1].end():].split("\n", 1)[0]
+    return re.split(r"\.(?:\s|$)", rest, maxsplit=1)[0].strip() or None  # "3.5." ends after 3.5
+
+
+def _hash_line(text: str) -> str | None:
+    """The rest of the first "####" line that says something."""
     for marker in re.finditer(r"####", text):
-        line = text[marker.end():].split("\n", 1)[0]
-        numbers = parse_numbers(line)
+        line = text[marker.end():].split("\n", 1)[0].strip()
+        if line:
+            return line
+    return None
+
+
+def hash_line_number(text: str) -> Decimal | None:
+    """The first number on the first "####" line that has one (GSM8K's answer format), None without one."""
+    for marker in re.finditer(r"####", text):
+        numbers = parse_numbers(text[marker.end():].split("\n", 1)[0])
         if numbers:
             return numbers[0]
+    return None
+
+
+def final_number(text: str) -> Decimal | None:
+    """The number a solution gives as its answer: the first number of its "####" line, else the last number
+    in the last \\boxed{}, else the first number of its `answer_phrase`, else the last number anywhere."""
+    hashed = hash_line_number(text)
+    if hashed is not None:
+        return hashed
     boxed = last_boxed(text)
-    if boxed is not None:
-        numbers = parse_numbers(boxed)
-        if numbers:
-            return numbers[-1]
+    numbers = parse_numbers(boxed) if boxed is not None else []
+    if numbers:
+        return numbers[-1]
+    phrase = answer_phrase(text)
+    numbers = parse_numbers(phrase) if phrase is not None else []
+    if numbers:
+        return numbers[0]
     numbers = parse_numbers(text)
     return numbers[-1] if numbers else None
 
 
-def gsm8k_reward(prompt: str, completion: str, fields: dict) -> float:
-    """1.0 iff the completion's final number equals the reference (the number after "####" in the
-    `answer` field, or the answer itself when it is a plain number), compared as numbers."""
+def gsm8k_reference(fields: dict) -> Decimal:
+    """The reference number: the number after "####" in the `answer` field, or the answer itself when it is a
+    plain number."""
     answer = fields["answer"]
     reference = Decimal(str(answer)) if isinstance(answer, (int, float)) else final_number(str(answer))
     if reference is None:
         raise ValueError(f"gsm8k: no number in the reference answer {answer!r}")
+    return reference
+
+
+def gsm8k_reward(prompt: str, completion: str, fields: dict) -> float:
+    """1.0 iff the completion's `final_number` ("#### n", \\boxed{n}, "the answer is n", else its last
+    number) equals the reference, compared as numbers."""
     predicted = final_number(completion)
-    return 1.0 if predicted is not None and predicted == reference else 0.0
+    return 1.0 if predicted is not None and predicted == gsm8k_reference(fields) else 0.0
+
+
+def gsm8k_strict_reward(prompt: str, completion: str, fields: dict) -> float:
+    """The strict form: 1.0 iff the first "####" line with a number holds the reference number first."""
+    predicted = hash_line_number(completion)
+    return 1.0 if predicted is not None and predicted == gsm8k_reference(fields) else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,10 +343,25 @@ def _math_verify():
 
 
 def math_reward(prompt: str, completion: str, fields: dict) -> float:
-    """1.0 iff the completion's last \\boxed{} answer equals the reference: first as normalized strings,
-    then, when math-verify is installed, symbolically (math-verify reads the whole completion)."""
-    reference = math_reference(fields)
-    predicted = last_boxed(completion)
+    """The strict form: 1.0 iff the completion's last \\boxed{} answer equals the reference: first as
+    normalized strings, then, when math-verify is installed, symbolically (math-verify reads the whole
+    completion)."""
+    return _math_score(last_boxed(completion), completion, math_reference(fields))
+
+
+def math_answer_reward(prompt: str, completion: str, fields: dict) -> float:
+    """The math task's reward: as `math_reward`, with the answer read where an instruct model states it
+    (`stated_answer`: "#### x", the last \\boxed{}, "the answer is x"), else the last number."""
+    predicted = stated_answer(completion)
+    if predicted is None:
+        numbers = parse_numbers(completion)
+        predicted = f"{numbers[-1]}" if numbers else None
+    return _math_score(predicted, completion, math_reference(fields))
+
+
+def _math_score(predicted: str | None, completion: str, reference: str) -> float:
+    """1.0 iff `predicted` equals `reference` as normalized strings, or math-verify (when installed) finds the
+    completion's answer equal to it."""
     if predicted is not None and normalize_math_answer(predicted) == normalize_math_answer(reference):
         return 1.0
     verifier = _math_verify()
@@ -289,10 +379,11 @@ def math_reward(prompt: str, completion: str, fields: dict) -> float:
 TASKS: dict[str, Task] = {
     "arith": Task(
         name="arith",
-        reward_fn=arith_reward,
-        reward_name=function_name(arith_reward),
+        reward_fn=arith_answer_reward,
+        reward_name=function_name(arith_answer_reward),
         prompts=arith_prompts,
-        description="synthetic 'What is a+b? ' (a, b in 10..99); the completion is the sum",
+        chat_instruction=ARITH_CHAT_INSTRUCTION,
+        description="synthetic 'What is a+b? ' (a, b in 10..99); the answer the completion states is the sum",
     ),
     "gsm8k": Task(
         name="gsm8k",
@@ -304,12 +395,12 @@ TASKS: dict[str, Task] = {
     ),
     "math": Task(
         name="math",
-        reward_fn=math_reward,
-        reward_name=function_name(math_reward),
+        reward_fn=math_answer_reward,
+        reward_name=function_name(math_answer_reward),
         prompt_column="problem",
         instruction=MATH_INSTRUCTION,
         warm_up=_math_verify,
-        description="MATH-style {problem, answer | solution} file (--prompts); the last \\boxed{} must match",
+        description="MATH-style {problem, answer | solution} file (--prompts); the stated answer must match",
     ),
 }
 
@@ -379,12 +470,27 @@ def get_prompts(
     split: str = "train",
     prompts_file: str | Path | None = None,
     prompt_column: str | None = None,
+    chat: bool = False,
 ) -> list[PromptItem]:
     """The task's prompts: the first `n` of `prompts_file` (all when n is None), or `n` built-in ones.
 
     A file's rows get the task's instruction appended (gsm8k, math); `split` and `seed` only choose
-    among built-in prompts, since a file is its own split.
+    among built-in prompts, since a file is its own split. `chat` (the tokenizer has a chat template
+    and it is on: `prompts.uses_chat_template`): string prompts become one user message with the
+    task's chat instruction (arith), so an instruct model hears a question in its own format.
     """
+    items = _task_prompts(task, n, seed, split, prompts_file, prompt_column)
+    if chat and task.chat_instruction:
+        items = [
+            dataclasses.replace(item, prompt=with_instruction(item.prompt.rstrip() + " ", task.chat_instruction))
+            if isinstance(item.prompt, str) else item
+            for item in items
+        ]
+    return items
+
+
+def _task_prompts(task: Task, n: int | None, seed: int, split: str, prompts_file: str | Path | None,
+                  prompt_column: str | None) -> list[PromptItem]:
     if prompts_file is None:
         if task.prompts is None:
             raise UserError(

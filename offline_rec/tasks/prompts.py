@@ -106,6 +106,11 @@ def render_prompt(item: PromptItem, tokenizer=None, chat_template: bool = True) 
         raise UserError(f"the tokenizer's chat template failed on prompt {item.id!r}: {error}") from error
 
 
+def uses_chat_template(tokenizer, chat_template: bool = True) -> bool:
+    """Whether prompts are sent through `tokenizer`'s chat template: it has one and `chat_template` is on."""
+    return chat_template and bool(getattr(tokenizer, "chat_template", None))
+
+
 def messages_as_plain_text(messages: Messages) -> str:
     """Chat messages as ``"role: content\\n"`` lines, ending with the ``"assistant: "`` reply cue."""
     text = "".join(f"{message['role']}: {message['content']}\n" for message in messages)

@@ -60,8 +60,8 @@ class TrainConfig:
         flag_help="Dataset directory (repeat for several).",
     )
     model: str = option(
-        "", "--model", help="policy to start from: a local transformers model folder or a Hub model id",
-        flag_help="Policy to start from: local model folder or Hub id.",
+        "", "--model", help="policy to start from: a local transformers model folder, a Hub model id or a GGUF file",
+        flag_help="Policy to start from: local model folder, Hub id or GGUF file.",
     )
     algorithm: str = option(
         "", "--algorithm",

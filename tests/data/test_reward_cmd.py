@@ -49,7 +49,7 @@ def test_arith_rewards_by_hand_and_input_untouched(unrewarded, tmp_path, capsys)
     assert "rewarded 5/5 rows in 2 groups" in capsys.readouterr().out
     assert tree_digest(unrewarded) == before
     rows = open_dataset(tmp_path / "scored").to_table().to_pylist()
-    # arith: completion stripped, one trailing "." allowed, must equal a+b:
+    # arith: the stated answer (here the only number) must equal a+b:
     # "42" -> 1, " 42." -> 1, "43" -> 0; "x" -> 0, "99" (50+49) -> 1.
     assert [r[S.REWARD] for r in rows] == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert {r[S.TASK] for r in rows} == {"arith"}
@@ -59,7 +59,7 @@ def test_arith_rewards_by_hand_and_input_untouched(unrewarded, tmp_path, capsys)
         [{k: v for k, v in r.items() if k not in (S.REWARD, S.TASK)} for r in source_rows]
     manifest = open_dataset(tmp_path / "scored").manifest
     task = manifest[S.M_TASK]
-    assert task["name"] == "arith" and task["reward_function"] == "offline_rec.tasks.builtin:arith_reward"
+    assert task["name"] == "arith" and task["reward_function"] == "offline_rec.tasks.builtin:arith_answer_reward"
     assert task["previous"] == {"name": "traffic", "reward_function": None}
     assert manifest[S.M_SOURCE]["command"] == "reward" and manifest[S.M_SOURCE]["input"] == str(unrewarded)
     stats = manifest[S.M_STATS]["reward"]

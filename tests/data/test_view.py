@@ -323,7 +323,7 @@ def test_cli_errors_exit_2(capsys, tmp_path):
     assert code == 2 and "does not exist" in err
     write_dataset(tmp_path / "ds", make_rows([2]))
     code, _, err = run_cli(capsys, "view", tmp_path / "ds", "--model", tmp_path / "nope", "--out", tmp_path / "p.html")
-    assert code == 2 and "cannot load a tokenizer" in err
+    assert code == 2 and f"model {tmp_path / 'nope'} does not exist" in err
     code, out, _ = run_cli(capsys, "view", tmp_path / "ds", "--out", tmp_path / "p.html", "-q")
     assert code == 0 and "1 groups, 1 pages" in out and (tmp_path / "p.html").exists()
 

@@ -185,7 +185,7 @@ def test_collect_arith_writes_a_valid_dataset(arith_dataset, checkpoint, backend
     assert behavior["sampling"] == {"temperature": 1.0, "top_p": 1.0, "top_k": None, "max_new_tokens": 6, "seed": 0}
     task = dataset.task
     assert (task["name"], task["reward_function"], task["prompts"], task["num_samples"]) == (
-        "arith", "offline_rec.tasks.builtin:arith_reward", "builtin:arith/train", 3)
+        "arith", "offline_rec.tasks.builtin:arith_answer_reward", "builtin:arith/train", 3)
     stats = dataset.manifest["stats"]
     assert stats["reward"]["calls"] == 18 and stats["reward"]["timeouts"] == 0
     assert sum(stats["finish_reasons"].values()) == 18
@@ -195,7 +195,8 @@ def test_collect_arith_writes_a_valid_dataset(arith_dataset, checkpoint, backend
     for group in groups:
         row = group[0]
         fields = json.loads(row[S.META])
-        assert row[S.PROMPT] == f"What is {fields['a']}+{fields['b']}? "
+        # The tokenizer has a chat template ("role: content" lines): a built-in prompt is a user message.
+        assert row[S.PROMPT] == f"user: What is {fields['a']}+{fields['b']}? Give the sum as a number.\nassistant: "
         assert row[S.GROUP_ID] == f"arith-train-{fields['a']}+{fields['b']}"
         assert row[S.PROMPT_IDS] == backend.tokenizer(row[S.PROMPT])["input_ids"]
         assert all(r[S.REWARD] in (0.0, 1.0) and r[S.BEHAVIOR] == checkpoint and r[S.TASK] == "arith" for r in group)
@@ -209,6 +210,17 @@ def test_collect_arith_writes_a_valid_dataset(arith_dataset, checkpoint, backend
         for row in group
     )
     assert worst < HF_TOLERANCE
+
+
+def test_no_chat_template_sends_built_in_prompts_as_they_are(checkpoint, tmp_path):
+    out = tmp_path / "raw"
+    assert run_main("collect", "--model", checkpoint, "--task", "arith", "--num-prompts", 2, "-k", 1,
+                    "--no-chat-template", "--max-new-tokens", 2, "--backend", "hf", "--out", out, "--quiet") == 0
+    dataset = open_dataset(out, require_complete=True)
+    assert dataset.task["chat_template"] is False
+    for group in dataset.iter_groups():
+        fields = json.loads(group[0][S.META])
+        assert group[0][S.PROMPT] == f"What is {fields['a']}+{fields['b']}? "
 
 
 def test_resume_of_a_complete_dataset_changes_nothing(arith_dataset, checkpoint):

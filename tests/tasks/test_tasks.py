@@ -19,6 +19,7 @@ from offline_rec.errors import UserError
 from offline_rec.tasks import builtin as tasks
 from offline_rec.tasks.builtin import (
     TASKS,
+    arith_answer_reward,
     arith_pairs,
     arith_prompts,
     arith_reward,
@@ -26,12 +27,15 @@ from offline_rec.tasks.builtin import (
     get_prompts,
     get_task,
     gsm8k_reward,
+    gsm8k_strict_reward,
     last_boxed,
+    math_answer_reward,
     math_reward,
     merge_reward_stats,
     normalize_math_answer,
     score,
     score_many,
+    stated_answer,
 )
 from offline_rec.tasks.prompts import PromptItem, load_prompts, messages_as_plain_text, render_prompt, write_prompts
 
@@ -62,6 +66,42 @@ def test_arith_reward(completion, reward):
 
 def test_arith_reward_without_answer_field_adds_a_and_b():
     assert arith_reward("", "100", {"a": 50, "b": 50}) == 1.0
+    assert arith_answer_reward("", "50 + 50 = 100.", {"a": 50, "b": 50}) == 1.0
+
+
+@pytest.mark.parametrize(
+    "completion, reward",
+    [
+        ("85", 1.0),  # the strict form's answers score here too
+        ("85.", 1.0),
+        ("37 + 48 = 85.", 1.0),  # SmolLM2-135M-Instruct's own words for a right sum: the last number
+        ("37 + 48 = 90 = 51, which is 18.  The next", 0.0),  # ... and for a wrong one
+        ("The answer is 85. Check: 85 - 48 = 37", 1.0),  # "the answer is" beats the last number (37)
+        ("Answer: 85 (37 + 48)", 1.0),
+        ("So \\boxed{85} because 80 + 5", 1.0),  # \boxed{} beats the last number (5)
+        ("37 + 48\n#### 85\nNext: 1 + 1 = 2", 1.0),  # the first "####" line wins
+        ("85 is the answer", 1.0),
+        ("86", 0.0),
+        ("eighty-five", 0.0),  # no number
+        ("", 0.0),
+    ],
+)
+def test_arith_answer_reward_reads_an_instruct_answer(completion, reward):
+    assert arith_answer_reward("What is 37+48? ", completion, {"a": 37, "b": 48, "answer": 85}) == reward
+
+
+def test_arith_prompts_for_a_chat_model_are_a_user_message_with_an_instruction():
+    task = get_task("arith")
+    plain = get_prompts(task, n=3, seed=1)
+    chat = get_prompts(task, n=3, seed=1, chat=True)
+    assert [item.id for item in chat] == [item.id for item in plain]  # the same groups
+    for raw, item in zip(plain, chat):
+        a, b = raw.fields["a"], raw.fields["b"]
+        assert raw.prompt == f"What is {a}+{b}? "  # without a chat template: unchanged
+        assert item.prompt == [{"role": "user", "content": f"What is {a}+{b}? Give the sum as a number."}]
+        assert item.fields == raw.fields
+    gsm8k = get_prompts(get_task("gsm8k"), n=1, prompts_file=FIXTURES / "gsm8k_sample.jsonl", chat=True)
+    assert gsm8k == get_prompts(get_task("gsm8k"), n=1, prompts_file=FIXTURES / "gsm8k_sample.jsonl")  # already chat
 
 
 def test_arith_prompts_are_deterministic_distinct_and_well_formed():
@@ -128,6 +168,38 @@ REFERENCE_1234 = "It buys 250 * 3 = <<250*3=750>>750 books.\n1000 + 750 - 16 = <
 )
 def test_gsm8k_reward(completion, answer, reward):
     assert gsm8k_reward("q", completion, {"answer": answer}) == reward
+
+
+@pytest.mark.parametrize(
+    "completion, lenient, strict",
+    [
+        ("250 * 3 = 750\n#### 1734", 1.0, 1.0),
+        ("So the answer is 1734 books. Check: 1734 - 1000 = 734", 1.0, 0.0),  # "the answer is" beats the last 734
+        ("The answer is: $1,734.", 1.0, 0.0),
+        ("Thus \\boxed{1734}.", 1.0, 0.0),
+        ("The library ends with 1,734 books.", 1.0, 0.0),  # the last number
+        ("#### 1733\nthe answer is 1734", 0.0, 0.0),  # the "####" line wins over the phrase
+    ],
+)
+def test_gsm8k_lenient_and_strict_forms(completion, lenient, strict):
+    assert gsm8k_reward("q", completion, {"answer": REFERENCE_1234}) == lenient
+    assert gsm8k_strict_reward("q", completion, {"answer": REFERENCE_1234}) == strict
+
+
+@pytest.mark.parametrize(
+    "text, stated",
+    [
+        ("#### 12\n\\boxed{13}", "12"),
+        ("\\boxed{13} and the answer is 14", "13"),
+        ("First the answer is 3, no: The answer is 3.5. Done", "3.5"),  # the last phrase, up to its sentence end
+        ("Final answer: \\frac{1}{2}", "\\frac{1}{2}"),
+        ("The answer is:\n7", "7"),  # it may start on the next line
+        ("I cannot tell what the answer is.", None),  # nothing after it
+        ("just 42", None),
+    ],
+)
+def test_stated_answer(text, stated):
+    assert stated_answer(text) == stated
 
 
 def test_gsm8k_reference_without_a_number_is_an_error():
@@ -233,6 +305,22 @@ def test_normalize_math_answer(answer, normalized):
 )
 def test_math_reward_without_math_verify(no_math_verify, completion, fields, reward):
     assert math_reward("p", completion, fields) == reward
+
+
+@pytest.mark.parametrize(
+    "completion, fields, reward",
+    [
+        ("So $\\boxed{\\dfrac{1}{2}}$.", {"answer": "\\frac{1}{2}"}, 1.0),
+        ("The answer is 7", {"answer": "7"}, 1.0),  # the strict form gives 0 (above)
+        ("The final answer is $\\frac{1}{2}$.", {"answer": "\\frac{1}{2}"}, 1.0),
+        ("#### 7", {"answer": "7"}, 1.0),
+        ("x^2 = 49 so x is 7", {"answer": "7"}, 1.0),  # the last number
+        ("The answer is 8. Or 7", {"answer": "7"}, 0.0),  # the stated answer wins over the last number
+        ("no idea", {"answer": "7"}, 0.0),
+    ],
+)
+def test_math_answer_reward_reads_an_instruct_answer(no_math_verify, completion, fields, reward):
+    assert math_answer_reward("p", completion, fields) == reward
 
 
 def test_math_reward_without_reference_is_an_error(no_math_verify):
@@ -455,7 +543,8 @@ def test_gsm8k_prompt_rendered_through_a_chat_template():
 
 def test_registry_names_and_reward_names():
     assert set(TASKS) == {"arith", "gsm8k", "math"}
-    assert TASKS["arith"].reward_name == "offline_rec.tasks.builtin:arith_reward"
+    assert TASKS["arith"].reward_name == "offline_rec.tasks.builtin:arith_answer_reward"
+    assert TASKS["math"].reward_name == "offline_rec.tasks.builtin:math_answer_reward"
     assert TASKS["gsm8k"].prompt_column == "question"
     for name, task in TASKS.items():
         assert task.name == name

@@ -42,7 +42,7 @@ import math
 from collections.abc import Hashable, Sequence
 
 from offline_rec.errors import UserError
-from offline_rec.models.loading import load_tokenizer, model_context
+from offline_rec.models.loading import load_tokenizer, model_context, model_source
 from offline_rec.models.vllm_cpu import CPU_ENVIRONMENT, apply_cpu_defaults, cuda_available  # noqa: F401 (re-export)
 from offline_rec.rollout.backends.base import (
     Prompt,
@@ -73,14 +73,15 @@ def make_engine(model: str, dtype: str | None = None, tensor_parallel_size: int 
     apply_cpu_defaults()
     from vllm import LLM
 
+    source = model_source(str(model))  # a GGUF file: its plain converted folder
     cpu = not cuda_available()
     if enforce_eager is None:
         enforce_eager = cpu
     if per_request_seeds and cpu:
         engine_kwargs.setdefault("enable_chunked_prefill", False)
-        engine_kwargs.setdefault("max_num_batched_tokens", max(model_context(str(model)) or 0, 4096))
+        engine_kwargs.setdefault("max_num_batched_tokens", max(model_context(source) or 0, 4096))
     try:
-        return LLM(model=str(model), dtype=resolved_dtype(dtype, str(model)), tensor_parallel_size=tensor_parallel_size,
+        return LLM(model=source, dtype=resolved_dtype(dtype, source), tensor_parallel_size=tensor_parallel_size,
                    seed=seed, logprobs_mode=PROCESSED_LOGPROBS, enforce_eager=enforce_eager, **engine_kwargs)
     except (OSError, ValueError) as error:
         raise UserError(f"vLLM cannot load {model}: {str(error).splitlines()[0]}") from None
