@@ -321,7 +321,9 @@ def replay_journal(path: Path) -> list[dict]:
     """The episodes a journal leaves open, calls in order: {"episode_id", "calls"}.
 
     Journal lines: {"episode_id", "seq", "calls": [records of call seq]} as each call
-    finishes, then {"episode_id", "closed": true} once the episode's line is written.
+    finishes, then {"episode_id", "closed": true, "seqs": [first, end)} once the episode's line is
+    written: it closes the calls first <= seq < end (an episode past the size limit closes while
+    the next one of its id is open); without "seqs", every call of the id so far.
     """
     open_episodes: dict[tuple, dict] = {}  # (client, episode id) -> episode
     for raw in whole_lines(path):
@@ -334,7 +336,12 @@ def replay_journal(path: Path) -> list[dict]:
         episode_id = entry["episode_id"]
         key = (str(entry.get("client", "")), episode_id)
         if entry.get("closed"):
-            open_episodes.pop(key, None)
+            seqs = entry.get("seqs")
+            episode = open_episodes.get(key)
+            if episode is not None and isinstance(seqs, list) and len(seqs) == 2 and all(type(s) is int for s in seqs):
+                episode["calls"] = {seq: c for seq, c in episode["calls"].items() if not seqs[0] <= seq < seqs[1]}
+            if episode is not None and (not episode["calls"] or seqs is None):
+                open_episodes.pop(key)
         elif isinstance(entry.get("calls"), list) and isinstance(entry.get("seq"), int):
             episode = open_episodes.setdefault(key, {"episode_id": episode_id, "calls": {}})
             episode["calls"][entry["seq"]] = entry["calls"]
