@@ -219,14 +219,24 @@ class Recorder:
                                       self.clock, warn=self.warn)
         self.journal = sink.LineFile(self.out / f"{stem}{sink.JOURNAL_SUFFIX}")
         self._last_sync = self.clock()
+        all_kept = True  # every recovered episode written, or journaled again for the next recovery
         for episode in recovered.episodes:
             if self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY)):
                 self.stats["recovered_episodes"] += 1  # counted in "episodes" and "calls" too
                 self.stats["episodes"] += 1
                 self.stats["calls"] += len(episode["calls"])
+                continue
+            key = (episode["client"], episode["episode_id"])
+            self.journal_holds_unwritten = True
+            self.book.seq_floor[key] = 1
+            all_kept &= self._journal({"client": key[0], "episode_id": key[1], "seq": 0, "calls": episode["calls"]})
         self.files.current.sync()
-        for journal in recovered.journals:
-            journal.unlink(missing_ok=True)
+        self.journal.sync()
+        if all_kept:
+            for journal in recovered.journals:
+                journal.unlink(missing_ok=True)
+        else:  # read again by the next start (an episode written here may then be written twice, none lost)
+            self.warn("record: the journals of the stopped proxy are kept: an episode could not be written")
         sink.fsync_dir(self.out)
         return recovered
 
@@ -383,14 +393,16 @@ class Recorder:
         self.stats["lines"] += 1
         return True
 
-    def _journal(self, entry: dict) -> None:
-        self._journal_bytes(line_bytes(entry))
+    def _journal(self, entry: dict) -> bool:
+        return self._journal_bytes(line_bytes(entry))
 
-    def _journal_bytes(self, line: bytes) -> None:
+    def _journal_bytes(self, line: bytes) -> bool:
         try:
             self.journal.append(line)
         except OSError as e:
             self._write_failed(e)
+            return False
+        return True
 
     def _trim_journal(self) -> None:
         """Empty the journal when no episode is open; rewrite it when it is mostly closed episodes."""

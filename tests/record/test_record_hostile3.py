@@ -226,3 +226,79 @@ def test_4_a_reused_id_after_a_failed_line_keeps_its_calls_apart_in_the_journal(
     [journal] = tmp_path.glob(f"*{sink.JOURNAL_SUFFIX}")
     [left] = sink.replay_journal(journal)
     assert [c["record_id"] for c in left["calls"]] == ["r0"]  # not dropped by the later episode's "closed"
+
+
+def plant_dead_journal(directory, entries: list[dict]):
+    journal = directory / f"record-20240101T000000000000Z-9{sink.JOURNAL_SUFFIX}"
+    journal.write_bytes(b"".join(json.dumps(e).encode() + b"\n" for e in entries))
+    return journal
+
+
+def test_4_a_recovered_episode_that_cannot_be_written_is_kept_for_the_next_recovery(tmp_path, monkeypatch):
+    calls = [record(0, size=1200)[0], record(1, size=10)[0]]
+    dead = plant_dead_journal(tmp_path, [{"client": "0", "episode_id": "a", "seq": 0, "calls": calls[:1]},
+                                         {"client": "0", "episode_id": "a", "seq": 1, "calls": calls[1:]}])
+    real = sink.RecordFiles.append
+
+    def full_disk(files, line: bytes):
+        if len(line) > 1000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(files, line)
+
+    monkeypatch.setattr(sink.RecordFiles, "append", full_disk)
+    recorder = Recorder(tmp_path, RecordOptions())
+    recorder.start()
+    recorder.close()
+    assert recorder.stats["recovered_episodes"] == 0
+    [kept] = tmp_path.glob(f"*{sink.JOURNAL_SUFFIX}")  # before the fix: the dead journal removed, none kept
+    assert kept != dead and [(e["client"], e["episode_id"]) for e in sink.replay_journal(kept)] == [("0", "a")]
+
+    monkeypatch.setattr(sink.RecordFiles, "append", real)
+    following = Recorder(tmp_path, RecordOptions())
+    following.start()
+    following.close()
+    lines = [json.loads(line) for path in sorted(tmp_path.glob("*.jsonl")) for line in path.read_text().splitlines()]
+    assert [(line["episode_id"], [c["record_id"] for c in line["calls"]]) for line in lines] == [("a", ["r0", "r1"])]
+    assert not list(tmp_path.glob(f"*{sink.JOURNAL_SUFFIX}"))
+
+
+# -------------------------------------------------------------------------------------------- lower-priority remarks
+
+
+def test_recovery_does_not_read_a_fifo_planted_as_a_dead_runs_data_file(tmp_path):
+    import os
+
+    plant_dead_journal(tmp_path, [{"client": "", "episode_id": "a", "seq": 0, "calls": record(0, size=10)}])
+    os.mkfifo(tmp_path / "record-20240101T000000000000Z-9-00001.jsonl", 0o600)  # opened to read: blocks for good
+
+    def start_and_close():
+        recorder = Recorder(tmp_path, RecordOptions())
+        recorder.start()
+        recorder.close()
+
+    worker = threading.Thread(target=start_and_close, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()  # before the fix: blocked in open() of the FIFO
+    lines = [json.loads(line) for path in sorted(tmp_path.glob("*.jsonl")) if path.is_file()
+             for line in path.read_text().splitlines()]
+    assert [(line["episode_id"], line["closed_by"]) for line in lines] == [("a", "recovered")]
+
+
+def test_a_rotation_whose_directory_fsync_fails_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    import os
+
+    files = sink.RecordFiles(tmp_path, "record-x-1", rotate_bytes=10, rotate_seconds=None, clock=time.monotonic)
+    files.append(b"a" * 20 + b"\n")
+    opened_before = len(os.listdir("/proc/self/fd"))
+
+    def failing_fsync_dir(directory):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(sink, "fsync_dir", failing_fsync_dir)
+    files.append(b"b\n")  # due: the rotation fails, the line goes into the current file
+    assert len(os.listdir("/proc/self/fd")) == opened_before  # before the fix: one descriptor more
+    assert [p.name for p in sorted(tmp_path.iterdir())] == ["record-x-1-00001.jsonl.open"]
+    monkeypatch.undo()
+    files.close()
+    assert (tmp_path / "record-x-1-00001.jsonl").read_bytes() == b"a" * 20 + b"\n" + b"b\n"
