@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, RecordProcess, ServerThread, create_fake, strict_lines
+from record_support import MODEL, RecordProcess, ServerThread, create_fake, sse_payloads, strict_lines
 
 from offline_rec.record import sink
 from offline_rec.record.recorder import Recorder, RecordOptions
@@ -302,3 +302,58 @@ def test_a_rotation_whose_directory_fsync_fails_leaves_no_descriptor_open(tmp_pa
     monkeypatch.undo()
     files.close()
     assert (tmp_path / "record-x-1-00001.jsonl").read_bytes() == b"a" * 20 + b"\n" + b"b\n"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_whose_fsync_the_shutdown_cuts_is_answered_and_not_called_unrecorded(fake, tmp_path, monkeypatch,
+                                                                                    stream):
+    """--fsync-interval 0: the line is written, then fsynced before the answer; a shutdown that cuts the call
+    during that fsync must neither lose the answer nor log the recorded call as "not recorded"."""
+    import os
+
+    import uvicorn
+
+    from offline_rec.record.proxy import _server, create_app
+    from offline_rec.record.proxy_state import ProxyState
+    from offline_rec.record.settings import ProxySettings
+
+    real_fsync, entered, release = os.fsync, threading.Event(), threading.Event()
+
+    def slow_fsync(fd):
+        entered.set()
+        release.wait(10)
+        real_fsync(fd)
+
+    warnings: list[str] = []
+    state = ProxyState(upstream=fake.url, recorder=Recorder(tmp_path / "rec", RecordOptions(fsync_interval=0)),
+                       warn=warnings.append, settings=ProxySettings(shutdown_timeout=0.3), probe=False,
+                       logprobs_mode="processed_logprobs")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = _server(uvicorn.Config(create_app(state), log_level="warning", lifespan="on"), state)
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    serving.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.setattr(os, "fsync", slow_fsync)  # from now on: the recorder's start fsyncs too
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(
+        httpx.post(url + CHAT, json={"model": MODEL, "messages": MESSAGES, "stream": stream}, timeout=20)))
+    client.start()
+    assert entered.wait(10)  # the call's line is written, its fsync under way
+    server.should_exit = True  # the shutdown: 0.3 s for the calls in flight, then they are cut
+    time.sleep(1.0)
+    release.set()
+    client.join(20)
+    serving.join(20)
+    assert answers and answers[0].status_code == 200, answers  # before the fix: 503
+    assert not [w for w in warnings if "not recorded" in w], warnings
+    [line] = strict_lines(tmp_path / "rec")
+    if stream:  # the whole stream, not the shutdown's error event
+        events = sse_payloads(answers[0].content)
+        assert events[-1] == "[DONE]" and "shut down" not in answers[0].text
+        assert line["response"]["id"] == events[0]["id"]
+    else:
+        assert line["response"]["id"] == answers[0].json()["id"]
