@@ -29,15 +29,6 @@ LIMITS = ["--max-body-mb", "0.05", "--max-header-kb", "8", "--max-headers", "40"
 
 
 @pytest.fixture(scope="module")
-def fake():
-    app = create_fake()
-    server = ServerThread(app)
-    server.requests, server.abandoned = app.state.requests, app.state.abandoned
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def proxy(fake, tmp_path_factory):
     """One proxy for the module: two client keys (a file), small limits."""
     folder = tmp_path_factory.mktemp("hostile")

@@ -18,15 +18,6 @@ COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "system", "content": "Tu es un assistant."}, {"role": "user", "content": "Grüß dich! 你好"}]
 
 
-@pytest.fixture(scope="module")
-def fake():
-    app = create_fake()
-    server = ServerThread(app)
-    server.requests = app.state.requests
-    yield server
-    server.stop()
-
-
 class Proxy:
     def __init__(self, upstream: str, out, **options):
         mode = options.pop("logprobs_mode", None)
