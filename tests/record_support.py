@@ -16,7 +16,7 @@ Header `x-fake-delay` (seconds) sleeps before each streamed token, and before a 
 client that disconnects meanwhile is noted in `app.state.abandoned`, as vLLM aborts it). Flags are
 read as vLLM's pydantic models read them ("false" is false, "2" and 2.0 are 2), and so are n,
 temperature, max_tokens and top log-probs; /health notes its calls in `requests` too. With `api_key`, every /v1 route
-wants `Authorization: Bearer <api_key>` (401 otherwise), as vLLM's --api-key does. GET /redirect
+wants `Authorization: Bearer <api_key>` (401 otherwise), as vLLM's --api-key does. GET /version
 answers a 307 to the server's own /v1/models (what a trailing slash gets from vLLM).
 """
 
@@ -291,7 +291,7 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET", "POST", "DELETE"]),
-        Route("/redirect", redirect, methods=["GET"]),
+        Route("/version", redirect, methods=["GET"]),  # a pass-through route
     ], middleware=[Middleware(CheckKey)] if api_key else [])
     app.state.requests = received
     app.state.abandoned = abandoned

@@ -10,7 +10,9 @@ header timeout, so a connection silent mid-header stayed open for good (issue 38
   (at most one read, <= 256 KB, beyond the limit is ever held);
 - time: a head not complete `header_timeout` seconds after its first bytes came (for a new
   connection: after it opened) is answered 408 (closed without an answer when not a byte came). An idle
-  kept-alive connection between requests is uvicorn's keep-alive timeout's business, not this one's.
+  kept-alive connection between requests is uvicorn's keep-alive timeout's business, not this one's;
+- a response sent before its request's body was all read (a refusal) closes the connection: the
+  rest of the body is never waited for.
 """
 
 from __future__ import annotations
@@ -63,6 +65,14 @@ def head_limited_protocol(max_head_bytes: int, header_timeout: float, too_large:
             super().on_message_complete()
             self.reading_head = True  # what comes next on this connection is the next request's head
             self.head_bytes = 0
+
+        def on_response_complete(self) -> None:
+            # Answered before the request's body was all read (401, 405, 413, 408, 501): close. Kept
+            # alive, a client trickling the rest of a huge body would hold the connection for good:
+            # the head clock does not run during a body, and each byte restarts the keep-alive timer.
+            if self.cycle is not None and self.cycle.more_body and not self.transport.is_closing():
+                self.transport.close()
+            super().on_response_complete()
 
         def connection_lost(self, exc) -> None:
             self._stop_head_clock()

@@ -5,10 +5,10 @@ app's life cycle (upstream session, recorder, periodic work, the logprobs-mode p
 shutdown; `run_record`, the `record` command.
 
 POST /v1/chat/completions and /v1/completions (streamed or not) are recorded calls
-(`recorded_call`). Everything else (/v1/models, /tokenize, ...) passes through untouched and
-unrecorded (`forwarding`), except /health (answered by the proxy: GET and HEAD, 200) and the routes
-where vLLM generates answers of other shapes (`request_checks.UNRECORDED_GENERATION`: refused with
-501, so that nothing generated leaves unrecorded).
+(`recorded_call`). The routes of `request_checks.PASS_THROUGH`, where vLLM never generates text
+(/v1/models, /tokenize, the render routes, ...), pass through untouched and unrecorded
+(`forwarding`); /health is answered by the proxy (GET and HEAD, 200); every other route is refused
+with 501, so that nothing generated leaves unrecorded.
 
 A request's head is bounded in bytes and time while it is read, before the app sees it (`heads`).
 Every request is then checked once (`request_checks`, in the order of its docstring) before

@@ -11,6 +11,7 @@ answer is then cancelled upstream), a stream the shutdown cuts.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -67,6 +68,7 @@ class RecordedCall:
         self.upstream = None  # aiohttp's response, once it came
         self.first_byte: float | None = None  # streamed: when the stream's first bytes came
         self.settled = False  # committed or abandoned
+        self.committed = False  # handed to the recorder, which wrote it (or counted it unrecordable)
         self.ended = False  # streamed: the upstream's stream ended or broke off (else the client left before its end)
 
     async def answer(self):
@@ -97,7 +99,17 @@ class RecordedCall:
             self.state.warn(f"record: could not record a response ({type(e).__name__}: {e})")
             return
         self.settled = True  # commit writes the call or abandons it, and never raises for its content
+        self.committed = True  # its line written (or journaled) before commit's fsync, if any, begins
         await self.state.recorder.commit(records, self.episode, self.seq, self.end)
+
+    async def _commit_despite_shutdown(self, response: dict, first_byte: float | None) -> None:
+        """`commit`; cut by the shutdown while the line it wrote was fsynced (--fsync-interval 0), the call IS
+        recorded (the files are synced as they close): the client still gets its answer, not a "not recorded"."""
+        try:
+            await self.commit(response, first_byte)
+        except asyncio.CancelledError:
+            if not (self.state.stopping and self.committed):
+                raise
 
     async def _unless_failed(self, work):
         """(`work`'s result, None), or (None, the 502/504 answer) when the upstream failed. Either failure
@@ -140,7 +152,7 @@ class RecordedCall:
             if not isinstance(response, dict) or not isinstance(response.get("choices"), list):
                 # an error (or not a completion): passed on as it came, not recorded
                 return Response(content, status_code=self.upstream.status, headers=self._client_headers())
-            await self.commit(response, None)
+            await self._commit_despite_shutdown(response, None)
         finally:
             self.settle()
         shown = exchange.client_response(response, self.added)
@@ -200,7 +212,7 @@ class RecordedCall:
             assembler.done = True
             response = assembler.response()
             if response is not None and not self.settled:
-                await self.commit(response, self.first_byte)
+                await self._commit_despite_shutdown(response, self.first_byte)
             return event
         try:
             chunk = assembler.add_data(payload)

@@ -204,6 +204,9 @@ class Recorder:
                       "unrecordable": 0, "recovered_episodes": 0}
         self._last_sync = 0.0
         self._last_warning = -1e9
+        # an episode's line failed to be written: its calls stay in the journal (never truncated nor
+        # compacted from then on) for the next proxy's recovery
+        self.journal_holds_unwritten = False
 
     # ---- life cycle
 
@@ -216,14 +219,24 @@ class Recorder:
                                       self.clock, warn=self.warn)
         self.journal = sink.LineFile(self.out / f"{stem}{sink.JOURNAL_SUFFIX}")
         self._last_sync = self.clock()
+        all_kept = True  # every recovered episode written, or journaled again for the next recovery
         for episode in recovered.episodes:
             if self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY)):
                 self.stats["recovered_episodes"] += 1  # counted in "episodes" and "calls" too
                 self.stats["episodes"] += 1
                 self.stats["calls"] += len(episode["calls"])
+                continue
+            key = (episode["client"], episode["episode_id"])
+            self.journal_holds_unwritten = True
+            self.book.seq_floor[key] = 1
+            all_kept &= self._journal({"client": key[0], "episode_id": key[1], "seq": 0, "calls": episode["calls"]})
         self.files.current.sync()
-        for journal in recovered.journals:
-            journal.unlink(missing_ok=True)
+        self.journal.sync()
+        if all_kept:
+            for journal in recovered.journals:
+                journal.unlink(missing_ok=True)
+        else:  # read again by the next start (an episode written here may then be written twice, none lost)
+            self.warn("record: the journals of the stopped proxy are kept: an episode could not be written")
         sink.fsync_dir(self.out)
         return recovered
 
@@ -242,10 +255,10 @@ class Recorder:
         journal_path = self.journal.path
         try:
             self.journal.close()
-            if self.stats["write_errors"] == failed_before:
+            if self.stats["write_errors"] == failed_before and not self.journal_holds_unwritten:
                 journal_path.unlink(missing_ok=True)
             else:  # an episode's line may be missing: the next proxy's recovery writes it from the journal
-                self.warn(f"record: {journal_path.name} kept for the next proxy's recovery (write errors at shutdown)")
+                self.warn(f"record: {journal_path.name} kept for the next proxy's recovery (episode lines not written)")
             sink.fsync_dir(self.out)
         except OSError as e:
             self._write_failed(e)
@@ -278,7 +291,7 @@ class Recorder:
                 self._write_bytes(line)
         else:
             self._journal_bytes(lines[0])
-            held = self.book.open[episode]  # open until this call (in flight) finishes
+            held = self.book.holding(episode, seq)  # open until this call (in flight) finishes
             held.size += len(lines[0])
             held.too_large = held.too_large or held.size > self.options.max_episode_bytes
             closed = self.book.finish(episode, seq, records, end, self.clock())
@@ -291,7 +304,7 @@ class Recorder:
     def abandon(self, episode: tuple[str, str] | None, seq: int | None, end: bool = False) -> None:
         """A call that is not recorded (upstream error, client gone, incomplete stream, unwritable)."""
         self.stats["failed_calls"] += 1
-        if episode is None or episode not in self.book.open:
+        if episode is None or self.book.holding(episode, seq) is None:
             return
         closed = self.book.finish(episode, seq, None, end, self.clock())
         if closed is not None:
@@ -351,11 +364,16 @@ class Recorder:
     def _write_episode(self, episode: E.Episode, closed_by: str) -> None:
         client, episode_id = episode.episode_id  # the book's key
         calls = episode.ordered_calls()
-        if calls:
-            if self._write(self._episode_line(episode_id, calls, closed_by)):
-                self.stats["episodes"] += 1
-        if episode.calls:
-            self._journal({"client": client, "episode_id": episode_id, "closed": True})
+        if calls and not self._write(self._episode_line(episode_id, calls, closed_by)):
+            # journaled closed only once its line is written: left open there, recovery writes it; a new
+            # episode of this id numbers its calls after these, so the journal never mixes the two
+            self.journal_holds_unwritten = True
+            self.book.seq_floor[episode.episode_id] = episode.next_seq
+        elif calls:
+            self.stats["episodes"] += 1
+            # the seqs it held: a newer episode of the same id (past the size limit) may be open already
+            self._journal({"client": client, "episode_id": episode_id, "closed": True,
+                           "seqs": [episode.first_seq, episode.next_seq]})
         self._trim_journal()
 
     def _write(self, obj: dict) -> bool:
@@ -375,19 +393,23 @@ class Recorder:
         self.stats["lines"] += 1
         return True
 
-    def _journal(self, entry: dict) -> None:
-        self._journal_bytes(line_bytes(entry))
+    def _journal(self, entry: dict) -> bool:
+        return self._journal_bytes(line_bytes(entry))
 
-    def _journal_bytes(self, line: bytes) -> None:
+    def _journal_bytes(self, line: bytes) -> bool:
         try:
             self.journal.append(line)
         except OSError as e:
             self._write_failed(e)
+            return False
+        return True
 
     def _trim_journal(self) -> None:
         """Empty the journal when no episode is open; rewrite it when it is mostly closed episodes."""
+        if self.journal_holds_unwritten:
+            return
         try:
-            if not self.book.open:
+            if not self.book.open and not self.book.retiring:
                 if self.journal.size:
                     self.journal.truncate()
             elif self.journal.size > JOURNAL_COMPACT_BYTES:
@@ -398,7 +420,7 @@ class Recorder:
     def _compact_journal(self) -> None:
         entries = [
             line_bytes({"client": e.episode_id[0], "episode_id": e.episode_id[1], "seq": seq, "calls": records})
-            for e in self.book.open.values()
+            for e in [*self.book.open.values(), *(e for retiring in self.book.retiring.values() for e in retiring)]
             for seq, records in sorted(e.calls.items())
         ]
         if sum(map(len, entries)) * 2 > self.journal.size:

@@ -3,8 +3,8 @@
 In the order the app runs them (`proxy.handle`): header size and count (431), the path, normalized
 once (dot segments, duplicate and trailing slashes; a path holding an encoded `?`, `#`, backslash
 or control character: 400), the client's key (401; /health, answered by the app, excepted), the
-route (generation routes not recorded: 501; a recorded route asked with another method than POST:
-405), the body's size (413) and the time it takes to arrive (408). A recorded call's body is then
+route (neither recorded nor in PASS_THROUGH: 501; a recorded route asked with another method than
+POST: 405), the body's size (413) and the time it takes to arrive (408). A recorded call's body is then
 read as the upstream reads it (`recorded_request`: strict JSON, fields vLLM could not read, nesting
 depth: 400) and its episode header checked (`episode_of`: 400, 429 past the client's quota). A
 refusal is a `Refused`, answered with an OpenAI-style error body (`error_response`).
@@ -24,11 +24,21 @@ from offline_rec.record.proxy_state import ProxyState
 from offline_rec.record.settings import MAX_EPISODE_ID_CHARS
 
 MAX_JSON_DEPTH = 200  # a recorded request nested deeper is refused (the line writer must never hit recursion)
-# Routes where vLLM generates answers in shapes this proxy does not record: refused (501), so that no
-# generated answer passes through unrecorded. A path under one of them is refused too.
-UNRECORDED_GENERATION = ("/invocations", "/v1/responses", "/v1/messages", "/v1/audio/transcriptions",
-                         "/v1/audio/translations")
-
+# The routes passed through unrecorded: those of vLLM's server (0.32, read from its routers) that never
+# generate text: information, tokenization, prompt rendering, pooling models. Every other route that is
+# not recorded is refused (501, nothing sent upstream): vLLM keeps adding routes that generate
+# (/v1/chat/completions/batch, /inference/v1/generate, /v1/systemone, ...), and one not known here must
+# not pass through unrecorded. Control routes (weights, sleep, profiling, LoRA loading) are refused too:
+# they act on the upstream with the proxy's upstream key.
+PASS_THROUGH = frozenset({
+    "/v1/models", "/version", "/ping", "/load", "/metrics", "/server_info", "/tokenizer_info",
+    "/tokenize", "/detokenize",
+    "/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render", "/v1/messages/render",
+    "/cohere/v2/chat/render", "/v1/chat/completions/derender", "/v1/completions/derender",
+    "/v1/messages/count_tokens",
+    "/v1/embeddings", "/v2/embed", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+    "/v2/rerank",
+})
 
 def error_response(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None):
     """An OpenAI-style error body, as vLLM writes its own."""
@@ -94,13 +104,12 @@ def client_identity(state: ProxyState, headers) -> str:
 
 
 def check_route(path: str, method: str) -> None:
-    """Generation routes that are not recorded (501); a recorded route takes POST only (405)."""
-    if any(path == route or path.startswith(route + "/") for route in UNRECORDED_GENERATION):
-        raise Refused(501, f"{path} is not recorded: send chat completions to /v1/chat/completions and "
-                           "completions to /v1/completions", "NotImplemented")
+    """A route neither recorded nor in PASS_THROUGH (501); a recorded route takes POST only (405)."""
+    if path not in exchange.ENDPOINTS and path not in PASS_THROUGH:
+        raise Refused(501, f"{path} is not recorded nor passed through by this proxy: send chat completions to "
+                           "/v1/chat/completions and completions to /v1/completions", "NotImplemented")
     if path in exchange.ENDPOINTS and method != "POST":
         raise Refused(405, f"{path} takes POST", "MethodNotAllowed")
-
 
 async def read_body(state: ProxyState, request) -> bytes:
     """The whole body, within --max-body-mb (413) and --request-timeout (408)."""

@@ -156,9 +156,14 @@ class RecordFiles:
             except FileExistsError:
                 self.warn(f"record: {path.name} exists and is not this proxy's: left alone, the next name taken")
                 continue
+            try:
+                fsync_dir(self.directory)
+            except OSError:  # not left open (nor its name taken) when the rotation fails
+                opened.close()
+                path.unlink(missing_ok=True)
+                raise
             self.number = number
             self.opened_at = self.clock()
-            fsync_dir(self.directory)
             return opened
         raise FileExistsError(f"names {self.stem}-{self.number + 1:05d} .. -{self.number + NAME_TRIES:05d}"
                               f"{OPEN_SUFFIX} are all taken")
@@ -215,9 +220,18 @@ class RecordFiles:
 # reading back
 
 
-def whole_lines(path: Path) -> Iterator[bytes]:
-    """The complete lines of a record file (a torn last line without its newline is left out)."""
-    with open(path, "rb") as f:
+def whole_lines(source: Path | int) -> Iterator[bytes]:
+    """The complete lines of a record file (a torn last line without its newline is left out), by path or
+    from an open descriptor (read from its start). OSError for anything but a regular file: a FIFO or a
+    link to /dev/zero planted under a record name would hang or flood the reader."""
+    if isinstance(source, int):
+        fd = os.dup(source)
+    else:
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{source}: not a regular file")
+        f.seek(0)
         for raw in f:
             if raw.endswith(b"\n"):
                 yield raw
@@ -278,7 +292,7 @@ class Recovered:
 
     closed_files: list[Path] = field(default_factory=list)
     torn_bytes: int = 0
-    episodes: list[dict] = field(default_factory=list)  # {"episode_id", "calls"}
+    episodes: list[dict] = field(default_factory=list)  # {"client", "episode_id", "calls"}
     journals: list[Path] = field(default_factory=list)  # remove once the episodes are written
     left_alone: list[tuple[Path, str]] = field(default_factory=list)  # (file, why recovery did not touch it)
 
@@ -307,7 +321,7 @@ def recover(directory: Path) -> Recovered:
         try:
             stem = journal.name[: -len(JOURNAL_SUFFIX)]
             written = _written_episode_calls(directory, stem)
-            for episode in replay_journal(journal):
+            for episode in replay_journal(fd):  # the descriptor checked and locked, not the name again
                 if episode["calls"] and episode["calls"][0].get("record_id") not in written:
                     found.episodes.append(episode)
             found.journals.append(journal)
@@ -317,11 +331,13 @@ def recover(directory: Path) -> Recovered:
     return found
 
 
-def replay_journal(path: Path) -> list[dict]:
-    """The episodes a journal leaves open, calls in order: {"episode_id", "calls"}.
+def replay_journal(path: Path | int) -> list[dict]:
+    """The episodes a journal leaves open, calls in order: {"client", "episode_id", "calls"}.
 
     Journal lines: {"episode_id", "seq", "calls": [records of call seq]} as each call
-    finishes, then {"episode_id", "closed": true} once the episode's line is written.
+    finishes, then {"episode_id", "closed": true, "seqs": [first, end)} once the episode's line is
+    written: it closes the calls first <= seq < end (an episode past the size limit closes while
+    the next one of its id is open); without "seqs", every call of the id so far.
     """
     open_episodes: dict[tuple, dict] = {}  # (client, episode id) -> episode
     for raw in whole_lines(path):
@@ -334,9 +350,14 @@ def replay_journal(path: Path) -> list[dict]:
         episode_id = entry["episode_id"]
         key = (str(entry.get("client", "")), episode_id)
         if entry.get("closed"):
-            open_episodes.pop(key, None)
+            seqs = entry.get("seqs")
+            episode = open_episodes.get(key)
+            if episode is not None and isinstance(seqs, list) and len(seqs) == 2 and all(type(s) is int for s in seqs):
+                episode["calls"] = {seq: c for seq, c in episode["calls"].items() if not seqs[0] <= seq < seqs[1]}
+            if episode is not None and (not episode["calls"] or seqs is None):
+                open_episodes.pop(key)
         elif isinstance(entry.get("calls"), list) and isinstance(entry.get("seq"), int):
-            episode = open_episodes.setdefault(key, {"episode_id": episode_id, "calls": {}})
+            episode = open_episodes.setdefault(key, {"client": key[0], "episode_id": episode_id, "calls": {}})
             episode["calls"][entry["seq"]] = entry["calls"]
     return [
         {**episode, "calls": [call for seq in sorted(episode["calls"]) for call in episode["calls"][seq]]}
@@ -354,14 +375,17 @@ def _written_episode_calls(directory: Path, stem: str) -> set:
     if not files:
         return set()
     ids = set()
-    for raw in whole_lines(files[-1]):
-        if b'"episode_id"' not in raw:
-            continue
-        try:
-            line = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        calls = line.get("calls") if isinstance(line, dict) else None
-        if isinstance(calls, list) and calls and isinstance(calls[0], dict):
-            ids.add(calls[0].get("record_id"))
+    try:
+        for raw in whole_lines(files[-1]):
+            if b'"episode_id"' not in raw:
+                continue
+            try:
+                line = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            calls = line.get("calls") if isinstance(line, dict) else None
+            if isinstance(calls, list) and calls and isinstance(calls[0], dict):
+                ids.add(calls[0].get("record_id"))
+    except OSError:  # not a regular file (planted), or gone: it holds no line of that run
+        return set()
     return ids

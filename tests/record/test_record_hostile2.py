@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, RecordProcess, ServerThread, create_fake, sse_payloads, strict_lines
+from record_support import MODEL, RecordProcess, sse_payloads, strict_lines
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -23,15 +23,6 @@ KEY = "key-gamma-8910"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMITS = ["--api-key", KEY, "--logprobs-mode", "processed_logprobs", "--max-header-kb", "8",
           "--header-timeout", "1"]
-
-
-@pytest.fixture(scope="module")
-def fake():
-    app = create_fake()
-    server = ServerThread(app)
-    server.requests = app.state.requests
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,6 @@ COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "system", "content": "Tu es un assistant."}, {"role": "user", "content": "Grüß dich! 你好"}]
 
 
-@pytest.fixture(scope="module")
-def fake():
-    app = create_fake()
-    server = ServerThread(app)
-    server.requests = app.state.requests
-    yield server
-    server.stop()
-
-
 class Proxy:
     def __init__(self, upstream: str, out, **options):
         mode = options.pop("logprobs_mode", None)
@@ -219,7 +210,7 @@ def test_models_pass_through_and_health_is_answered_by_the_proxy(fake, proxy):
     p = proxy()
     assert httpx.get(p.url + "/v1/models").json() == httpx.get(fake.url + "/v1/models").json()
     assert httpx.get(p.url + "/health").status_code == 200
-    assert httpx.get(p.url + "/nowhere").status_code == 404
+    assert httpx.get(p.url + "/nowhere").status_code == 501  # neither recorded nor passed through
 
 
 def test_secrets_never_reach_the_files(fake, proxy):
