@@ -20,6 +20,7 @@ The arms change one lever at a time, starting from the demo's recipe (`groups`):
   rows-skip            + `skip_zero_advantage` (all-equal groups cost nothing: ~19% of the rows here)
   rows-skip-asym       + clip-higher: eps_low 0.2 (negatives stop once pushed below rho 0.8), eps_high 2.0
   rows-skip-redweight  + RED-Weight's W = exp(A / temp), temp 1 (up-weights the positives)
+  rows-skip-neg0.5     + the negatives' term halved (`negative_weight` 0.5: positives outweigh negatives 2:1)
   rows-asymre          rows (no skip: the regularizer needs every row) + AsymRE's forward-KL c = 0.1, i.e. the
                        baseline shifted down by 0.1 (more weight on the positives, less on the negatives)
   filtered-sft         offline-rec's own filtered-SFT form (reinforce, A = r, baseline constant 0, no group
@@ -70,6 +71,7 @@ ARMS: dict[str, Arm] = {
     "rows-skip": Arm("rec-oneside-nois", dict(WIDE_CLIP), SKIP),
     "rows-skip-asym": Arm("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0}, SKIP),
     "rows-skip-redweight": Arm("rec-oneside-nois", {**WIDE_CLIP, "weight": "advantage", "temp": 1.0}, SKIP),
+    "rows-skip-neg0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.5}, SKIP),
     "rows-asymre": Arm("rec-oneside-nois", {**WIDE_CLIP, "regularizer": "forward-kl", "reg_coef": 0.1}, ROWS),
     "filtered-sft": Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP),
     "sft-positives": Arm(peer="sft"),
@@ -90,8 +92,8 @@ class Scale:
     seeds: tuple[int, ...] = (0,)
 
 
-QUICK = Scale(num_prompts=64, epochs=1, groups_per_step=8, rows_per_step=32, positives_per_step=8, eval_prompts=32,
-              validation_prompts=32)
+QUICK = Scale(num_prompts=32, epochs=1, groups_per_step=8, rows_per_step=32, positives_per_step=8, eval_prompts=16,
+              validation_prompts=16)
 
 
 def logged_scale(scale: Scale) -> logged.Scale:
@@ -242,7 +244,7 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/peers", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 64 prompts, one pass")
+    parser.add_argument("--quick", action="store_true", help="toy sizes: 32 prompts, one pass")
     parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
     parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arm (no venv needed)")
     parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-4)")

@@ -143,6 +143,9 @@ class AlgorithmSpec:
     """sapo: gate temperature for A > 0."""
     sapo_tau_neg: float = 1.05
     """sapo: gate temperature for A <= 0."""
+    negative_weight: float = 1.0
+    """lambda: the policy-gradient term of rows with A < 0 is multiplied by it (1: unchanged; < 1 down-weights
+    the negatives against the positives, whose total weight the group mean otherwise makes equal)."""
 
     def __post_init__(self):
         for field, valid in _CHOICES.items():
@@ -198,7 +201,8 @@ class AlgorithmSpec:
 _CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES,
             "aggregation": AGGREGATIONS}
 _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
-                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg")
+                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg",
+                 "negative_weight")
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     spec.name: spec
@@ -561,7 +565,8 @@ def policy_loss(
     """The loss of `spec` on one (micro-)batch, and detached metrics.
 
         rho       = exp(clamp(logp - blogp, +-EXPONENT_LIMIT))   detached, [B, T]
-        per_token = -M * W * A * logp + R                     M, W from rho (or s_i), detached
+        per_token = -M * W * lambda * A * logp + R            M, W from rho (or s_i), detached;
+                                                              lambda = negative_weight if A < 0, else 1
         loss      = aggregate(per_token, m, num_tokens, num_sequences)
 
     logprobs [B, T] (carries gradient), behavior_logprobs [B, T], advantages [B], mask [B, T]
@@ -604,7 +609,8 @@ def policy_loss(
     kept = clip_mask(spec, rho, seq_ratio, adv, mask) & mask  # [B, T]
     weight = token_weights(spec, rho, seq_ratio, adv, mask)  # [B, T]
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
-    coef = torch.where(kept, weight * adv, 0.0)  # [B, T], M * W * A, detached
+    signed = torch.where(adv < 0, adv * spec.negative_weight, adv) if spec.negative_weight != 1 else adv  # [B, 1]
+    coef = torch.where(kept, weight * signed, 0.0)  # [B, T], M * W * lambda * A, detached
     pg = -coef * logp  # [B, T]
     reg = regularizer(spec, logp, blogp)  # [B, T]
 

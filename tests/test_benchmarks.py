@@ -215,13 +215,12 @@ def test_logged_benchmark_quick_run_chooses_on_validation(tmp_path):
 
 
 def test_peers_benchmark_quick_run_scores_final_models_and_resumes(tmp_path):
-    """benchmarks/peers.py at toy sizes, without the TRL arm: the demo's groups, row steps with the zero-advantage
+    """benchmarks/peers.py --quick, without the TRL arm: the demo's groups, row steps with the zero-advantage
     skip and the filtered-SFT control train on the same K=8 data, each final model scored on test and validation,
     the lr chosen on validation, a table; a rerun skips the finished runs."""
     from benchmarks import peers
 
-    scale = peers.Scale(num_prompts=32, epochs=1, groups_per_step=8, rows_per_step=32, positives_per_step=8,
-                        eval_prompts=16, validation_prompts=16)
+    scale = peers.QUICK  # 32 prompts x 8, one pass: groups 8 a step, rows 32 a step, positives 8 a step
     arms = ["groups", "rows-skip", "filtered-sft"]
     outcome = peers.run(tmp_path, arms, scale, log=lambda message: None)
     results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
