@@ -158,6 +158,8 @@ def run_arm(arm: str, lr: float, seed: int, out: Path, paths: dict, policy: str,
               "scale": asdict(scale), "arm_spec": asdict(ARMS[arm])}
     if (run_dir / "metrics.jsonl").is_file():
         result["steps"] = sum(1 for _ in open(run_dir / "metrics.jsonl"))
+    elif ARMS[arm].peer:
+        result["steps"] = int(model.name.split("-")[1])  # TRL's checkpoint-STEPS
     shutil.rmtree(run_dir, ignore_errors=True)  # keep the numbers, not the weights
     return result
 
@@ -182,7 +184,7 @@ def summarize(results: list[dict]) -> list[dict]:
         chosen = [r for r in runs if r["lr"] == lr]
         row = {"arm": arm, "lr": lr, "seeds": len(chosen), "by_lr": {r["lr"]: r["greedy"] for r in choosing},
                "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
-               "steps": chosen[0].get("steps")}
+               "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
         for key in ("greedy", "t1", "pass8", "validation"):
             values = [100 * r[key] for r in chosen if r.get(key) is not None]
             row[key] = statistics.mean(values) if values else None
