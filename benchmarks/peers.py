@@ -21,6 +21,7 @@ The arms change one lever at a time, starting from the demo's recipe (`groups`):
   rows-skip-asym       + clip-higher: eps_low 0.2 (negatives stop once pushed below rho 0.8), eps_high 2.0
   rows-skip-redweight  + RED-Weight's W = exp(A / temp), temp 1 (up-weights the positives)
   rows-skip-neg0.5     + the negatives' term halved (`negative_weight` 0.5: positives outweigh negatives 2:1)
+  rows-skip-neg0.25    the same with `negative_weight` 0.25
   rows-asymre          rows (no skip: the regularizer needs every row) + AsymRE's forward-KL c = 0.1, i.e. the
                        baseline shifted down by 0.1 (more weight on the positives, less on the negatives)
   filtered-sft         offline-rec's own filtered-SFT form (reinforce, A = r, baseline constant 0, no group
@@ -72,6 +73,7 @@ ARMS: dict[str, Arm] = {
     "rows-skip-asym": Arm("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0}, SKIP),
     "rows-skip-redweight": Arm("rec-oneside-nois", {**WIDE_CLIP, "weight": "advantage", "temp": 1.0}, SKIP),
     "rows-skip-neg0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.5}, SKIP),
+    "rows-skip-neg0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.25}, SKIP),
     "rows-asymre": Arm("rec-oneside-nois", {**WIDE_CLIP, "regularizer": "forward-kl", "reg_coef": 0.1}, ROWS),
     "filtered-sft": Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP),
     "sft-positives": Arm(peer="sft"),
