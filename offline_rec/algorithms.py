@@ -178,6 +178,9 @@ class AlgorithmSpec:
     ratio_level: str = "token"
     """token | sequence: each token's rho replaced, in M and W, by its row's geometric-mean ratio
     s_i = exp(mean_t log rho) (GSPO's sequence ratio); needs weight none, is or tis."""
+    negative_weight: float = 1.0
+    """lambda: the policy-gradient term of rows with A < 0 is multiplied by it (1: unchanged; < 1 down-weights
+    the negatives against the positives, whose total weight the group mean otherwise makes equal)."""
 
     def __post_init__(self):
         for field, valid in _CHOICES.items():
@@ -237,7 +240,8 @@ class AlgorithmSpec:
 _CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES,
             "aggregation": AGGREGATIONS, "ratio_level": RATIO_LEVELS}
 _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
-                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap")
+                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap",
+                 "negative_weight")
 # ratio_level sequence: the clips and weights that read nothing but each token's own ratio (the others read the
 # row's product or mean already, or A alone).
 _SEQUENCE_LEVEL_CLIPS = tuple(name for name, term in CLIP_MASKS.items() if term.token_ratio)
@@ -518,7 +522,8 @@ def policy_loss(
     """The loss of `spec` on one (micro-)batch, and detached metrics.
 
         rho       = exp(clamp(logp - blogp, +-EXPONENT_LIMIT))   detached, [B, T]
-        per_token = -M * W * A * logp + R                     M, W from rho (or s_i), detached
+        per_token = -M * W * lambda * A * logp + R            M, W from rho (or s_i), detached;
+                                                              lambda = negative_weight if A < 0, else 1
         loss      = aggregate(per_token, m, num_tokens, num_sequences)
     M = clip_mask AND cap_mask, and W = min(W, is_cap) where is_cap > 0 (the caps; off by default).
 
@@ -565,7 +570,8 @@ def policy_loss(
     if spec.is_cap:  # truncated IS
         weight = weight.clamp(max=spec.is_cap)
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
-    coef = torch.where(kept, weight * adv, 0.0)  # [B, T], M * W * A, detached
+    signed = torch.where(adv < 0, adv * spec.negative_weight, adv) if spec.negative_weight != 1 else adv  # [B, 1]
+    coef = torch.where(kept, weight * signed, 0.0)  # [B, T], M * W * lambda * A, detached
     pg = -coef * logp  # [B, T]
     reg = regularizer(spec, logp, blogp)  # [B, T]
 

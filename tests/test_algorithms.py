@@ -844,3 +844,23 @@ def test_bandit_reinforce_collapses_to_arm_2_while_regularized_keep_arm_3():
     for regularized in (oneside, opmd):
         assert regularized[2] > 0.1 > reinforce[2]
     assert opmd[2] > 0.15
+
+
+@pytest.mark.parametrize("negative_weight, expected", [
+    # per_token = -lambda_i * A_i * logp: row 0 (A = 1): 1 + 2 = 3; row 1 (A = -2): lambda * -2 * (0.5 + 1.5)
+    (1.0, (3 - 4) / 4),
+    (0.5, (3 - 2) / 4),
+    (0.0, (3 - 0) / 4),  # the negatives' term gone: fine-tuning on the positive alone
+])
+def test_negative_weight_scales_the_negative_rows_term_by_hand(negative_weight, expected):
+    spec = dataclasses.replace(ALGORITHMS["reinforce"], negative_weight=negative_weight)
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
+    loss, _ = policy_loss(spec, logp, logp.detach(), torch.tensor([1.0, -2.0]), torch.ones(2, 2))
+    assert loss.item() == pytest.approx(expected)
+    (grad,) = torch.autograd.grad(loss, logp)  # d loss / d logp = -lambda_i * A_i / N
+    torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0], [2 * negative_weight] * 2]) / 4)
+
+
+def test_negative_weight_must_be_a_finite_non_negative_number():
+    with pytest.raises(errors.UserError, match="negative_weight must be finite and >= 0"):
+        get_algorithm("reinforce", negative_weight=-0.5)

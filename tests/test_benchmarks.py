@@ -212,3 +212,26 @@ def test_logged_benchmark_quick_run_chooses_on_validation(tmp_path):
     assert "| dataset | 0.0003 |" in outcome["table"] and (tmp_path / "curves.png").is_file()
     logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)  # nothing left to run
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+
+
+def test_peers_benchmark_quick_run_scores_final_models_and_resumes(tmp_path):
+    """benchmarks/peers.py --quick, without the TRL arm: the demo's groups, row steps with the zero-advantage
+    skip and the filtered-SFT control train on the same K=8 data, each final model scored on test and validation,
+    the lr chosen on validation, a table; a rerun skips the finished runs."""
+    from benchmarks import peers
+
+    scale = peers.QUICK  # 32 prompts x 8, one pass: groups 8 a step, rows 32 a step, positives 8 a step
+    arms = ["groups", "rows-skip", "filtered-sft"]
+    outcome = peers.run(tmp_path, arms, scale, log=lambda message: None)
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["lr"], r["seed"]) for r in results] == [(arm, 3e-4, 0) for arm in arms]
+    rewards = [row["reward"] for group in peers.open_groups(tmp_path / "data-k8") for row in group]
+    positives, rows = sum(r > 0 for r in rewards), len(rewards)
+    assert results[0]["steps"] == 4  # 32 groups, 8 a step
+    assert results[2]["steps"] == -(-positives // 8)  # only the positives (A = 1) are left: 8 a step
+    assert results[1]["steps"] <= -(-rows // 32)  # rows of all-equal groups left out
+    for result in results:
+        assert 0 <= result["greedy"] <= 1 and 0 <= result["t1"] <= 1 and 0 <= result["pass8"] <= 1
+    assert [row["arm"] for row in outcome["rows"]] == arms and "| rows-skip | 0.0003 | 1 |" in outcome["table"]
+    peers.run(tmp_path, arms, scale, log=lambda message: None)  # nothing left to run
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3

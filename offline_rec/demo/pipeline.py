@@ -103,6 +103,9 @@ class DemoSettings:
     """`AlgorithmSpec.baseline_value` for baseline=constant; None: the preset's."""
     extra_overrides: tuple[tuple[str, object], ...] = ()
     """Other `AlgorithmSpec` fields as (name, value) pairs, applied last (benchmarks use them)."""
+    train_overrides: tuple[tuple[str, object], ...] = ()
+    """Other `TrainConfig` fields as (name, value) pairs, e.g. (("batching", "rows"),), applied last (benchmarks
+    use them)."""
     lr: float = 3e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
@@ -453,13 +456,13 @@ def train_offline(policy: str, dataset: str, run_dir: Path, config: DemoSettings
     from offline_rec.training.config import TrainConfig
     from offline_rec.training.loop import train
 
-    train_config = TrainConfig(
+    train_config = TrainConfig(**{**dict(
         data=[dataset], model=policy, algorithm=config.algorithm, algorithm_overrides=config.algorithm_overrides,
         out=str(run_dir), prompts_per_step=config.prompts_per_step, epochs=config.epochs, lr=config.lr,
         lr_schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio, weight_decay=0.0,
         max_grad_norm=config.max_grad_norm, seed=config.seed,
         save_every=config.eval_every, keep_last=0, report_to=[], progress=progress,
-    )
+    ), **dict(config.train_overrides)})
     return train(train_config)
 
 

@@ -313,7 +313,8 @@ def finished_summary(run_dir: Path) -> dict:
 def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: int = 0,
                        init_from: str | None = None, optimizer_steps: int | None = None,
                        optimizer_steps_at_start: int = 0) -> dict:
-    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`),
+    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`,
+    or row with `batching: rows`),
     and the policy version of the weights: `version_start` (that of `init_from`, the checkpoint this
     run continued, if any) + steps_done. `optimizer_steps`: the updates the optimizer's own state
     counts (`optimizer_steps_at_start` of them came with init_from's AdamW state)."""
@@ -321,7 +322,7 @@ def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: 
     return {
         "step": steps_done,
         "epoch": epoch,
-        "position": step_in_epoch * schedule.prompts_per_step,
+        "position": step_in_epoch * schedule.position_unit,
         "shuffle_seed": epoch_seed(schedule.seed, epoch),
         "steps_per_epoch": schedule.steps_per_epoch,
         "total_steps": schedule.total_steps,

@@ -36,6 +36,7 @@ from offline_rec.options import api_only, option
 
 ALGORITHM_PREFIX = "algorithm."
 LR_SCHEDULES = ("constant", "cosine")
+BATCHINGS = ("groups", "rows")
 MIXED_PRECISIONS = ("no", "bf16")
 MODEL_DTYPES = ("float32", "bfloat16")
 REPORTERS = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -120,6 +121,15 @@ class TrainConfig:
         flag_help="Fraction of groups kept out of training (holdout.json).",
     )
     shuffle: bool = api_only(True, help="shuffle groups each epoch (seeded by seed and epoch)")
+    batching: str = api_only(
+        "groups",
+        help="how a step is built: groups (prompts_per_step whole groups, advantages from the step's rows) | rows "
+             "(advantages computed per group over the epoch, then rows_per_step rows shuffled across prompts)")
+    rows_per_step: int = api_only(128, help="batching: rows: rows per optimizer step (the epoch's last step: the rest)")
+    skip_zero_advantage: bool = api_only(
+        False,
+        help="leave rows whose advantage is exactly 0 out of the step (no forward/backward, not in the token count); "
+             "refused where a regularizer or kl_to_initial gives such rows a gradient")
     seed: int = option(
         0, "--seed", help="seed of the shuffle, RED-Drop's random drops and torch",
         flag_help="Seed of shuffling, RED-Drop and torch.",
@@ -213,7 +223,7 @@ class TrainConfig:
         # An unknown preset or preset field is refused here, with the valid choices.
         from offline_rec.algorithms import get_algorithm
 
-        get_algorithm(self.algorithm, **self.algorithm_overrides)
+        spec = get_algorithm(self.algorithm, **self.algorithm_overrides)
         for name in ("prompts_per_step", "epochs", "micro_batch_tokens", "max_length", "logprob_chunk_size"):
             _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "lora_r",
@@ -234,6 +244,14 @@ class TrainConfig:
                  f"betas must be two numbers in [0, 1), got {self.betas}")
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _choice("batching", self.batching, BATCHINGS)
+        _require(self.rows_per_step >= 1, f"rows_per_step must be >= 1, got {self.rows_per_step}")
+        _require(not (self.batching == "rows" and spec.baseline == "step"),
+                 "batching: rows computes advantages per group over the whole epoch, where a step baseline has no "
+                 "step to take the mean of: use baseline dataset (the training rewards' mean) or batching: groups")
+        _require(not (self.skip_zero_advantage and (spec.regularizer != "none" or self.kl_to_initial > 0)),
+                 f"skip_zero_advantage: a row of advantage 0 still gets a gradient from the regularizer "
+                 f"({spec.regularizer}) or kl_to_initial ({self.kl_to_initial:g}); drop one or the other")
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         _choice("model_dtype", self.model_dtype, MODEL_DTYPES)
         for reporter in self.report_to:

@@ -8,7 +8,8 @@
 2. Each optimizer step takes `prompts_per_step` whole groups in a seeded per-epoch order
    (`scheduling.Schedule`); `step_plan.plan_step` computes the advantages of the whole step from the
    rewards alone (the same on every rank), takes this rank's share of the groups and packs its
-   rows into micro-batches.
+   rows into micro-batches. With `batching: rows` a step takes `rows_per_step` rows shuffled across
+   prompts instead, their advantages computed per group over the epoch (`row_batching`).
 3. `step.run_step` runs the passes: the loss is the token-mean over ALL completion tokens of the
    step, whatever the micro-batching and the number of ranks (see training/step.py).
 4. Checkpoints hold the HF model (sharded backends: each rank's shards), the tokenizer, the
@@ -35,7 +36,15 @@ from offline_rec.models.packing import choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.training import checkpoint as ckpt
-from offline_rec.training import checks, distributed, group_index, scheduling, step_plan, weight_monitor
+from offline_rec.training import (
+    checks,
+    distributed,
+    group_index,
+    row_batching,
+    scheduling,
+    step_plan,
+    weight_monitor,
+)
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import MetricsLog, print_settings, step_metrics
 from offline_rec.training.policy import (
@@ -85,11 +94,17 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     checks.check_context(index, config.model)
     schedule = scheduling.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs,
                                     config.max_steps, config.seed, config.shuffle)
-    state = ckpt.read_trainer_state(resume_from) if resume_from else None
-    checks.check_resumable(state, schedule, resume_from)
     moments = checks.training_reward_moments(index, schedule)  # the `dataset` baseline, fixed for the run
     signal = checks.check_learning_signal(spec, index, schedule, moments)  # refuses data with no signal at all
     source_warnings = checks.check_logprobs_sources(spec, datasets, config.force_raw_logprobs)  # what pi/mu assumes
+    row_steps = None
+    if config.batching == "rows":  # steps of rows shuffled across prompts, advantages per group over the epoch
+        row_steps = row_batching.RowSteps(index, schedule, spec, moments, config.rows_per_step,
+                                          config.skip_zero_advantage)
+        schedule = schedule.with_rows(row_steps.rows_per_epoch(), config.rows_per_step, config.epochs,
+                                      config.max_steps)
+    state = ckpt.read_trainer_state(resume_from) if resume_from else None
+    checks.check_resumable(state, schedule, resume_from)
 
     # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
     # A process group that exists already belongs to someone else (an in-process vLLM engine, a
@@ -146,9 +161,15 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         for step in range(start_step, schedule.total_steps):
             step_started = time.time()
             drops = torch.Generator().manual_seed(scheduling.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
-            plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
-                                       accelerator.num_processes, config.micro_batch_tokens,
-                                       layout.padding_free, layout.one_row, dataset_moments=moments)
+            if row_steps is None:
+                plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
+                                           accelerator.num_processes, config.micro_batch_tokens,
+                                           layout.padding_free, layout.one_row, dataset_moments=moments,
+                                           skip_zero_advantage=config.skip_zero_advantage)
+            else:
+                plan = step_plan.plan_row_step(index, *row_steps.step(step, schedule.steps_per_epoch),
+                                               accelerator.process_index, accelerator.num_processes,
+                                               config.micro_batch_tokens, layout.padding_free, layout.one_row)
             passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
                               tokenizer.pad_token_id, observe=weights.observe)
             metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)

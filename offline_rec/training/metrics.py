@@ -291,7 +291,10 @@ def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, wo
         ),
         (
             "steps",
-            f"{schedule.total_steps} ({schedule.steps_per_epoch} per epoch, {config.prompts_per_step} prompts per step"
+            f"{schedule.total_steps} ({schedule.steps_per_epoch} per epoch, "
+            + (f"{config.rows_per_step} rows per step shuffled across prompts" if config.batching == "rows"
+               else f"{config.prompts_per_step} prompts per step")
+            + (", rows of advantage 0 skipped" if config.skip_zero_advantage else "")
             + (f", resuming after step {start_step}" if start_step else "")
             + f"), {world} process(es)",
         ),

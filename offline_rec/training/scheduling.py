@@ -2,12 +2,14 @@
 
   * an optimizer step takes `prompts_per_step` whole groups (the last step of an epoch takes
     what is left: it is trained, not dropped); a group is never split across steps;
+  * with `batching: rows` the steps hold rows instead (`row_batching`, `Schedule.with_rows`);
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 
@@ -64,6 +66,7 @@ class Schedule:
     seed: int
     shuffle: bool
     data_fingerprint: str  # of the training group ids: a resumed run must train on the same groups
+    rows_per_step: int = 0  # batching: rows (`row_batching`): steps of this many rows; 0: whole groups
     _order: tuple[int, np.ndarray] | None = None  # (epoch, permutation), cached across the epoch's steps
 
     @classmethod
@@ -78,6 +81,20 @@ class Schedule:
             digest.update(index.group_ids[g].encode("utf-8") + b"\0")
         return cls(train_groups, holdout_groups, prompts_per_step, per_epoch, max_steps or epochs * per_epoch,
                    seed, shuffle, digest.hexdigest())
+
+    def with_rows(self, rows_per_epoch: int, rows_per_step: int, epochs: int, max_steps: int | None) -> Schedule:
+        """This schedule with steps of `rows_per_step` rows (`batching: rows`): `rows_per_epoch` rows an epoch."""
+        if rows_per_epoch == 0:
+            raise UserError("batching: rows leaves no row to train on (every advantage is 0 and "
+                            "skip_zero_advantage is on)")
+        per_epoch = -(-rows_per_epoch // rows_per_step)
+        return dataclasses.replace(self, steps_per_epoch=per_epoch, total_steps=max_steps or epochs * per_epoch,
+                                   rows_per_step=rows_per_step, _order=None)
+
+    @property
+    def position_unit(self) -> int:
+        """Groups (whole-group steps) or rows (row steps) a step advances the epoch's cursor by."""
+        return self.rows_per_step or self.prompts_per_step
 
     def epoch_of(self, step: int) -> float:
         """The fractional epoch reached after `step` (0-based) is done."""

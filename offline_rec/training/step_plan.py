@@ -1,7 +1,8 @@
 """One optimizer step planned: its advantages (the whole step's, on every rank), this rank's rows, micro-batches.
 
 The step's advantages are computed from the rewards of all its rows first, the same on every
-rank; then its rows are dealt to the ranks and packed (`micro_batching`).
+rank (`plan_step`; with `batching: rows`, `row_batching` computed them per group over the epoch and
+`plan_row_step` takes them as they are); then its rows are dealt to the ranks and packed (`micro_batching`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class StepPlan:
     rows: np.ndarray  # [N] index rows of the step, group after group
     rewards: np.ndarray  # [N] float64
     advantages: np.ndarray  # [N] float64, 0 where dropped
-    keep: np.ndarray  # [N] bool, False for rows RED-Drop removed
+    keep: np.ndarray  # [N] bool, False for rows RED-Drop removed (and, with skip_zero_advantage, rows of A = 0)
     group_stats: dict  # advantage_stats of the step: num_groups, singleton_groups, zero_variance_groups
     rows_here: list[Row]  # this rank's kept rows that carry at least one trainable token
     # One entry per forward/backward pass: its model rows, each a list of positions into rows_here
@@ -55,23 +56,44 @@ class StepPlan:
 
 def plan_step(index: GroupIndex, groups: np.ndarray, spec, generator: torch.Generator, rank: int, world_size: int,
               micro_batch_tokens: int, padding_free: bool = False, one_row: bool = True,
-              dataset_moments: RewardMoments | None = None) -> StepPlan:
+              dataset_moments: RewardMoments | None = None, skip_zero_advantage: bool = False) -> StepPlan:
     """Advantages of the step's groups, this rank's token-balanced share of the kept rows, read and packed.
 
     The advantages see every row of the step whatever the rank (the `step` baseline is the step's mean);
     `dataset_moments` is the `dataset` baseline's population (the training rows, fixed for the run).
+    `skip_zero_advantage`: rows whose advantage is exactly 0 are not kept (not forwarded, not in N).
 
     Padding-free micro-batches are one packed row each with `one_row`, else packed rows no longer
     than their longest sequence (see the module docstring).
     """
     rows = index.rows_of_groups(groups)  # [N]
-    rewards = index.reward[rows]  # [N]
-    row_groups = np.repeat(groups, index.size[groups]).tolist()  # [N] group keys, unique within the step
-    advantages, keep = group_advantages(spec, torch.from_numpy(rewards), row_groups, generator=generator,
-                                        dataset_moments=dataset_moments)  # [N], [N]
+    row_groups = np.repeat(groups, index.size[groups])  # [N] group keys, unique within the step
+    advantages, keep = group_advantages(spec, torch.from_numpy(index.reward[rows]), row_groups.tolist(),
+                                        generator=generator, dataset_moments=dataset_moments)  # [N], [N]
     advantages, keep = advantages.double().numpy(), keep.numpy()
-    stats = advantage_stats(torch.from_numpy(rewards), row_groups)
+    if skip_zero_advantage:
+        keep = keep & (advantages != 0)
+    return _plan(index, groups, rows, row_groups, advantages, keep, rank, world_size, micro_batch_tokens,
+                 padding_free, one_row)
 
+
+def plan_row_step(index: GroupIndex, rows: np.ndarray, row_groups: np.ndarray, advantages: np.ndarray, rank: int,
+                  world_size: int, micro_batch_tokens: int, padding_free: bool = False,
+                  one_row: bool = True) -> StepPlan:
+    """A step of `batching: rows`: its rows and their advantages come from `row_batching` (computed per
+    group over the epoch, rows shuffled across prompts); every row is kept. `groups` are the distinct
+    groups the rows belong to; the group statistics count the step's rows of each."""
+    rows, row_groups = np.asarray(rows, dtype=np.int64), np.asarray(row_groups, dtype=np.int64)
+    return _plan(index, np.unique(row_groups), rows, row_groups, np.asarray(advantages, dtype=np.float64),
+                 np.ones(len(rows), dtype=bool), rank, world_size, micro_batch_tokens, padding_free, one_row)
+
+
+def _plan(index: GroupIndex, groups: np.ndarray, rows: np.ndarray, row_groups: np.ndarray, advantages: np.ndarray,
+          keep: np.ndarray, rank: int, world_size: int, micro_batch_tokens: int, padding_free: bool,
+          one_row: bool) -> StepPlan:
+    """This rank's token-balanced share of the step's kept rows, read and packed into micro-batches."""
+    rewards = np.asarray(index.reward[rows], dtype=np.float64)  # [N]
+    stats = advantage_stats(torch.from_numpy(rewards), row_groups)
     kept = np.flatnonzero(keep)  # [K] positions into `rows`
     lengths = index.prompt_length[rows[kept]].astype(np.int64) + index.completion_length[rows[kept]]  # [K]
     mine = kept[assign_to_ranks(lengths, world_size)[rank]]  # this rank's positions into `rows`, increasing

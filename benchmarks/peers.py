@@ -1,0 +1,279 @@
+"""Issue 35's recipe search: offline-rec's trainer levers, one at a time, against TRL SFT on the positives (RFT).
+
+    python benchmarks/peers.py                                   # every arm, lr 3e-4, seed 0 (~1 h on 2 cores)
+    python benchmarks/peers.py --arms rows-skip --lrs 1e-4,1e-3  # one arm at other learning rates
+    python benchmarks/peers.py --arms rows-skip,sft-positives --seeds 0,1,2
+    python benchmarks/peers.py --quick --no-peers                # a smoke run at toy sizes (a minute)
+
+The data is the demo's own (benchmarks/logged.py `prepare_data`: the shipped arith policy, 4096 train-split
+prompts x 8 samples at T=1, collect seed 0, 0/1 reward). Every arm starts from that policy and makes the
+same number of passes over the data (`Scale.epochs`, 2 like the demo), AdamW without weight decay, cosine lr
+to 0, gradient norm clipped at 1. The FINAL model of each run is scored like the demo scores its result:
+greedy accuracy on 512 held-out TEST prompts, accuracy of 8 samples at T=1 and pass@8 on them, and greedy
+accuracy on 512 train-split VALIDATION prompts no arm trains on. Per arm the learning rate is chosen on the
+validation score alone (seed 0); the test numbers of that choice are the arm's result.
+
+The arms change one lever at a time, starting from the demo's recipe (`groups`):
+
+  groups               the demo: rec-oneside-nois, wide clip 0.6/2.0, 32 whole groups of 8 per step
+  rows                 + `batching: rows`: advantages per group, then 128 rows a step shuffled across prompts
+  rows-skip            + `skip_zero_advantage` (all-equal groups cost nothing: ~19% of the rows here)
+  rows-skip-asym       + clip-higher: eps_low 0.2 (negatives stop once pushed below rho 0.8), eps_high 2.0
+  rows-skip-redweight  + RED-Weight's W = exp(A / temp), temp 1 (up-weights the positives)
+  rows-skip-neg0.5     + the negatives' term halved (`negative_weight` 0.5: positives outweigh negatives 2:1)
+  rows-skip-neg0.25    the same with `negative_weight` 0.25
+  rows-asymre          rows (no skip: the regularizer needs every row) + AsymRE's forward-KL c = 0.1, i.e. the
+                       baseline shifted down by 0.1 (more weight on the positives, less on the negatives)
+  filtered-sft         offline-rec's own filtered-SFT form (reinforce, A = r, baseline constant 0, no group
+                       mean) with rows + skip: the negatives (A = 0) leave, 32 positives a step -- the control
+                       that must match TRL's SFT if the trainer is not the gap
+  sft-positives        TRL SFTTrainer on the positives (RFT), 32 a step, in TRL's own venv (logged.trl_python)
+
+Output in --out (default runs/peers): results.jsonl (one line per finished (arm, lr, seed), resumable),
+table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `offline_rec` importable
+
+from benchmarks import logged  # noqa: E402  (the data, the TRL venv and demo settings are logged.py's)
+from offline_rec.algorithms import WIDE_CLIP  # noqa: E402
+
+RESULTS_FILE, TABLE_FILE = "results.jsonl", "table.md"
+
+
+@dataclass(frozen=True)
+class Arm:
+    """An offline-rec arm: a preset, its overrides and TrainConfig changes; or a TRL peer (`peer`)."""
+
+    preset: str = ""
+    overrides: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+    peer: str = ""
+    """_trl_peers.py --trainer (sft) for a TRL arm."""
+
+
+ROWS = {"batching": "rows"}
+SKIP = {"batching": "rows", "skip_zero_advantage": True}
+ARMS: dict[str, Arm] = {
+    "groups": Arm("rec-oneside-nois", dict(WIDE_CLIP)),
+    "rows": Arm("rec-oneside-nois", dict(WIDE_CLIP), ROWS),
+    "rows-skip": Arm("rec-oneside-nois", dict(WIDE_CLIP), SKIP),
+    "rows-skip-asym": Arm("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0}, SKIP),
+    "rows-skip-redweight": Arm("rec-oneside-nois", {**WIDE_CLIP, "weight": "advantage", "temp": 1.0}, SKIP),
+    "rows-skip-neg0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.5}, SKIP),
+    "rows-skip-neg0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.25}, SKIP),
+    "rows-asymre": Arm("rec-oneside-nois", {**WIDE_CLIP, "regularizer": "forward-kl", "reg_coef": 0.1}, ROWS),
+    "filtered-sft": Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP),
+    "sft-positives": Arm(peer="sft"),
+}
+
+
+@dataclass(frozen=True)
+class Scale:
+    num_prompts: int = 4096
+    epochs: int = 2
+    groups_per_step: int = 32
+    rows_per_step: int = 128
+    positives_per_step: int = 32
+    """filtered-sft and TRL's SFT: positives per step (the RFT recipe measured in issue 35)."""
+    eval_prompts: int = 512
+    validation_prompts: int = 512
+    lrs: tuple[float, ...] = (3e-4,)
+    seeds: tuple[int, ...] = (0,)
+
+
+QUICK = Scale(num_prompts=32, epochs=1, groups_per_step=8, rows_per_step=32, positives_per_step=8, eval_prompts=16,
+              validation_prompts=16)
+
+
+def logged_scale(scale: Scale) -> logged.Scale:
+    """The sizes logged.py's data and evaluation helpers read."""
+    return logged.Scale(num_prompts=scale.num_prompts, epochs=scale.epochs, eval_prompts=scale.eval_prompts,
+                        validation_prompts=scale.validation_prompts)
+
+
+def open_groups(data):
+    from offline_rec.data.dataset import open_dataset
+
+    return open_dataset(data).iter_groups(["reward"])
+
+
+def positives(data) -> int:
+    return sum(row["reward"] > 0 for group in open_groups(data) for row in group)
+
+
+def train_arm(arm: str, lr: float, seed: int, run_dir: Path, paths: dict, policy: str, scale: Scale) -> Path:
+    """Train one (arm, lr, seed); the folder of its final model."""
+    spec = ARMS[arm]
+    log_path = run_dir.with_name(run_dir.name + ".log")
+    if spec.peer:
+        steps = scale.epochs * -(-positives(paths["k8"]) // scale.positives_per_step)
+        subprocess.run([logged.trl_python(), str(Path(__file__).with_name("_trl_peers.py")), "--trainer", spec.peer,
+                        "--data", paths["k8"], "--model", policy, "--out", str(run_dir), "--lr", str(lr),
+                        "--max-steps", str(steps), "--save-steps", str(steps), "--seed", str(seed),
+                        "--batch-size", str(scale.positives_per_step)],
+                       check=True, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+        return run_dir / f"checkpoint-{steps}"
+    import contextlib
+
+    from offline_rec.demo.pipeline import train_offline
+    from offline_rec.training import checkpoint as ckpt
+
+    rows = scale.positives_per_step if arm == "filtered-sft" else scale.rows_per_step
+    train = {**spec.train, "seed": seed, "save_every": 0,
+             **({"rows_per_step": rows} if spec.train.get("batching") == "rows" else {})}
+    settings = logged.demo_settings(logged_scale(scale), algorithm=spec.preset, wide_clip=False, lr=lr,
+                                    epochs=scale.epochs, prompts_per_step=scale.groups_per_step,
+                                    extra_overrides=tuple(spec.overrides.items()), train_overrides=tuple(train.items()))
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log):
+        train_offline(policy, paths["k8"], run_dir, settings, progress=False)
+    return ckpt.latest_checkpoint(run_dir)
+
+
+def run_arm(arm: str, lr: float, seed: int, out: Path, paths: dict, policy: str, scale: Scale) -> dict:
+    from offline_rec.demo.pipeline import evaluate_policy
+
+    run_dir = out / "runs" / f"{arm}-lr{lr:g}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    model = train_arm(arm, lr, seed, run_dir, paths, policy, scale)
+    trained = time.monotonic() - started
+    settings = logged.demo_settings(logged_scale(scale))
+    test = evaluate_policy(str(model), run_dir / "eval-test", settings, 8, False)
+    validation = evaluate_policy(str(model), run_dir / "eval-validation", settings, 1, False, paths["validation"])
+    result = {"arm": arm, "lr": lr, "seed": seed, "greedy": test["greedy_accuracy"], "t1": test["accuracy"],
+              "pass8": test.get("pass@8"), "validation": validation["greedy_accuracy"],
+              "train_seconds": round(trained, 1), "seconds": round(time.monotonic() - started, 1),
+              "scale": asdict(scale), "arm_spec": asdict(ARMS[arm])}
+    if (run_dir / "metrics.jsonl").is_file():
+        result["steps"] = sum(1 for _ in open(run_dir / "metrics.jsonl"))
+    elif ARMS[arm].peer:
+        result["steps"] = int(model.name.split("-")[1])  # TRL's checkpoint-STEPS
+    shutil.rmtree(run_dir, ignore_errors=True)  # keep the numbers, not the weights
+    return result
+
+
+def _sizes(scale: dict) -> dict:
+    return {k: v for k, v in scale.items() if k not in ("lrs", "seeds")}
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per arm: the lr with the best seed-0 validation score; over that lr's seeds, the mean and the
+    95% interval (t quantile) of test greedy, T=1 and pass@8."""
+    import statistics
+
+    t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}
+    rows = []
+    for arm in ARMS:
+        runs = [r for r in results if r["arm"] == arm]
+        if not runs:
+            continue
+        choosing = [r for r in runs if r["seed"] == 0] or runs
+        lr = max(choosing, key=lambda r: r["validation"])["lr"]
+        chosen = [r for r in runs if r["lr"] == lr]
+        row = {"arm": arm, "lr": lr, "seeds": len(chosen), "by_lr": {r["lr"]: r["greedy"] for r in choosing},
+               "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
+               "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
+        for key in ("greedy", "t1", "pass8", "validation"):
+            values = [100 * r[key] for r in chosen if r.get(key) is not None]
+            row[key] = statistics.mean(values) if values else None
+            row[key + "_ci"] = (t95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5
+                                if len(values) > 1 else None)
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict], scale: Scale) -> str:
+    def cell(row, key):
+        if row[key] is None:
+            return ""
+        return f"{row[key]:.1f}" + (f" ± {row[key + '_ci']:.1f}" if row.get(key + "_ci") else "")
+
+    lines = [f"{scale.num_prompts} prompts x 8 responses, {scale.epochs} passes; final models; lr chosen on "
+             f"{scale.validation_prompts} validation prompts (seed 0); test: {scale.eval_prompts} held-out prompts "
+             "(mean ± 95% interval where several seeds).", "",
+             "| arm | lr | seeds | steps | validation greedy | test greedy | T=1 accuracy | pass@8 | train s | "
+             "test greedy per lr (seed 0) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        per_lr = ", ".join(f"{lr:g}: {100 * g:.1f}" for lr, g in sorted(r["by_lr"].items()))
+        lines.append(f"| {r['arm']} | {r['lr']:g} | {r['seeds']} | {r['steps'] or ''} | {cell(r, 'validation')} | "
+                     f"{cell(r, 'greedy')} | {cell(r, 't1')} | {cell(r, 'pass8')} | {r['train_seconds']:.0f} | "
+                     f"{per_lr} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False) -> dict:
+    from offline_rec.demo.pipeline import ensure_demo_policy
+
+    for arm in arms:
+        if arm not in ARMS:
+            raise SystemExit(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
+    out.mkdir(parents=True, exist_ok=True)
+    policy = policy or ensure_demo_policy(progress=False)
+    paths = logged.prepare_data(out, policy, logged_scale(scale), log)
+    results_path = out / RESULTS_FILE
+    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
+    done = [r for r in done if _sizes(r["scale"]) == _sizes(asdict(scale))]
+    finished = {(r["arm"], r["lr"], r["seed"]) for r in done}
+    todo = [(arm, lr, seed) for arm in arms for seed in scale.seeds for lr in scale.lrs
+            if (arm, lr, seed) not in finished and not table_only]
+    log(f"{len(finished)} run(s) done, {len(todo)} to go")
+    for number, (arm, lr, seed) in enumerate(todo, start=1):
+        result = run_arm(arm, lr, seed, out, paths, policy, scale)
+        with open(results_path, "a") as file:
+            file.write(json.dumps(result) + "\n")
+        done.append(result)
+        log(f"[{number}/{len(todo)}] {arm:<20} lr {lr:g} seed {seed}: test greedy {result['greedy']:.3f}, T=1 "
+            f"{result['t1']:.3f}, pass@8 {result['pass8']}, validation {result['validation']:.3f} "
+            f"({result['train_seconds']:.0f} s training)")
+    rows = summarize([r for r in done if r["arm"] in arms])
+    table = markdown_table(rows, scale)
+    (out / TABLE_FILE).write_text(table)
+    return {"table": table, "rows": rows, "out": str(out)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/peers", help="output folder (finished runs in it are kept)")
+    parser.add_argument("--quick", action="store_true", help="toy sizes: 32 prompts, one pass")
+    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
+    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arm (no venv needed)")
+    parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-4)")
+    parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
+    parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
+    parser.add_argument("--table-only", action="store_true", help="write table.md from the finished runs only")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)
+    scale = QUICK if args.quick else Scale()
+    if args.lrs:
+        scale = replace(scale, lrs=tuple(float(x) for x in args.lrs.split(",")))
+    if args.seeds:
+        scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
+    arms = args.arms.split(",") if args.arms else list(ARMS)
+    if args.no_peers:
+        arms = [a for a in arms if not ARMS[a].peer]
+    started = time.monotonic()
+    outcome = run(Path(args.out), arms, scale, args.model, log=lambda m: print(m, file=sys.stderr, flush=True),
+                  table_only=args.table_only)
+    print(outcome["table"])
+    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
+    return outcome
+
+
+if __name__ == "__main__":
+    main()
