@@ -269,7 +269,8 @@ class DemoOptions:
              "chat template and the instruct reward when its tokenizer has one, CPU-sized defaults (32 prompts x "
              "4 samples, 4 steps, lr 1e-5); a time estimate, measured here, is printed first.")
     quick: bool = option(
-        False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute.")
+        False, "--quick",
+        help="A reduced demo (64 prompts, 2 epochs; with --model 8 prompts, 2 steps): every stage in about a minute.")
     logged: bool = option(
         False, "--logged",
         help="Production-like logs: ONE response per prompt, trained with the setting recommended for them "
