@@ -4,7 +4,9 @@ Seven stages, each timed and written under OUT:
 
 1. policy    the shipped weak-but-learnable behavior policy (offline_rec/demo/arith_policy, see
              `offline_rec.demo.policy`); when it is missing it is built once into a cache folder
-             (no network is ever used)
+             (no network is ever used). Or `--model`: any causal LM, with its chat template and the
+             instruct reward when it has one, at sizes for a CPU (OWN_MODEL). Then the estimate of
+             how long the demo will take here, from a micro-benchmark of the policy (`demo.estimate`)
 2. collect   K=8 samples per prompt at temperature 1, with their sampling log-probs, from the arith
              TRAIN split -> OUT/data (a normal dataset); and OUT/validation-prompts.jsonl: other
              train-split prompts, none of them trained on (the validation split)
@@ -44,7 +46,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from offline_rec.errors import UserError
@@ -57,6 +59,9 @@ DEMO_TASK = "arith"
 # chat template its character tokenizer has, and its reward is arith's strict form, as when it was measured.
 DEMO_REWARD = "offline_rec.tasks.builtin:arith_reward"
 DEMO_CHAT_TEMPLATE = False
+# Any other model (--model) that has a chat template hears the prompts through it and is scored on the answer it
+# states in its own words ("53 + 40 = 93." scores 1).
+INSTRUCT_REWARD = "offline_rec.tasks.builtin:arith_answer_reward"
 SETTINGS_FILE = "settings.json"
 SUMMARY_FILE = "summary.json"
 CURVE_FILE = "curve.json"
@@ -116,13 +121,21 @@ class DemoSettings:
     """Sampling backend for collect and every evaluation: hf or vllm."""
     batch_size: int = 128
     """Prompts per generate call."""
+    chat_template: bool = DEMO_CHAT_TEMPLATE
+    """Send the prompts through the model's chat template (when its tokenizer has one): off for the shipped
+    policy, which learnt raw prompts; on for a --model whose tokenizer has one (`model_recipe`)."""
+    reward: str = DEMO_REWARD
+    """The reward (module:function): arith's strict form for the shipped policy, INSTRUCT_REWARD for a chat
+    model."""
+    max_new_tokens: int = MAX_NEW_TOKENS
+    """Longest answer sampled, in tokens."""
     seed: int = 0
     """Seeds the train prompts, the sampling, the shuffle; the held-out prompts are fixed (eval_seed)."""
     eval_seed: int = 0
 
     def __post_init__(self):
         for name in ("num_prompts", "num_samples", "epochs", "eval_prompts", "eval_every", "prompts_per_step",
-                     "batch_size"):
+                     "batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"demo: {name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_samples < 2:
@@ -179,6 +192,46 @@ benchmarks/logged.py measured best for such logs (docs/paper.md, "One response p
 rewards' mean as the baseline, clip-higher (negatives' side 0.2, positives' side 2.0), lr 1e-4 (chosen on
 validation), 8 epochs of 128 rows per step (256 steps over 4096 prompts)."""
 
+OWN_MODEL = dict(num_prompts=32, num_samples=4, epochs=1, eval_prompts=32, validation_prompts=32, eval_every=2,
+                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24)
+"""`--model`: sizes for a real model (a hundred million parameters or more) on a CPU, far below the tiny
+policy's: 32 train prompts x 4 samples, 1 epoch of 8 groups per step (4 optimizer steps), a checkpoint every
+2 steps, 32 held-out test and 32 validation prompts, 8 prompts per generate call, answers of at most 24
+tokens (an instruct model states a sum in a short sentence: "53 + 40 = 93."), lr 1e-5 (a pretrained model:
+3e-4 is the randomly initialised tiny policy's). SmolLM2-135M-Instruct at these sizes: see README "Your own
+model"."""
+
+OWN_MODEL_QUICK = dict(num_prompts=8, eval_prompts=8, validation_prompts=8, prompts_per_step=4)
+"""`--model` with `--quick`: 8 train prompts x 4 samples, 2 steps of 4 groups, 8 test and 8 validation prompts."""
+
+
+def model_recipe(model: str | None, quick: bool) -> tuple[bool, dict]:
+    """(whether `model` is the user's own, the DemoSettings its demo starts from).
+
+    The shipped policy (`model` None) and any policy of its recipe (`demo.policy.is_demo_policy`: the cached
+    build, tests' tiny builds) keep the tiny policy's recipe (QUICK with `quick`); any other causal LM starts
+    from OWN_MODEL (and OWN_MODEL_QUICK). Its prompt format is read from its tokenizer later (`prompt_format`).
+    """
+    from offline_rec.demo.policy import is_demo_policy
+
+    if model is None or is_demo_policy(model):
+        return False, dict(QUICK if quick else {})
+    return True, {**OWN_MODEL, **(OWN_MODEL_QUICK if quick else {})}
+
+
+def prompt_format(model: str, config: DemoSettings) -> DemoSettings:
+    """`config` with the prompt format `model`'s tokenizer calls for: its chat template and INSTRUCT_REWARD when
+    it has one (an instruct model), else raw prompts and the strict reward (a base model: the bare sum).
+
+    Reads the tokenizer only; a model path that exists nowhere fails here in one line, before anything is
+    written (`models.loading.model_source`).
+    """
+    from offline_rec.models.loading import load_tokenizer
+    from offline_rec.tasks.prompts import uses_chat_template
+
+    chat = uses_chat_template(load_tokenizer(model))
+    return replace(config, chat_template=chat, reward=INSTRUCT_REWARD if chat else DEMO_REWARD)
+
 
 DEMO_THREADS = 1
 """torch CPU threads of the demo (see run_demo)."""
@@ -214,9 +267,13 @@ class DemoOptions:
         help="The result: best-validation (the checkpoint best on train-split prompts not trained on) or final.",
     )
     model: str | None = option(
-        None, "--model", help="Behavior policy folder (default: the shipped demo policy).")
+        None, "--model",
+        help="Run the demo on this causal LM (a folder, Hub id or .gguf) instead of the shipped tiny policy: its "
+             "chat template and the instruct reward when its tokenizer has one, CPU-sized defaults (32 prompts x "
+             "4 samples, 4 steps, lr 1e-5); a time estimate, measured here, is printed first.")
     quick: bool = option(
-        False, "--quick", help="A reduced demo (64 prompts, 2 epochs): every stage in about a minute.")
+        False, "--quick",
+        help="A reduced demo (64 prompts, 2 epochs; with --model 8 prompts, 2 steps): every stage in about a minute.")
     logged: bool = option(
         False, "--logged",
         help="Production-like logs: ONE response per prompt, trained with the setting recommended for them "
@@ -243,7 +300,11 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     `settings`: `DemoSettings` fields (num_prompts, epochs, eval_prompts, backend, algorithm, wide_clip, ...);
     `quick` starts from the reduced sizes QUICK instead of the defaults (explicit settings still win);
     `logged` from LOGGED (one response per prompt, the recommended setting for such logs).
-    `model`: a behavior policy folder to use instead of the demo policy (tests pass a tiny one).
+    `model`: a behavior policy to use instead of the shipped one: a policy of the demo's recipe keeps its
+    recipe (tests pass a tiny one); any other causal LM (folder, Hub id, .gguf) runs with OWN_MODEL's sizes
+    and, when its tokenizer has a chat template, templated prompts and the instruct reward (`prompt_format`).
+    Before collect, the time the whole demo will take is estimated from a micro-benchmark of the policy on
+    this machine and printed (`demo.estimate`); summary.json keeps it next to the measured seconds.
     `overwrite`: replace the outputs of an earlier demo in `out_dir` (only a folder a demo wrote is removed).
     `threads`: torch's CPU threads for this process (None: leave torch's choice). One by default: with
     matrices this small a second thread gains little, and on a busy 2-core machine two threads per
@@ -252,6 +313,7 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     from rich.console import Console
 
     from offline_rec.algorithms import get_algorithm
+    from offline_rec.demo.estimate import estimate_demo
     from offline_rec.rollout.backends import check_backend_name
     from offline_rec.training.distributed import import_deepspeed_only_when_used
 
@@ -260,9 +322,12 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     # another preset given with --logged keeps its own baseline (topr's threshold, say)
     own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
     logged_recipe = ({"logged": True} if own_preset else LOGGED) if logged else {}
-    config = DemoSettings(**{**(QUICK if quick else {}), **logged_recipe, **settings})
+    own_model, recipe = model_recipe(model, quick)
+    config = DemoSettings(**{**recipe, **logged_recipe, **settings})
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
     get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
+    if own_model:
+        config = prompt_format(model, config)
     if threads is not None:
         if threads < 1:
             raise UserError(f"demo: threads must be >= 1, got {threads}")
@@ -290,7 +355,10 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     with stages.run("policy", "the behavior policy"):
         policy = model or ensure_demo_policy(progress=progress)
         paths["policy"] = str(policy)
-        stages.note(f"{policy}")
+        stages.note(f"{policy}" + (f": {'chat template, ' if config.chat_template else 'raw prompts, '}reward "
+                                   f"{config.reward}" if own_model else ""))
+        estimate = estimate_demo(policy, config, DEMO_TASK)
+        stages.note(estimate.line())
 
     with stages.run(
         "collect", f"{config.num_prompts} train prompts x {config.collect_samples} sample(s) at T=1, backend "
@@ -341,6 +409,7 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
         "checkpoint": checkpoint,
         "seconds": round(time.monotonic() - started, 1),
         "stage_seconds": stages.seconds,
+        "estimate": estimate.as_dict(),
         "steps": train_summary["steps"],
         "curve": curve,
         "before_all": before,
@@ -393,9 +462,9 @@ def collect_dataset(policy: str, out: Path, config: DemoSettings, progress: bool
     from offline_rec.rollout.collect import CollectConfig, collect
 
     return collect(CollectConfig(
-        model=policy, task=DEMO_TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE, out=out,
+        model=policy, task=DEMO_TASK, reward=config.reward, chat_template=config.chat_template, out=out,
         num_samples=config.collect_samples, num_prompts=config.num_prompts, split="train", backend=config.backend,
-        temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.seed, batch_size=config.batch_size,
+        temperature=1.0, max_new_tokens=config.max_new_tokens, seed=config.seed, batch_size=config.batch_size,
         behavior="demo-policy", show_progress=progress,
     ))
 
@@ -434,10 +503,10 @@ def eval_config(model: str, out: Path, config: DemoSettings, num_samples: int, p
     from offline_rec.eval.config import EvalConfig
 
     return EvalConfig(
-        model=model, task=DEMO_TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE, out=out,
+        model=model, task=DEMO_TASK, reward=config.reward, chat_template=config.chat_template, out=out,
         num_samples=num_samples, greedy=True, prompts=prompts,
         num_prompts=None if prompts else config.eval_prompts, split="test", backend=config.backend,
-        temperature=1.0, max_new_tokens=MAX_NEW_TOKENS, seed=config.eval_seed,
+        temperature=1.0, max_new_tokens=config.max_new_tokens, seed=config.eval_seed,
         batch_size=config.batch_size, overwrite=True, show_progress=progress,
     )
 

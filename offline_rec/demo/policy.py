@@ -32,6 +32,8 @@ from offline_rec.models.tiny import build_char_tokenizer, build_tiny_model, save
 from offline_rec.tasks.builtin import arith_pairs, arith_prompts, arith_reward
 
 BUILD_INFO_FILE = "build_info.json"
+DEMO_POLICY_WHAT = "offline-rec demo behavior policy: weak-but-learnable arith ('What is a+b? ' -> a+b)"
+"""build_info.json's "what": marks a folder as a policy built by this recipe (`is_demo_policy`)."""
 # Held-out prompts are always the same ones, whatever the build seed, so builds compare.
 EVAL_SEED = 0
 
@@ -96,7 +98,7 @@ def build_demo_policy(out_dir, progress: bool = True, **recipe) -> dict:
 
     save_tiny(model, tokenizer, out_dir)
     info = {
-        "what": "offline-rec demo behavior policy: weak-but-learnable arith ('What is a+b? ' -> a+b)",
+        "what": DEMO_POLICY_WHAT,
         "recipe": asdict(recipe),
         "parameters": sum(p.numel() for p in model.parameters()),
         "train_pairs": len(arith_pairs("train")),
@@ -211,3 +213,13 @@ def demo_policy_path() -> str:
             f"the demo policy is missing at {path}: build it with `python scripts/build_demo_policy.py --out {path}`"
         )
     return str(path)
+
+
+def is_demo_policy(path) -> bool:
+    """Whether `path` is a folder holding a policy of this recipe (its build_info.json says so): the shipped
+    one, the cached build, or a test's tiny build. Such a policy learnt raw prompts and bare answers."""
+    try:
+        info = json.loads((Path(path).expanduser() / BUILD_INFO_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("what") == DEMO_POLICY_WHAT
