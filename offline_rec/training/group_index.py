@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -37,12 +37,13 @@ INDEX_COLUMNS = [
     S.LOSS_MASK,
     S.REWARD,
     S.POLICY_VERSION,
+    S.BEHAVIOR,
 ]
 
 
 # Version of the arrays `index_datasets` stores next to the rows: part of the row store's name,
 # so that a store written by another version is never read as this one's.
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2  # 2: row_behavior and the behaviors' names
 
 
 class GroupIds(Sequence[str]):
@@ -102,6 +103,8 @@ class GroupIndex:
     policy_version: np.ndarray  # [R] int32
     truncated_rows: int = 0
     max_token_id: int = -1
+    behavior: np.ndarray | None = None  # [R] int32, index into behavior_names
+    behavior_names: list[str] = field(default_factory=list)  # sorted; an empty or null one is "unknown"
     rows: RowStore | None = None  # the step columns of the R rows, in the same order
 
     @property
@@ -141,6 +144,8 @@ class GroupIndex:
             policy_version=arrays["row_policy_version"],
             truncated_rows=too_long,
             max_token_id=int(store.meta["max_token_id"]),
+            behavior=arrays["row_behavior"],
+            behavior_names=list(store.meta["behaviors"]),
             rows=None if copy else store,
         )
 
@@ -170,6 +175,7 @@ _INDEX_ARRAYS = {
     "group_id_end": np.int64, "group_id_bytes": np.uint8, "group_dataset": np.int32, "group_shard": np.int32,
     "group_shard_row": np.int64, "group_row_start": np.int64, "row_prompt_length": np.int32,
     "row_completion_length": np.int32, "row_reward": np.float64, "row_policy_version": np.int32,
+    "row_behavior": np.int32,
 }
 _SLICE = 1 << 20  # rows per slice of a full pass over the row arrays
 
@@ -201,6 +207,8 @@ def _index_pass(datasets: list[Dataset], writer: RowStoreWriter, advance) -> dic
     mismatched: dict[str, int] = {}
     rows = groups = id_bytes = tokens = 0
     longest, max_token_id = 0, -1
+    behaviors: dict[str, int] = {}  # name -> code, in the order first seen
+    behavior_parts = []
     for d, dataset in enumerate(datasets):
         shard_number = {path: i for i, path in enumerate(dataset.shard_paths)}
         current_shard, shard_first_row, previous_id = None, 0, None
@@ -248,6 +256,9 @@ def _index_pass(datasets: list[Dataset], writer: RowStoreWriter, advance) -> dic
             writer.append_array("row_reward", reward.to_numpy(zero_copy_only=False), np.float64)
             writer.append_array("row_policy_version", batch.column(S.POLICY_VERSION).to_numpy(zero_copy_only=False),
                                 np.int32)
+            encoded = pc.dictionary_encode(batch.column(S.BEHAVIOR).fill_null(""))
+            local = [behaviors.setdefault(name or "unknown", len(behaviors)) for name in encoded.dictionary.to_pylist()]
+            behavior_parts.append(np.asarray(local, dtype=np.int32)[encoded.indices.to_numpy(zero_copy_only=False)])
             rows += batch.num_rows
             advance(batch.num_rows)
 
@@ -262,9 +273,15 @@ def _index_pass(datasets: list[Dataset], writer: RowStoreWriter, advance) -> dic
                         f"(shards {', '.join(list(mismatched)[:3])}); run `offline-rec validate`")
     if not groups:
         raise DataError(f"no rows in {', '.join(str(d.path) for d in datasets)}")
+    # the behaviors' codes renumbered so that code k names the k-th name in sorted order
+    names = sorted(behaviors)
+    renumber = np.array([names.index(name) for name in behaviors], dtype=np.int32)
+    for part in behavior_parts:
+        writer.append_array("row_behavior", renumber[part] if len(part) else part, np.int32)
     for name, dtype in _INDEX_ARRAYS.items():  # an array no batch added to (no id bytes) still exists
         writer.append_array(name, np.zeros(0, dtype), dtype)
-    return {"rows": rows, "groups": groups, "tokens": tokens, "longest": longest, "max_token_id": max_token_id}
+    return {"rows": rows, "groups": groups, "tokens": tokens, "longest": longest, "max_token_id": max_token_id,
+            "behaviors": names}
 
 
 def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool, keep_rows: bool = True,

@@ -151,7 +151,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     progress = ProgressBar("train", schedule.total_steps, done=start_step,
                            enabled=config.progress and accelerator.is_main_process)
     # The importance weights, measured against the initial policy now and watched at every step.
-    weights = weight_monitor.monitor_run(config, index, datasets, schedule, accelerator, scorer, tokenizer,
+    weights = weight_monitor.monitor_run(config, index, schedule, accelerator, scorer, tokenizer,
                                          start_step, distributed.is_sharded(accelerator), source_warnings)
 
     # ---- 4. The loop: one iteration = one optimizer step. A stop signal (preemption) ends it after the

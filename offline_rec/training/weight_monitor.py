@@ -29,7 +29,6 @@ import sys
 
 import numpy as np
 
-from offline_rec import schema as S
 from offline_rec.algorithms import EXPONENT_LIMIT, RATIO_HIGH, RATIO_LOW
 from offline_rec.errors import UserError
 
@@ -86,25 +85,6 @@ def mean_logprob(logprobs) -> float:
     return float(flat.mean()) if len(flat) else math.nan
 
 
-def behavior_codes(datasets) -> tuple[np.ndarray, list[str]]:
-    """Each row's behavior as a code [R] int32, in the order the group index reads rows (dataset after
-    dataset, shard after shard), and the names of the codes (sorted; an empty or null behavior is "unknown").
-    Reads the behavior column only."""
-    import pyarrow.compute as pc
-
-    names: dict[str, int] = {}
-    parts = []
-    for dataset in datasets:
-        for _, batch in dataset.iter_batches(columns=[S.BEHAVIOR]):
-            encoded = pc.dictionary_encode(batch.column(S.BEHAVIOR).fill_null(""))
-            local = [names.setdefault(value or "unknown", len(names)) for value in encoded.dictionary.to_pylist()]
-            parts.append(np.asarray(local, dtype=np.int32)[encoded.indices.to_numpy(zero_copy_only=False)])
-    codes = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    order = sorted(names)  # codes renumbered so that code k names order[k]
-    renumber = np.array([order.index(name) for name in names], dtype=np.int32)
-    return (renumber[codes] if len(codes) else codes), order
-
-
 def policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behavior_logprobs, loss_masks,
                             batch_size: int = 8, temperature: float = 1.0) -> list:
     """Per sequence, log pi - log mu (float64 array) on its policy tokens (loss_mask 1; None: all), in order;
@@ -153,7 +133,7 @@ def describe(stats: dict) -> str:
             f"of tokens > {RATIO_HIGH:g}, {100 * stats['ratio_low_fraction']:.1f}% < {RATIO_LOW:g}")
 
 
-def monitor_run(config, index, datasets, schedule, accelerator, scorer, tokenizer, start_step: int,
+def monitor_run(config, index, schedule, accelerator, scorer, tokenizer, start_step: int,
                 sharded: bool, notes=()) -> WeightMonitor:
     """The run's monitor, its measure before step 1 taken (fresh runs, main process, unsharded models: a
     sharded model has no whole copy to score with outside a step); `notes`: lines printed first
@@ -161,7 +141,7 @@ def monitor_run(config, index, datasets, schedule, accelerator, scorer, tokenize
     from offline_rec.algorithms import get_algorithm
     from offline_rec.training.checks import weighs_by_ratio
 
-    codes, names = behavior_codes(datasets)
+    codes, names = index.behavior, index.behavior_names  # read with the index: no shard opened here
     weighted = weighs_by_ratio(get_algorithm(config.algorithm, **config.algorithm_overrides))
     monitor = WeightMonitor(codes, names, config.weight_ess_warning, config.stop_on_weight_collapse,
                             active=accelerator.is_main_process, weighted=weighted)

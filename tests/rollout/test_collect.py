@@ -372,7 +372,7 @@ SLOW_REWARD = "import time\ndef score(prompt, completion, fields):\n    time.sle
 
 
 def collect_argv(checkpoint, prompts, out, *extra):
-    return [sys.executable, "-m", "offline_rec", "collect", "--model", checkpoint, "--task", "slow_reward:score",
+    return [sys.executable, "-m", "offline_rec", "collect", "--model", checkpoint, "--task", "resume_slow_reward:score",
             "--prompts", str(prompts), "--out", str(out), "-k", "2", "--max-new-tokens", "6", "--batch-size", "2",
             "--groups-per-shard", "2", "--backend", "hf", "--quiet", *extra]
 
@@ -401,7 +401,8 @@ def kill_when_committed(argv, out: Path, shards: int, **popen) -> dict:
 
 @pytest.mark.faults
 def test_resume_after_kill_9_gives_the_uninterrupted_groups(tmp_path, checkpoint, monkeypatch):
-    (tmp_path / "slow_reward.py").write_text(SLOW_REWARD)
+    # a module name no other test uses: this test process may already hold another test's slow_reward
+    (tmp_path / "resume_slow_reward.py").write_text(SLOW_REWARD)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     prompts = tmp_path / "prompts.jsonl"

@@ -32,7 +32,8 @@ def metrics_of(run):
 @pytest.mark.slow
 def test_a_mixture_of_two_loggers_is_watched_and_a_cap_bounds_its_weights(tmp_path, capsys):
     policy = demo_policy_path()
-    collect = ("--task", "arith", "-k", 4, "--max-new-tokens", 8, "--backend", "hf", "-q")
+    # the shipped policy answers raw prompts (its tokenizer's chat template would wrap them: issue 40)
+    collect = ("--task", "arith", "--no-chat-template", "-k", 4, "--max-new-tokens", 8, "--backend", "hf", "-q")
     code, _, err = run_cli(capsys, "collect", "--model", policy, "--num-prompts", 16, "--out", tmp_path / "a",
                            "--behavior", "A", *collect)
     assert code == 0, err

@@ -25,7 +25,6 @@ from offline_rec.training.loop import train
 from offline_rec.training.weight_monitor import (
     WeightCollapse,
     WeightMonitor,
-    behavior_codes,
     behavior_weight_stats,
     metric_name,
     summary_text,
@@ -113,9 +112,13 @@ def test_monitor_stop_option():
     assert monitor.stop_line.startswith("stopped at step 2: the importance weights' ess 0.01 fell below")
 
 
-def test_behavior_codes_follow_the_rows(mixed_dir):
-    codes, names = behavior_codes([open_dataset(mixed_dir)])
-    assert names == ["A", "B"] and codes.tolist() == [0, 1, 0, 1] * 8
+def test_the_index_holds_each_rows_behavior(mixed_dir, tmp_path):
+    from offline_rec.training.group_index import index_datasets
+
+    for keep_rows in (True, False):  # the row store (cached) and the in-memory index
+        index = index_datasets([open_dataset(mixed_dir)], 4096, False, keep_rows=keep_rows, cache_dir=tmp_path)
+        assert index.behavior_names == ["A", "B"] and index.behavior.tolist() == [0, 1, 0, 1] * 8
+        index.close()
 
 
 def test_a_run_on_two_behaviors_measures_warns_and_summarizes(tmp_path, model_dir, mixed_dir, capsys):
