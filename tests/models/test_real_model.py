@@ -145,14 +145,20 @@ def test_train_two_steps_then_eval(rewarded, smol, work, kind, extra):
 
 @pytest.mark.vllm
 def test_collect_with_vllm_through_the_chat_template(smol, work):
-    """vLLM is given the converted plain folder; its prompts and log-probs are those of the hf path."""
+    """vLLM is given the converted plain folder; its prompts and log-probs are those of the hf path. The engine
+    runs in a `collect` process of its own: this test process keeps one vLLM engine per session (a second one
+    in-process tears down the parallel state the session's engine uses)."""
     pytest.importorskip("vllm")
-    from offline_rec.rollout.backends.vllm import VLLMBackend
-    from offline_rec.rollout.collect import CollectConfig, collect
+    import subprocess
+    import sys
 
-    backend = VLLMBackend(smol, dtype="float32", seed=0)
-    out = collect(CollectConfig(model=smol, task="arith", out=work / "vllm", num_prompts=2, num_samples=2,
-                                max_new_tokens=8, backend="vllm", show_progress=False), backend=backend)
+    out = work / "vllm"
+    command = [sys.executable, "-m", "offline_rec", "collect", "--model", smol, "--task", "arith",
+               "--num-prompts", "2", "-k", "2", "--max-new-tokens", "8", "--backend", "vllm", "--dtype", "float32",
+               "--seed", "0", "--out", str(out), "-q"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
     dataset = open_dataset(out, require_complete=True)
     assert dataset.behavior["engine"] == "vllm"
     model = load_model(smol)
