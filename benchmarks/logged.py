@@ -90,12 +90,13 @@ QUICK = Scale(num_prompts=128, epochs=2, rows_per_step=32, positives_per_step=8,
 
 
 def demo_settings(scale: Scale, **changes):
-    """The demo's settings at this scale: the singleton arms' training (one row per prompt) and the evaluations."""
+    """The demo's settings at this scale: the singleton arms' training (one row per prompt, whole-group steps as
+    measured, not the demo's steps of rows) and the evaluations."""
     from offline_rec.demo.pipeline import DemoSettings
 
     return DemoSettings(**{**dict(num_prompts=scale.num_prompts, epochs=scale.epochs, eval_prompts=scale.eval_prompts,
                                   validation_prompts=scale.validation_prompts, eval_every=scale.eval_every,
-                                  prompts_per_step=scale.rows_per_step), **changes})
+                                  prompts_per_step=scale.rows_per_step, train_overrides=()), **changes})
 
 
 def prepare_data(out: Path, policy: str, scale: Scale, log) -> dict[str, str]:

@@ -7,8 +7,9 @@ with the demo's threads:
 2. generate one sampled generate call shaped like collect's first batch: min(batch_size, num_prompts) of
             the demo's own prompts (templated as the demo will send them) x the collect samples, at T=1, up
             to max_new_tokens; its seconds per sequence
-3. train    one fwd + bwd + AdamW step on a step's rows (prompts_per_step x collect samples), the benchmark's
-            prompt + completion tokens repeated to fill them, on a throw-away copy of the model
+3. train    one fwd + bwd + AdamW step on a step's rows (`step_rows`: rows_per_step with steps of rows,
+            else prompts_per_step x collect samples), the benchmark's prompt + completion tokens repeated to
+            fill them, on a throw-away copy of the model
 
 scaled by the planned work (`planned_work`): every generated sequence of collect, the before/after
 evaluations (greedy + K samples per held-out prompt), the held-out curve (greedy + one sample per test
@@ -85,13 +86,26 @@ def duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
+def step_rows(config) -> tuple[int, int]:
+    """(optimizer steps, rows a step) of a demo with `config`. Steps of rows (`batching: rows`) count every
+    collected row: the rows of advantage 0 that skip_zero_advantage leaves out are known only after collect, so
+    the count is an upper bound (512 for the demo, which makes ~414)."""
+    from offline_rec.training.config import TrainConfig
+    from offline_rec.training.scheduling import steps_per_epoch
+
+    train = dict(config.train_overrides)
+    if train.get("batching") == "rows":
+        rows = train.get("rows_per_step", TrainConfig.rows_per_step)
+        return -(-config.num_prompts * config.collect_samples // rows) * config.epochs, rows
+    steps = steps_per_epoch(config.num_prompts, config.prompts_per_step) * config.epochs
+    return steps, config.prompts_per_step * config.collect_samples
+
+
 def planned_work(config) -> Planned:
     """The loads, generated sequences, optimizer steps and checkpoints of a demo with `config` (a DemoSettings),
     as run_demo runs it: collect, before, train, the curve (step 0 validated when there are validation
     prompts, then every checkpoint), after."""
-    from offline_rec.training.scheduling import steps_per_epoch
-
-    steps = steps_per_epoch(config.num_prompts, config.prompts_per_step) * config.epochs
+    steps, _ = step_rows(config)
     checkpoints = -(-steps // config.eval_every)  # every eval_every steps, and the last step
     per_eval = config.eval_prompts * (1 + config.num_samples)  # greedy + K samples
     per_point = config.eval_prompts * 2 + config.validation_prompts  # greedy + one sample; greedy validation
@@ -127,7 +141,7 @@ def measure(policy: str, config, task: str) -> Measured:
                                 pad_token_id=tokenizer.pad_token_id)
         generate_seconds = time.perf_counter() - started
 
-    rows = config.prompts_per_step * config.collect_samples
+    _, rows = step_rows(config)
     ids = output.repeat(-(-rows // output.shape[0]), 1)[:rows]  # [rows, prompt + completion tokens]
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12, weight_decay=0.0)

@@ -27,14 +27,17 @@ this 0.8M-parameter model no faster than transformers (both ~6 s of CPU for 512 
 costs 8-30 s to start, once per sampling stage; `backend="vllm"` remains available.
 
 The training recipe: `rec-oneside-nois` with the paper's wide clip (0.6/2.0), Adam (AdamW without
-weight decay) at lr 3e-4 decayed by a cosine to 0 at the last step, 32 whole groups per step,
-token-mean loss, gradient norm clipped at 1, 4096 prompts x 2 epochs = 256 steps. Chosen by
-measurement on the shipped policy (held-out greedy accuracy 48.0%), seed 0 first: the old default
-(default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%; the wide clip at 73.2%; with a cosine
-from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at 83.4%. The last, over seeds 0-4,
-is in docs/paper.md: every seed gains more than 25 points. A cosine to 0 leaves the last
-checkpoints close to each other, so the validation choice moves the result little; it guards
-against a late collapse, and it is the only choice that reads no test score.
+weight decay) at lr 3e-4 decayed by a cosine to 0 at the last step, steps of 128 rows shuffled
+across prompts with the rows of advantage 0 left out (DEMO_TRAIN: `batching: rows`,
+`skip_zero_advantage`), token-mean loss, gradient norm clipped at 1, 4096 prompts x 2 epochs = ~414
+steps. Chosen by measurement on the shipped policy (held-out greedy accuracy 48.0%), seed 0 first:
+the old default (default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%; the wide clip at 73.2%;
+with a cosine from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at 83.4% (32 whole
+groups a step, 256 steps; over seeds 0-4 in docs/paper.md every seed gains more than 25 points).
+Steps of rows with the skip then gained about 5 more points over 3 seeds (benchmarks/peers.py,
+docs/paper.md "Against fine-tuning on the positives"). A cosine to 0 leaves the last checkpoints
+close to each other, so the validation choice moves the result little; it guards against a late
+collapse, and it is the only choice that reads no test score.
 """
 
 from __future__ import annotations
@@ -69,6 +72,11 @@ CURVE_PLOT = "heldout.png"
 VALIDATION_FILE = "validation-prompts.jsonl"
 VALIDATION_EVAL_DIR = "eval-validation"
 SELECTIONS = ("best-validation", "final")
+DEMO_TRAIN = (("batching", "rows"), ("skip_zero_advantage", True), ("rows_per_step", 128))
+"""The demo's steps: 128 rows shuffled across prompts, the rows of advantage 0 (groups whose samples all scored
+alike, ~19% of the data) left out. Over 3 seeds it beat 32 whole groups a step on held-out greedy accuracy, 87.8
++- 1.2 against 82.7 +- 3.5, and at T=1, 74.1 +- 1.7 against 65.2 +- 1.5, on 19% fewer rows (benchmarks/peers.py
+arm rows-skip; docs/paper.md, "Against fine-tuning on the positives")."""
 # A sum of two 2-digit numbers is at most 3 digits, then eos: 8 tokens leave room for a wrong longer answer.
 MAX_NEW_TOKENS = 8
 
@@ -82,14 +90,15 @@ class DemoSettings:
     num_samples: int = 8
     """K: samples per prompt, in the dataset and in the before/after evaluations (pass@K)."""
     epochs: int = 2
-    """Passes over the fixed dataset (2 x 4096 / 32 = 256 optimizer steps)."""
+    """Passes over the fixed dataset (2 x ~26.5k rows of nonzero advantage / 128 = ~414 optimizer steps)."""
     eval_prompts: int = 512
     """Held-out (test split) prompts; >= 400 gives about +-2.4 points of standard error."""
-    eval_every: int = 32
-    """A checkpoint (and a point of the held-out curve) every this many optimizer steps, and at the end. 32: 9
-    points. Every 16 (17 points) cost a sixth of the demo's time and told no more: the cosine to 0 leaves the
-    late checkpoints within a point or two of each other, and over seeds 0-4 the validation choice among the 17
-    was the last step or within 2 points of it on the test prompts (docs/paper.md)."""
+    eval_every: int = 52
+    """A checkpoint (and a point of the held-out curve) every this many optimizer steps, and at the end. 52: 9
+    points over the ~414 row steps (step 0, 52, ..., 364, the last). With whole-group steps a checkpoint every
+    16 steps (17 points) cost a sixth of the demo's time and told no more than every 32 (9 points): the cosine to
+    0 leaves the late checkpoints within a point or two of each other, and over seeds 0-4 the validation choice
+    among the 17 was the last step or within 2 points of it on the test prompts (docs/paper.md)."""
     validation_prompts: int = 512
     """Train-split prompts that are NOT among the num_prompts trained on (and, being train split, never test
     prompts): every checkpoint, and the behavior policy, is decoded greedily on them for `select`."""
@@ -108,9 +117,9 @@ class DemoSettings:
     """`AlgorithmSpec.baseline_value` for baseline=constant; None: the preset's."""
     extra_overrides: tuple[tuple[str, object], ...] = ()
     """Other `AlgorithmSpec` fields as (name, value) pairs, applied last (benchmarks use them)."""
-    train_overrides: tuple[tuple[str, object], ...] = ()
-    """Other `TrainConfig` fields as (name, value) pairs, e.g. (("batching", "rows"),), applied last (benchmarks
-    use them)."""
+    train_overrides: tuple[tuple[str, object], ...] = DEMO_TRAIN
+    """Other `TrainConfig` fields as (name, value) pairs, applied last: DEMO_TRAIN (steps of rows, zero-advantage
+    rows skipped); () trains on whole groups, prompts_per_step of them a step (--logged and --model do)."""
     lr: float = 3e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
@@ -186,14 +195,15 @@ QUICK = dict(num_prompts=64, epochs=2, eval_prompts=64, validation_prompts=64, n
 """The reduced demo (`quick=True`): every stage on a small slice of the data; for tests and a first look."""
 
 LOGGED = dict(logged=True, algorithm=DEMO_ALGORITHM, wide_clip=False, baseline="dataset",
-              extra_overrides=(("eps_low", 0.2), ("eps_high", 2.0)), lr=1e-4, epochs=8, prompts_per_step=128)
+              extra_overrides=(("eps_low", 0.2), ("eps_high", 2.0)), lr=1e-4, epochs=8, prompts_per_step=128,
+              train_overrides=())
 """`--logged`: one response per prompt, as production traffic is logged, trained with the offline-rec setting
 benchmarks/logged.py measured best for such logs (docs/paper.md, "One response per prompt"): the training
 rewards' mean as the baseline, clip-higher (negatives' side 0.2, positives' side 2.0), lr 1e-4 (chosen on
 validation), 8 epochs of 128 rows per step (256 steps over 4096 prompts)."""
 
 OWN_MODEL = dict(num_prompts=32, num_samples=4, epochs=1, eval_prompts=32, validation_prompts=32, eval_every=2,
-                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24)
+                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24, train_overrides=())
 """`--model`: sizes for a real model (a hundred million parameters or more) on a CPU, far below the tiny
 policy's: 32 train prompts x 4 samples, 1 epoch of 8 groups per step (4 optimizer steps), a checkpoint every
 2 steps, 32 held-out test and 32 validation prompts, 8 prompts per generate call, answers of at most 24
@@ -217,6 +227,16 @@ def model_recipe(model: str | None, quick: bool) -> tuple[bool, dict]:
     if model is None or is_demo_policy(model):
         return False, dict(QUICK if quick else {})
     return True, {**OWN_MODEL, **(OWN_MODEL_QUICK if quick else {})}
+
+
+def keep_zero_advantage_for_regularizer(config: DemoSettings, regularizer: str) -> DemoSettings:
+    """`config` training on every row when its preset has a regularizer (--algorithm opmd, asymre): a row of
+    advantage 0 still gets the regularizer's gradient, so skipping it would change the objective (TrainConfig
+    refuses the pair)."""
+    overrides = dict(config.train_overrides)
+    if regularizer == "none" or not overrides.get("skip_zero_advantage"):
+        return config
+    return replace(config, train_overrides=tuple({**overrides, "skip_zero_advantage": False}.items()))
 
 
 def prompt_format(model: str, config: DemoSettings) -> DemoSettings:
@@ -321,11 +341,12 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     settings = {k: v for k, v in settings.items() if v is not None}
     # another preset given with --logged keeps its own baseline (topr's threshold, say)
     own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
-    logged_recipe = ({"logged": True} if own_preset else LOGGED) if logged else {}
+    logged_recipe = ({"logged": True, "train_overrides": ()} if own_preset else LOGGED) if logged else {}
     own_model, recipe = model_recipe(model, quick)
     config = DemoSettings(**{**recipe, **logged_recipe, **settings})
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
-    get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
+    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
+    config = keep_zero_advantage_for_regularizer(config, spec.regularizer)
     if own_model:
         config = prompt_format(model, config)
     if threads is not None:

@@ -19,9 +19,25 @@ from paths import REPO
 
 from offline_rec.errors import UserError
 
-# 8 train prompts, 4 per step, 1 epoch: 8 / 4 = 2 optimizer steps; a checkpoint every epoch = every 2 steps.
+# 8 train prompts x 4 samples, 1 epoch of the demo's steps of rows, 8 rows a step: ceil(rows of nonzero
+# advantage / 8) optimizer steps (`nonzero_advantage_rows`), one checkpoint at the end (eval_every 52 > steps).
+TOY_ROWS_PER_STEP = 8
 TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, validation_prompts=8, prompts_per_step=4,
-           batch_size=8)
+           batch_size=8, train_overrides=(("batching", "rows"), ("skip_zero_advantage", True),
+                                          ("rows_per_step", TOY_ROWS_PER_STEP)))
+
+
+def nonzero_advantage_rows(dataset: str) -> int:
+    """Rows of the groups whose rewards are not all equal: the rows skip_zero_advantage trains on."""
+    from offline_rec import schema as S
+    from offline_rec.data.dataset import open_dataset
+
+    return sum(len(group) for group in open_dataset(dataset).iter_groups([S.REWARD])
+               if len({row[S.REWARD] for row in group}) > 1)
+
+
+def toy_steps(summary: dict) -> int:
+    return -(-nonzero_advantage_rows(summary["paths"]["dataset"]) // TOY_ROWS_PER_STEP)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +69,14 @@ def test_every_stage_leaves_its_output(demo):
 
     run = Path(summary["paths"]["run"])
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [1, 2]
+    steps = toy_steps(summary)
+    assert 1 <= steps <= 32 // TOY_ROWS_PER_STEP  # at most all 32 rows trained
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
     model = AutoModelForCausalLM.from_pretrained(summary["paths"]["final_model"])
     assert model.config.vocab_size > 0
 
-    # step 0 is the "before" evaluation; then one point per saved checkpoint (every epoch = 2 steps)
-    assert [point["step"] for point in summary["curve"]] == [0, 2]
+    # step 0 is the "before" evaluation; then one point per saved checkpoint (the last step only)
+    assert [point["step"] for point in summary["curve"]] == [0, steps]
     assert summary["curve"][0]["greedy_accuracy"] == summary["before"]["greedy_accuracy"]
 
     for name in ("heldout.png", "training.png", "evals.png", "summary.md"):
@@ -81,10 +99,10 @@ def test_summary_json_has_the_promised_keys(demo):
         assert summary[side]["pass@4"] >= summary[side]["accuracy"]
     assert summary["seconds"] > 0
     assert set(summary["stage_seconds"]) == {"policy", "collect", "validate", "before", "train", "after", "report"}
-    assert summary["steps"] == 2
+    assert summary["steps"] == toy_steps(summary)
     checkpoint = summary["checkpoint"]
     assert set(checkpoint) == {"select", "step", "final_step", "model", "validation_greedy_accuracy", "why"}
-    assert checkpoint["select"] == "best-validation" and checkpoint["final_step"] == 2
+    assert checkpoint["select"] == "best-validation" and checkpoint["final_step"] == summary["steps"]
     assert "validation prompts" in checkpoint["why"] and "test prompts played no part" in checkpoint["why"]
     # the chosen point: highest validation score, the later step on a tie; "after" is that model on the test prompts
     scores = [(p["validation_greedy_accuracy"], p["step"]) for p in summary["curve"]]
@@ -217,7 +235,7 @@ def run_demo_cli(capsys, *argv) -> tuple[int, str]:
 @pytest.mark.slow
 def test_demo_command_runs_a_quick_demo(tmp_path, tiny_policy, capsys):
     out = tmp_path / "cli-demo"
-    # --quick takes 4 samples per prompt; 8 prompts, 1 epoch of 32-prompt steps: a single step.
+    # --quick takes 4 samples per prompt; 8 prompts (at most 32 rows), 1 epoch of 128-row steps: a single step.
     args = ["demo", "--out", str(out), "--model", tiny_policy, "--quick", "--num-prompts", "8", "--epochs", "1",
             "--eval-prompts", "8", "--default-clip", "--select", "final", "--seed", "3"]
     code, output = run_demo_cli(capsys, *args)
@@ -384,3 +402,27 @@ def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline
     assert (baseline["baseline"], baseline["group_mean"]) == ("dataset", False)
     topr_summary = json.loads((tmp_path / "topr" / "summary.json").read_text())
     assert "eps_low" not in topr_summary["algorithm_overrides"], topr_summary["algorithm_overrides"]
+
+
+def test_the_default_recipe_trains_steps_of_rows_and_the_others_whole_groups():
+    from offline_rec.demo.estimate import step_rows
+    from offline_rec.demo.pipeline import DEMO_TRAIN, LOGGED, OWN_MODEL, DemoSettings
+
+    default = DemoSettings()
+    assert dict(default.train_overrides) == {"batching": "rows", "skip_zero_advantage": True, "rows_per_step": 128}
+    assert default.train_overrides == DEMO_TRAIN and (default.lr, default.epochs, default.lr_schedule) == (
+        3e-4, 2, "cosine")
+    # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes ~414)
+    assert step_rows(default) == (512, 128)
+    # --logged and --model keep whole-group steps: 4096 / 128 x 8 epochs; 32 / 8 x 1 epoch, 8 groups of 4 rows
+    assert DemoSettings(**LOGGED).train_overrides == () and step_rows(DemoSettings(**LOGGED)) == (256, 128)
+    assert DemoSettings(**OWN_MODEL).train_overrides == () and step_rows(DemoSettings(**OWN_MODEL)) == (4, 32)
+
+
+def test_a_preset_with_a_regularizer_trains_on_the_zero_advantage_rows_too():
+    from offline_rec.demo.pipeline import DemoSettings, keep_zero_advantage_for_regularizer
+
+    kept = keep_zero_advantage_for_regularizer(DemoSettings(algorithm="opmd"), "k2")
+    assert dict(kept.train_overrides) == {"batching": "rows", "skip_zero_advantage": False, "rows_per_step": 128}
+    default = DemoSettings()
+    assert keep_zero_advantage_for_regularizer(default, "none") is default
