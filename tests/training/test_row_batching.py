@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from train_support import config, tiny_model, write_dataset
+from train_support import config, write_dataset
 
 from offline_rec.algorithms import get_algorithm
 from offline_rec.data.dataset import open_dataset
@@ -26,17 +26,7 @@ SIZES = [4, 1, 2, 4, 1, 2]
 ADVANTAGES = {4: [0.75, -0.25, -0.25, -0.25], 1: [0.0], 2: [0.5, -0.5]}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from cli_support import run_cli
-from train_support import config, state_dict_of, tiny_model, write_dataset
+from train_support import config, state_dict_of, write_dataset
 
 from offline_rec.algorithms import RewardMoments, get_algorithm, group_advantages
 from offline_rec.data.dataset import open_dataset
@@ -21,18 +21,7 @@ from offline_rec.errors import UserError
 from offline_rec.training import group_index, step_plan
 from offline_rec.training.loop import train
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_support import config, state_dict_of, tiny_model, write_dataset
+from train_support import config, state_dict_of, write_dataset
 
 from offline_rec.algorithms import ALGORITHMS, get_algorithm, kl_to_initial, policy_loss
 from offline_rec.cli import main as cli_main
@@ -31,17 +31,7 @@ METRIC_KEYS = {"step", "epoch", "loss", "clip_fraction", "ratio_mean", "ratio_ma
                "lr", "tokens_per_s", "num_tokens", "seconds", "padding_efficiency", "ess", "chi2", "filter_fraction"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,7 @@ import re
 
 import numpy as np
 import pytest
-import torch
-from train_support import config, tiny_model, write_dataset
+from train_support import config, write_dataset
 
 from offline_rec.algorithms import ALGORITHMS
 from offline_rec.data.dataset import open_dataset
@@ -34,17 +33,7 @@ from offline_rec.training.weight_monitor import (
 SHIFT = -3.0  # logger B's log-probs: the model's minus 3 nats, so rho = e^3 = 20.09 on every B token at the start
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_model(tmp_path_factory.mktemp("model"))
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
