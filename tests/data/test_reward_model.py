@@ -381,7 +381,7 @@ def test_kill_9_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, capsys)
 @pytest.mark.vllm
 @pytest.mark.parametrize("kind, extra", [("chat", []), ("labels", ["--reward-label", "good"])])
 def test_vllm_pooling_backend_equals_transformers(models, logged, tmp_path, capsys, kind, extra):
-    from conftest import require_vllm
+    from vllm_server import require_vllm
 
     from offline_rec.rollout.backends import vllm_import_error
 

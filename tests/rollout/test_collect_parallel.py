@@ -38,7 +38,7 @@ SLOW_REWARD = "import time\ndef score(prompt, completion, fields):\n    time.sle
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_importable():
-    from conftest import require_vllm
+    from vllm_server import require_vllm
 
     from offline_rec.rollout.backends import vllm_import_error
 
