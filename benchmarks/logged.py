@@ -242,9 +242,20 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
     return path
 
 
-def _sizes(scale: dict) -> dict:
-    """A scale without its learning rates: runs of other lrs at the same sizes belong to the same table."""
-    return {k: v for k, v in scale.items() if k != "lrs"}
+def finished_runs(results_path: Path, scale: dict, varying: tuple[str, ...] = ("lrs",)) -> list[dict]:
+    """The runs in `results_path` (JSON Lines, one per finished run) made at `scale`'s sizes: its `varying`
+    fields (learning rates, seeds) may differ, since runs of other values at the same sizes share a table."""
+    def sizes(values: dict) -> dict:
+        return {k: v for k, v in values.items() if k not in varying}
+
+    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
+    return [r for r in done if sizes(r["scale"]) == sizes(scale)]
+
+
+def append_run(results_path: Path, result: dict) -> None:
+    """Record one finished run (a whole line; a rerun of the benchmark skips it)."""
+    with open(results_path, "a") as file:
+        file.write(json.dumps(result) + "\n")
 
 
 def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False) -> dict:
@@ -258,16 +269,14 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     paths = prepare_data(out, policy, scale, log)
     before = evaluate_policy(policy, out / "before", demo_settings(scale), 1, False)
     results_path = out / RESULTS_FILE
-    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
-    done = [r for r in done if _sizes(r["scale"]) == _sizes(asdict(scale))]  # any lr of the same sizes
+    done = finished_runs(results_path, asdict(scale))  # any lr of the same sizes
     finished = {(r["arm"], r["lr"]) for r in done}
     todo = [(arm, lr) for arm in arms for lr in ((REFERENCE_LR,) if arm == "group-k8" else scale.lrs)
             if (arm, lr) not in finished and not table_only]
     log(f"{len(finished)} run(s) done, {len(todo)} to go; base greedy accuracy {before['greedy_accuracy']:.3f}")
     for number, (arm, lr) in enumerate(todo, start=1):
         result = run_arm(arm, lr, out, paths, policy, scale, before)
-        with open(results_path, "a") as file:
-            file.write(json.dumps(result) + "\n")
+        append_run(results_path, result)
         done.append(result)
         curve = result["curve"]
         log(f"[{number}/{len(todo)}] {arm:<14} lr {lr:g}: test {curve[0]['greedy_accuracy']:.3f} -> best "

@@ -36,7 +36,6 @@ table.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -166,10 +165,6 @@ def run_arm(arm: str, lr: float, seed: int, out: Path, paths: dict, policy: str,
     return result
 
 
-def _sizes(scale: dict) -> dict:
-    return {k: v for k, v in scale.items() if k not in ("lrs", "seeds")}
-
-
 def summarize(results: list[dict]) -> list[dict]:
     """Per arm: the lr with the best seed-0 validation score; over that lr's seeds, the mean and the
     95% interval (t quantile) of test greedy, T=1 and pass@8."""
@@ -225,16 +220,14 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     policy = policy or ensure_demo_policy(progress=False)
     paths = logged.prepare_data(out, policy, logged_scale(scale), log)
     results_path = out / RESULTS_FILE
-    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
-    done = [r for r in done if _sizes(r["scale"]) == _sizes(asdict(scale))]
+    done = logged.finished_runs(results_path, asdict(scale), varying=("lrs", "seeds"))
     finished = {(r["arm"], r["lr"], r["seed"]) for r in done}
     todo = [(arm, lr, seed) for arm in arms for seed in scale.seeds for lr in scale.lrs
             if (arm, lr, seed) not in finished and not table_only]
     log(f"{len(finished)} run(s) done, {len(todo)} to go")
     for number, (arm, lr, seed) in enumerate(todo, start=1):
         result = run_arm(arm, lr, seed, out, paths, policy, scale)
-        with open(results_path, "a") as file:
-            file.write(json.dumps(result) + "\n")
+        logged.append_run(results_path, result)
         done.append(result)
         log(f"[{number}/{len(todo)}] {arm:<20} lr {lr:g} seed {seed}: test greedy {result['greedy']:.3f}, T=1 "
             f"{result['t1']:.3f}, pass@8 {result['pass8']}, validation {result['validation']:.3f} "
