@@ -22,6 +22,11 @@ The arms change one lever at a time, starting from the demo's recipe (`groups`):
   rows-skip-redweight  + RED-Weight's W = exp(A / temp), temp 1 (up-weights the positives)
   rows-skip-neg0.5     + the negatives' term halved (`negative_weight` 0.5: positives outweigh negatives 2:1)
   rows-skip-neg0.25    the same with `negative_weight` 0.25
+  rows-skip-k0.5       + group_mean_scale 0.5: A = r - 0.5 * mean_g(r) (all-correct groups keep A = 0.5; positives
+                       outweigh negatives)
+  rows-skip-open       + no upper clip on the positives (eps_high 1e6): a positive is pushed up however far the
+                       policy already moved from the logger (as SFT does); the negatives keep the clip at 1 - 0.6
+  rows-skip-open-neg0.25, rows-skip-open-k0.5   rows-skip-open with negative_weight 0.25 / group_mean_scale 0.5
   rows-asymre          rows (no skip: the regularizer needs every row) + AsymRE's forward-KL c = 0.1, i.e. the
                        baseline shifted down by 0.1 (more weight on the positives, less on the negatives)
   filtered-sft         offline-rec's own filtered-SFT form (reinforce, A = r, baseline constant 0, no group
@@ -65,6 +70,7 @@ class Arm:
 
 ROWS = {"batching": "rows"}
 SKIP = {"batching": "rows", "skip_zero_advantage": True}
+OPEN_CLIP = {"eps_low": 0.6, "eps_high": 1e6}  # the negatives' side of the wide clip, no bound on the positives
 ARMS: dict[str, Arm] = {
     "groups": Arm("rec-oneside-nois", dict(WIDE_CLIP)),
     "rows": Arm("rec-oneside-nois", dict(WIDE_CLIP), ROWS),
@@ -73,6 +79,10 @@ ARMS: dict[str, Arm] = {
     "rows-skip-redweight": Arm("rec-oneside-nois", {**WIDE_CLIP, "weight": "advantage", "temp": 1.0}, SKIP),
     "rows-skip-neg0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.5}, SKIP),
     "rows-skip-neg0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.25}, SKIP),
+    "rows-skip-k0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, SKIP),
+    "rows-skip-open": Arm("rec-oneside-nois", OPEN_CLIP, SKIP),
+    "rows-skip-open-neg0.25": Arm("rec-oneside-nois", {**OPEN_CLIP, "negative_weight": 0.25}, SKIP),
+    "rows-skip-open-k0.5": Arm("rec-oneside-nois", {**OPEN_CLIP, "group_mean_scale": 0.5}, SKIP),
     "rows-asymre": Arm("rec-oneside-nois", {**WIDE_CLIP, "regularizer": "forward-kl", "reg_coef": 0.1}, ROWS),
     "filtered-sft": Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP),
     "sft-positives": Arm(peer="sft"),

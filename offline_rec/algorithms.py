@@ -147,6 +147,10 @@ class AlgorithmSpec:
     group_mean: bool = True
     """Groups of >= 2 kept rows are centred on their own mean and `baseline` serves the singletons; False:
     every row uses `baseline` (TOPR: its reward threshold, never the group mean)."""
+    group_mean_scale: float = 1.0
+    """kappa in [0, 1]: a group's rows are centred on kappa * mean_g(r) (1: the group mean; 0: A = r, reward-
+    weighted fine-tuning). Below 1 an all-correct group keeps a positive advantage (1 - kappa with 0/1 rewards),
+    so what a strong logger got right still teaches, and the positives outweigh the negatives."""
     aggregation: str = "auto"
     """How per-token terms become the loss (see `aggregate`): auto (seq-mean-token-mean for gspo-one-side,
     token-mean otherwise) | token-mean | seq-mean-token-mean | seq-mean-token-sum | dr-grpo."""
@@ -196,6 +200,8 @@ class AlgorithmSpec:
             object.__setattr__(self, field, float(value))
         if self.temp == 0:
             raise ValueError("temp must be > 0")
+        if self.group_mean_scale > 1:
+            raise ValueError(f"group_mean_scale must be in [0, 1], got {self.group_mean_scale}")
         self._check_objective_fields()
         for field in ("std_normalize", "population_std", "group_mean", "dual_clip_negatives", "icepop_mask"):
             if not isinstance(getattr(self, field), bool):
@@ -241,7 +247,7 @@ _CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop
             "aggregation": AGGREGATIONS, "ratio_level": RATIO_LEVELS}
 _FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
                  "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap",
-                 "negative_weight")
+                 "negative_weight", "group_mean_scale")
 # ratio_level sequence: the clips and weights that read nothing but each token's own ratio (the others read the
 # row's product or mean already, or A alone).
 _SEQUENCE_LEVEL_CLIPS = tuple(name for name, term in CLIP_MASKS.items() if term.token_ratio)
@@ -722,8 +728,8 @@ def group_advantages(
     """Advantages [N] and the keep mask [N] (bool) for rewards [N] of complete groups (one step's rows).
 
     A row whose group has >= 2 kept rows is centred on its group (with `spec.group_mean`, the default):
-        A_i = r_i - mean_g(r)                               (default)
-        A_i = (r_i - mean_g(r)) / (std_g(r) + 1e-6)         (std_normalize; unbiased sample std, or the
+        A_i = r_i - k * mean_g(r)                           (default; k = group_mean_scale, 1 by default)
+        A_i = (r_i - k * mean_g(r)) / (std_g(r) + 1e-6)     (std_normalize; unbiased sample std, or the
                                                              population std with population_std)
     The other rows (singleton groups; every row without `group_mean`) use `spec.baseline`:
         group     A_i = 0                                   (no baseline)
@@ -733,10 +739,10 @@ def group_advantages(
         dataset   A_i = r_i - mu_D  (std_normalize: / (sd_D + 1e-6)), mu_D and sd_D = `dataset_moments`
         constant  A_i = r_i - baseline_value
     so std normalization always divides by the spread of the population the baseline is the mean of.
-    A group of equal rewards gets exactly 0. drop="balance" (RED-Drop): in each group, negatives are
+    A group of equal rewards gets exactly 0 when k = 1. drop="balance" (RED-Drop): in each group, negatives are
     r < mean, the rest positives; if negatives outnumber positives, randomly chosen negatives (drawn
     with `generator`, default a fixed seed) are dropped until the counts match, and mean and std are
-    recomputed over the KEPT rows. Dropped rows get A = 0 and keep = False: exclude them from the loss
+    recomputed over the KEPT rows (negatives stay r < mean whatever k). Dropped rows get A = 0 and keep = False: exclude them from the loss
     and from N. Without drop, keep is all True. Computed in float64 (equal rewards give an exact 0),
     returned in the rewards' float dtype. Zero-variance and singleton groups: see `advantage_stats`.
     """
@@ -755,7 +761,7 @@ def group_advantages(
     if spec.drop == "balance":
         keep = _balance_drop(values, codes, num_groups, generator)
     count, mean, std = _group_moments(values, codes, num_groups, keep, population=spec.population_std)
-    centred = values - mean[codes]  # [N]
+    centred = values - spec.group_mean_scale * mean[codes]  # [N]
     if spec.std_normalize:
         centred = centred / (std[codes] + STD_EPS)
     grouped = keep & (count[codes] > 1) if spec.group_mean else torch.zeros_like(keep)  # [N]

@@ -864,3 +864,23 @@ def test_negative_weight_scales_the_negative_rows_term_by_hand(negative_weight, 
 def test_negative_weight_must_be_a_finite_non_negative_number():
     with pytest.raises(errors.UserError, match="negative_weight must be finite and >= 0"):
         get_algorithm("reinforce", negative_weight=-0.5)
+
+
+@pytest.mark.parametrize("scale, expected", [
+    # groups: g0 = [1, 0, 0, 0] (mean 0.25), g1 = [1, 1, 1, 1] (all correct, mean 1), g2 = [0, 0] (mean 0)
+    (1.0, [0.75, -0.25, -0.25, -0.25, 0, 0, 0, 0, 0, 0]),
+    (0.5, [0.875, -0.125, -0.125, -0.125, 0.5, 0.5, 0.5, 0.5, 0, 0]),  # r - 0.5 * mean: all-correct keeps 0.5
+    (0.0, [1, 0, 0, 0, 1, 1, 1, 1, 0, 0]),  # A = r: reward-weighted fine-tuning
+])
+def test_group_mean_scale_centres_on_a_fraction_of_the_group_mean_by_hand(scale, expected):
+    spec = dataclasses.replace(ALGORITHMS["rec-oneside-nois"], group_mean_scale=scale)
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0])
+    advantages, keep = group_advantages(spec, rewards, [0] * 4 + [1] * 4 + [2] * 2)
+    torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float32))
+    assert keep.all()
+
+
+@pytest.mark.parametrize("scale", [-0.1, 1.5, float("nan")])
+def test_group_mean_scale_outside_zero_one_is_refused(scale):
+    with pytest.raises(errors.UserError, match="group_mean_scale must be"):
+        get_algorithm("rec-oneside-nois", group_mean_scale=scale)
