@@ -289,6 +289,16 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     return {"table": table, "rows": rows, "out": str(out)}
 
 
+def run_and_print(run, *args, **kwargs) -> dict:
+    """A benchmark's `run(*args, log=..., **kwargs)` with its progress on stderr; its table printed, then the
+    minutes it took."""
+    started = time.monotonic()
+    outcome = run(*args, log=lambda m: print(m, file=sys.stderr, flush=True), **kwargs)
+    print(outcome["table"])
+    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
+    return outcome
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/logged", help="output folder (finished runs in it are kept)")
@@ -309,12 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     arms = args.arms.split(",") if args.arms else list(ARMS)
     if args.no_peers:
         arms = [a for a in arms if a not in PEERS]
-    started = time.monotonic()
-    outcome = run(Path(args.out), arms, scale, args.model, log=lambda m: print(m, file=sys.stderr, flush=True),
-                  table_only=args.table_only)
-    print(outcome["table"])
-    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
-    return outcome
+    return run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ table.md.
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import shutil
 import subprocess
 import sys
@@ -123,9 +123,11 @@ def positives(data) -> int:
     return sum(row["reward"] > 0 for group in open_groups(data) for row in group)
 
 
-def train_arm(arm: str, lr: float, seed: int, run_dir: Path, paths: dict, policy: str, scale: Scale) -> Path:
-    """Train one (arm, lr, seed); the folder of its final model."""
-    spec = ARMS[arm]
+def train_arm(arm: str, lr: float, seed: int, run_dir: Path, paths: dict, policy: str, scale: Scale,
+              arms: dict[str, Arm] = ARMS) -> Path:
+    """Train one (arm, lr, seed) of `arms` on paths["k8"]; the folder of its final model. The run's output,
+    the weight monitor's warnings included, goes to RUN_DIR.log."""
+    spec = arms[arm]
     log_path = run_dir.with_name(run_dir.name + ".log")
     if spec.peer:
         steps = scale.epochs * -(-positives(paths["k8"]) // scale.positives_per_step)
@@ -146,43 +148,52 @@ def train_arm(arm: str, lr: float, seed: int, run_dir: Path, paths: dict, policy
     settings = logged.demo_settings(logged_scale(scale), algorithm=spec.preset, wide_clip=False, lr=lr,
                                     epochs=scale.epochs, prompts_per_step=scale.groups_per_step,
                                     extra_overrides=tuple(spec.overrides.items()), train_overrides=tuple(train.items()))
-    with open(log_path, "w") as log, contextlib.redirect_stdout(log):
+    with open(log_path, "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         train_offline(policy, paths["k8"], run_dir, settings, progress=False)
     return ckpt.latest_checkpoint(run_dir)
 
 
-def run_arm(arm: str, lr: float, seed: int, out: Path, paths: dict, policy: str, scale: Scale) -> dict:
+def score(model: Path, eval_dir: Path, validation_prompts: str, scale: Scale) -> dict:
+    """The final model's scores: greedy, T=1 accuracy and pass@8 on the held-out test prompts, greedy on the
+    validation prompts."""
     from offline_rec.demo.pipeline import evaluate_policy
 
+    settings = logged.demo_settings(logged_scale(scale))
+    test = evaluate_policy(str(model), eval_dir / "eval-test", settings, 8, False)
+    validation = evaluate_policy(str(model), eval_dir / "eval-validation", settings, 1, False, validation_prompts)
+    return {"greedy": test["greedy_accuracy"], "t1": test["accuracy"], "pass8": test.get("pass@8"),
+            "validation": validation["greedy_accuracy"]}
+
+
+def run_arm(arm: str, lr: float, seed: int, out: Path, paths: dict, policy: str, scale: Scale,
+            arms: dict[str, Arm] = ARMS) -> dict:
     run_dir = out / "runs" / f"{arm}-lr{lr:g}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    model = train_arm(arm, lr, seed, run_dir, paths, policy, scale)
+    model = train_arm(arm, lr, seed, run_dir, paths, policy, scale, arms)
     trained = time.monotonic() - started
-    settings = logged.demo_settings(logged_scale(scale))
-    test = evaluate_policy(str(model), run_dir / "eval-test", settings, 8, False)
-    validation = evaluate_policy(str(model), run_dir / "eval-validation", settings, 1, False, paths["validation"])
-    result = {"arm": arm, "lr": lr, "seed": seed, "greedy": test["greedy_accuracy"], "t1": test["accuracy"],
-              "pass8": test.get("pass@8"), "validation": validation["greedy_accuracy"],
+    result = {"arm": arm, "lr": lr, "seed": seed, **score(model, run_dir, paths["validation"], scale),
               "train_seconds": round(trained, 1), "seconds": round(time.monotonic() - started, 1),
-              "scale": asdict(scale), "arm_spec": asdict(ARMS[arm])}
+              "scale": asdict(scale), "arm_spec": asdict(arms[arm])}
     if (run_dir / "metrics.jsonl").is_file():
-        result["steps"] = sum(1 for _ in open(run_dir / "metrics.jsonl"))
-    elif ARMS[arm].peer:
+        metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        result["steps"] = len(metrics)
+        result["rows"] = sum(m["rows"] for m in metrics)
+    elif arms[arm].peer:
         result["steps"] = int(model.name.split("-")[1])  # TRL's checkpoint-STEPS
     shutil.rmtree(run_dir, ignore_errors=True)  # keep the numbers, not the weights
     return result
 
 
-def summarize(results: list[dict]) -> list[dict]:
-    """Per arm: the lr with the best seed-0 validation score; over that lr's seeds, the mean and the
+def summarize(results: list[dict], arms: dict[str, Arm] = ARMS) -> list[dict]:
+    """Per arm of `arms`: the lr with the best seed-0 validation score; over that lr's seeds, the mean and the
     95% interval (t quantile) of test greedy, T=1 and pass@8."""
     import statistics
 
     t95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}
     rows = []
-    for arm in ARMS:
+    for arm in arms:
         runs = [r for r in results if r["arm"] == arm]
         if not runs:
             continue
@@ -270,12 +281,7 @@ def main(argv: list[str] | None = None) -> dict:
     arms = args.arms.split(",") if args.arms else list(ARMS)
     if args.no_peers:
         arms = [a for a in arms if not ARMS[a].peer]
-    started = time.monotonic()
-    outcome = run(Path(args.out), arms, scale, args.model, log=lambda m: print(m, file=sys.stderr, flush=True),
-                  table_only=args.table_only)
-    print(outcome["table"])
-    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
-    return outcome
+    return logged.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 
 
 if __name__ == "__main__":

@@ -235,3 +235,66 @@ def test_peers_benchmark_quick_run_scores_final_models_and_resumes(tmp_path):
     assert [row["arm"] for row in outcome["rows"]] == arms and "| rows-skip | 0.0003 | 1 |" in outcome["table"]
     peers.run(tmp_path, arms, scale, log=lambda message: None)  # nothing left to run
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
+
+
+def test_mixture_benchmark_reads_the_weight_monitor_from_a_training_log(tmp_path):
+    """mixture.py counts the monitor's ESS warning lines (first and halving ones) and keeps the final line's
+    weights part; a log without them reads as 0 warnings and no summary."""
+    from benchmarks import mixture
+
+    log = tmp_path / "run.log"
+    log.write_text("importance weights before step 1 (64 rows, initial policy): ess 0.8, max ratio 3\n"
+                   "warning: before step 1: importance weights' ess 0.08 < 0.1, max ratio 40: ...\n"
+                   "warning: step 12: importance weights' ess 0.05 < 0.1, max ratio 4983: ...\n"
+                   "a line that mentions warning: step 3 but is not the monitor's\n"
+                   "trained 256 steps -> RUN/final (loss -0.0017, reward 0.465); weights: ess min 0.0013 (step "
+                   "129), max ratio 4983 (step 129); 120 steps below 0.1\n")
+    assert mixture.weight_report(log) == {
+        "weight_warnings": 2,
+        "weights": "ess min 0.0013 (step 129), max ratio 4983 (step 129); 120 steps below 0.1"}
+    (tmp_path / "quiet.log").write_text("trained 8 steps -> RUN/final (loss 0.1, reward 0.5)\n")
+    assert mixture.weight_report(tmp_path / "quiet.log") == {"weight_warnings": 0, "weights": None}
+
+
+@pytest.mark.slow
+def test_mixture_benchmark_quick_run_builds_both_mixtures_and_resumes(tmp_path):
+    """benchmarks/mixture.py --quick without the TRL arm: B made from A's logs, a share of A's groups replaced by
+    B's answers (or joined with them: groups of 16), each arm trained on the mixture and scored, B alone as a
+    row; a rerun skips the finished runs."""
+    from benchmarks import mixture, peers
+    from offline_rec import schema as S
+    from offline_rec.data.dataset import open_dataset
+
+    arms = ["nois", "k0.5"]
+    outcome = mixture.run(tmp_path, ["s0.5", "join0.5"], arms, mixture.QUICK, log=lambda message: None)
+    a_groups = {g[0][S.GROUP_ID]: g for g in open_dataset(tmp_path / "data-k8").iter_groups()}
+    picked = mixture.group_ids(tmp_path / "prompts-0.5")
+    assert 0 < len(picked) < len(a_groups) == 32
+    for name, b_rows in (("s0.5", 8), ("join0.5", 8)):
+        groups = {g[0][S.GROUP_ID]: g for g in open_dataset(tmp_path / f"data-{name}").iter_groups()}
+        assert set(groups) == set(a_groups)  # the same prompts, each under its own group id
+        for group_id, group in groups.items():
+            behaviors = [row[S.BEHAVIOR] for row in group]
+            a_rows = 0 if (group_id in picked and name == "s0.5") else 8
+            assert behaviors.count(mixture.A_BEHAVIOR) == a_rows
+            assert behaviors.count(mixture.B_BEHAVIOR) == (b_rows if group_id in picked else 0)
+            if a_rows:  # A's rows are A's logs, untouched (log-probs included)
+                kept = [row for row in group if row[S.BEHAVIOR] == mixture.A_BEHAVIOR]
+                assert [r[S.BEHAVIOR_LOGPROBS] for r in kept] == [r[S.BEHAVIOR_LOGPROBS] for r in a_groups[group_id]]
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["mixture"], r["arm"], r["seed"]) for r in results] == [
+        (m, arm, 0) for m in ("s0.5", "join0.5") for arm in arms]
+    for result in results:
+        data = tmp_path / f"data-{result['mixture']}"
+        rewards = [[row["reward"] for row in g] for g in open_dataset(data).iter_groups(["reward"])]
+        # one pass; rows with a zero advantage skipped: all-equal groups under the plain group mean, all-wrong
+        # ones only under kappa 0.5 (an all-correct group keeps A = 0.5)
+        zero = (lambda r: min(r) == max(r)) if result["arm"] == "nois" else (lambda r: max(r) == 0)
+        assert result["rows"] == sum(len(r) for r in rewards if not zero(r))
+        assert result["steps"] == -(-result["rows"] // peers.QUICK.rows_per_step)
+        assert 0 <= result["greedy"] <= 1 and result["weight_warnings"] >= 0
+    assert [(r["mixture"], r["arm"]) for r in outcome["rows"]] == [
+        ("-", "b-alone"), *((m, arm) for m in ("s0.5", "join0.5") for arm in arms)]
+    assert "| s0.5 | k0.5 | 0.0006 | 1 |" in outcome["table"] and (tmp_path / mixture.PLOT_FILE).is_file()
+    mixture.run(tmp_path, ["s0.5", "join0.5"], arms, mixture.QUICK, log=lambda message: None)  # nothing left
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4

@@ -110,6 +110,7 @@ def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: 
         epoch=schedule.epoch_of(step),
         **passes,
         groups=len(plan.groups),
+        rows=int(plan.keep.sum()),  # the rows the step trained on: RED-Drop's and skipped A = 0 rows left out
         reward_mean=float(plan.rewards.mean()),
         zero_variance_group_fraction=stats["zero_variance_groups"] / stats["num_groups"],
         singleton_groups=stats["singleton_groups"],
@@ -131,7 +132,7 @@ _NAMESPACES = {
                "ess", "chi2", "filter_fraction", "ratio_high_fraction", "ratio_low_fraction", "weight_max"),
     "data": ("reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction",
              "policy_version_mean", "policy_version_max", "trained_policy_version", "staleness", "staleness_max",
-             "num_tokens", "groups"),
+             "num_tokens", "groups", "rows"),
     "charts": ("lr", "tokens_per_s", "padding_efficiency", "seconds", "epoch"),
 }
 

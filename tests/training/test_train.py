@@ -54,6 +54,7 @@ def test_end_to_end_outputs(tmp_path, model_dir, data_dir):
     assert all(METRIC_KEYS <= set(m) for m in metrics)
     # the final partial step of each epoch (2 groups) is trained, not dropped
     assert [m["groups"] for m in metrics] == [4, 4, 2, 4, 4, 2]
+    assert [m["rows"] for m in metrics] == [16, 16, 8, 16, 16, 8]  # groups of 4, none dropped
     assert metrics[2]["num_tokens"] > 0 and metrics[2]["grad_norm"] > 0
     # the data are the initial model's own log-probs: the first step is exactly on-policy
     assert metrics[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and metrics[0]["kl_behavior"] < 1e-6
