@@ -23,6 +23,7 @@ T=1 accuracy and pass@8 on 512 held-out test prompts, greedy on 512 validation p
   is              the same with rec-oneside-is: importance weights pi/mu, no cap
   is-cap2, is-cap10, is-dual   `is` with truncated IS at 2 / 10 (`is_cap`), or dual-clip on the negatives
                   (`dual_clip_negatives`, c = 3)
+  is-tis          `is` with the weight clamped on both sides (`weight: tis`): W = clamp(rho, 0.5, 2)
   k0.5, k0.25     `nois` with group_mean_scale 0.5 / 0.25: A = r - kappa * mean_g(r), so an all-correct group
                   (what B got right) keeps A = 1 - kappa
   b-alone         no training: B itself, scored the same way
@@ -62,6 +63,9 @@ ARMS: dict[str, peers.Arm] = {
     "is-cap2": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "is_cap": 2.0}, peers.SKIP),
     "is-cap10": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "is_cap": 10.0}, peers.SKIP),
     "is-dual": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "dual_clip_negatives": True}, peers.SKIP),
+    # the weight clamped on both sides: W = clamp(rho, 0.5, 2) (a positive B liked more than A keeps half its weight)
+    "is-tis": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "weight": "tis", "eps_low_prime": 0.5,
+                                           "eps_high_prime": 1.0}, peers.SKIP),
     "k0.5": peers.Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, peers.SKIP),
     "k0.25": peers.Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.25}, peers.SKIP),
 }
@@ -175,10 +179,10 @@ def weight_report(log_path: Path) -> dict:
     return {"weight_warnings": len(WARNING_LINE.findall(text)), "weights": summary.group(1) if summary else None}
 
 
-def rows_processed(result: dict, scale: peers.Scale) -> int:
+def rows_processed(result: dict, data: str, scale: peers.Scale) -> int:
     """Training rows that went through a forward and backward: the offline-rec arm's rows (peers.run_arm
-    counts them from metrics.jsonl), or TRL SFT's steps x its positives per step."""
-    return result.get("rows") or result["steps"] * scale.positives_per_step
+    counts them from metrics.jsonl), or for TRL's SFT every positive once a pass."""
+    return result.get("rows") or scale.epochs * peers.positives(data)
 
 
 def run_one(mixture: str, arm: str, seed: int, out: Path, data: str, paths: dict, policy: str,
@@ -187,7 +191,7 @@ def run_one(mixture: str, arm: str, seed: int, out: Path, data: str, paths: dict
     mixture_out = out / mixture
     result = peers.run_arm(arm, lr, seed, mixture_out, {**paths, "k8": data}, policy, scale, ARMS)
     log_path = mixture_out / "runs" / f"{arm}-lr{lr:g}-seed{seed}.log"
-    return {"mixture": mixture, **result, **weight_report(log_path), "rows": rows_processed(result, scale)}
+    return {"mixture": mixture, **result, **weight_report(log_path), "rows": rows_processed(result, data, scale)}
 
 
 def summarize(results: list[dict], b_scores: dict, mixtures) -> list[dict]:
