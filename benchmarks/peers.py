@@ -26,13 +26,16 @@ The arms change one lever at a time, starting from the demo's recipe (`groups`):
                        outweigh negatives)
   rows-skip-open       + no upper clip on the positives (eps_high 1e6): a positive is pushed up however far the
                        policy already moved from the logger (as SFT does); the negatives keep the clip at 1 - 0.6
-  rows-skip-open-neg0.25, rows-skip-open-k0.5   rows-skip-open with negative_weight 0.25 / group_mean_scale 0.5
+  rows-skip-open-neg0.25, -neg0.1, -k0.5, -k0.25   rows-skip-open with negative_weight 0.25 / 0.1, or
+                       group_mean_scale 0.5 / 0.25
   rows-asymre          rows (no skip: the regularizer needs every row) + AsymRE's forward-KL c = 0.1, i.e. the
                        baseline shifted down by 0.1 (more weight on the positives, less on the negatives)
   filtered-sft         offline-rec's own filtered-SFT form (reinforce, A = r, baseline constant 0, no group
                        mean) with rows + skip: the negatives (A = 0) leave, 32 positives a step -- the control
                        that must match TRL's SFT if the trainer is not the gap
   sft-positives        TRL SFTTrainer on the positives (RFT), 32 a step, in TRL's own venv (logged.trl_python)
+  dpo-pairs            TRL DPOTrainer on (positive, negative) pairs of the same prompt, 32 pairs a step
+  kto                  TRL KTOTrainer on every row (label: reward > 0), 128 rows a step
 
 Output in --out (default runs/peers): results.jsonl (one line per finished (arm, lr, seed), resumable),
 table.md.
@@ -82,10 +85,14 @@ ARMS: dict[str, Arm] = {
     "rows-skip-k0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, SKIP),
     "rows-skip-open": Arm("rec-oneside-nois", OPEN_CLIP, SKIP),
     "rows-skip-open-neg0.25": Arm("rec-oneside-nois", {**OPEN_CLIP, "negative_weight": 0.25}, SKIP),
+    "rows-skip-open-neg0.1": Arm("rec-oneside-nois", {**OPEN_CLIP, "negative_weight": 0.1}, SKIP),
     "rows-skip-open-k0.5": Arm("rec-oneside-nois", {**OPEN_CLIP, "group_mean_scale": 0.5}, SKIP),
+    "rows-skip-open-k0.25": Arm("rec-oneside-nois", {**OPEN_CLIP, "group_mean_scale": 0.25}, SKIP),
     "rows-asymre": Arm("rec-oneside-nois", {**WIDE_CLIP, "regularizer": "forward-kl", "reg_coef": 0.1}, ROWS),
     "filtered-sft": Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP),
     "sft-positives": Arm(peer="sft"),
+    "dpo-pairs": Arm(peer="dpo"),
+    "kto": Arm(peer="kto"),
 }
 
 
@@ -123,16 +130,28 @@ def positives(data) -> int:
     return sum(row["reward"] > 0 for group in open_groups(data) for row in group)
 
 
+def peer_examples(data, peer: str) -> int:
+    """The examples a TRL arm trains on: every row (kto), the positives (sft), or the positives of prompts that
+    have a negative too (dpo: one pair each, `_trl_peers.preference_pairs`)."""
+    if peer == "sft":
+        return positives(data)
+    groups = [[row["reward"] > 0 for row in group] for group in open_groups(data)]
+    if peer == "kto":
+        return sum(map(len, groups))
+    return sum(sum(group) for group in groups if not all(group))
+
+
 def train_arm(arm: str, lr: float, seed: int, run_dir: Path, paths: dict, policy: str, scale: Scale) -> Path:
     """Train one (arm, lr, seed); the folder of its final model."""
     spec = ARMS[arm]
     log_path = run_dir.with_name(run_dir.name + ".log")
     if spec.peer:
-        steps = scale.epochs * -(-positives(paths["k8"]) // scale.positives_per_step)
+        batch = scale.rows_per_step if spec.peer == "kto" else scale.positives_per_step
+        steps = scale.epochs * -(-peer_examples(paths["k8"], spec.peer) // batch)
         subprocess.run([logged.trl_python(), str(Path(__file__).with_name("_trl_peers.py")), "--trainer", spec.peer,
                         "--data", paths["k8"], "--model", policy, "--out", str(run_dir), "--lr", str(lr),
                         "--max-steps", str(steps), "--save-steps", str(steps), "--seed", str(seed),
-                        "--batch-size", str(scale.positives_per_step)],
+                        "--batch-size", str(batch)],
                        check=True, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
         return run_dir / f"checkpoint-{steps}"
     import contextlib
