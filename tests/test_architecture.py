@@ -138,6 +138,29 @@ def test_the_shared_file_name_check_finds_a_repeat():
     assert shared_file_names(paths) == {"policy.py": ["p/a/policy.py", "p/b/policy.py"]}
 
 
+def test_no_package_module_imports_an_old_path(graph):
+    assert OLD_PATH_SHIMS <= set(graph)
+    users = [f"{source} imports {target}" for source, targets in graph.items() if source not in OLD_PATH_SHIMS
+             for target in targets & OLD_PATH_SHIMS]
+    assert not users, users
+
+
+def test_the_old_paths_still_import_what_the_readme_named_and_warn():
+    import importlib
+    import sys
+
+    from offline_rec.dataset import card, validate
+    from offline_rec.dataset import format as dataset_format
+
+    for old, new, name in (("offline_rec.data.dataset", dataset_format, "DatasetWriter"),
+                           ("offline_rec.data.card", card, "refresh_dataset_card"),
+                           ("offline_rec.data.validate", validate, "check_dataset_for_use")):
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=old.replace(".", r"\.") + " moved to " + new.__name__):
+            module = importlib.import_module(old)
+        assert getattr(module, name) is getattr(new, name)
+
+
 # --------------------------------------------------------------------------------------------
 # backends: what a backend can do is read from its class in rollout/backends/, never from its name
 
