@@ -1,6 +1,6 @@
 """Where a dataset lives: a local folder, or a Hub reference `hf://datasets/ORG/NAME[@REVISION]`.
 
-Only names and their parsing live here (no network): the Hub layer fetches, the data layer and
+Only names and their parsing live here (no network): the Hub layer fetches, the dataset layer and
 the cards only need to recognize a reference.
 """
 
