@@ -1,6 +1,7 @@
-"""Cards (README.md) for the Hub: the dataset card rendered from a manifest, the model card of a trained policy.
+"""The dataset card (README.md) for the Hub, rendered from a manifest (the model card of a trained policy:
+offline_rec/hub/model_card.py, which shares `with_front_matter` and `as_prose`).
 
-Both start with YAML front matter that the Hub reads (license, tags, configs, features, ...)
+It starts with YAML front matter that the Hub reads (license, tags, configs, features, ...)
 and `datasets.load_dataset(folder)` honours: the `configs` entry lists the shards the manifest
 lists (so manifest.json and uncommitted shards are not read as data) and `dataset_info.features`
 gives the exact column types (`List(int32)`, not the `int64` a JSON reader would guess).
@@ -29,10 +30,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from offline_rec import schema as S
-from offline_rec.dataset.locations import hub_dataset_reference
 
 TAGS = ["offline-rl", "rl", "logprobs", "llm"]
-MODEL_TAGS = ["offline-rl", "rl", "reinforce", "offline-rec"]
 TASK_CATEGORIES = ["reinforcement-learning", "text-generation"]
 DEFAULT_LICENSE = "other"
 NOT_RECORDED = "not recorded"
@@ -146,7 +145,8 @@ def split_front_matter(text: str) -> tuple[dict, str]:
     return yaml.safe_load(text[4:end + 1]) or {}, text[end + 5:].lstrip("\n")
 
 
-def _with_front_matter(front: dict, body: str) -> str:
+def with_front_matter(front: dict, body: str) -> str:
+    """`body` under the YAML front matter `front` (the `---` delimited header the Hub reads)."""
     import yaml
 
     return f"---\n{yaml.safe_dump(front, sort_keys=False, allow_unicode=True)}---\n\n{body}"
@@ -156,7 +156,7 @@ def _with_front_matter(front: dict, body: str) -> str:
 # dataset card
 
 
-def _show(value) -> str:
+def as_prose(value) -> str:
     """A manifest value for prose: code-formatted, or 'not recorded' when absent."""
     if value is None or value == "":
         return NOT_RECORDED
@@ -169,25 +169,25 @@ def _behavior_section(behavior: dict) -> str:
     sampling = behavior.get("sampling") or {}
     source = behavior.get("logprobs_source") or "unknown"
     lines = [
-        f"- model: {_show(behavior.get('model'))}, revision {_show(behavior.get('revision'))}, "
-        f"dtype {_show(behavior.get('dtype'))}",
-        f"- engine: {_show(behavior.get('engine'))}, version {_show(behavior.get('engine_version'))}",
+        f"- model: {as_prose(behavior.get('model'))}, revision {as_prose(behavior.get('revision'))}, "
+        f"dtype {as_prose(behavior.get('dtype'))}",
+        f"- engine: {as_prose(behavior.get('engine'))}, version {as_prose(behavior.get('engine_version'))}",
         "- sampling: "
         + ", ".join(
-            f"{k} {_show(sampling.get(k))}" for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
+            f"{k} {as_prose(sampling.get(k))}" for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")
         ),
         f"- `behavior_logprobs` are log-probabilities of: `{source}`, "
         f"{LOGPROBS_MEANING.get(source, 'see the producer of the data')}",
-        f"- tokenizer hash: {_show(behavior.get('tokenizer_hash'))}",
+        f"- tokenizer hash: {as_prose(behavior.get('tokenizer_hash'))}",
     ]
     known = {"model", "revision", "dtype", "engine", "engine_version", "sampling", "logprobs_source", "tokenizer_hash"}
-    lines += [f"- {key}: {_show(value)}" for key, value in behavior.items() if key not in known]
+    lines += [f"- {key}: {as_prose(value)}" for key, value in behavior.items() if key not in known]
     return "\n".join(lines)
 
 
 def _task_section(task: dict) -> str:
-    lines = [f"- task: {_show(task.get('name'))}", f"- reward function: {_show(task.get('reward_function'))}"]
-    lines += [f"- {key}: {_show(value)}" for key, value in task.items() if key not in ("name", "reward_function")]
+    lines = [f"- task: {as_prose(task.get('name'))}", f"- reward function: {as_prose(task.get('reward_function'))}"]
+    lines += [f"- {key}: {as_prose(value)}" for key, value in task.items() if key not in ("name", "reward_function")]
     return "\n".join(lines)
 
 
@@ -204,7 +204,7 @@ def render_dataset_card(manifest: dict, license: str | None = None, repo_id: str
     totals_row = " | ".join(str(n) for n in (totals.get("rows", 0), totals.get("groups", 0),
                                              totals.get("completion_tokens", 0), len(manifest.get(S.M_SHARDS) or [])))
     stats = manifest.get(S.M_STATS) or {}
-    stats_lines = "\n".join(f"- {key}: {_show(value)}" for key, value in stats.items()) or "- none recorded"
+    stats_lines = "\n".join(f"- {key}: {as_prose(value)}" for key, value in stats.items()) or "- none recorded"
     body = f"""# Offline RL trajectories with behavior log-probabilities
 
 Logged responses of a behavior policy, grouped per prompt, with the log-probability of every
@@ -213,9 +213,9 @@ trajectory format, schema version `{version}` (the Hub tag `schema-v{version}` m
 this format). One row is one response; rows sharing `group_id` answer the same prompt instance.
 
 - license: `{front["license"]}`
-- created: {_show(manifest.get(S.M_CREATED_AT))}
-- complete: {_show(manifest.get(S.M_COMPLETE, True))}
-- how it was made: {_show(manifest.get(S.M_SOURCE) or None)}
+- created: {as_prose(manifest.get(S.M_CREATED_AT))}
+- complete: {as_prose(manifest.get(S.M_COMPLETE, True))}
+- how it was made: {as_prose(manifest.get(S.M_SOURCE) or None)}
 
 ## Totals
 
@@ -268,7 +268,7 @@ offline-rec train --data hf://datasets/{name} --model MODEL --algorithm rec-ones
 Prompts and completions are published exactly as they were logged. Check them for personal
 data before sharing.
 """
-    return _with_front_matter(front, body)
+    return with_front_matter(front, body)
 
 
 def _feature_text(dtype: pa.DataType) -> str:
@@ -338,102 +338,9 @@ def refresh_dataset_card(path: str | os.PathLike, manifest: dict, repo_id: str |
     if front is not None and _pinned(front, manifest):
         return False
     if front is not None:
-        text = _with_front_matter({**front, "configs": [data_config(manifest)], "dataset_info": dataset_info(manifest)},
+        text = with_front_matter({**front, "configs": [data_config(manifest)], "dataset_info": dataset_info(manifest)},
                                   body)
     else:
         text = render_dataset_card(manifest, repo_id=repo_id)
     atomic_write_text(card, text)
     return True
-
-
-# --------------------------------------------------------------------------------------------
-# model card
-
-
-def _value_table(header: str, values: dict) -> str:
-    rows = "\n".join(f"| `{key}` | {_show(value)} |" for key, value in values.items())
-    return f"| {header} | value |\n|---|---|\n{rows}"
-
-
-_USAGE = {
-    "transformers": (
-        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")\n'
-        'model = AutoModelForCausalLM.from_pretrained("{repo_id}")'
-    ),
-    "peft": (  # a LoRA adapter: peft loads its base model from adapter_config.json
-        "from peft import AutoPeftModelForCausalLM\n"
-        'model = AutoPeftModelForCausalLM.from_pretrained("{repo_id}")'
-    ),
-}
-
-
-def render_model_card(
-    repo_id: str,
-    *,
-    algorithm: dict,
-    training_data: list[str],
-    eval_summary: dict | None,
-    config: dict,
-    base_model: str | None = None,
-    library_name: str = "transformers",
-) -> str:
-    """The README.md of a trained policy: algorithm and hyper-parameters, training data, evaluation, config."""
-    import yaml
-
-    references = [hub_dataset_reference(source) for source in training_data]
-    hub_ids = list(dict.fromkeys(ref[0] for ref in references if ref))
-    front: dict = {"library_name": library_name, "tags": list(MODEL_TAGS)}
-    if hub_ids:
-        front["datasets"] = hub_ids
-    if base_model:
-        front["base_model"] = base_model
-    name = algorithm.get("name") or config.get("algorithm") or NOT_RECORDED
-    hyper = {key: value for key, value in algorithm.items() if key != "name"}
-    data_lines = []
-    for source, ref in zip(training_data, references):
-        if ref:
-            repo, revision = ref
-            data_lines.append(
-                f"- [{repo}](https://huggingface.co/datasets/{repo})"
-                + (f" at revision `{revision}`" if revision else "")
-            )
-        else:
-            data_lines.append(f"- local dataset `{source}` (not on the Hub)")
-    evaluation = _value_table("metric", eval_summary) if eval_summary else "No evaluation was run for this checkpoint."
-    usage = _USAGE[library_name].format(repo_id=repo_id)
-    plain_config = json.loads(json.dumps(config, default=str))  # paths, enums, ... as strings: safe YAML
-    config_yaml = yaml.safe_dump(plain_config, sort_keys=False, allow_unicode=True, default_flow_style=False).rstrip()
-    body = f"""# {repo_id}
-
-A policy trained offline with offline-rec from logged trajectories and their behavior
-log-probabilities, with the group-relative REINFORCE loss `{name}`.
-Base model: {_show(base_model or config.get('model'))}.
-
-## Algorithm
-
-Preset `{name}`; its hyper-parameters as trained:
-
-{_value_table("hyper-parameter", hyper) if hyper else "(no hyper-parameters recorded)"}
-
-## Training data
-
-{chr(10).join(data_lines) or "- not recorded"}
-
-## Evaluation
-
-{evaluation}
-
-## Usage
-
-```python
-{usage}
-```
-
-## Training configuration
-
-```yaml
-{config_yaml}
-```
-"""
-    return _with_front_matter(front, body)

@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.dataset.card import refresh_dataset_card, render_dataset_card, render_model_card
+from offline_rec.dataset.card import refresh_dataset_card, render_dataset_card
 from offline_rec.dataset.format import read_manifest
 from offline_rec.dataset.locations import HF_DATASET_PREFIX, check_repo_id, parse_hub_dataset_path
 from offline_rec.errors import DataError, UserError
+from offline_rec.hub.model_card import render_model_card
 
 DATASET_REPO = "dataset"
 MODEL_REPO = "model"

@@ -1,4 +1,4 @@
-"""The dataset and model cards: YAML front matter the Hub and `datasets` read, numbers from the manifest."""
+"""The dataset card: YAML front matter the Hub and `datasets` read, numbers from the manifest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import hashlib
 import json
 
 import pytest
-import yaml
 from cli_support import cli_exit_code
 from datagen import make_rows, write_dataset
 from datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
@@ -17,14 +16,13 @@ from offline_rec.dataset.card import (
     card_front_matter,
     card_problem,
     content_id,
-    hub_dataset_reference,
     refresh_dataset_card,
     render_dataset_card,
-    render_model_card,
     size_category,
     split_front_matter,
 )
 from offline_rec.dataset.format import DatasetWriter, make_row, read_manifest
+from offline_rec.dataset.locations import hub_dataset_reference
 from offline_rec.errors import UserError
 
 BEHAVIOR = S.behavior_provenance(
@@ -146,58 +144,6 @@ def test_hub_dataset_reference(source, expected):
 def test_hub_dataset_reference_refuses_a_malformed_hub_path():
     with pytest.raises(UserError):
         hub_dataset_reference("hf://datasets/just-a-name")
-
-
-def test_model_card_records_algorithm_data_eval_and_config():
-    algorithm = {"name": "rec-oneside-nois", "eps_low": 0.2, "eps_high": 0.2, "regularizer": "none"}
-    config = {
-        "model": "tiny-org/base",
-        "algorithm": "rec-oneside-nois",
-        "lr": 1e-6,
-        "data": ["hf://datasets/org/data@v1", "local/ds"],
-    }
-    card = render_model_card(
-        "org/policy",
-        algorithm=algorithm,
-        training_data=["hf://datasets/org/data@v1", "local/ds", SNAPSHOT],
-        eval_summary={"reward_mean": 0.625, "accuracy": 0.5},
-        config=config,
-        base_model="tiny-org/base",
-    )
-    front, body = split_front_matter(card)
-    assert front == {
-        "library_name": "transformers",
-        "tags": ["offline-rl", "rl", "reinforce", "offline-rec"],
-        "datasets": ["org/data"],  # hf:// path and cache snapshot name the same repo; the local folder is not a Hub id
-        "base_model": "tiny-org/base",
-    }
-    assert "Preset `rec-oneside-nois`" in body
-    assert "| `eps_low` | `0.2` |" in body and "| `regularizer` | `none` |" in body
-    assert "[org/data](https://huggingface.co/datasets/org/data) at revision `v1`" in body
-    assert "local dataset `local/ds` (not on the Hub)" in body
-    assert "| `reward_mean` | `0.625` |" in body
-    assert 'AutoModelForCausalLM.from_pretrained("org/policy")' in body
-    config_block = body.split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert yaml.safe_load(config_block) == config
-
-
-def test_model_card_without_eval_or_hub_data():
-    card = render_model_card("org/policy", algorithm={"name": "grpo"}, training_data=["local/ds"], eval_summary=None,
-                             config={"algorithm": "grpo"}, library_name="peft")
-    front, body = split_front_matter(card)
-    assert "datasets" not in front and "base_model" not in front
-    assert front["library_name"] == "peft"
-    assert "No evaluation was run" in body
-    assert "AutoPeftModelForCausalLM" in body
-
-
-def test_model_card_config_with_non_yaml_values():
-    from pathlib import Path
-
-    card = render_model_card("org/p", algorithm={"name": "grpo"}, training_data=[], eval_summary=None,
-                             config={"out": Path("runs/x"), "betas": (0.9, 0.95)})
-    config_block = card.split("```yaml\n", 1)[1].split("```", 1)[0]
-    assert yaml.safe_load(config_block) == json.loads(json.dumps({"out": "runs/x", "betas": [0.9, 0.95]}))
 
 
 # --------------------------------------------------------------------------------------------
