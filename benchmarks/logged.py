@@ -101,7 +101,7 @@ def demo_settings(scale: Scale, **changes):
 
 def prepare_data(out: Path, policy: str, scale: Scale, log) -> dict[str, str]:
     """The K=8 behavior data (the demo's collect), its cut to sample_index 0, and the validation prompts."""
-    from offline_rec.data.dataset import DatasetWriter, open_dataset, read_manifest
+    from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
     from offline_rec.demo.pipeline import collect_dataset, write_validation_prompts
 
     paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}

@@ -121,7 +121,7 @@ def logged_scale(scale: Scale) -> logged.Scale:
 
 
 def open_groups(data):
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     return open_dataset(data).iter_groups(["reward"])
 

@@ -16,17 +16,18 @@ from typing import Annotated
 import typer
 
 from offline_rec import __version__
-from offline_rec.data.config import DatasetToDataset, FilterOptions, JudgeOptions, MergeOptions, RewardConfig
-from offline_rec.data.importers.config import ImportConfig
-from offline_rec.data.view.config import ViewConfig
+from offline_rec.dataset.config import DatasetToDataset, FilterOptions, MergeOptions
 from offline_rec.demo.pipeline import DemoOptions
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
+from offline_rec.importers.config import ImportConfig
 from offline_rec.options import command, overrides
 from offline_rec.preemption import Preempted
 from offline_rec.record.settings import ProxySettings, RecordConfig
+from offline_rec.rewards.config import JudgeOptions, RewardConfig
 from offline_rec.rollout.config import CollectConfig
 from offline_rec.training.config import TrainConfig
+from offline_rec.view.config import ViewConfig
 
 app = typer.Typer(
     name="offline-rec",
@@ -87,7 +88,7 @@ def validate(
     ),
 ) -> None:
     """Check a dataset against the format; exit 0 when clean, 1 on problems, 2 on unusable input."""
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     report = validate_dataset(dataset, check_checksums=not no_checksums)
     if as_json:
@@ -105,7 +106,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ) -> None:
     """Describe a dataset: sizes, lengths, rewards, groups without signal, provenance."""
-    from offline_rec.data.inspect import describe_dataset
+    from offline_rec.dataset.inspect import describe_dataset
 
     stats = describe_dataset(dataset)
     for warning in stats["warnings"]:
@@ -126,12 +127,12 @@ def view(config: ViewConfig, quiet: bool) -> None:
         typer.echo(f"warning: {message}", err=True)
 
     if config.serve:
-        from offline_rec.data.view.page import open_view
-        from offline_rec.data.view.serve import serve_view
+        from offline_rec.view.page import open_view
+        from offline_rec.view.serve import serve_view
 
         serve_view(open_view(config, warn), config.host, config.port, announce=typer.echo)
         return
-    from offline_rec.data.view.page import write_view
+    from offline_rec.view.page import write_view
 
     summary = write_view(config, warn, progress=not quiet)
     typer.echo(f"{summary['groups']} groups, {summary['pages']} pages -> {summary['page']}"
@@ -145,8 +146,8 @@ def view(config: ViewConfig, quiet: bool) -> None:
 @command(app, "import", config=ImportConfig)
 def import_(config: ImportConfig, as_json: bool) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
-    from offline_rec.data.importers import import_dataset
-    from offline_rec.data.importers.common import ERRORS_SHOWN, BadLinesError
+    from offline_rec.importers import import_dataset
+    from offline_rec.importers.common import ERRORS_SHOWN, BadLinesError
 
     try:
         summary = import_dataset(config)
@@ -166,7 +167,7 @@ def import_(config: ImportConfig, as_json: bool) -> None:
 @command(app, "filter", paths=DatasetToDataset, options=FilterOptions)
 def filter_(paths: DatasetToDataset, options: FilterOptions, as_json: bool) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
-    from offline_rec.data.filter import filter_dataset
+    from offline_rec.dataset.filter import filter_dataset
     from offline_rec.summaries import filter_lines
 
     summary = filter_dataset(paths.dataset, paths.out, options)
@@ -179,7 +180,7 @@ def filter_(paths: DatasetToDataset, options: FilterOptions, as_json: bool) -> N
 def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, quiet: bool, as_json: bool) -> None:
     """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta), a
     reward model (a rerun after an interruption continues) or an LLM judge."""
-    from offline_rec.data.reward import reward_dataset
+    from offline_rec.rewards.rescore import reward_dataset
     from offline_rec.summaries import reward_lines
 
     summary = reward_dataset(paths.dataset, paths.out, config, judge, progress=not quiet)
@@ -286,7 +287,7 @@ def pull(
 @command(app, config=CollectConfig)
 def collect(config: CollectConfig, quiet: bool) -> None:
     """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
-    from offline_rec.data.dataset import read_manifest
+    from offline_rec.dataset.format import read_manifest
     from offline_rec.rollout.collect import collect as run_collect
     from offline_rec.rollout.engines import EngineError
     from offline_rec.summaries import collect_line, collect_unrewarded_line
@@ -313,7 +314,7 @@ def merge(config: MergeOptions, as_json: bool) -> None:
     Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
     others are rewritten and re-sharded.
     """
-    from offline_rec.data.merge import join_groups, merge_datasets
+    from offline_rec.dataset.merge import join_groups, merge_datasets
     from offline_rec.summaries import merge_line
 
     if config.join_groups:
@@ -329,7 +330,7 @@ def merge(config: MergeOptions, as_json: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# cache: the trainer's row stores (offline_rec/data/rowcache.py)
+# cache: the trainer's row stores (offline_rec/training/rowcache.py)
 
 cache_app = typer.Typer(help="List or clear the trainer's row stores (the decoded token columns train reuses).",
                         no_args_is_help=True)
@@ -343,8 +344,8 @@ CacheDir = Annotated[
 @cache_app.command("list")
 def cache_list(cache_dir: CacheDir = None, as_json: SummaryJson = False) -> None:
     """The row stores in the cache: name, size, rows, the datasets they were built from, last use."""
-    from offline_rec.data import rowcache
     from offline_rec.display import print_row_stores
+    from offline_rec.training import rowcache
 
     stores = rowcache.list_stores(cache_dir)
     where = str(cache_dir if cache_dir is not None else rowcache.default_dir())
@@ -362,7 +363,7 @@ def cache_clear(
     cache_dir: CacheDir = None,
 ) -> None:
     """Remove row stores; a later train on their data builds them again."""
-    from offline_rec.data import rowcache
+    from offline_rec.training import rowcache
 
     removed = rowcache.clear_stores(cache_dir, names or ())
     for entry in removed:

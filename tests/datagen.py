@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, completion_token_count, make_row, sha256_file
+from offline_rec.dataset.format import DatasetWriter, completion_token_count, make_row, sha256_file
 
 Nested = Sequence[Sequence]  # one inner sequence per group, one value per response
 

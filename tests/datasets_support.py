@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from offline_rec import schema as S
-from offline_rec.data.card import render_dataset_card, split_front_matter
+from offline_rec.dataset.card import render_dataset_card, split_front_matter
 
 
 def use_private_datasets_cache(monkeypatch, folder: str | os.PathLike) -> Path:

@@ -68,8 +68,8 @@ def test_median_of_odd_and_even_counts():
 
 
 def test_synthetic_dataset_has_the_asked_shape_and_validates(tmp_path):
-    from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     # 5 groups of 2 rows, 2 groups per shard: shards of 2, 2, 1 groups; every row 3 + 4 tokens.
     info = write_synthetic_dataset(tmp_path / "ds", num_groups=5, group_size=2, prompt_lengths=(3, 3),
@@ -199,7 +199,7 @@ def test_logged_benchmark_quick_run_chooses_on_validation(tmp_path):
     scale = logged.Scale(num_prompts=32, epochs=1, rows_per_step=16, eval_every=1, eval_prompts=16,
                          validation_prompts=16, lrs=(3e-4,))
     outcome = logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)
-    from offline_rec.data.inspect import describe_dataset
+    from offline_rec.dataset.inspect import describe_dataset
 
     assert describe_dataset(tmp_path / "data-singletons")["group_size_histogram"] == {1: 32}
     assert describe_dataset(tmp_path / "data-k8")["group_size_histogram"] == {8: 32}

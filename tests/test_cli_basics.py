@@ -21,7 +21,7 @@ from paths import REPO as REPO_DIR
 from offline_rec import __version__
 from offline_rec import schema as S
 from offline_rec.cli import app
-from offline_rec.data.inspect import describe_dataset
+from offline_rec.dataset.inspect import describe_dataset
 
 HEAVY_MODULES = ("torch", "transformers", "vllm")
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from offline_rec.data.reward_model import _worker_devices
 from offline_rec.devices import visible_gpus
+from offline_rec.rewards.reward_model import _worker_devices
 from offline_rec.rollout.engines import engine_environment
 
 

@@ -14,7 +14,7 @@ from paths import REPO
 from traffic_support import write_logged
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
+from offline_rec.dataset.format import open_dataset
 
 HEADING = "### From logged traffic to training"
 

@@ -4,7 +4,7 @@ per prompt, no reward, the server's own prompt ids (one group's a valid but non-
 from __future__ import annotations
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, make_row
+from offline_rec.dataset.format import DatasetWriter, make_row
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.models.tiny import chat_messages
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, make_row
+from offline_rec.dataset.format import DatasetWriter, make_row
 from offline_rec.models.loading import load_model, load_tokenizer, tokenizer_hash
 from offline_rec.models.logprobs import token_logprobs_from_model
 from offline_rec.models.tiny import make_tiny_checkpoint

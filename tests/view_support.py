@@ -18,7 +18,7 @@ from chat_logs import TOOL_RESULT
 from datagen import write_dataset
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import make_row
+from offline_rec.dataset.format import make_row
 from offline_rec.models.tiny import chat_messages
 
 SCRIPT_COMPLETION = ('<script>window.pwned=1;document.title="pwned"</script>'

@@ -3,14 +3,14 @@
 Seven stages, each timed and written under OUT:
 
 1. policy    the shipped weak-but-learnable behavior policy (offline_rec/demo/arith_policy, see
-             `offline_rec.demo.policy`); when it is missing it is built once into a cache folder
+             `offline_rec.demo.behavior_policy`); when it is missing it is built once into a cache folder
              (no network is ever used). Or `--model`: any causal LM, with its chat template and the
              instruct reward when it has one, at sizes for a CPU (OWN_MODEL). Then the estimate of
              how long the demo will take here, from a micro-benchmark of the policy (`demo.estimate`)
 2. collect   K=8 samples per prompt at temperature 1, with their sampling log-probs, from the arith
              TRAIN split -> OUT/data (a normal dataset); and OUT/validation-prompts.jsonl: other
              train-split prompts, none of them trained on (the validation split)
-3. validate  the dataset against the format (`offline_rec.data.validate`)
+3. validate  the dataset against the format (`offline_rec.dataset.validate`)
 4. before    the behavior policy on held-out TEST prompts: greedy accuracy, accuracy at T=1, pass@8
 5. train     `rec-oneside-nois` with the wide clip on that fixed dataset (offline: the data is never
              re-collected), a checkpoint every `eval_every` steps -> OUT/run; each checkpoint is then
@@ -218,11 +218,11 @@ OWN_MODEL_QUICK = dict(num_prompts=8, eval_prompts=8, validation_prompts=8, prom
 def model_recipe(model: str | None, quick: bool) -> tuple[bool, dict]:
     """(whether `model` is the user's own, the DemoSettings its demo starts from).
 
-    The shipped policy (`model` None) and any policy of its recipe (`demo.policy.is_demo_policy`: the cached
+    The shipped policy (`model` None) and any policy of its recipe (`demo.behavior_policy.is_demo_policy`: the cached
     build, tests' tiny builds) keep the tiny policy's recipe (QUICK with `quick`); any other causal LM starts
     from OWN_MODEL (and OWN_MODEL_QUICK). Its prompt format is read from its tokenizer later (`prompt_format`).
     """
-    from offline_rec.demo.policy import is_demo_policy
+    from offline_rec.demo.behavior_policy import is_demo_policy
 
     if model is None or is_demo_policy(model):
         return False, dict(QUICK if quick else {})
@@ -460,7 +460,7 @@ def ensure_demo_policy(progress: bool = True, **recipe) -> str:
     `recipe`: `demo_policy.DemoRecipe` fields for a build (tests use tiny ones). The build goes into a
     temporary sibling folder renamed when complete, so an interrupted build is never used.
     """
-    from offline_rec.demo.policy import build_demo_policy, demo_policy_path
+    from offline_rec.demo.behavior_policy import build_demo_policy, demo_policy_path
 
     try:
         return demo_policy_path()
@@ -492,7 +492,7 @@ def collect_dataset(policy: str, out: Path, config: DemoSettings, progress: bool
 
 def check_dataset(path: str):
     """The validation report; a dataset with errors stops the demo (it would be a bug upstream)."""
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     report = validate_dataset(path)
     if not report.ok:
@@ -731,7 +731,7 @@ def metrics_line(metrics: dict, num_samples: int) -> str:
 
 
 def dataset_line(path: str) -> str:
-    from offline_rec.data.dataset import read_manifest
+    from offline_rec.dataset.format import read_manifest
 
     manifest = read_manifest(path)
     totals = manifest["totals"]

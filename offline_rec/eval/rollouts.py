@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
+from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval.config import SUCCESS_THRESHOLD, EvalConfig, cli_arguments
 from offline_rec.files import atomic_write_json, atomic_write_text

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, make_row, read_manifest
+from offline_rec.dataset.format import DatasetWriter, make_row, read_manifest
 from offline_rec.errors import DataError, UserError
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.preemption import Preempted, StopRequest
@@ -333,7 +333,7 @@ def _logged_prompts(config: CollectConfig, tokenizer) -> tuple[list[PromptItem],
     group's prompt text and exact prompt ids; the dataset must have been tokenized with the policy's tokenizer."""
     import json
 
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.models.loading import check_tokenizers
 
     dataset = open_dataset(config.prompts_from, require_complete=True)

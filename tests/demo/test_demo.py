@@ -30,7 +30,7 @@ TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, validation_pr
 def nonzero_advantage_rows(dataset: str) -> int:
     """Rows of the groups whose rewards are not all equal: the rows skip_zero_advantage trains on."""
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     return sum(len(group) for group in open_dataset(dataset).iter_groups([S.REWARD])
                if len({row[S.REWARD] for row in group}) > 1)
@@ -42,7 +42,7 @@ def toy_steps(summary: dict) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_policy() -> str:
-    from offline_rec.demo.policy import demo_policy_path
+    from offline_rec.demo.behavior_policy import demo_policy_path
 
     return demo_policy_path()
 
@@ -60,7 +60,7 @@ def demo(tmp_path_factory, tiny_policy):
 def test_every_stage_leaves_its_output(demo):
     from transformers import AutoModelForCausalLM
 
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     out, summary = demo
     assert validate_dataset(summary["paths"]["dataset"]).ok
@@ -114,7 +114,7 @@ def test_summary_json_has_the_promised_keys(demo):
 
 @pytest.mark.slow
 def test_validation_prompts_are_train_split_and_never_trained_on(demo):
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.tasks.builtin import arith_split
     from offline_rec.tasks.prompts import load_prompts
 
@@ -204,7 +204,7 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
 
 
 def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatch):
-    import offline_rec.demo.policy as demo_policy
+    import offline_rec.demo.behavior_policy as demo_policy
     from offline_rec.demo.pipeline import demo_policy_cache, ensure_demo_policy
 
     def missing():
@@ -374,7 +374,7 @@ def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_po
 
 @pytest.mark.slow
 def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline(tmp_path, tiny_policy, capsys):
-    from offline_rec.data.inspect import describe_dataset
+    from offline_rec.dataset.inspect import describe_dataset
     from offline_rec.demo.pipeline import LOGGED
 
     out = tmp_path / "logged"

@@ -200,7 +200,7 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
     import torch
     from datagen import make_rows
 
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.offline import offline_evaluate
     from offline_rec.models.loading import load_model

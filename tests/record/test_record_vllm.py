@@ -170,8 +170,8 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
     """`offline-rec import` of the recorded directory as it is (single calls and the episode), rewards
     given afterwards by response and episode id: ids are the server's, log-probs equal a teacher-forced
     recomputation, the episode is one row whose loss mask covers exactly its two replies."""
-    from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.importers import ImportConfig, import_dataset
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.importers import ImportConfig, import_dataset
     from offline_rec.models.loading import load_model, load_tokenizer
     from offline_rec.models.teacher_forced import teacher_forced_logprobs
     from offline_rec.models.tiny import token_bytes

@@ -34,7 +34,7 @@ from defects import DEFECTS as VALIDATE_DEFECTS
 from paths import REPO as ROOT
 
 from offline_rec import schema as S
-from offline_rec.data.validate import ERROR, validate_dataset
+from offline_rec.dataset.validate import ERROR, validate_dataset
 from offline_rec.hub import transfer as hub
 from offline_rec.models.tiny import make_tiny_checkpoint
 

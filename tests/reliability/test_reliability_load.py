@@ -32,9 +32,9 @@ from paths import REPO as ROOT
 
 from offline_rec import schema as S
 from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, group_advantages, policy_loss
-from offline_rec.data.filter import FilterOptions, filter_dataset
-from offline_rec.data.inspect import describe_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.filter import FilterOptions, filter_dataset
+from offline_rec.dataset.inspect import describe_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import DataError, UserError
 
 # --------------------------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from sampling_support import (
 )
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import DatasetWriter, open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.models.tiny import build_char_tokenizer

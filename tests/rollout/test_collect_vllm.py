@@ -26,8 +26,8 @@ from sampling_support import (
 )
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_model
 from offline_rec.rollout.backends import SamplingSettings, encode_prompts

@@ -14,9 +14,9 @@ import pytest
 from train_support import config, write_dataset
 
 from offline_rec.algorithms import ALGORITHMS
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.inspect import describe_dataset
-from offline_rec.data.merge import merge_datasets
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.inspect import describe_dataset
+from offline_rec.dataset.merge import merge_datasets
 from offline_rec.errors import UserError
 from offline_rec.summaries import merge_line, train_line
 from offline_rec.training import checks
