@@ -742,9 +742,10 @@ def group_advantages(
     A group of equal rewards gets exactly 0 when k = 1. drop="balance" (RED-Drop): in each group, negatives are
     r < mean, the rest positives; if negatives outnumber positives, randomly chosen negatives (drawn
     with `generator`, default a fixed seed) are dropped until the counts match, and mean and std are
-    recomputed over the KEPT rows (negatives stay r < mean whatever k). Dropped rows get A = 0 and keep = False: exclude them from the loss
-    and from N. Without drop, keep is all True. Computed in float64 (equal rewards give an exact 0),
-    returned in the rewards' float dtype. Zero-variance and singleton groups: see `advantage_stats`.
+    recomputed over the KEPT rows (negatives stay r < mean whatever k). Dropped rows get A = 0 and
+    keep = False: exclude them from the loss and from N. Without drop, keep is all True. Computed in
+    float64 (equal rewards give an exact 0), returned in the rewards' float dtype. Zero-variance and
+    singleton groups: see `advantage_stats`.
     """
     import torch
 
