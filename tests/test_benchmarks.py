@@ -235,3 +235,32 @@ def test_peers_benchmark_quick_run_scores_final_models_and_resumes(tmp_path):
     assert [row["arm"] for row in outcome["rows"]] == arms and "| rows-skip | 0.0003 | 1 |" in outcome["table"]
     peers.run(tmp_path, arms, scale, log=lambda message: None)  # nothing left to run
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
+
+
+def test_peers_summary_chooses_the_lr_on_validation_averaged_over_its_seeds():
+    """One lucky seed does not choose: lr 2e-3 scores 0.99 on seed 0 but 0.8 on seeds 1 and 2 (mean 0.863);
+    lr 1e-3's one seed, 0.9, wins, and its test numbers are the arm's."""
+    from benchmarks import peers
+
+    def run(lr, seed, validation, greedy):
+        return {"arm": "sft-positives", "lr": lr, "seed": seed, "validation": validation, "greedy": greedy,
+                "t1": greedy, "pass8": greedy, "train_seconds": 1.0}
+
+    results = [run(2e-3, 0, 0.99, 0.99), run(2e-3, 1, 0.8, 0.7), run(2e-3, 2, 0.8, 0.7), run(1e-3, 0, 0.9, 0.88)]
+    (row,) = peers.summarize(results)
+    assert (row["lr"], row["seeds"], row["greedy"]) == (1e-3, 1, pytest.approx(88.0))
+    assert row["by_lr"][2e-3] == (pytest.approx(0.7967, abs=1e-4), 3)
+    assert "0.002: 79.7 (3 seeds)" in peers.markdown_table([row], peers.QUICK)
+
+
+def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():
+    """benchmarks/_trl_peers.py's pairs: prompt a (2 right, 1 wrong) gives 2 pairs sharing the one negative;
+    prompt b (all right) and c (all wrong) give none."""
+    import random
+
+    from benchmarks._trl_peers import preference_pairs
+
+    rows = [{"prompt": "a", "completion": c, "reward": r} for c, r in (("1", 1.0), ("2", 1.0), ("x", 0.0))]
+    rows += [{"prompt": "b", "completion": "3", "reward": 1.0}, {"prompt": "c", "completion": "y", "reward": 0.0}]
+    pairs = preference_pairs(rows, random.Random(0))
+    assert sorted((p["prompt"], p["chosen"], p["rejected"]) for p in pairs) == [("a", "1", "x"), ("a", "2", "x")]
