@@ -113,7 +113,8 @@ class AlgorithmSpec:
     name: str = "custom"
     """Preset this spec came from, for logs; it does not change the math."""
     clip: str = "none"
-    """Clip mask M: none | one-side | two-side | ring | gspo-one-side."""
+    """Clip mask M: none | one-side | two-side | ring | gspo-one-side | one-side-negatives (one-side's lower half
+    only: positives unclipped) | the peers' masks (see `objectives.CLIP_MASKS`)."""
     weight: str = "none"
     """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | seq-is (prod_t rho_t) | advantage
     (exp(A/temp)) | the peers' weights (see `token_weights`)."""

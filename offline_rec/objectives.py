@@ -199,6 +199,13 @@ def one_side(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
     return _one_side(rho, advantages, eps_low, eps_high)
 
 
+def one_side_negatives(rho, seq_ratio, advantages, mask, *, eps_low):
+    """one-side-negatives: M = A >= 0 or rho >= 1-eps_low: the one-side clip on the negatives alone. A positive
+    is pushed up however far the policy has moved from the logger (as fine-tuning on it would); a negative stops
+    once its ratio falls below 1-eps_low, which bounds the push-down."""
+    return (advantages >= 0) | (rho >= 1 - eps_low)
+
+
 def _one_side(ratio, advantages, eps_low: float, eps_high: float):
     """(A >= 0 and ratio <= 1+eps_high) or (A <= 0 and ratio >= 1-eps_low)."""
     return ((advantages >= 0) & (ratio <= 1 + eps_high)) | ((advantages <= 0) & (ratio >= 1 - eps_low))
@@ -306,6 +313,7 @@ CLIP_MASKS: dict[str, Term] = {
     "icepop-seq": Term(icepop_seq),
     "m2po": Term(m2po),
     "opsm": Term(opsm, filters_one_side=True),
+    "one-side-negatives": Term(one_side_negatives, token_ratio=True),
 }
 """The clip masks M by `AlgorithmSpec.clip` value."""
 

@@ -24,6 +24,7 @@ from offline_rec.algorithms import (
     policy_loss,
     token_weights,
 )
+from offline_rec.objectives import CLIP_MASKS
 
 torch.set_num_threads(1)
 
@@ -308,6 +309,7 @@ EXPECTED_MASKS = {
     "one-side": [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]],
     "two-side": [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]],
     "ring": [[1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1]],
+    "one-side-negatives": [[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]],  # row 0 (A > 0) never clipped
 }
 # With W = 1, logp = -1 on row 0 and -2 on row 1, N = 12:
 #   per kept token: row 0: -1 * (+1) * (-1) = +1, row 1: -1 * (-1) * (-2) = -2
@@ -316,6 +318,7 @@ EXPECTED_CLIP_LOSS = {
     "one-side": (4 * 1 + 4 * -2) / 12,  # -1/3
     "two-side": (2 * 1 + 2 * -2) / 12,  # -1/6
     "ring": (3 * 1 + 3 * -2) / 12,  # -1/4
+    "one-side-negatives": (6 * 1 + 4 * -2) / 12,  # -1/6
 }
 
 
@@ -343,6 +346,18 @@ def test_one_side_is_exactly_where_ppo_clip_passes_gradient():
     logp, blogp, adv, mask = batch_with_ratios(CLIP_RHOS, [[-1.0], [-2.0]], CLIP_ADV)
     ppo_clip_loss(spec, logp, blogp, adv, mask).backward()
     assert (logp.grad != 0).int().tolist() == EXPECTED_MASKS["one-side"]
+
+
+def test_one_side_negatives_is_one_side_with_no_upper_bound():
+    """The negatives' half of one-side: equal to one-side with an eps_high no ratio reaches, on random ratios."""
+    torch.manual_seed(0)
+    rho = torch.exp(torch.randn(64, 8) * 3)  # ratios from ~1e-4 to ~1e4
+    adv = torch.randn(64, 1)
+    negatives_only = AlgorithmSpec(clip="one-side-negatives", eps_low=0.6)
+    wide_open = AlgorithmSpec(clip="one-side", eps_low=0.6, eps_high=1e9)
+    mask = torch.ones(64, 8, dtype=torch.bool)
+    assert torch.equal(CLIP_MASKS["one-side-negatives"](negatives_only, rho, None, adv, mask),
+                       CLIP_MASKS["one-side"](wide_open, rho, None, adv, mask))
 
 
 def test_gspo_one_side_by_hand():
