@@ -26,18 +26,18 @@ Why the transformers backend by default: on the 2-core CPU this was built on, vL
 this 0.8M-parameter model no faster than transformers (both ~6 s of CPU for 512 x 8 samples) but
 costs 8-30 s to start, once per sampling stage; `backend="vllm"` remains available.
 
-The training recipe: `rec-oneside-nois` with the paper's wide clip (0.6/2.0), Adam (AdamW without
-weight decay) at lr 3e-4 decayed by a cosine to 0 at the last step, steps of 128 rows shuffled
-across prompts with the rows of advantage 0 left out (DEMO_TRAIN: `batching: rows`,
-`skip_zero_advantage`), token-mean loss, gradient norm clipped at 1, 4096 prompts x 2 epochs = ~414
-steps. Chosen by measurement on the shipped policy (held-out greedy accuracy 48.0%), seed 0 first:
-the old default (default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%; the wide clip at 73.2%;
-with a cosine from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at 83.4% (32 whole
-groups a step, 256 steps; over seeds 0-4 in docs/paper.md every seed gains more than 25 points).
-Steps of rows with the skip then gained about 5 more points over 3 seeds (benchmarks/peers.py,
-docs/paper.md "Against fine-tuning on the positives"). A cosine to 0 leaves the last checkpoints
-close to each other, so the validation choice moves the result little; it guards against a late
-collapse, and it is the only choice that reads no test score.
+The training recipe: `rec-logged` (REC-OneSide's clip on the negatives only, eps_low 0.6, the positives
+unclipped, the negatives' term weighted 0.25), Adam (AdamW without weight decay) at lr 6e-4 decayed by a
+cosine to 0 at the last step, steps of 128 rows shuffled across prompts with the rows of advantage 0 left
+out (DEMO_TRAIN: `batching: rows`, `skip_zero_advantage`), token-mean loss, gradient norm clipped at 1,
+4096 prompts x 2 epochs = ~414 steps. Chosen by measurement on the shipped policy (held-out greedy
+accuracy 48.0%), seed 0 first: the old default (default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%;
+the wide clip at 73.2%; with a cosine from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at
+83.4% (32 whole groups a step, 256 steps; over seeds 0-4 in docs/paper.md every seed gains more than 25
+points). Steps of rows with the skip then gained about 5 more points over 3 seeds, and rec-logged at lr
+6e-4 about 4 more greedy and 7.6 at T=1 (benchmarks/peers.py, docs/paper.md "Against fine-tuning on the
+positives"). A cosine to 0 leaves the last checkpoints close to each other, so the validation choice moves
+the result little; it guards against a late collapse, and it is the only choice that reads no test score.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from offline_rec.errors import UserError
 from offline_rec.files import cache_root
 from offline_rec.options import option
 
-DEMO_ALGORITHM = "rec-oneside-nois"
+DEMO_ALGORITHM = "rec-logged"
 DEMO_TASK = "arith"
 # The shipped policy learnt raw "What is a+b? " prompts and answers with the bare sum: its prompts skip the
 # chat template its character tokenizer has, and its reward is arith's strict form, as when it was measured.
@@ -107,8 +107,9 @@ class DemoSettings:
     prompts, the behavior policy included; a tie goes to the later step) or final (the last step). Only
     validation scores are read: the held-out test prompts play no part in the choice."""
     algorithm: str = DEMO_ALGORITHM
-    wide_clip: bool = True
-    """Use the paper's wide clip eps_low=0.6, eps_high=2.0 (`algorithms.WIDE_CLIP`)."""
+    wide_clip: bool = False
+    """Put the paper's wide clip eps_low=0.6, eps_high=2.0 (`algorithms.WIDE_CLIP`) over the preset's (rec-logged
+    has eps_low 0.6 itself and no upper clip)."""
     logged: bool = False
     """Production logs: collect ONE response per prompt (groups of one); train with a baseline for them."""
     baseline: str | None = None
@@ -120,7 +121,7 @@ class DemoSettings:
     train_overrides: tuple[tuple[str, object], ...] = DEMO_TRAIN
     """Other `TrainConfig` fields as (name, value) pairs, applied last: DEMO_TRAIN (steps of rows, zero-advantage
     rows skipped); () trains on whole groups, prompts_per_step of them a step (--logged and --model do)."""
-    lr: float = 3e-4
+    lr: float = 6e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
     min_lr_ratio: float = 0.0
@@ -194,7 +195,7 @@ class DemoSettings:
 QUICK = dict(num_prompts=64, epochs=2, eval_prompts=64, validation_prompts=64, num_samples=4, eval_every=2)
 """The reduced demo (`quick=True`): every stage on a small slice of the data; for tests and a first look."""
 
-LOGGED = dict(logged=True, algorithm=DEMO_ALGORITHM, wide_clip=False, baseline="dataset",
+LOGGED = dict(logged=True, algorithm="rec-oneside-nois", wide_clip=False, baseline="dataset",
               extra_overrides=(("eps_low", 0.2), ("eps_high", 2.0)), lr=1e-4, epochs=8, prompts_per_step=128,
               train_overrides=())
 """`--logged`: one response per prompt, as production traffic is logged, trained with the offline-rec setting
@@ -203,13 +204,15 @@ rewards' mean as the baseline, clip-higher (negatives' side 0.2, positives' side
 validation), 8 epochs of 128 rows per step (256 steps over 4096 prompts)."""
 
 OWN_MODEL = dict(num_prompts=32, num_samples=4, epochs=1, eval_prompts=32, validation_prompts=32, eval_every=2,
-                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24, train_overrides=())
+                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24, train_overrides=(),
+                 algorithm="rec-oneside-nois", wide_clip=True)
 """`--model`: sizes for a real model (a hundred million parameters or more) on a CPU, far below the tiny
 policy's: 32 train prompts x 4 samples, 1 epoch of 8 groups per step (4 optimizer steps), a checkpoint every
 2 steps, 32 held-out test and 32 validation prompts, 8 prompts per generate call, answers of at most 24
 tokens (an instruct model states a sum in a short sentence: "53 + 40 = 93."), lr 1e-5 (a pretrained model:
-3e-4 is the randomly initialised tiny policy's). SmolLM2-135M-Instruct at these sizes: see README "Your own
-model"."""
+the tiny policy's 6e-4 is for a randomly initialised model), rec-oneside-nois with the wide clip (as measured
+there; rec-logged was measured on the tiny policy only). SmolLM2-135M-Instruct at these sizes: see README
+"Your own model"."""
 
 OWN_MODEL_QUICK = dict(num_prompts=8, eval_prompts=8, validation_prompts=8, prompts_per_step=4)
 """`--model` with `--quick`: 8 train prompts x 4 samples, 2 steps of 4 groups, 8 test and 8 validation prompts."""
@@ -265,11 +268,12 @@ class DemoOptions:
     out: Path = option(Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json.")
     algorithm: str | None = option(
         None, "--algorithm",
-        help="Loss preset to train with (default rec-oneside-nois; --logged: with its baseline).",
+        help="Loss preset to train with (default rec-logged; --logged: rec-oneside-nois with its baseline; --model: "
+             "rec-oneside-nois, wide clip).",
     )
     wide_clip: bool | None = option(
         None, "--wide-clip/--default-clip",
-        help="The paper's wide clip eps_low 0.6, eps_high 2.0 (the default), or the preset's.",
+        help="The paper's wide clip eps_low 0.6, eps_high 2.0 over the preset's, or the preset's own (the default).",
     )
     backend: str = option(
         DemoSettings.backend, "--backend",

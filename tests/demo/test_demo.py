@@ -88,9 +88,8 @@ def test_summary_json_has_the_promised_keys(demo):
     out, returned = demo
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(json.dumps(returned))
-    # the default recipe is the paper's wide clip
-    assert summary["algorithm"] == "rec-oneside-nois" and summary["algorithm_overrides"] == {"eps_low": 0.6,
-                                                                                          "eps_high": 2.0}
+    # the default recipe is rec-logged as the preset defines it (no wide clip over it)
+    assert summary["algorithm"] == "rec-logged" and summary["algorithm_overrides"] == {}
     assert summary["seed"] == 0 == summary["settings"]["seed"]
     for side in ("before", "after"):
         assert set(summary[side]) == {"greedy_accuracy", "accuracy", "pass@4"}
@@ -411,7 +410,7 @@ def test_the_default_recipe_trains_steps_of_rows_and_the_others_whole_groups():
     default = DemoSettings()
     assert dict(default.train_overrides) == {"batching": "rows", "skip_zero_advantage": True, "rows_per_step": 128}
     assert default.train_overrides == DEMO_TRAIN and (default.lr, default.epochs, default.lr_schedule) == (
-        3e-4, 2, "cosine")
+        6e-4, 2, "cosine")
     # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes ~414)
     assert step_rows(default) == (512, 128)
     # --logged and --model keep whole-group steps: 4096 / 128 x 8 epochs; 32 / 8 x 1 epoch, 8 groups of 4 rows
