@@ -21,7 +21,7 @@ from offline_rec.demo.pipeline import DemoOptions
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig
 from offline_rec.importers.config import ImportConfig
-from offline_rec.options import command, overrides
+from offline_rec.options import Output, command, overrides, shared
 from offline_rec.preemption import Preempted
 from offline_rec.record.settings import ProxySettings, RecordConfig
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
@@ -119,8 +119,8 @@ def inspect(
         print_description(_console(), stats)
 
 
-@command(app, config=ViewConfig)
-def view(config: ViewConfig, quiet: bool) -> None:
+@command(app, config=ViewConfig, output=shared("quiet"))
+def view(config: ViewConfig, output: Output) -> None:
     """Look at a dataset in the browser: groups, filters, every response token by token (an HTML page or --serve)."""
 
     def warn(message: str) -> None:
@@ -134,7 +134,7 @@ def view(config: ViewConfig, quiet: bool) -> None:
         return
     from offline_rec.view.page import write_view
 
-    summary = write_view(config, warn, progress=not quiet)
+    summary = write_view(config, warn, progress=output.progress)
     typer.echo(f"{summary['groups']} groups, {summary['pages']} pages -> {summary['page']}"
                + (f" (page files: {summary['page_files']})" if summary["page_files"] else ""))
 
@@ -143,8 +143,8 @@ def view(config: ViewConfig, quiet: bool) -> None:
 # import, filter, reward
 
 
-@command(app, "import", config=ImportConfig)
-def import_(config: ImportConfig, as_json: bool) -> None:
+@command(app, "import", config=ImportConfig, output=shared("as_json"))
+def import_(config: ImportConfig, output: Output) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
     from offline_rec.importers import import_dataset
     from offline_rec.importers.common import ERRORS_SHOWN, BadLinesError
@@ -157,34 +157,35 @@ def import_(config: ImportConfig, as_json: bool) -> None:
         if len(e.rejects) > ERRORS_SHOWN:
             typer.echo(f"... and {len(e.rejects) - ERRORS_SHOWN} more", err=True)
         raise
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     from offline_rec.summaries import import_lines
 
     _echo(import_lines(summary))
 
 
-@command(app, "filter", paths=DatasetToDataset, options=FilterOptions)
-def filter_(paths: DatasetToDataset, options: FilterOptions, as_json: bool) -> None:
+@command(app, "filter", paths=DatasetToDataset, options=FilterOptions, output=shared("as_json"))
+def filter_(paths: DatasetToDataset, options: FilterOptions, output: Output) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
     from offline_rec.dataset.filter import filter_dataset
     from offline_rec.summaries import filter_lines
 
     summary = filter_dataset(paths.dataset, paths.out, options)
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     _echo(filter_lines(summary))
 
 
-@command(app, "reward", paths=DatasetToDataset, config=RewardConfig, judge=JudgeOptions)
-def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, quiet: bool, as_json: bool) -> None:
+@command(app, "reward", paths=DatasetToDataset, config=RewardConfig, judge=JudgeOptions,
+         output=shared("quiet", "as_json"))
+def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, output: Output) -> None:
     """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta), a
     reward model (a rerun after an interruption continues) or an LLM judge."""
     from offline_rec.rewards.rescore import reward_dataset
     from offline_rec.summaries import reward_lines
 
-    summary = reward_dataset(paths.dataset, paths.out, config, judge, progress=not quiet)
-    if as_json:
+    summary = reward_dataset(paths.dataset, paths.out, config, judge, progress=output.progress)
+    if output.as_json:
         return _print_json(summary)
     _echo(reward_lines(summary, config.judge_model or config.reward_model))
 
@@ -284,15 +285,14 @@ def pull(
 # collect, merge  (owned by offline_rec/rollout/collect.py, merge.py, backends/)
 
 
-@command(app, config=CollectConfig)
-def collect(config: CollectConfig, quiet: bool) -> None:
+@command(app, config=CollectConfig, output=shared("quiet"))
+def collect(config: CollectConfig, output: Output) -> None:
     """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
     from offline_rec.dataset.format import read_manifest
     from offline_rec.rollout.collect import collect as run_collect
     from offline_rec.rollout.engines import EngineError
     from offline_rec.summaries import collect_line, collect_unrewarded_line
 
-    config.show_progress = not quiet
     try:
         path = run_collect(config)
     except EngineError as error:  # an engine died or failed: what finished is committed, --resume goes on
@@ -306,8 +306,8 @@ def collect(config: CollectConfig, quiet: bool) -> None:
     typer.echo(collect_line(manifest, path))
 
 
-@command(app, config=MergeOptions)
-def merge(config: MergeOptions, as_json: bool) -> None:
+@command(app, config=MergeOptions, output=shared("as_json"))
+def merge(config: MergeOptions, output: Output) -> None:
     """Combine datasets with the same tokenizer and disjoint group ids into one (or, with --join-groups, the
     fresh answers to logged prompts into the logged groups).
 
@@ -324,7 +324,7 @@ def merge(config: MergeOptions, as_json: bool) -> None:
     else:
         summary = merge_datasets(config.datasets, config.out, groups_per_shard=config.groups_per_shard,
                                  check_rows=not config.no_row_checks)
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     typer.echo(merge_line(summary))
 
@@ -375,10 +375,9 @@ def cache_clear(
 # eval, report  (owned by offline_rec/eval/config.py, rollouts.py, offline.py, offpolicy.py, report.py)
 
 
-@command(app, "eval", config=EvalConfig)
-def eval_(config: EvalConfig, quiet: bool, as_json: bool) -> None:
+@command(app, "eval", config=EvalConfig, output=shared("quiet", "as_json"))
+def eval_(config: EvalConfig, output: Output) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
-    config.show_progress = not quiet
     if config.offline:
         from offline_rec.eval.offline import offline_evaluate
 
@@ -392,7 +391,7 @@ def eval_(config: EvalConfig, quiet: bool, as_json: bool) -> None:
         except EngineError as error:  # an engine died or failed
             typer.echo(f"error: {error}", err=True)
             sys.exit(1)
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     from offline_rec.display import eval_summary_table
 

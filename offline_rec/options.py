@@ -3,11 +3,15 @@
 A field made by `option(default, "--flag", help=...)` carries everything its command-line option
 needs: flags (the long one first; `--on/--off` for a switch), help line, default, type (the field's
 annotation) and, for a few, an environment variable. `argument(help=...)` makes a positional argument.
-`command(app, config=SomeConfig)` then turns a handler `def handler(config: SomeConfig, quiet: bool)`
-into a typer command whose parameters are the config's flagged fields, in field order, followed by the
-handler's other parameters: a name in `SHARED` (`--quiet`, `--json`) or a plain typer parameter. The
-handler is called with the built config. So a new option is one field, and `--help`, the default and
+`command(app, config=SomeConfig, output=shared("quiet"))` then turns a handler
+`def handler(config: SomeConfig, output: Output)` into a typer command whose parameters are the config's
+flagged fields in field order, the shared output flags it names (`Output`: `--quiet`, `--json`) and
+the handler's other parameters (plain typer parameters), in the handler's parameter order. The handler
+is called with the built config and `Output`. So a new option is one field, and `--help`, the default and
 the Python API cannot drift apart.
+
+A config field made by `progress_switch` (a config's `show_progress`) is no flag of its own: the command
+sets it from the shared `--quiet` when it builds the config, so no config is changed after construction.
 
 `overrides(TrainConfig)` serves a command whose flags only override a config assembled elsewhere (train:
 YAML, `--set`, then the flags): every flag defaults to None and the handler receives the given ones as a
@@ -27,7 +31,10 @@ from typing import Any
 
 import typer
 
-__all__ = ["SHARED", "api_only", "argument", "cli_fields", "command", "option", "overrides", "required"]
+__all__ = [
+    "Output", "Shared", "api_only", "argument", "cli_fields", "command", "option", "overrides", "progress_switch",
+    "required", "shared",
+]
 
 
 def option(default: Any = MISSING, *flags: str, help: str, envvar: str | None = None, cli_type: Any = None,
@@ -95,57 +102,95 @@ def overrides(cls: type) -> Overrides:
     return Overrides(cls)
 
 
+def progress_switch(help: str) -> Any:
+    """A config's `show_progress` (True by default): not a flag of its own; a command that takes the shared
+    `--quiet` (`shared("quiet")`) builds the config with `show_progress=not quiet`."""
+    return _field(True, {"help": help, "from_output": "progress"})
+
+
 @dataclass(frozen=True)
-class _Shared:
-    """Options several commands take with the same meaning; a handler asks for one by its name."""
+class Output:
+    """How a command reports what it did: the flags several commands share, each with one meaning."""
 
     quiet: bool = option(False, "--quiet", "-q", help="No progress bar.")
     as_json: bool = option(False, "--json", help="Print the summary as JSON.")
 
+    @property
+    def progress(self) -> bool:
+        """Show progress bars (no --quiet)."""
+        return not self.quiet
 
-SHARED = {field.name: field for field in dataclasses.fields(_Shared)}
+
+OUTPUT_FIELDS = {field.name: field for field in dataclasses.fields(Output)}
 
 
-def _parameter(field: dataclasses.Field, annotation: Any, as_override: bool = False) -> inspect.Parameter:
+@dataclass(frozen=True)
+class Shared:
+    """The `Output` flags one command takes, and --help lines of its own where its output differs."""
+
+    names: tuple[str, ...]
+    help: tuple[tuple[str, str], ...] = ()
+
+
+def shared(*names: str, **help: str) -> Shared:
+    """The `Output` flags a command takes, by field name (`"quiet"`, `"as_json"`); `help`: a field's --help line
+    where this command differs (validate: as_json="Print the report as JSON.")."""
+    unknown = sorted({*names, *help} - OUTPUT_FIELDS.keys())
+    if unknown or set(help) - set(names):
+        raise TypeError(f"shared() takes fields of Output ({sorted(OUTPUT_FIELDS)}), got {unknown or sorted(help)}")
+    return Shared(names, tuple(help.items()))
+
+
+def _parameter(field: dataclasses.Field, annotation: Any, as_override: bool = False,
+               help: str | None = None) -> inspect.Parameter:
     meta = field.metadata
     annotation = meta.get("cli_type", annotation)
     default = None if as_override else field_default(field)
     if as_override:
         annotation = annotation | None
+    help = help or meta.get("flag_help", meta["help"])
     if meta.get("argument"):
-        info = typer.Argument(help=meta["help"])
+        info = typer.Argument(help=help)
     else:
         extra = {"envvar": meta["envvar"], "show_envvar": False} if "envvar" in meta else {}
-        info = typer.Option(*meta["flags"], help=meta.get("flag_help", meta["help"]), **extra)
+        info = typer.Option(*meta["flags"], help=help, **extra)
     return inspect.Parameter(
         field.name, inspect.Parameter.KEYWORD_ONLY, annotation=typing.Annotated[annotation, info],
         default=inspect.Parameter.empty if default is MISSING else default,
     )
 
 
-def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = (), **configs: type | Overrides):
+def _from_output(cls: type) -> list[dataclasses.Field]:
+    """The fields of config `cls` a command sets from its `Output` (see `progress_switch`)."""
+    return [f for f in dataclasses.fields(cls) if "from_output" in f.metadata]
+
+
+def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = (),
+            **configs: type | Overrides | Shared):
     """Register `handler` as command `name` of `app`, its options built from the config classes.
 
-    configs: handler parameter name -> config class (called with the options' values) or
-    `overrides(cls)` (the handler gets {field: value} for the flags given).
+    configs: handler parameter name -> config class (called with the options' values),
+    `overrides(cls)` (the handler gets {field: value} for the flags given) or `shared(...)` (the handler
+    gets an `Output`).
     order: parameter names listed first in --help, in this order (the others follow in theirs).
     """
 
     def decorate(handler):
         handler_signature = inspect.signature(handler, eval_str=True)
         parameters: list[inspect.Parameter] = []
-        built: dict[str, tuple[type | Overrides, list[str]]] = {}
+        built: dict[str, tuple[type | Overrides | Shared, list[str]]] = {}
         for parameter in handler_signature.parameters.values():
-            if parameter.name in configs:
-                target = configs[parameter.name]
+            target = configs.get(parameter.name)
+            if isinstance(target, Shared):
+                own_help = dict(target.help)
+                parameters += [_parameter(OUTPUT_FIELDS[n], bool, help=own_help.get(n)) for n in target.names]
+                built[parameter.name] = (target, list(target.names))
+            elif target is not None:
                 cls = target.cls if isinstance(target, Overrides) else target
                 hints = typing.get_type_hints(cls)
                 fields = cli_fields(cls)
                 parameters += [_parameter(f, hints[f.name], isinstance(target, Overrides)) for f in fields]
                 built[parameter.name] = (target, [f.name for f in fields])
-            elif parameter.name in SHARED and parameter.annotation is bool:
-                field = SHARED[parameter.name]
-                parameters.append(_parameter(field, bool))
             else:
                 parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
         unknown = sorted(set(order) - {p.name for p in parameters})
@@ -156,13 +201,26 @@ def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = 
         names = [p.name for p in parameters]
         if len(names) != len(set(names)):
             raise TypeError(f"{handler.__name__}: an option name is declared twice: {names}")
+        output_name = next((name for name, (target, _) in built.items() if isinstance(target, Shared)), None)
+        takes_quiet = output_name is not None and "quiet" in built[output_name][1]
+        for target, _ in built.values():
+            if isinstance(target, type) and _from_output(target) and not takes_quiet:
+                raise TypeError(f"{handler.__name__}: {target.__name__} shows progress: the command must take "
+                                f"shared('quiet')")
 
         def call(**values):
+            output = Output()
+            if output_name is not None:
+                output = Output(**{name: values.pop(name) for name in built[output_name][1]})
+                values[output_name] = output
             for parameter_name, (target, field_names) in built.items():
+                if isinstance(target, Shared):
+                    continue
                 given = {name: values.pop(name) for name in field_names}
                 if isinstance(target, Overrides):  # a list option not given may arrive empty
                     values[parameter_name] = {k: v for k, v in given.items() if v is not None and v != []}
                 else:
+                    given.update({f.name: getattr(output, f.metadata["from_output"]) for f in _from_output(target)})
                     values[parameter_name] = target(**given)
             return handler(**values)
 

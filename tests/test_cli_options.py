@@ -17,15 +17,18 @@ from typer.testing import CliRunner
 
 from offline_rec.cli import app
 from offline_rec.options import (
-    SHARED,
+    Output,
     Overrides,
+    Shared,
     argument,
     cli_fields,
     command,
     field_default,
     option,
     overrides,
+    progress_switch,
     required,
+    shared,
 )
 
 BUILT = ("import", "filter", "reward", "train", "collect", "merge", "eval", "record", "view", "demo")
@@ -46,6 +49,8 @@ def test_each_field_is_one_parameter_with_the_fields_default(name):
     params = {p.name: p for p in cmd.params}
     seen = []
     for target in cmd.callback.options_from.values():
+        if isinstance(target, Shared):
+            continue
         cls = target.cls if isinstance(target, Overrides) else target
         for field in cli_fields(cls):
             seen.append(field.name)
@@ -63,16 +68,21 @@ def test_each_field_is_one_parameter_with_the_fields_default(name):
     assert len(seen) == len(set(seen)), f"{name}: a field name serves two parameters"
 
 
-# What a built command may declare besides its config fields and SHARED (--quiet, --json): train's own flags.
+# What a built command may declare besides its config fields and the shared Output flags: train's own flags.
 HANDLER_OWN = {"train": {"config_file", "set_", "list_options"}}
+
+
+def fields_of(target) -> list[str]:
+    if isinstance(target, Shared):
+        return list(target.names)
+    return [f.name for f in cli_fields(target.cls if isinstance(target, Overrides) else target)]
 
 
 @pytest.mark.parametrize("name", BUILT)
 def test_a_built_command_declares_nothing_by_hand_but_its_own_flags(name):
     cmd = commands()[name]
-    from_fields = {f.name for target in cmd.callback.options_from.values()
-                   for f in cli_fields(target.cls if isinstance(target, Overrides) else target)}
-    by_hand = {p.name for p in cmd.params} - from_fields - set(SHARED)
+    from_fields = {name for target in cmd.callback.options_from.values() for name in fields_of(target)}
+    by_hand = {p.name for p in cmd.params} - from_fields
     assert by_hand == HANDLER_OWN.get(name, set())
     flags = [opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)]
     assert len(flags) == len(set(flags)), f"{name}: a flag declared twice"
@@ -100,9 +110,9 @@ class Toy:
 def toy_app(**configs):
     toy, got = typer.Typer(), {}
 
-    @command(toy, "go", order=("out",), **configs)
-    def go(config, quiet: bool, extra: int = typer.Option(0, "--extra", help="Not a field.")) -> None:
-        got.update(config=config, quiet=quiet, extra=extra)
+    @command(toy, "go", order=("out",), output=shared("quiet"), **configs)
+    def go(config, output: Output, extra: int = typer.Option(0, "--extra", help="Not a field.")) -> None:
+        got.update(config=config, quiet=output.quiet, extra=extra)
 
     @toy.command("other")
     def other() -> None:  # a second command keeps typer from folding the app into `go`
@@ -141,9 +151,54 @@ def test_a_name_declared_twice_is_refused():
         quiet: bool = option(False, "--quiet2", help="Clashes with the shared --quiet.")
 
     with pytest.raises(TypeError, match="declared twice"):
-        @command(typer.Typer(), "x", config=Clash)
-        def x(config, quiet: bool) -> None:
+        @command(typer.Typer(), "x", config=Clash, output=shared("quiet"))
+        def x(config, output) -> None:
             pass
+
+
+@dataclasses.dataclass
+class Progressing:
+    count: int = option(1, "--count", help="How many.")
+    show_progress: bool = progress_switch(help="Show a progress bar.")
+
+
+@pytest.mark.parametrize(("argv", "progress"), [([], True), (["--quiet"], False), (["-q", "--count", "2"], False)])
+def test_a_progress_switch_is_set_from_the_shared_quiet_when_the_config_is_built(argv, progress):
+    app_, got = typer.Typer(), {}
+
+    @command(app_, "go", config=Progressing, output=shared("quiet", "as_json"))
+    def go(config, output) -> None:
+        got.update(config=config, output=output)
+
+    app_.command("other")(lambda: None)
+    result = CliRunner().invoke(app_, ["go", *argv])
+    assert result.exit_code == 0, result.output
+    assert got["config"].show_progress is progress and got["output"] == Output(quiet=not progress, as_json=False)
+    assert Progressing().show_progress is True  # the Python API's default
+    assert "--show-progress" not in CliRunner().invoke(app_, ["go", "--help"]).output
+
+
+def test_a_config_that_shows_progress_needs_the_shared_quiet():
+    with pytest.raises(TypeError, match=r"Progressing shows progress: the command must take shared\('quiet'\)"):
+        @command(typer.Typer(), "x", config=Progressing, output=shared("as_json"))
+        def x(config, output) -> None:
+            pass
+
+
+def test_shared_names_only_output_fields_and_may_give_a_help_line_of_its_own():
+    with pytest.raises(TypeError, match=r"shared\(\) takes fields of Output"):
+        shared("quiet", "verbose")
+    with pytest.raises(TypeError, match=r"shared\(\) takes fields of Output"):
+        shared("quiet", as_json="Print it.")  # a help line for a flag the command does not take
+    app_ = typer.Typer()
+
+    @command(app_, "go", output=shared("as_json", as_json="Print the report as JSON."))
+    def go(output) -> None:
+        typer.echo(repr(output))
+
+    app_.command("other")(lambda: None)
+    assert "Print the report as JSON." in CliRunner().invoke(app_, ["go", "--help"]).output
+    assert CliRunner().invoke(app_, ["go", "--json"]).output.strip() == "Output(quiet=False, as_json=True)"
 
 
 def test_an_order_naming_no_parameter_is_refused():
@@ -151,3 +206,23 @@ def test_an_order_naming_no_parameter_is_refused():
         @command(typer.Typer(), "x", order=("outt",), config=Toy)
         def x(config) -> None:
             pass
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize(("command_name", "module", "function"), [
+    ("collect", "offline_rec.rollout.collect", "collect"), ("eval", "offline_rec.eval.rollouts", "evaluate"),
+])
+def test_collect_and_eval_receive_a_config_built_with_progress_from_quiet(monkeypatch, tmp_path, quiet, command_name,
+                                                                           module, function):
+    import importlib
+
+    seen = []
+
+    def capture(config, *args, **kwargs):
+        seen.append(config.show_progress)
+        raise KeyboardInterrupt  # stop before any work
+
+    monkeypatch.setattr(importlib.import_module(module), function, capture)
+    argv = [command_name, "--model", str(tmp_path / "m"), "--task", "arith", "--out", str(tmp_path / "o")]
+    CliRunner().invoke(app, argv + (["--quiet"] if quiet else []))
+    assert seen == [not quiet]

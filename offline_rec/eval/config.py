@@ -19,7 +19,7 @@ import dataclasses
 from pathlib import Path
 
 from offline_rec.errors import UserError
-from offline_rec.options import api_only, cli_fields, option
+from offline_rec.options import api_only, cli_fields, option, progress_switch
 from offline_rec.rollout.config import sampling_option
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
@@ -107,7 +107,7 @@ class EvalConfig:
         help="Continue the rollout evaluation in --out that was stopped (preempted, killed): "
              "its committed groups are kept, the others sampled.",
     )
-    show_progress: bool = api_only(True, help="Show progress bars (the CLI's --quiet turns them off).")
+    show_progress: bool = progress_switch(help="Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
         self.out = None if self.out is None else Path(self.out)

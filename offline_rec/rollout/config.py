@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from offline_rec.errors import UserError, one_of
-from offline_rec.options import api_only, option, required
+from offline_rec.options import option, progress_switch, required
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S, SPLITS
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class CollectConfig:
         help="Seconds per reward call; a call past it scores null (0: no limit).",
     )
     """None or 0: no limit."""
-    show_progress: bool = api_only(True, help="Show a progress bar (the CLI's --quiet turns it off).")
+    show_progress: bool = progress_switch(help="Show a progress bar (the CLI's --quiet turns it off).")
 
     def __post_init__(self):
         self.out = Path(self.out)
