@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 import typing
 from dataclasses import MISSING, dataclass
 from typing import Any
@@ -32,8 +33,8 @@ from typing import Any
 import typer
 
 __all__ = [
-    "Output", "Shared", "api_only", "argument", "cli_fields", "command", "option", "overrides", "progress_switch",
-    "required", "shared",
+    "Output", "Shared", "api_only", "argument", "cli_fields", "command", "flags_of", "flattened", "nested", "option",
+    "option_hints", "overrides", "progress_switch", "required", "shared",
 ]
 
 
@@ -42,7 +43,8 @@ def option(default: Any = MISSING, *flags: str, help: str, envvar: str | None = 
     """A config field that is also a command-line option.
 
     default: the field's default (a list or dict is copied per instance); MISSING makes the option required.
-    flags: e.g. "--out", "-o" (the long one first) or "--greedy/--no-greedy".
+    flags: e.g. "--out", "-o" (the long one first) or "--greedy/--no-greedy"; none: derived from the field's
+        name (`flags_of`).
     help: the help line (shown by --help, or by `train --list-options` where flag_help is given).
     envvar: an environment variable that sets the option (not shown in --help, e.g. a secret).
     cli_type: the type the command line parses, where it differs from the field's (the config converts).
@@ -79,9 +81,94 @@ def api_only(default: Any = MISSING, *, help: str) -> Any:
     return _field(default, {"help": help})
 
 
+def flags_of(field: dataclasses.Field) -> tuple[str, ...]:
+    """A field's flags: its own, else derived from its name (top_p: --top-p; a bool: --name/--no-name); none for
+    a positional argument."""
+    if field.metadata.get("flags") or field.metadata.get("argument"):
+        return field.metadata.get("flags", ())
+    flag = "--" + field.name.replace("_", "-")
+    return (f"{flag}/--no-{flag[2:]}",) if field.type in (bool, "bool") else (flag,)
+
+
+def nested(cls: type, *, after: dict[str, tuple[str, ...]] | None = None) -> Any:
+    """A field holding a group of options that several configs share (a dataclass `cls`), flattened: its
+    fields are options of the outer command under their own flags (no prefix; the outer config may have no
+    field of the same name) and, through `flattened`, keyword arguments and attributes of the outer config.
+
+    after: where the group's options stand in --help: an outer field -> the group's fields shown right after
+    it (the others stand at this field's place). It keeps the order users know where a group was drawn out
+    of options that were not side by side.
+    """
+    return dataclasses.field(default_factory=cls, metadata={"nested": cls, "after": after or {},
+                                                            "help": cls.__doc__.splitlines()[0]})
+
+
+def _nested_fields(cls: type) -> dict[str, type]:
+    """Config `cls`'s nested groups: field name -> the group's class."""
+    return {f.name: f.metadata["nested"] for f in dataclasses.fields(cls) if "nested" in f.metadata}
+
+
+def flattened(cls: type) -> type:
+    """Class decorator (above `@dataclass`) for a config with `nested` groups: `Config(top_p=0.9)` builds its
+    group with that value (beside `Config(group=Group(...))`, whose values it updates), and `config.top_p`
+    reads the group's. So the Python API keeps one flat set of names, as the command line does."""
+    groups = _nested_fields(cls)
+    group_of: dict[str, str] = {}
+    own = {f.name for f in dataclasses.fields(cls)}
+    for group_name, group in groups.items():
+        for inner in dataclasses.fields(group):
+            if inner.name in own or inner.name in group_of:
+                raise TypeError(f"{cls.__name__}: the option {inner.name!r} of {group.__name__} has the name of "
+                                f"another option of the config")
+            group_of[inner.name] = group_name
+            setattr(cls, inner.name, property(operator.attrgetter(f"{group_name}.{inner.name}"),
+                                              doc=inner.metadata.get("help")))
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        values: dict[str, dict] = {}
+        for name in [name for name in kwargs if name in group_of]:
+            values.setdefault(group_of[name], {})[name] = kwargs.pop(name)
+        for group_name, given in values.items():
+            base = kwargs.get(group_name)
+            kwargs[group_name] = groups[group_name](**given) if base is None else dataclasses.replace(base, **given)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
 def cli_fields(cls: type) -> list[dataclasses.Field]:
-    """The fields of `cls` that are command-line options or arguments, in declaration order."""
-    return [f for f in dataclasses.fields(cls) if "flags" in f.metadata or f.metadata.get("argument")]
+    """The fields of `cls` that are command-line options or arguments, in --help order: declaration order,
+    with the fields of a `nested` group in its place or where its `after` puts them."""
+    names: list[str] = []
+    by_name: dict[str, dataclasses.Field] = {}
+    placements: dict[str, tuple[str, ...]] = {}
+    for field in dataclasses.fields(cls):
+        if "nested" in field.metadata:
+            placements.update(field.metadata["after"])
+            placed = {name for group in field.metadata["after"].values() for name in group}
+            inner = cli_fields(field.metadata["nested"])
+            by_name.update((f.name, f) for f in inner)
+            names += [f.name for f in inner if f.name not in placed]
+        elif "flags" in field.metadata or field.metadata.get("argument"):
+            by_name[field.name] = field
+            names.append(field.name)
+    for anchor, group in placements.items():
+        if anchor not in names or set(group) - by_name.keys():
+            raise TypeError(f"{cls.__name__}: nested(after=...) names no option: {anchor!r} -> {group}")
+        at = names.index(anchor) + 1
+        names[at:at] = group
+    return [by_name[name] for name in names]
+
+
+def option_hints(cls: type) -> dict[str, Any]:
+    """The annotation of every field of `cls` and of its nested groups, by name."""
+    hints = typing.get_type_hints(cls)
+    for group in _nested_fields(cls).values():
+        hints.update(option_hints(group))
+    return hints
 
 
 def field_default(field: dataclasses.Field) -> Any:
@@ -153,7 +240,7 @@ def _parameter(field: dataclasses.Field, annotation: Any, as_override: bool = Fa
         info = typer.Argument(help=help)
     else:
         extra = {"envvar": meta["envvar"], "show_envvar": False} if "envvar" in meta else {}
-        info = typer.Option(*meta["flags"], help=help, **extra)
+        info = typer.Option(*flags_of(field), help=help, **extra)
     return inspect.Parameter(
         field.name, inspect.Parameter.KEYWORD_ONLY, annotation=typing.Annotated[annotation, info],
         default=inspect.Parameter.empty if default is MISSING else default,
@@ -187,7 +274,7 @@ def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = 
                 built[parameter.name] = (target, list(target.names))
             elif target is not None:
                 cls = target.cls if isinstance(target, Overrides) else target
-                hints = typing.get_type_hints(cls)
+                hints = option_hints(cls)
                 fields = cli_fields(cls)
                 parameters += [_parameter(f, hints[f.name], isinstance(target, Overrides)) for f in fields]
                 built[parameter.name] = (target, [f.name for f in fields])

@@ -24,6 +24,9 @@ from offline_rec.options import (
     cli_fields,
     command,
     field_default,
+    flags_of,
+    flattened,
+    nested,
     option,
     overrides,
     progress_switch,
@@ -63,7 +66,7 @@ def test_each_field_is_one_parameter_with_the_fields_default(name):
                 assert list(got or []) == want, field.name
             else:
                 assert got == want, (field.name, got, want)
-            flags = [f for flag in field.metadata.get("flags", ()) for f in flag.split("/")]
+            flags = [f for flag in flags_of(field) for f in flag.split("/")]
             assert set(flags) <= set(param.opts) | set(param.secondary_opts), (field.name, flags, param.opts)
     assert len(seen) == len(set(seen)), f"{name}: a field name serves two parameters"
 
@@ -226,3 +229,96 @@ def test_collect_and_eval_receive_a_config_built_with_progress_from_quiet(monkey
     argv = [command_name, "--model", str(tmp_path / "m"), "--task", "arith", "--out", str(tmp_path / "o")]
     CliRunner().invoke(app, argv + (["--quiet"] if quiet else []))
     assert seen == [not quiet]
+
+
+# -------------------------------------------------------------------------------------------
+# a nested group of options, flattened
+
+
+@dataclasses.dataclass
+class Sampling:
+    """Options two toy commands share."""
+
+    top_p: float = option(1.0, help="Nucleus mass.")
+    greedy_too: bool = option(True, help="Also greedy.")
+    seed: int = option(0, "--sampling-seed", help="A flag of its own.")
+
+
+@flattened
+@dataclasses.dataclass
+class Grouped:
+    count: int = option(3, "--count", help="How many.")
+    out: str = option("o", "--out", help="Where.")
+    sampling: Sampling = nested(Sampling, after={"count": ("seed",)})
+
+
+def test_a_nested_group_is_flattened_into_flags_named_after_its_fields_in_the_order_after_says():
+    assert [f.name for f in cli_fields(Grouped)] == ["count", "seed", "out", "top_p", "greedy_too"]
+    assert [flags_of(f) for f in cli_fields(Grouped)] == [
+        ("--count",), ("--sampling-seed",), ("--out",), ("--top-p",), ("--greedy-too/--no-greedy-too",)]
+    app_, got = typer.Typer(), {}
+
+    @command(app_, "go", config=Grouped)
+    def go(config) -> None:
+        got["config"] = config
+
+    app_.command("other")(lambda: None)
+    result = CliRunner().invoke(app_, ["go", "--top-p", "0.5", "--no-greedy-too", "--sampling-seed", "4"])
+    assert result.exit_code == 0, result.output
+    assert got["config"] == Grouped(sampling=Sampling(top_p=0.5, greedy_too=False, seed=4))
+    help_text = CliRunner().invoke(app_, ["go", "--help"], terminal_width=200).output
+    assert help_text.index("--count") < help_text.index("--sampling-seed") < help_text.index("--out") < \
+        help_text.index("--top-p") < help_text.index("--greedy-too")
+
+
+def test_a_flattened_config_takes_and_reads_its_groups_options_by_their_own_names():
+    config = Grouped(count=2, top_p=0.25)
+    assert (config.count, config.top_p, config.seed, config.sampling) == (2, 0.25, 0, Sampling(top_p=0.25))
+    given = Sampling(seed=9)
+    assert Grouped(sampling=given, top_p=0.5).sampling == Sampling(top_p=0.5, seed=9)  # the group, updated
+    assert given == Sampling(seed=9)  # and not changed itself
+    assert Grouped() == Grouped(sampling=Sampling()) and Grouped().sampling is not Grouped().sampling
+    assert dataclasses.replace(config, top_p=0.75).sampling == Sampling(top_p=0.75)
+    with pytest.raises(AttributeError):
+        config.top_p = 0.5  # through the group only: a group eval hands to collect is never changed behind it
+
+
+def test_a_group_option_named_like_an_option_of_the_config_is_refused():
+    with pytest.raises(TypeError, match="the option 'count' of Counted has the name of another option"):
+        @dataclasses.dataclass
+        class Counted:
+            """A group."""
+
+            count: int = option(1, help="Clashes.")
+
+        @flattened
+        @dataclasses.dataclass
+        class Clashing:
+            count: int = option(3, "--count", help="How many.")
+            group: Counted = nested(Counted)
+
+
+def test_an_after_naming_no_option_is_refused():
+    @dataclasses.dataclass
+    class Misplaced:
+        sampling: Sampling = nested(Sampling, after={"cuont": ("seed",)})
+
+    with pytest.raises(TypeError, match="names no option: 'cuont'"):
+        cli_fields(Misplaced)
+
+
+def test_collect_and_eval_share_one_rollout_group_and_eval_hands_it_to_its_collect(tmp_path):
+    from offline_rec.eval.config import EvalConfig
+    from offline_rec.eval.rollouts import rollout_config
+    from offline_rec.rollout.config import CollectConfig, RolloutOptions
+
+    group = {f.name for f in cli_fields(RolloutOptions)}
+    for config_class in (CollectConfig, EvalConfig):
+        assert group <= {f.name for f in cli_fields(config_class)}
+        assert not group & {f.name for f in dataclasses.fields(config_class)}  # declared in the group only
+    evaluation = EvalConfig(model="m", task="arith", out=tmp_path, top_k=0, top_p=0.5, prompts="p.jsonl",
+                            num_prompts=3, dtype="bfloat16", chat_template=False, ray_address="auto")
+    collect_config = rollout_config(evaluation, str(tmp_path / "model"))
+    assert collect_config.rollout == dataclasses.replace(evaluation.rollout, top_k=None)  # collect: 0 is None
+    assert evaluation.top_k == 0 and collect_config.top_k is None
+    assert (collect_config.top_p, collect_config.prompts, collect_config.ray_address) == (0.5, "p.jsonl", "auto")

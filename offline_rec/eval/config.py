@@ -19,8 +19,8 @@ import dataclasses
 from pathlib import Path
 
 from offline_rec.errors import UserError
-from offline_rec.options import api_only, cli_fields, option, progress_switch
-from offline_rec.rollout.config import sampling_option
+from offline_rec.options import api_only, cli_fields, flags_of, flattened, nested, option, progress_switch
+from offline_rec.rollout.config import RolloutOptions
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
 SUCCESS_THRESHOLD = 0.5
@@ -28,6 +28,7 @@ ROLLOUT_TEMPERATURE = 1.0
 """The sampling temperature when `temperature` is None (the offline estimate uses the data's)."""
 
 
+@flattened
 @dataclasses.dataclass
 class EvalConfig:
     """Everything `offline-rec eval` needs. Validated on construction (UserError)."""
@@ -45,26 +46,16 @@ class EvalConfig:
     # -- rollouts
     num_samples: int = option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k).")
     greedy: bool = option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy).")
-    prompts: str | None = sampling_option("prompts")
-    prompt_column: str | None = sampling_option("prompt_column")
-    num_prompts: int | None = sampling_option("num_prompts")
     split: str = option("test", "--split", help="Built-in prompts: test (held out, the default) or train.")
-    reward: str | None = sampling_option("reward")
-    backend: str | None = sampling_option("backend")
     temperature: float | None = option(
         None, "--temperature",
         help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
     )
-    top_p: float = sampling_option("top_p")
-    top_k: int | None = sampling_option("top_k")
-    max_new_tokens: int = sampling_option("max_new_tokens")
     seed: int = option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap.")
     batch_size: int = option(
         16, "--batch-size",
         help="Prompts per generate call; --offline: sequences per forward pass.",
     )
-    dtype: str | None = sampling_option("dtype")
-    chat_template: bool = sampling_option("chat_template")
     success_threshold: float = option(
         SUCCESS_THRESHOLD, "--success-threshold",
         help="A sample is correct when its reward is above this (accuracy, pass@k).",
@@ -77,7 +68,6 @@ class EvalConfig:
         1, "--data-parallel-size",
         help="Engines sampling the rollouts (one per GPU set; on a CPU, processes).",
     )
-    ray_address: str | None = sampling_option("ray_address")
     reward_timeout_s: float = option(
         REWARD_TIMEOUT_S, "--reward-timeout",
         help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
@@ -107,6 +97,11 @@ class EvalConfig:
         help="Continue the rollout evaluation in --out that was stopped (preempted, killed): "
              "its committed groups are kept, the others sampled.",
     )
+    rollout: RolloutOptions = nested(RolloutOptions, after={
+        "greedy": ("prompts", "prompt_column", "num_prompts"), "split": ("reward", "backend"),
+        "temperature": ("top_p", "top_k", "max_new_tokens"), "batch_size": ("dtype", "chat_template"),
+        "data_parallel_size": ("ray_address",),
+    })
     show_progress: bool = progress_switch(help="Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
@@ -147,7 +142,7 @@ def cli_arguments(config: EvalConfig) -> list[str]:
         raise ValueError("alpha has no command-line flag")
     arguments: list[str] = []
     for field in cli_fields(EvalConfig):
-        value, flag = getattr(config, field.name), field.metadata["flags"][0]
+        value, flag = getattr(config, field.name), flags_of(field)[0]
         if value is None:
             continue
         if isinstance(value, bool):
