@@ -404,16 +404,9 @@ def eval_(config: EvalConfig, output: Output) -> None:
 def record(config: RecordConfig, settings: ProxySettings) -> None:
     """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
     from offline_rec.record.proxy import run_record
-    from offline_rec.record.recorder import RecordOptions, parse_redact_field
     from offline_rec.summaries import record_line
 
-    options = RecordOptions(
-        rotate_bytes=int(config.rotate_mb * (1 << 20)), rotate_seconds=config.rotate_seconds,
-        fsync_interval=config.fsync_interval, episode_idle_timeout=config.episode_idle_timeout,
-        redact_fields=tuple(parse_redact_field(f) for f in config.redact_field),
-        max_episode_bytes=int(config.max_episode_mb * (1 << 20)),
-    )
-    stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=options,
+    stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=config.recording,
                        settings=settings, logprobs_mode=config.logprobs_mode,
                        warn=lambda message: typer.echo(message, err=True))
     typer.echo(record_line(stats, config.out))
