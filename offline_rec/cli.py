@@ -11,22 +11,22 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from offline_rec import __version__
-from offline_rec.dataset.config import DatasetToDataset, FilterOptions, MergeOptions
+from offline_rec.dataset.config import DatasetToDataset, FilterOptions, InspectConfig, MergeOptions, ValidateConfig
 from offline_rec.demo.pipeline import DemoOptions
 from offline_rec.errors import UserError, disk_full
-from offline_rec.eval.config import EvalConfig
+from offline_rec.eval.config import EvalConfig, ReportConfig
+from offline_rec.hub.config import PullConfig, PushConfig
 from offline_rec.importers.config import ImportConfig
 from offline_rec.options import Output, command, overrides, shared
 from offline_rec.preemption import Preempted
 from offline_rec.record.settings import ProxySettings, RecordConfig
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
 from offline_rec.rollout.config import CollectConfig
-from offline_rec.training.config import TrainConfig
+from offline_rec.training.config import CacheClearConfig, RowCacheConfig, TrainConfig
 from offline_rec.view.config import ViewConfig
 
 app = typer.Typer(
@@ -39,10 +39,9 @@ app = typer.Typer(
 )
 
 
-# Every option of import, filter, reward, merge, collect, eval, view, record and train is a field of the
-# command's config dataclass (offline_rec/options.py says how); the few options of the small commands
-# (validate, inspect, push, pull, cache, report, demo) are declared here, once each.
-SummaryJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
+# Every option of every command is a field of the command's config dataclass (offline_rec/options.py says how);
+# --quiet and --json are the fields of options.Output. Only the root's --version and train's --config, --set and
+# --list-options are declared here.
 
 
 def _echo(lines: list[str]) -> None:
@@ -79,19 +78,14 @@ def _print_json(obj) -> None:
 # dataset checks
 
 
-@app.command()
-def validate(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    no_checksums: bool = typer.Option(
-        False, "--no-checksums", help="Skip the sha256 check of shards (faster on huge datasets)."
-    ),
-) -> None:
+@command(app, config=ValidateConfig, output=shared("as_json", as_json="Print the report as JSON."),
+         order=("dataset", "as_json"))
+def validate(config: ValidateConfig, output: Output) -> None:
     """Check a dataset against the format; exit 0 when clean, 1 on problems, 2 on unusable input."""
     from offline_rec.dataset.validate import validate_dataset
 
-    report = validate_dataset(dataset, check_checksums=not no_checksums)
-    if as_json:
+    report = validate_dataset(config.dataset, check_checksums=not config.no_checksums)
+    if output.as_json:
         _print_json(report.to_json())
     else:
         from offline_rec.display import print_validation
@@ -100,18 +94,15 @@ def validate(
     raise typer.Exit(0 if report.ok else 1)
 
 
-@app.command()
-def inspect(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
-) -> None:
+@command(app, config=InspectConfig, output=shared("as_json", as_json="Print the statistics as JSON."))
+def inspect(config: InspectConfig, output: Output) -> None:
     """Describe a dataset: sizes, lengths, rewards, groups without signal, provenance."""
     from offline_rec.dataset.inspect import describe_dataset
 
-    stats = describe_dataset(dataset)
+    stats = describe_dataset(config.dataset)
     for warning in stats["warnings"]:
         typer.echo(f"warning: {warning}", err=True)
-    if as_json:
+    if output.as_json:
         _print_json(stats)
     else:
         from offline_rec.display import print_description
@@ -237,48 +228,25 @@ def train(
 # Hugging Face Hub: push, pull  (owned by offline_rec/hub/transfer.py)
 
 
-@app.command()
-def push(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="Hub dataset repo, created if missing."),
-    private: bool = typer.Option(
-        False, "--private", help="Create the repo private (an existing repo keeps its visibility)."
-    ),
-    revision: str | None = typer.Option(
-        None, "--revision", help="Branch to push to, created if missing (default main)."
-    ),
-    token: str | None = typer.Option(
-        None, "--token", help="Hub token with write access (default: `hf auth login` or HF_TOKEN)."
-    ),
-    license: str | None = typer.Option(
-        None, "--license", help="License id for the card, e.g. cc-by-4.0 (default: the manifest's, else 'other')."
-    ),
-) -> None:
+@command(app, config=PushConfig)
+def push(config: PushConfig) -> None:
     """Upload a valid dataset to a Hub dataset repo, with a card generated from its manifest."""
     from offline_rec.hub.transfer import push_dataset
 
-    result = push_dataset(dataset, repo_id, private=private, revision=revision, token=token, license=license,
+    result = push_dataset(config.dataset, config.repo_id, private=config.private, revision=config.revision,
+                          token=config.token, license=config.license,
                           echo=lambda message: typer.echo(message, err=True))
-    typer.echo(f"pushed {len(result.files)} files to {result.url}" + (f" (branch {revision})" if revision else "")
-               + f", tagged {result.tag}")
+    typer.echo(f"pushed {len(result.files)} files to {result.url}"
+               + (f" (branch {config.revision})" if config.revision else "") + f", tagged {result.tag}")
 
 
-@app.command()
-def pull(
-    repo_id: str = typer.Argument(
-        ..., metavar="ORG/NAME", help="Hub dataset repo (or hf://datasets/ORG/NAME[@REVISION])."
-    ),
-    out: Path = typer.Option(..., "--out", "-o", help="New directory for the dataset."),
-    revision: str | None = typer.Option(
-        None, "--revision", help="Branch, tag (e.g. schema-v1.0) or commit (default main)."
-    ),
-    token: str | None = typer.Option(None, "--token", help="Hub token, for private or gated repos."),
-) -> None:
+@command(app, config=PullConfig)
+def pull(config: PullConfig) -> None:
     """Download a Hub dataset into a local folder, verifying its checksums and schema (works offline from the cache)."""
     from offline_rec.hub.transfer import pull_dataset
 
-    path = pull_dataset(repo_id, out, revision=revision, token=token)
-    typer.echo(f"pulled {repo_id}" + (f"@{revision}" if revision else "") + f" -> {path}")
+    path = pull_dataset(config.repo_id, config.out, revision=config.revision, token=config.token)
+    typer.echo(f"pulled {config.repo_id}" + (f"@{config.revision}" if config.revision else "") + f" -> {path}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,37 +303,28 @@ def merge(config: MergeOptions, output: Output) -> None:
 cache_app = typer.Typer(help="List or clear the trainer's row stores (the decoded token columns train reuses).",
                         no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
-CacheDir = Annotated[
-    Path | None,
-    typer.Option("--dir", help="The row-store cache (default: rows/ in $OFFLINE_REC_CACHE or ~/.cache/offline-rec)."),
-]
 
 
-@cache_app.command("list")
-def cache_list(cache_dir: CacheDir = None, as_json: SummaryJson = False) -> None:
+@command(cache_app, "list", config=RowCacheConfig, output=shared("as_json"))
+def cache_list(config: RowCacheConfig, output: Output) -> None:
     """The row stores in the cache: name, size, rows, the datasets they were built from, last use."""
     from offline_rec.display import print_row_stores
     from offline_rec.training import rowcache
 
-    stores = rowcache.list_stores(cache_dir)
-    where = str(cache_dir if cache_dir is not None else rowcache.default_dir())
-    if as_json:
+    stores = rowcache.list_stores(config.cache_dir)
+    where = str(config.cache_dir if config.cache_dir is not None else rowcache.default_dir())
+    if output.as_json:
         _print_json({"dir": where, "stores": stores})
         return
     print_row_stores(_console(), where, stores)
 
 
-@cache_app.command("clear")
-def cache_clear(
-    names: list[str] = typer.Argument(
-        None, help="Stores to remove (default: all, and unfinished builds whose process is gone)."
-    ),
-    cache_dir: CacheDir = None,
-) -> None:
+@command(cache_app, "clear", config=CacheClearConfig)
+def cache_clear(config: CacheClearConfig) -> None:
     """Remove row stores; a later train on their data builds them again."""
     from offline_rec.training import rowcache
 
-    removed = rowcache.clear_stores(cache_dir, names or ())
+    removed = rowcache.clear_stores(config.cache_dir, config.names)
     for entry in removed:
         typer.echo(f"removed {entry['name']} ({entry['bytes'] / 2**20:.1f} MB)")
     typer.echo(f"{len(removed)} removed, {sum(e['bytes'] for e in removed) / 2**20:.1f} MB freed")
@@ -412,18 +371,12 @@ def record(config: RecordConfig, settings: ProxySettings) -> None:
     typer.echo(record_line(stats, config.out))
 
 
-@app.command()
-def report(
-    runs: list[Path] = typer.Argument(..., help="Train RUN folders and/or evaluation folders (or their summary.json)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for the PNG plots and summary.md."),
-    smoothing: float = typer.Option(
-        0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none)."
-    ),
-) -> None:
+@command(app, config=ReportConfig)
+def report(config: ReportConfig) -> None:
     """Plot training and evaluation curves of runs side by side, and write a markdown summary table."""
     from offline_rec.eval.report import report_runs
 
-    written = report_runs(runs, out, smoothing=smoothing)
+    written = report_runs(config.runs, config.out, smoothing=config.smoothing)
     for name, path in written.items():
         typer.echo(f"{name}: {path}")
 

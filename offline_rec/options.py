@@ -71,9 +71,10 @@ def required(*flags: str, help: str, **kwargs: Any) -> Any:
     return option(MISSING, *flags, help=help, **kwargs)
 
 
-def argument(default: Any = MISSING, *, help: str) -> Any:
-    """A config field that is a positional command-line argument (required unless it has a default)."""
-    return _field(default, {"argument": True, "help": help})
+def argument(default: Any = MISSING, *, help: str, metavar: str | None = None) -> Any:
+    """A config field that is a positional command-line argument (required unless it has a default; a list
+    takes every remaining argument). metavar: its name in --help where it differs from the field's."""
+    return _field(default, {"argument": True, "help": help, **({"metavar": metavar} if metavar else {})})
 
 
 def api_only(default: Any = MISSING, *, help: str) -> Any:
@@ -237,7 +238,7 @@ def _parameter(field: dataclasses.Field, annotation: Any, as_override: bool = Fa
         annotation = annotation | None
     help = help or meta.get("flag_help", meta["help"])
     if meta.get("argument"):
-        info = typer.Argument(help=help)
+        info = typer.Argument(help=help, **({"metavar": meta["metavar"]} if "metavar" in meta else {}))
     else:
         extra = {"envvar": meta["envvar"], "show_envvar": False} if "envvar" in meta else {}
         info = typer.Option(*flags_of(field), help=help, **extra)

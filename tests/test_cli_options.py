@@ -34,16 +34,28 @@ from offline_rec.options import (
     shared,
 )
 
-BUILT = ("import", "filter", "reward", "train", "collect", "merge", "eval", "record", "view", "demo")
+BUILT = ("validate", "inspect", "import", "filter", "reward", "train", "push", "pull", "collect", "merge",
+         "cache list", "cache clear", "eval", "record", "view", "report", "demo")
+
+
+def all_commands(group=None, prefix="") -> dict:
+    """Every command of the app by its full name ("cache list"), groups left out."""
+    group = group or typer.main.get_command(app)
+    found = {}
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            found.update(all_commands(cmd, f"{prefix}{name} "))
+        else:
+            found[f"{prefix}{name}"] = cmd
+    return found
 
 
 def commands() -> dict:
-    group = typer.main.get_command(app)
-    return {name: cmd for name, cmd in group.commands.items() if hasattr(cmd.callback, "options_from")}
+    return {name: cmd for name, cmd in all_commands().items() if hasattr(cmd.callback, "options_from")}
 
 
-def test_the_big_commands_are_built_from_their_configs():
-    assert set(commands()) == set(BUILT)
+def test_every_command_is_built_from_its_configs():
+    assert set(commands()) == set(all_commands()) == set(BUILT)
 
 
 @pytest.mark.parametrize("name", BUILT)
@@ -322,3 +334,49 @@ def test_collect_and_eval_share_one_rollout_group_and_eval_hands_it_to_its_colle
     assert collect_config.rollout == dataclasses.replace(evaluation.rollout, top_k=None)  # collect: 0 is None
     assert evaluation.top_k == 0 and collect_config.top_k is None
     assert (collect_config.top_p, collect_config.prompts, collect_config.ray_address) == (0.5, "p.jsonl", "auto")
+
+
+def test_the_small_commands_hand_their_options_to_the_library(monkeypatch, tmp_path):
+    """validate, inspect, push, pull, report and cache, now built from configs, pass every option on."""
+    from types import SimpleNamespace
+
+    from offline_rec.dataset import inspect as inspect_module
+    from offline_rec.dataset import validate as validate_module
+    from offline_rec.eval import report as report_module
+    from offline_rec.hub import transfer
+    from offline_rec.training import rowcache
+
+    calls = []
+
+    def record(name, result):
+        return lambda *args, **kwargs: calls.append((name, args, kwargs)) or result
+
+    report = SimpleNamespace(ok=True, to_json=lambda: {"ok": True})
+    monkeypatch.setattr(validate_module, "validate_dataset", record("validate", report))
+    monkeypatch.setattr(inspect_module, "describe_dataset", record("inspect", {"warnings": []}))
+    monkeypatch.setattr(transfer, "push_dataset", record("push", SimpleNamespace(files=[1], url="u", tag="t")))
+    monkeypatch.setattr(transfer, "pull_dataset", record("pull", tmp_path))
+    monkeypatch.setattr(report_module, "report_runs", record("report", {}))
+    monkeypatch.setattr(rowcache, "list_stores", record("cache list", []))
+    monkeypatch.setattr(rowcache, "clear_stores", record("cache clear", []))
+    runs = [
+        ["validate", "d", "--no-checksums", "--json"], ["inspect", "d", "--json"],
+        ["push", "d", "org/x", "--private", "--revision", "dev", "--token", "k", "--license", "mit"],
+        ["pull", "org/x", "-o", "o", "--revision", "v1", "--token", "k"],
+        ["report", "r1", "r2", "-o", "o", "--smoothing", "0.5"],
+        ["cache", "list", "--dir", "c", "--json"], ["cache", "clear", "a", "b", "--dir", "c"], ["cache", "clear"],
+    ]
+    for argv in runs:
+        result = CliRunner().invoke(app, argv)
+        assert result.exit_code == 0, (argv, result.output)
+    assert calls == [
+        ("validate", (Path("d"),), {"check_checksums": False}),
+        ("inspect", (Path("d"),), {}),
+        ("push", (Path("d"), "org/x"), {"private": True, "revision": "dev", "token": "k", "license": "mit",
+                                        "echo": calls[2][2]["echo"]}),
+        ("pull", ("org/x", Path("o")), {"revision": "v1", "token": "k"}),
+        ("report", ([Path("r1"), Path("r2")], Path("o")), {"smoothing": 0.5}),
+        ("cache list", (Path("c"),), {}),
+        ("cache clear", (Path("c"), ["a", "b"]), {}),
+        ("cache clear", (None, []), {}),
+    ]

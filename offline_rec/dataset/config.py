@@ -1,5 +1,5 @@
-"""Every option of the commands that transform datasets: `filter` and `merge` (and the input / output pair that
-`reward` shares, offline_rec/rewards/config.py).
+"""Every option of the commands that check or transform datasets: `validate`, `inspect`, `filter` and `merge`
+(and the input / output pair that `reward` shares, offline_rec/rewards/config.py).
 
 Each field carries its flag, help line and default (`offline_rec.options`); the CLI builds the
 commands from them and the library functions take the same objects. Light on purpose (no pyarrow):
@@ -13,6 +13,22 @@ from pathlib import Path
 
 from offline_rec.errors import UserError
 from offline_rec.options import argument, option, required
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    """The dataset `offline-rec inspect` describes."""
+
+    dataset: Path = argument(help="Dataset directory.")
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """What `offline-rec validate` checks."""
+
+    dataset: Path = argument(help="Dataset directory.")
+    no_checksums: bool = option(
+        False, "--no-checksums", help="Skip the sha256 check of shards (faster on huge datasets).")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,17 @@ import dataclasses
 from pathlib import Path
 
 from offline_rec.errors import UserError
-from offline_rec.options import api_only, cli_fields, flags_of, flattened, nested, option, progress_switch
+from offline_rec.options import (
+    api_only,
+    argument,
+    cli_fields,
+    flags_of,
+    flattened,
+    nested,
+    option,
+    progress_switch,
+    required,
+)
 from offline_rec.rollout.config import RolloutOptions
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
@@ -154,3 +164,12 @@ def cli_arguments(config: EvalConfig) -> list[str]:
         else:
             arguments += [flag, str(value)]
     return arguments + ([] if config.show_progress else ["--quiet"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    """What `offline-rec report` plots, and where."""
+
+    runs: list[Path] = argument(help="Train RUN folders and/or evaluation folders (or their summary.json).")
+    out: Path = required("--out", "-o", help="Folder for the PNG plots and summary.md.")
+    smoothing: float = option(0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none).")
