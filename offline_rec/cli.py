@@ -337,7 +337,7 @@ def cache_clear(config: CacheClearConfig) -> None:
 @command(app, "eval", config=EvalConfig, output=shared("quiet", "as_json"))
 def eval_(config: EvalConfig, output: Output) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
-    if config.offline:
+    if config.mode == "offline":
         from offline_rec.eval.offline import offline_evaluate
 
         summary = offline_evaluate(config)
@@ -356,7 +356,7 @@ def eval_(config: EvalConfig, output: Output) -> None:
 
     _console().print(eval_summary_table(summary))
     if config.out is not None:
-        typer.echo(f"-> {config.out}" + ("" if config.offline else f" (rollouts: {summary['rollouts']})"))
+        typer.echo(f"-> {config.out}" + ("" if config.mode == "offline" else f" (rollouts: {summary['rollouts']})"))
 
 
 @command(app, config=RecordConfig, settings=ProxySettings)

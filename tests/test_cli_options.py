@@ -380,3 +380,40 @@ def test_the_small_commands_hand_their_options_to_the_library(monkeypatch, tmp_p
         ("cache clear", (Path("c"), ["a", "b"]), {}),
         ("cache clear", (None, []), {}),
     ]
+
+
+def test_an_eval_config_states_its_mode_and_holds_each_modes_options_in_its_group(tmp_path):
+    from offline_rec.errors import UserError
+    from offline_rec.eval.config import EVAL_MODES, EvalConfig, OfflineOptions, cli_arguments
+    from offline_rec.rollout.config import RolloutOptions
+
+    rollouts = EvalConfig(model="m", task="arith", out=tmp_path, top_p=0.5)
+    offline = EvalConfig(offline=True, model="m", data=["a"], num_bootstrap=7)
+    assert (rollouts.mode, offline.mode) == EVAL_MODES == ("rollouts", "offline")
+    assert offline.estimate == OfflineOptions(data=["a"], num_bootstrap=7) and offline.data == ["a"]
+    assert rollouts.rollout == RolloutOptions(top_p=0.5) and rollouts.estimate == OfflineOptions(data=[])
+    assert cli_arguments(offline)[-4:] == ["--data", "a", "--num-bootstrap", "7"]
+    with pytest.raises(ValueError, match="alpha has no command-line flag"):
+        cli_arguments(EvalConfig(offline=True, model="m", data=["a"], alpha=0.1))
+    with pytest.raises(UserError, match="--data and --run go with --offline"):
+        EvalConfig(model="m", task="arith", out=tmp_path, run="r")  # an option of the other mode
+
+
+def test_a_reward_config_states_its_mode_and_holds_each_modes_options_in_its_group():
+    from offline_rec.rewards.config import (
+        REWARD_KINDS,
+        JudgeTarget,
+        RewardConfig,
+        RewardModelOptions,
+        TaskRewardOptions,
+    )
+
+    by_task = RewardConfig(task="arith", timeout=3.0)
+    by_model = RewardConfig(reward_model="rm", reward_label="good", normalize="zscore")
+    by_judge = RewardConfig(judge="http://j/v1", judge_model="jm", rubric=Path("r.txt"))
+    assert tuple(c.kind for c in (by_task, by_model, by_judge)) == REWARD_KINDS
+    assert by_task.chosen == TaskRewardOptions(task="arith", timeout=3.0)
+    assert by_model.chosen == RewardModelOptions(reward_model="rm", reward_label="good", normalize="zscore")
+    assert by_judge.chosen == JudgeTarget(judge="http://j/v1", judge_model="jm", rubric=Path("r.txt"))
+    assert (by_model.reward_label, by_model.max_batch_tokens, by_judge.judge_model) == (
+        "good", RewardModelOptions().max_batch_tokens, "jm")  # read through the config, as before

@@ -38,6 +38,32 @@ ROLLOUT_TEMPERATURE = 1.0
 """The sampling temperature when `temperature` is None (the offline estimate uses the data's)."""
 
 
+EVAL_MODES = ("rollouts", "offline")
+"""What an evaluation does: sample the policy, or estimate its value from logged data (`--offline`)."""
+
+
+@dataclasses.dataclass
+class OfflineOptions:
+    """The options of the offline mode alone (`eval --offline`): the logged data and the bootstrap."""
+
+    data: list[str] | None = option(
+        None, "--data",
+        help="--offline: dataset(s) of logged groups (repeatable; default: the run's).",
+    )
+    run: str | None = option(
+        None, "--run",
+        help="--offline: train RUN folder; its held-out groups (holdout.json) are used.",
+    )
+    num_bootstrap: int = option(
+        1000, "--num-bootstrap",
+        help="--offline: bootstrap resamples of the 95% intervals (0: none).",
+    )
+    alpha: float = api_only(0.05, help="--offline: the bootstrap intervals cover 1 - alpha.")
+
+    def __post_init__(self) -> None:
+        self.data = [str(path) for path in self.data or ()]
+
+
 @flattened
 @dataclasses.dataclass
 class EvalConfig:
@@ -87,19 +113,6 @@ class EvalConfig:
         False, "--offline",
         help="Estimate from logged data without generating (needs --data or --run).",
     )
-    data: list[str] | None = option(
-        None, "--data",
-        help="--offline: dataset(s) of logged groups (repeatable; default: the run's).",
-    )
-    run: str | None = option(
-        None, "--run",
-        help="--offline: train RUN folder; its held-out groups (holdout.json) are used.",
-    )
-    num_bootstrap: int = option(
-        1000, "--num-bootstrap",
-        help="--offline: bootstrap resamples of the 95% intervals (0: none).",
-    )
-    alpha: float = api_only(0.05, help="--offline: the bootstrap intervals cover 1 - alpha.")
     # -- output
     overwrite: bool = option(False, "--overwrite", help="Replace the evaluation already in --out.")
     resume: bool = option(
@@ -112,17 +125,17 @@ class EvalConfig:
         "temperature": ("top_p", "top_k", "max_new_tokens"), "batch_size": ("dtype", "chat_template"),
         "data_parallel_size": ("ray_address",),
     })
+    estimate: OfflineOptions = nested(OfflineOptions, after={"offline": ("data", "run", "num_bootstrap")})
     show_progress: bool = progress_switch(help="Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
         self.out = None if self.out is None else Path(self.out)
-        self.data = [str(path) for path in self.data or ()]
         self.reward_timeout_s = float(self.reward_timeout_s or 0.0)
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.data_parallel_size < 1:
             raise UserError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
-        if self.offline:
+        if self.mode == "offline":
             if self.resume:
                 raise UserError("--resume continues a rollout evaluation; eval --offline samples nothing")
             if not self.model and not self.run:
@@ -137,6 +150,12 @@ class EvalConfig:
                 raise UserError(f"eval needs {flag} (or --offline to estimate from logged data)")
 
     @property
+    def mode(self) -> str:
+        """"offline" (`--offline`: estimate from logged data; the `estimate` group's options) or "rollouts"
+        (sample the policy: the `rollout` group's options and the rollout fields above)."""
+        return "offline" if self.offline else "rollouts"
+
+    @property
     def sampling_temperature(self) -> float:
         """The temperature rollouts are sampled at."""
         return ROLLOUT_TEMPERATURE if self.temperature is None else self.temperature
@@ -148,7 +167,7 @@ def cli_arguments(config: EvalConfig) -> list[str]:
     Options at None are left out (None is then their default); `alpha` has no flag and must be at
     its default; `show_progress` False is `--quiet`, an option of the CLI itself.
     """
-    if config.alpha != EvalConfig.alpha:
+    if config.alpha != OfflineOptions.alpha:
         raise ValueError("alpha has no command-line flag")
     arguments: list[str] = []
     for field in cli_fields(EvalConfig):
