@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from offline_rec import __version__
-from offline_rec.dataset.config import DatasetToDataset, FilterOptions, InspectConfig, MergeOptions, ValidateConfig
+from offline_rec.dataset.config import DatasetToDataset, FilterConfig, InspectConfig, MergeConfig, ValidateConfig
 from offline_rec.demo.pipeline import DemoOptions
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig, ReportConfig
@@ -23,7 +23,7 @@ from offline_rec.hub.config import PullConfig, PushConfig
 from offline_rec.importers.config import ImportConfig
 from offline_rec.options import Output, command, overrides, shared
 from offline_rec.preemption import Preempted
-from offline_rec.record.settings import ProxySettings, RecordConfig
+from offline_rec.record.settings import ProxyOptions, RecordConfig
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
 from offline_rec.rollout.config import CollectConfig
 from offline_rec.training.config import CacheClearConfig, RowCacheConfig, TrainConfig
@@ -155,8 +155,8 @@ def import_(config: ImportConfig, output: Output) -> None:
     _echo(import_lines(summary))
 
 
-@command(app, "filter", paths=DatasetToDataset, options=FilterOptions, output=shared("as_json"))
-def filter_(paths: DatasetToDataset, options: FilterOptions, output: Output) -> None:
+@command(app, "filter", paths=DatasetToDataset, options=FilterConfig, output=shared("as_json"))
+def filter_(paths: DatasetToDataset, options: FilterConfig, output: Output) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
     from offline_rec.dataset.filter import filter_dataset
     from offline_rec.summaries import filter_lines
@@ -274,8 +274,8 @@ def collect(config: CollectConfig, output: Output) -> None:
     typer.echo(collect_line(manifest, path))
 
 
-@command(app, config=MergeOptions, output=shared("as_json"))
-def merge(config: MergeOptions, output: Output) -> None:
+@command(app, config=MergeConfig, output=shared("as_json"))
+def merge(config: MergeConfig, output: Output) -> None:
     """Combine datasets with the same tokenizer and disjoint group ids into one (or, with --join-groups, the
     fresh answers to logged prompts into the logged groups).
 
@@ -359,8 +359,8 @@ def eval_(config: EvalConfig, output: Output) -> None:
         typer.echo(f"-> {config.out}" + ("" if config.mode == "offline" else f" (rollouts: {summary['rollouts']})"))
 
 
-@command(app, config=RecordConfig, settings=ProxySettings)
-def record(config: RecordConfig, settings: ProxySettings) -> None:
+@command(app, config=RecordConfig, settings=ProxyOptions)
+def record(config: RecordConfig, settings: ProxyOptions) -> None:
     """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
     from offline_rec.record.proxy import run_record
     from offline_rec.summaries import record_line

@@ -402,7 +402,7 @@ def test_an_eval_config_states_its_mode_and_holds_each_modes_options_in_its_grou
 def test_a_reward_config_states_its_mode_and_holds_each_modes_options_in_its_group():
     from offline_rec.rewards.config import (
         REWARD_KINDS,
-        JudgeTarget,
+        JudgeTargetOptions,
         RewardConfig,
         RewardModelOptions,
         TaskRewardOptions,
@@ -414,6 +414,6 @@ def test_a_reward_config_states_its_mode_and_holds_each_modes_options_in_its_gro
     assert tuple(c.kind for c in (by_task, by_model, by_judge)) == REWARD_KINDS
     assert by_task.chosen == TaskRewardOptions(task="arith", timeout=3.0)
     assert by_model.chosen == RewardModelOptions(reward_model="rm", reward_label="good", normalize="zscore")
-    assert by_judge.chosen == JudgeTarget(judge="http://j/v1", judge_model="jm", rubric=Path("r.txt"))
+    assert by_judge.chosen == JudgeTargetOptions(judge="http://j/v1", judge_model="jm", rubric=Path("r.txt"))
     assert (by_model.reward_label, by_model.max_batch_tokens, by_judge.judge_model) == (
         "good", RewardModelOptions().max_batch_tokens, "jm")  # read through the config, as before

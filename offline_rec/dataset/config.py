@@ -40,7 +40,7 @@ class DatasetToDataset:
 
 
 @dataclass(frozen=True)
-class FilterOptions:
+class FilterConfig:
     """What `offline-rec filter` drops (the order and the counting are in offline_rec/dataset/filter.py)."""
 
     drop_truncated: bool = option(
@@ -75,8 +75,12 @@ class FilterOptions:
             )
 
 
+FilterOptions = FilterConfig
+"""FilterConfig's old name (dataset/filter.py still says it), removed next release."""
+
+
 @dataclass(frozen=True)
-class MergeOptions:
+class MergeConfig:
     """What `offline-rec merge` combines, and how."""
 
     datasets: list[Path] = argument(help="Input datasets (e.g. the slices of one collect); never modified.")

@@ -1,5 +1,5 @@
 """Every option of `offline-rec record`: `RecordConfig` (what is proxied, where it is written; its group
-`RecordOptions`: how the recorder writes) and `ProxySettings` (the proxy's own authentication, limits and timeouts).
+`RecordOptions`: how the recorder writes) and `ProxyOptions` (the proxy's own authentication, limits and timeouts).
 
 Each field carries its default, its command-line flag(s), its help line and, where a secret may be
 given that way, its environment variable (`offline_rec.options`); the CLI builds `record` from the
@@ -79,7 +79,7 @@ class RecordOptions:
 @flattened
 @dataclasses.dataclass(frozen=True)
 class RecordConfig:
-    """What `record` proxies and where it writes; the proxy's own limits are `ProxySettings`."""
+    """What `record` proxies and where it writes; the proxy's own limits are `ProxyOptions`."""
 
     upstream: str = required(
         "--upstream", help="The OpenAI-compatible (vLLM) server to record, e.g. http://127.0.0.1:8000.")
@@ -92,7 +92,7 @@ class RecordConfig:
 
 
 @dataclasses.dataclass
-class ProxySettings:
+class ProxyOptions:
     """Who may call the proxy, what it sends upstream on its own behalf, and its limits. Validated on construction."""
 
     api_key: str | None = option(

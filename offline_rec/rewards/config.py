@@ -64,7 +64,7 @@ class RewardModelOptions:
 
 
 @dataclass(frozen=True)
-class JudgeTarget:
+class JudgeTargetOptions:
     """`reward --judge`: which judge scores each row, and by what rubric (how it is called: `JudgeOptions`)."""
 
     judge: str | None = option(
@@ -85,7 +85,7 @@ class RewardConfig:
 
     by_task: TaskRewardOptions = nested(TaskRewardOptions)
     by_reward_model: RewardModelOptions = nested(RewardModelOptions)
-    by_judge: JudgeTarget = nested(JudgeTarget)
+    by_judge: JudgeTargetOptions = nested(JudgeTargetOptions)
 
     def __post_init__(self) -> None:
         chosen = [flag for flag, value in (("--task", self.task), ("--reward-model", self.reward_model),
@@ -102,7 +102,7 @@ class RewardConfig:
         return "judge" if self.judge else "reward_model" if self.reward_model else "task"
 
     @property
-    def chosen(self) -> TaskRewardOptions | RewardModelOptions | JudgeTarget:
+    def chosen(self) -> TaskRewardOptions | RewardModelOptions | JudgeTargetOptions:
         """The options of the mode chosen (`kind`)."""
         return {"task": self.by_task, "reward_model": self.by_reward_model, "judge": self.by_judge}[self.kind]
 
