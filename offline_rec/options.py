@@ -10,6 +10,11 @@ the handler's other parameters (plain typer parameters), in the handler's parame
 is called with the built config and `Output`. So a new option is one field, and `--help`, the default and
 the Python API cannot drift apart.
 
+A field without flags takes them from its name (`flags_of`: `top_p` is `--top-p`). Options several commands
+share are one dataclass, a `nested` field of each config, which is `@flattened`: the group's fields are flags
+under their own names and keyword arguments and attributes of the config (`CollectConfig(top_p=0.9).top_p`);
+one config can hand its group to another whole (eval's `RolloutOptions` to its collect).
+
 A config field made by `progress_switch` (a config's `show_progress`) is no flag of its own: the command
 sets it from the shared `--quiet` when it builds the config, so no config is changed after construction.
 
