@@ -1,5 +1,5 @@
-"""Every option of the commands that transform datasets: `filter` and `merge` (and the input / output pair that
-`reward` shares, offline_rec/rewards/config.py).
+"""Every option of the commands that check or transform datasets: `validate`, `inspect`, `filter` and `merge`
+(and the input / output pair that `reward` shares, offline_rec/rewards/config.py).
 
 Each field carries its flag, help line and default (`offline_rec.options`); the CLI builds the
 commands from them and the library functions take the same objects. Light on purpose (no pyarrow):
@@ -16,6 +16,22 @@ from offline_rec.options import argument, option, required
 
 
 @dataclass(frozen=True)
+class InspectConfig:
+    """The dataset `offline-rec inspect` describes."""
+
+    dataset: Path = argument(help="Dataset directory.")
+
+
+@dataclass(frozen=True)
+class ValidateConfig:
+    """What `offline-rec validate` checks."""
+
+    dataset: Path = argument(help="Dataset directory.")
+    no_checksums: bool = option(
+        False, "--no-checksums", help="Skip the sha256 check of shards (faster on huge datasets).")
+
+
+@dataclass(frozen=True)
 class DatasetToDataset:
     """The input and output of a command that writes a new dataset from one (filter, reward)."""
 
@@ -24,7 +40,7 @@ class DatasetToDataset:
 
 
 @dataclass(frozen=True)
-class FilterOptions:
+class FilterConfig:
     """What `offline-rec filter` drops (the order and the counting are in offline_rec/dataset/filter.py)."""
 
     drop_truncated: bool = option(
@@ -59,8 +75,12 @@ class FilterOptions:
             )
 
 
+FilterOptions = FilterConfig
+"""FilterConfig's old name (dataset/filter.py still says it), removed next release."""
+
+
 @dataclass(frozen=True)
-class MergeOptions:
+class MergeConfig:
     """What `offline-rec merge` combines, and how."""
 
     datasets: list[Path] = argument(help="Input datasets (e.g. the slices of one collect); never modified.")

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offline_rec.errors import UserError, one_of
-from offline_rec.options import option
+from offline_rec.options import flattened, nested, option
 from offline_rec.rewards.sequence_classifier import DEFAULT_MAX_BATCH_TOKENS
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
@@ -21,15 +21,25 @@ NORMALIZATIONS = ("none", "zscore")
 JUDGE_CONSTRAINTS = ("choice", "json", "none")
 
 
+REWARD_KINDS = ("task", "reward_model", "judge")
+"""What scores the rows of `reward`: a task's reward function, a reward model or an LLM judge."""
+
+
 @dataclass(frozen=True)
-class RewardConfig:
-    """What scores the rows of `offline-rec reward`: exactly one of a task, a reward model or a judge."""
+class TaskRewardOptions:
+    """`reward --task`: a task's reward function scores each row."""
 
     task: str | None = option(
         None, "--task", help="Task whose reward scores the rows (arith, gsm8k, math) or module:function.")
     reward: str | None = option(None, "--reward", help="Replace the task's reward function with module:function.")
     timeout: float = option(
         REWARD_TIMEOUT_S, "--timeout", help="Seconds per reward call; a call past it scores null (0: no limit).")
+
+
+@dataclass(frozen=True)
+class RewardModelOptions:
+    """`reward --reward-model`: a sequence-classification reward model scores each row."""
+
     reward_model: str | None = option(
         None, "--reward-model", help="Score with this sequence-classification reward model (folder or Hub id).")
     reward_label: str | None = option(
@@ -51,6 +61,12 @@ class RewardConfig:
              "('auto': the one this machine belongs to), one GPU each where it has GPUs; this process reads the "
              "shards and writes the scores (pip install 'offline-rec[ray]').",
     )
+
+
+@dataclass(frozen=True)
+class JudgeTargetOptions:
+    """`reward --judge`: which judge scores each row, and by what rubric (how it is called: `JudgeOptions`)."""
+
     judge: str | None = option(
         None, "--judge",
         help="Score with an LLM judge at this OpenAI-compatible API base (e.g. http://host:8000/v1).",
@@ -58,6 +74,18 @@ class RewardConfig:
     judge_model: str | None = option(None, "--judge-model", help="--judge: the served model name.")
     rubric: Path | None = option(
         None, "--rubric", help="--judge: the rubric template ({prompt}, {completion}, the row's meta fields).")
+
+
+@flattened
+@dataclass(frozen=True)
+class RewardConfig:
+    """What scores the rows of `offline-rec reward`: exactly one of a task, a reward model or a judge, each
+    mode's options in its own group (flattened: `--reward-label`, `RewardConfig(reward_label=...)`,
+    `config.reward_label`); `kind` names the mode chosen."""
+
+    by_task: TaskRewardOptions = nested(TaskRewardOptions)
+    by_reward_model: RewardModelOptions = nested(RewardModelOptions)
+    by_judge: JudgeTargetOptions = nested(JudgeTargetOptions)
 
     def __post_init__(self) -> None:
         chosen = [flag for flag, value in (("--task", self.task), ("--reward-model", self.reward_model),
@@ -70,8 +98,13 @@ class RewardConfig:
 
     @property
     def kind(self) -> str:
-        """What scores: "task", "reward_model" or "judge"."""
+        """What scores (one of REWARD_KINDS): "task", "reward_model" or "judge"."""
         return "judge" if self.judge else "reward_model" if self.reward_model else "task"
+
+    @property
+    def chosen(self) -> TaskRewardOptions | RewardModelOptions | JudgeTargetOptions:
+        """The options of the mode chosen (`kind`)."""
+        return {"task": self.by_task, "reward_model": self.by_reward_model, "judge": self.by_judge}[self.kind]
 
 
 @dataclass

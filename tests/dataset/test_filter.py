@@ -17,7 +17,8 @@ from cli_support import run_cli
 from datagen import make_rows, tree_digest, write_dataset
 
 from offline_rec import schema as S
-from offline_rec.dataset.filter import FilterOptions, filter_dataset, group_fraction_key
+from offline_rec.dataset.config import FilterConfig
+from offline_rec.dataset.filter import filter_dataset, group_fraction_key
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import UserError
@@ -52,7 +53,7 @@ def dropped(summary) -> dict:
 
 
 def test_drop_truncated_drops_rows_and_renumbers(source, tmp_path):
-    summary = filter_dataset(source, tmp_path / "out", FilterOptions(drop_truncated=True))
+    summary = filter_dataset(source, tmp_path / "out", FilterConfig(drop_truncated=True))
     # g0000 loses its second row (rewards 1, 0 remain, renumbered 0, 1); g0002 is all "length": gone.
     assert kept(tmp_path / "out") == [
         ("g0000", 0, 1.0),
@@ -70,42 +71,42 @@ def test_drop_truncated_drops_rows_and_renumbers(source, tmp_path):
 
 
 def test_drop_all_equal(source, tmp_path):
-    summary = filter_dataset(source, tmp_path / "out", FilterOptions(drop_all_equal=True))
+    summary = filter_dataset(source, tmp_path / "out", FilterConfig(drop_all_equal=True))
     # g0001 (1, 1) and the single-row g0003 carry no signal.
     assert [g for g, i, _ in kept(tmp_path / "out") if i == 0] == ["g0000", "g0002"]
     assert dropped(summary) == {"all_equal": (3, 2)}
 
 
 def test_row_filters_apply_before_all_equal(source, tmp_path):
-    summary = filter_dataset(source, tmp_path / "out", FilterOptions(drop_truncated=True, drop_all_equal=True))
+    summary = filter_dataset(source, tmp_path / "out", FilterConfig(drop_truncated=True, drop_all_equal=True))
     # g0000 keeps rewards (1, 0): signal left. g0002 gone by truncation, g0001 and g0003 by all_equal.
     assert kept(tmp_path / "out") == [("g0000", 0, 1.0), ("g0000", 1, 0.0)]
     assert dropped(summary) == {"truncated": (3, 1), "all_equal": (3, 2)}
 
 
 def test_token_caps_drop_whole_groups(source, tmp_path):
-    summary = filter_dataset(source, tmp_path / "p", FilterOptions(max_prompt_tokens=4))
+    summary = filter_dataset(source, tmp_path / "p", FilterConfig(max_prompt_tokens=4))
     assert [g for g, i, _ in kept(tmp_path / "p") if i == 0] == ["g0000", "g0001", "g0003"]  # g0002's prompt is 8
     assert dropped(summary) == {"max_prompt_tokens": (2, 1)}
-    summary = filter_dataset(source, tmp_path / "c", FilterOptions(max_completion_tokens=2))
+    summary = filter_dataset(source, tmp_path / "c", FilterConfig(max_completion_tokens=2))
     # g0000 holds a 5-token completion, g0003 a 3, g0002 two 3s: only g0001 (2, 2) fits, all its rows kept.
     assert kept(tmp_path / "c") == [("g0001", 0, 1.0), ("g0001", 1, 1.0)]
     assert dropped(summary) == {"max_completion_tokens": (6, 3)}
 
 
 def test_policy_version_range(source, tmp_path):
-    summary = filter_dataset(source, tmp_path / "a", FilterOptions(min_policy_version=1))
+    summary = filter_dataset(source, tmp_path / "a", FilterConfig(min_policy_version=1))
     assert [g for g, i, _ in kept(tmp_path / "a") if i == 0] == ["g0001", "g0002"]
     assert dropped(summary) == {"policy_version": (4, 2)}
-    filter_dataset(source, tmp_path / "b", FilterOptions(min_policy_version=1, max_policy_version=1))
+    filter_dataset(source, tmp_path / "b", FilterConfig(min_policy_version=1, max_policy_version=1))
     assert [g for g, i, _ in kept(tmp_path / "b") if i == 0] == ["g0001"]
     with pytest.raises(UserError, match="min-policy-version"):
-        filter_dataset(source, tmp_path / "c", FilterOptions(min_policy_version=2, max_policy_version=1))
+        filter_dataset(source, tmp_path / "c", FilterConfig(min_policy_version=2, max_policy_version=1))
 
 
 def test_sample_fraction_by_group_hash(tmp_path):
     src = write_dataset(tmp_path / "src", make_rows([2] * 40, seed=5), groups_per_shard=7)
-    options = FilterOptions(sample_fraction=0.5, seed=11)
+    options = FilterConfig(sample_fraction=0.5, seed=11)
     summary = filter_dataset(src, tmp_path / "a", options)
     expected = [f"g{g:04d}" for g in range(40) if group_fraction_key(11, f"g{g:04d}") < 0.5]
     got = [g for g, i, _ in kept(tmp_path / "a") if i == 0]
@@ -116,20 +117,20 @@ def test_sample_fraction_by_group_hash(tmp_path):
     # Same seed: same groups; another seed: another choice; fraction 1: everything.
     filter_dataset(src, tmp_path / "b", options)
     assert kept(tmp_path / "b") == kept(tmp_path / "a")
-    filter_dataset(src, tmp_path / "c", FilterOptions(sample_fraction=0.5, seed=12))
+    filter_dataset(src, tmp_path / "c", FilterConfig(sample_fraction=0.5, seed=12))
     assert kept(tmp_path / "c") != kept(tmp_path / "a")
-    assert filter_dataset(src, tmp_path / "d", FilterOptions(sample_fraction=1.0))["rows_out"] == 80
+    assert filter_dataset(src, tmp_path / "d", FilterConfig(sample_fraction=1.0))["rows_out"] == 80
     # The key is sha256("{seed}:{group_id}")'s first 8 bytes over 2**64.
     import hashlib
     assert group_fraction_key(11, "g0000") == int.from_bytes(hashlib.sha256(b"11:g0000").digest()[:8], "big") / 2**64
     with pytest.raises(UserError, match="sample-fraction"):
-        filter_dataset(src, tmp_path / "e", FilterOptions(sample_fraction=0.0))
+        filter_dataset(src, tmp_path / "e", FilterConfig(sample_fraction=0.0))
 
 
 def test_drop_all_equal_refuses_null_rewards(tmp_path):
     src = write_dataset(tmp_path / "src", make_rows([2, 2], reward_default="null"))
     with pytest.raises(UserError, match="offline-rec reward"):
-        filter_dataset(src, tmp_path / "out", FilterOptions(drop_all_equal=True))
+        filter_dataset(src, tmp_path / "out", FilterConfig(drop_all_equal=True))
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 

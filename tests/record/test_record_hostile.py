@@ -16,7 +16,7 @@ import httpx
 import pytest
 from record_support import MODEL, MODEL_ROOT, RecordProcess, ServerThread, create_fake, free_port, strict_lines
 
-from offline_rec.record.settings import ProxySettings
+from offline_rec.record.settings import ProxyOptions
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Grüß dich! 你好"}]
@@ -218,10 +218,10 @@ def test_7_listening_beyond_this_machine_needs_a_key_or_insecure(capsys, tmp_pat
     code, _, err = run_cli(capsys, "record", "--upstream", "http://127.0.0.1:9", "--out", tmp_path / "rec",
                            "--host", "0.0.0.0", "--port", "0")
     assert code == 2 and "--host 0.0.0.0" in err and "--insecure" in err
-    ProxySettings(insecure=True).check_host("0.0.0.0", [])
-    ProxySettings().check_host("0.0.0.0", ["k"])
+    ProxyOptions(insecure=True).check_host("0.0.0.0", [])
+    ProxyOptions().check_host("0.0.0.0", ["k"])
     for host in ("127.0.0.1", "::1", "localhost"):
-        ProxySettings().check_host(host, [])
+        ProxyOptions().check_host(host, [])
 
 
 def test_11_episodes_belong_to_the_key_that_opened_them(proxy):

@@ -11,7 +11,7 @@ from record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, 
 
 from offline_rec.record.proxy import create_app
 from offline_rec.record.proxy_state import ProxyState
-from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_field
+from offline_rec.record.recorder import Recorder, RecordOptions
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -214,8 +214,7 @@ def test_models_pass_through_and_health_is_answered_by_the_proxy(fake, proxy):
 
 
 def test_secrets_never_reach_the_files(fake, proxy):
-    redact = (parse_redact_field("user"), parse_redact_field("messages.*.name"), parse_redact_field("metadata.email"))
-    p = proxy(redact_fields=redact)
+    p = proxy(redact_field=["user", "messages.*.name", "metadata.email"])
     secret = "sk-very-secret-key-123"
     messages = [{**MESSAGES[1], "name": "Jeanne Dupont"}]
     body = {"model": MODEL, "messages": messages, "user": "customer-42", "metadata": {"email": "j@d.fr", "plan": "x"}}
@@ -235,7 +234,7 @@ def test_secrets_never_reach_the_files(fake, proxy):
 
 
 def test_rotation_keeps_every_line_whole(fake, proxy):
-    p = proxy(rotate_bytes=4000)
+    p = proxy(rotate_mb=4000 / (1 << 20))  # 4000 bytes
     for i in range(12):
         post(p.url, CHAT, {"model": MODEL, "messages": MESSAGES, "seed": i, "stream": i % 2 == 1})
     p.stop()

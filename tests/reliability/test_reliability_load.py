@@ -32,7 +32,8 @@ from paths import REPO as ROOT
 
 from offline_rec import schema as S
 from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, group_advantages, policy_loss
-from offline_rec.dataset.filter import FilterOptions, filter_dataset
+from offline_rec.dataset.config import FilterConfig
+from offline_rec.dataset.filter import filter_dataset
 from offline_rec.dataset.inspect import describe_dataset
 from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import DataError, UserError
@@ -278,5 +279,5 @@ def test_damaged_shard_bytes_never_crash_a_reader(shard, damages):
         except DataError:
             pass
         with pytest.raises(UserError):
-            filter_dataset(path, Path(folder) / "out", FilterOptions())
+            filter_dataset(path, Path(folder) / "out", FilterConfig())
         assert not (Path(folder) / "out").exists() and tree_digest(path) == before
