@@ -54,6 +54,24 @@ def test_weight_stats_by_hand():
     assert weight_stats([np.array([1000.0])])["ratio_max"] == pytest.approx(math.exp(20))
 
 
+def test_weight_stats_are_the_losss_ratio_metrics():
+    # the monitor and policy_loss read one measure (objectives.ratio_stats): same rows, same numbers
+    import torch
+
+    from offline_rec.algorithms import AlgorithmSpec, policy_loss
+
+    rows = [np.array([0.3, -2.5, 2.4]), np.array([-0.1]), np.array([3.0, 0.0])]
+    logp = torch.zeros(3, 3, dtype=torch.float64)
+    mask = torch.zeros(3, 3, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        logp[i, : len(row)], mask[i, : len(row)] = torch.from_numpy(row), True
+    _, metrics = policy_loss(AlgorithmSpec(), logp, torch.zeros_like(logp), torch.ones(3, dtype=torch.float64), mask)
+    stats = weight_stats(rows)
+    assert stats["tokens"] == 6 and metrics["ratio_high_fraction"] == pytest.approx(2 / 6)  # e^2.4, e^3 > 10
+    for key in ("ess", "ratio_max", "ratio_high_fraction", "ratio_low_fraction"):
+        assert stats[key] == pytest.approx(metrics[key], rel=1e-12), key
+
+
 def test_behavior_breakdown_by_hand():
     ratios = [np.log([1.0, 1.0]), np.log([20.0]), np.log([20.0, 0.05])]
     table = behavior_weight_stats(ratios, ["A", "B", "B"], rewards=[1.0, 0.0, 1.0],
