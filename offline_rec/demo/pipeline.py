@@ -336,91 +336,29 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     """
     from rich.console import Console
 
-    from offline_rec.algorithms import get_algorithm
-    from offline_rec.demo.estimate import estimate_demo
-    from offline_rec.rollout.backends import check_backend_name
     from offline_rec.training.distributed import import_deepspeed_only_when_used
 
     import_deepspeed_only_when_used()  # the demo trains in one process: no DeepSpeed, nor its CPU warning in the log
-    settings = {k: v for k, v in settings.items() if v is not None}
-    # another preset given with --logged keeps its own baseline (topr's threshold, say)
-    own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
-    logged_recipe = ({"logged": True, "train_overrides": ()} if own_preset else LOGGED) if logged else {}
-    own_model, recipe = model_recipe(model, quick)
-    config = DemoSettings(**{**recipe, **logged_recipe, **settings})
-    check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
-    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
-    config = keep_zero_advantage_for_regularizer(config, spec.regularizer)
-    if own_model:
-        config = prompt_format(model, config)
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"demo: threads must be >= 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
+    own_model, config = resolve_settings(model, quick, logged, settings)
+    _set_threads(threads)
     console = console or Console(stderr=True, highlight=False)
     out = Path(out_dir)
-    _prepare_out(out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SETTINGS_FILE).write_text(json.dumps({"what": "offline-rec demo", **asdict(config)}, indent=2) + "\n")
-
-    paths = {
-        "out": str(out),
-        "dataset": str(out / "data"),
-        "run": str(out / "run"),
-        "validation_prompts": str(out / VALIDATION_FILE),
-        "before": str(out / "eval" / "before"),
-        "after": str(out / "eval" / "after"),
-        "report": str(out / "report"),
-    }
+    paths = _start_out(out, overwrite, config)
     stages = Stages(console, total=7)
     started = time.monotonic()
 
-    with stages.run("policy", "the behavior policy"):
-        policy = model or ensure_demo_policy(progress=progress)
-        paths["policy"] = str(policy)
-        stages.note(f"{policy}" + (f": {'chat template, ' if config.chat_template else 'raw prompts, '}reward "
-                                   f"{config.reward}" if own_model else ""))
-        estimate = estimate_demo(policy, config, DEMO_TASK)
-        stages.note(estimate.line())
-
-    with stages.run(
-        "collect", f"{config.num_prompts} train prompts x {config.collect_samples} sample(s) at T=1, backend "
-                   f"{config.backend}" + (" (logged: one response per prompt, like production traffic)"
-                                          if config.logged else "")
-    ):
-        collect_dataset(policy, Path(paths["dataset"]), config, progress)
-        stages.note(dataset_line(paths["dataset"]))
-        if config.validation_prompts:
-            write_validation_prompts(Path(paths["validation_prompts"]), config)
-            stages.note(f"{config.validation_prompts} validation prompts (train split, none trained on) -> "
-                        f"{paths['validation_prompts']}")
-        else:
-            paths["validation_prompts"] = None
-
+    policy, estimate = _policy_stage(stages, model, own_model, config, paths, progress)
+    _collect_stage(stages, policy, config, paths, progress)
     with stages.run("validate", "the dataset against the format"):
         report = check_dataset(paths["dataset"])
         stages.note(f"valid: {report.rows_checked} rows, {report.groups_checked} groups, {report.warnings} warning(s)")
-
     with stages.run("before", f"the behavior policy on {config.eval_prompts} held-out test prompts"):
         before = evaluate_policy(policy, Path(paths["before"]), config, config.num_samples, progress)
         stages.note(metrics_line(before, config.num_samples))
-
-    with stages.run("train", f"{config.algorithm_label} on the fixed dataset, {config.epochs} epoch(s)"):
-        train_summary = train_offline(policy, paths["dataset"], Path(paths["run"]), config, progress)
-        paths["final_model"] = train_summary["final_model"]
-        curve = heldout_curve(Path(paths["run"]), policy, config, before, paths["validation_prompts"], progress)
-        checkpoint = choose_checkpoint(curve, config, paths["final_model"])
-        paths["chosen_model"] = checkpoint["model"]
-        stages.note(f"{train_summary['steps']} steps; held-out greedy accuracy by step: "
-                    + ", ".join(f"{p['step']}: {p['greedy_accuracy']:.2f}" for p in curve))
-        stages.note(f"result: step {checkpoint['step']}, {checkpoint['why']}")
-
+    train_summary, curve, checkpoint = _train_stage(stages, policy, before, config, paths, progress)
     with stages.run("after", f"the chosen model (step {checkpoint['step']}), on the same held-out prompts and seeds"):
         after = evaluate_policy(paths["chosen_model"], Path(paths["after"]), config, config.num_samples, progress)
         stages.note(metrics_line(after, config.num_samples))
-
     with stages.run("report", "plots and tables"):
         figures = write_report(Path(paths["report"]), paths, curve, config, checkpoint["step"])
         stages.note(", ".join(str(p) for p in figures.values()))
@@ -447,6 +385,99 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print_final_table(console, summary, config)
     return summary
+
+
+def resolve_settings(model: str | None, quick: bool, logged: bool, settings: dict) -> tuple[bool, DemoSettings]:
+    """(whether `model` is the user's own, the demo's settings): the recipe (`model_recipe`, `LOGGED`), the
+    explicit `settings` over it, checked before any work (the backend, the algorithm)."""
+    from offline_rec.algorithms import get_algorithm
+    from offline_rec.rollout.backends import check_backend_name
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    # another preset given with --logged keeps its own baseline (topr's threshold, say)
+    own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
+    logged_recipe = ({"logged": True, "train_overrides": ()} if own_preset else LOGGED) if logged else {}
+    own_model, recipe = model_recipe(model, quick)
+    config = DemoSettings(**{**recipe, **logged_recipe, **settings})
+    check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
+    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
+    config = keep_zero_advantage_for_regularizer(config, spec.regularizer)
+    return own_model, prompt_format(model, config) if own_model else config
+
+
+def _set_threads(threads: int | None) -> None:
+    """torch's CPU threads for this process (`run_demo`'s `threads`; None: torch's choice)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError(f"demo: threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _start_out(out: Path, overwrite: bool, config: DemoSettings) -> dict:
+    """OUT made (an earlier demo's outputs replaced with `overwrite`), its settings.json written; the paths of
+    every output, as summary.json lists them."""
+    _prepare_out(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SETTINGS_FILE).write_text(json.dumps({"what": "offline-rec demo", **asdict(config)}, indent=2) + "\n")
+    return {
+        "out": str(out),
+        "dataset": str(out / "data"),
+        "run": str(out / "run"),
+        "validation_prompts": str(out / VALIDATION_FILE),
+        "before": str(out / "eval" / "before"),
+        "after": str(out / "eval" / "after"),
+        "report": str(out / "report"),
+    }
+
+
+def _policy_stage(stages: Stages, model: str | None, own_model: bool, config: DemoSettings, paths: dict,
+                  progress: bool):
+    """Stage 1: the behavior policy (the user's, or the shipped one, built if missing) and the time estimate."""
+    from offline_rec.demo.estimate import estimate_demo
+
+    with stages.run("policy", "the behavior policy"):
+        policy = model or ensure_demo_policy(progress=progress)
+        paths["policy"] = str(policy)
+        stages.note(f"{policy}" + (f": {'chat template, ' if config.chat_template else 'raw prompts, '}reward "
+                                   f"{config.reward}" if own_model else ""))
+        estimate = estimate_demo(policy, config, DEMO_TASK)
+        stages.note(estimate.line())
+    return policy, estimate
+
+
+def _collect_stage(stages: Stages, policy: str, config: DemoSettings, paths: dict, progress: bool) -> None:
+    """Stage 2: the logged dataset, and the validation prompts (train split, none trained on) where asked."""
+    with stages.run(
+        "collect", f"{config.num_prompts} train prompts x {config.collect_samples} sample(s) at T=1, backend "
+                   f"{config.backend}" + (" (logged: one response per prompt, like production traffic)"
+                                          if config.logged else "")
+    ):
+        collect_dataset(policy, Path(paths["dataset"]), config, progress)
+        stages.note(dataset_line(paths["dataset"]))
+        if config.validation_prompts:
+            write_validation_prompts(Path(paths["validation_prompts"]), config)
+            stages.note(f"{config.validation_prompts} validation prompts (train split, none trained on) -> "
+                        f"{paths['validation_prompts']}")
+        else:
+            paths["validation_prompts"] = None
+
+
+def _train_stage(stages: Stages, policy: str, before: dict, config: DemoSettings, paths: dict,
+                 progress: bool) -> tuple[dict, list[dict], dict]:
+    """Stage 5: (train's summary, the held-out curve of its checkpoints, the checkpoint chosen)."""
+    with stages.run("train", f"{config.algorithm_label} on the fixed dataset, {config.epochs} epoch(s)"):
+        train_summary = train_offline(policy, paths["dataset"], Path(paths["run"]), config, progress)
+        paths["final_model"] = train_summary["final_model"]
+        curve = heldout_curve(Path(paths["run"]), policy, config, before, paths["validation_prompts"], progress)
+        checkpoint = choose_checkpoint(curve, config, paths["final_model"])
+        paths["chosen_model"] = checkpoint["model"]
+        stages.note(f"{train_summary['steps']} steps; held-out greedy accuracy by step: "
+                    + ", ".join(f"{p['step']}: {p['greedy_accuracy']:.2f}" for p in curve))
+        stages.note(f"result: step {checkpoint['step']}, {checkpoint['why']}")
+    return train_summary, curve, checkpoint
 
 
 # --------------------------------------------------------------------------------------------
