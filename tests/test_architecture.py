@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from paths import REPO
+from support.paths import REPO
 
 PACKAGE = REPO / "offline_rec"
 LAYERS = [
@@ -252,3 +252,12 @@ def test_no_function_of_these_rooms_is_over_100_lines(room):
     long = [f"{path.relative_to(PACKAGE)}:{name} ({lines} lines)" for path in sorted((PACKAGE / room).rglob("*.py"))
             for lines, name in function_lengths(path.read_text(encoding="utf-8")) if lines > 100]
     assert not long, long
+
+
+def test_test_helpers_live_in_the_support_package():
+    """A helper module at the tests root would be imported by a bare name (`paths`, `datagen`) that an installed
+    package can shadow: the tests root holds only test modules and conftest.py, the helpers are in tests/support/."""
+    loose = sorted(path.name for path in (REPO / "tests").glob("*.py")
+                   if not path.name.startswith("test_") and path.name != "conftest.py")
+    assert not loose, loose
+    assert (REPO / "tests" / "support" / "__init__.py").is_file()

@@ -14,11 +14,11 @@ import sys
 
 import numpy as np
 import pytest
-from paths import REPO
+from support.paths import REPO
 
 sys.path.insert(0, str(REPO))
 
-from datagen import make_rows, write_dataset  # noqa: E402
+from support.datagen import make_rows, write_dataset  # noqa: E402
 
 from benchmarks._common import median, write_synthetic_dataset  # noqa: E402
 from benchmarks._data_bench import padding_efficiency, paper_packing, paper_step_lengths  # noqa: E402
@@ -163,7 +163,7 @@ def test_quick_benchmark_writes_every_key(tmp_path):
 def test_record_benchmark_load_round_counts_what_it_sends():
     import asyncio
 
-    from record_support import MODEL, ServerThread, create_fake
+    from support.record_support import MODEL, ServerThread, create_fake
 
     from benchmarks._record_bench import _round, _side_by_side
 

@@ -6,9 +6,9 @@ import hashlib
 import json
 
 import pytest
-from cli_support import cli_exit_code
-from datagen import make_rows, write_dataset
-from datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
+from support.cli_support import cli_exit_code
+from support.datagen import make_rows, write_dataset
+from support.datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
 
 from offline_rec import schema as S
 from offline_rec.dataset.card import (

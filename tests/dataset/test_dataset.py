@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
-from paths import TESTS as TESTS_DIR
+from support.datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
+from support.paths import TESTS as TESTS_DIR
 
 from offline_rec import schema as S
 from offline_rec.dataset import format as dataset_module
@@ -299,7 +299,7 @@ def test_crash_before_the_shard_rename_leaves_only_a_hidden_temporary(tmp_path, 
 
 KILLED_WRITER = textwrap.dedent("""
     import sys
-    from datagen import make_rows
+    from support.datagen import make_rows
     from offline_rec.dataset.format import DatasetWriter
 
     groups = make_rows([2] * {num_groups}, seed=11)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, tree_digest, write_dataset
+from support.cli_support import run_cli
+from support.datagen import make_rows, tree_digest, write_dataset
 
 from offline_rec import schema as S
 from offline_rec.dataset.config import FilterConfig

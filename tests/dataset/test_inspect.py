@@ -15,10 +15,10 @@ import json
 import math
 
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, write_dataset
-from datasets_support import old_style_card
 from rich.console import Console
+from support.cli_support import run_cli
+from support.datagen import make_rows, write_dataset
+from support.datasets_support import old_style_card
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import read_manifest

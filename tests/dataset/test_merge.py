@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from datagen import make_rows, write_dataset
-from sampling_support import (
+from support.datagen import make_rows, write_dataset
+from support.sampling_support import (
     make_sampling_checkpoint,
     one_torch_thread,  # noqa: F401  (an autouse fixture)
 )
@@ -127,7 +127,7 @@ def test_merge_cli(tmp_path, capsys):
 def _large_types_dataset(path, groups):
     """A valid dataset whose shards use accepted variants of the schema (large_string, large_list)."""
     import pyarrow as pa
-    from datagen import write_raw_dataset
+    from support.datagen import write_raw_dataset
 
     table = pa.Table.from_pylist([row for rows in groups for row in rows], schema=S.ARROW_SCHEMA)
     variant = pa.schema([pa.field(f.name, pa.large_string() if f.type == pa.string() else

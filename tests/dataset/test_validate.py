@@ -16,8 +16,9 @@ import shutil
 
 import pyarrow as pa
 import pytest
-from datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
-from defects import (
+from rich.console import Console
+from support.datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
+from support.defects import (
     DEFECTS,
     SHARD0,
     base_groups,
@@ -26,7 +27,6 @@ from defects import (
     with_row_change,
     write_groups,
 )
-from rich.console import Console
 
 from offline_rec import schema as S
 from offline_rec.dataset import validate as validate_module

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_support import run_cli
-from paths import REPO
+from support.cli_support import run_cli
+from support.paths import REPO
 
 from offline_rec.errors import UserError
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_support import run_cli
+from support.cli_support import run_cli
 
 from offline_rec.errors import UserError
 

@@ -4,7 +4,7 @@ import subprocess
 import sys
 import zipfile
 
-from paths import REPO
+from support.paths import REPO
 
 POLICY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_support import cli_exit_code
-from cli_support import run_cli as run_main
+from support.cli_support import cli_exit_code
+from support.cli_support import run_cli as run_main
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset

@@ -11,8 +11,8 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from cli_support import run_cli
-from sampling_support import chat_prompt_file, max_logprob_error
+from support.cli_support import run_cli
+from support.sampling_support import chat_prompt_file, max_logprob_error
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset

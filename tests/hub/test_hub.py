@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, tree_digest, write_dataset
-from datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
-from paths import REPO as ROOT
+from support.cli_support import run_cli
+from support.datagen import make_rows, tree_digest, write_dataset
+from support.datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
+from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
 from offline_rec.dataset.card import card_problem, split_front_matter

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import run_cli as run_main
-from datagen import tree_digest
-from paths import FIXTURES as _FIXTURES
+from support.cli_support import run_cli as run_main
+from support.datagen import tree_digest
+from support.paths import FIXTURES as _FIXTURES
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset, sha256_file

@@ -14,9 +14,9 @@ import json
 
 import pytest
 import torch
-from chat_logs import EPISODE_TOOL_RESULT, logged_call, logged_episode, vllm_strings
-from cli_support import run_cli
-from tokenizer_support import byte_fallback_sentencepiece
+from support.chat_logs import EPISODE_TOOL_RESULT, logged_call, logged_episode, vllm_strings
+from support.cli_support import run_cli
+from support.tokenizer_support import byte_fallback_sentencepiece
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
@@ -136,7 +136,7 @@ def test_sentencepiece_byte_fallback_tokens_recover_or_are_refused_as_ambiguous(
 
 
 # --------------------------------------------------------------------------------------------
-# episodes, built from the chat tokenizer the way vLLM logs them with return_token_ids (chat_logs.py)
+# episodes, built from the chat tokenizer the way vLLM logs them with return_token_ids (support/chat_logs.py)
 
 
 def _write(path, lines) -> str:

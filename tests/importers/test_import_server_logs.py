@@ -2,7 +2,7 @@
 model, whose byte-level BPE vocabulary has partial-UTF-8 tokens): lossy token strings recovered
 exactly, two-call tool episodes with exact loss masks, bad episodes refused with their line and call.
 
-The logs come from 11 requests to the session's server (tests/chat_logs.py); ids and log-probs are
+The logs come from 11 requests to the session's server (tests/support/chat_logs.py); ids and log-probs are
 checked against the token-id logs of the same requests and against a teacher-forced float32 forward
 of the model.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from chat_logs import TOOL_RESULT, record_server_logs
-from cli_support import run_cli
+from support.chat_logs import TOOL_RESULT, record_server_logs
+from support.cli_support import run_cli
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset

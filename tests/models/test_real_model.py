@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import cli_exit_code as run_main
-from sampling_support import raw_logprobs
+from support.cli_support import cli_exit_code as run_main
+from support.sampling_support import raw_logprobs
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset

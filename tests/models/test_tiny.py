@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from paths import REPO
+from support.paths import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from offline_rec.demo.behavior_policy import BUILD_INFO_FILE, completion_batch, demo_policy_path

@@ -14,7 +14,8 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, MODEL_ROOT, RecordProcess, ServerThread, create_fake, free_port, strict_lines
+from support.ports import free_port
+from support.record_support import MODEL, MODEL_ROOT, RecordProcess, ServerThread, create_fake, strict_lines
 
 from offline_rec.record.settings import ProxyOptions
 
@@ -213,7 +214,7 @@ def test_7_a_call_without_a_right_key_is_a_401(fake, proxy, auth):
 
 
 def test_7_listening_beyond_this_machine_needs_a_key_or_insecure(capsys, tmp_path):
-    from cli_support import run_cli
+    from support.cli_support import run_cli
 
     code, _, err = run_cli(capsys, "record", "--upstream", "http://127.0.0.1:9", "--out", tmp_path / "rec",
                            "--host", "0.0.0.0", "--port", "0")

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, RecordProcess, sse_payloads, strict_lines
+from support.record_support import MODEL, RecordProcess, sse_payloads, strict_lines
 
 from offline_rec.record import sink
 from offline_rec.record.recorder import Recorder, RecordOptions

@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
+from support.record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
 
 from offline_rec.record.proxy import create_app
 from offline_rec.record.proxy_state import ProxyState
@@ -194,7 +194,7 @@ def test_upstream_errors_pass_through_unchanged_and_are_not_recorded(fake, proxy
 
 
 def test_unreachable_upstream_is_a_502(tmp_path):
-    from record_support import free_port
+    from support.ports import free_port
 
     p = Proxy(f"http://127.0.0.1:{free_port()}", tmp_path / "rec", logprobs_mode="processed_logprobs")
     try:

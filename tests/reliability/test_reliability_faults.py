@@ -41,12 +41,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_support import cli_exit_code
-from datagen import make_rows, tree_digest, write_dataset
-from file_watch import FileWatch
-from paths import TESTS
-from train_support import tiny_model
-from train_support import write_dataset as write_training_dataset
+from support.cli_support import cli_exit_code
+from support.datagen import make_rows, tree_digest, write_dataset
+from support.file_watch import FileWatch
+from support.paths import TESTS
+from support.train_support import tiny_model
+from support.train_support import write_dataset as write_training_dataset
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset

@@ -25,10 +25,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from paths import REPO as ROOT
+from support.datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
+from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
 from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, group_advantages, policy_loss

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 from collections import Counter
 
 import pytest
-from cli_support import run_cli
-from datagen import write_dataset
+from support.cli_support import run_cli
+from support.datagen import write_dataset
+from support.ports import free_port
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import make_row, open_dataset
@@ -198,12 +198,6 @@ def test_unknown_rubric_field_refused_before_any_call(fake, logged, tmp_path, ca
     assert len(err.strip().splitlines()) == 1 and fake.requests == [] and not (tmp_path / "judged").exists()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", ["closed-port", "401", "404"])
 def test_refusing_endpoint_is_one_line_exit_2(logged, rubric, tmp_path, capsys, case):
     server = None if case == "closed-port" else FakeJudge(status_for_all=int(case))
@@ -255,7 +249,7 @@ def test_judge_through_record_in_front_of_vllm(vllm_server, tmp_path, rubric, ca
     included, every score is parsed and in range, and each call is recorded."""
     import time
 
-    from record_support import ServerThread, read_lines
+    from support.record_support import ServerThread, read_lines
 
     from offline_rec.record.proxy import create_app
     from offline_rec.record.proxy_state import ProxyState, upstream_base

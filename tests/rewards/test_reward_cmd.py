@@ -4,8 +4,8 @@ input left byte-for-byte untouched, the manifest's task block and the timeout/er
 from __future__ import annotations
 
 import pytest
-from cli_support import cli_exit_code as run
-from datagen import tree_digest, write_dataset
+from support.cli_support import cli_exit_code as run
+from support.datagen import tree_digest, write_dataset
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import make_row, open_dataset

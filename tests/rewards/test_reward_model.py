@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from cli_support import run_cli
-from datagen import tree_digest, write_dataset
+from support.cli_support import run_cli
+from support.datagen import tree_digest, write_dataset
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import make_row, open_dataset
@@ -252,7 +252,7 @@ def test_episode_kept_messages_score_the_whole_conversation(tmp_path, capsys):
     """`import --keep-messages` of two-call tool episodes: the episode row scores as a direct forward over the
     whole conversation (every turn and the final answer) under the reward model's template; each row of
     --split-episodes scores its own call's messages plus its reply; without --keep-messages nothing changes."""
-    from chat_logs import logged_episode
+    from support.chat_logs import logged_episode
     from transformers import AutoTokenizer
 
     # a Qwen2 (GQA) reward model with the ChatML template and room for whole conversations (300-600 tokens)
@@ -344,7 +344,7 @@ def test_kill_9_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, capsys)
     import sys
     import time
 
-    from paths import REPO
+    from support.paths import REPO
 
     tokenizer = build_chat_tokenizer()
     model_dir = save_tiny(build_tiny_reward_model(tokenizer, arch="qwen2", hidden_size=256, num_layers=4,
@@ -381,7 +381,7 @@ def test_kill_9_mid_run_then_rerun_equals_an_uninterrupted_run(tmp_path, capsys)
 @pytest.mark.vllm
 @pytest.mark.parametrize("kind, extra", [("chat", []), ("labels", ["--reward-label", "good"])])
 def test_vllm_pooling_backend_equals_transformers(models, logged, tmp_path, capsys, kind, extra):
-    from vllm_server import require_vllm
+    from support.vllm_server import require_vllm
 
     from offline_rec.rollout.backends import vllm_import_error
 
@@ -413,7 +413,7 @@ def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monke
     """Two Ray actors on a local Ray score what one process scores (`reward --ray-address`); a run that died after
     a shard resumes on Ray; a Ray connection the caller opened stays open."""
     ray = pytest.importorskip("ray")
-    from paths import REPO
+    from support.paths import REPO
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     one = rm.score_with_reward_model(logged, tmp_path / "one", models["chat"], progress=False)

@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from cli_support import run_cli
-from sampling_support import raw_logprobs
-from traffic_support import BEHAVIOR, write_logged
+from support.cli_support import run_cli
+from support.sampling_support import raw_logprobs
+from support.traffic_support import BEHAVIOR, write_logged
 
 from offline_rec import schema as S
 from offline_rec.algorithms import get_algorithm, group_advantages, policy_loss

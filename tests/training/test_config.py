@@ -3,7 +3,7 @@
 
 import pytest
 import yaml
-from paths import REPO
+from support.paths import REPO
 
 from offline_rec.algorithms import ALGORITHMS, get_algorithm
 from offline_rec.errors import UserError

@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from cli_support import run_cli
+from support.cli_support import run_cli
 
 from offline_rec.demo.behavior_policy import demo_policy_path
 

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from train_support import config, write_dataset
+from support.train_support import config, write_dataset
 
 from offline_rec.algorithms import get_algorithm
 from offline_rec.dataset.format import open_dataset

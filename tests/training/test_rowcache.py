@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_support import cli_exit_code
-from datagen import make_rows, write_dataset
-from file_watch import FileWatch
-from paths import REPO, TESTS
+from support.cli_support import cli_exit_code
+from support.datagen import make_rows, write_dataset
+from support.file_watch import FileWatch
+from support.paths import REPO, TESTS
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset

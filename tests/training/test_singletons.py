@@ -12,8 +12,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from cli_support import run_cli
-from train_support import config, state_dict_of, write_dataset
+from support.cli_support import run_cli
+from support.train_support import config, state_dict_of, write_dataset
 
 from offline_rec.algorithms import RewardMoments, get_algorithm, group_advantages
 from offline_rec.dataset.format import open_dataset

@@ -11,7 +11,7 @@ import re
 
 import numpy as np
 import pytest
-from train_support import config, write_dataset
+from support.train_support import config, write_dataset
 
 from offline_rec.algorithms import ALGORITHMS
 from offline_rec.dataset.format import open_dataset

@@ -12,9 +12,9 @@ from html.parser import HTMLParser
 
 import pyarrow.parquet as pq
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, write_dataset
-from view_support import SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
+from support.cli_support import run_cli
+from support.datagen import make_rows, write_dataset
+from support.view_support import SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
 
 from offline_rec import schema as S
 from offline_rec.errors import UserError
@@ -93,7 +93,7 @@ def test_token_text_gives_back_every_byte_of_non_ascii_text(view_data):
 
 
 def test_token_text_of_sentencepiece_byte_fallback_pieces():
-    from tokenizer_support import byte_fallback_sentencepiece
+    from support.tokenizer_support import byte_fallback_sentencepiece
 
     sp = byte_fallback_sentencepiece()
     text = TokenText(sp)
@@ -338,7 +338,7 @@ def test_the_serve_command_announces_its_address_and_stops_on_ctrl_c(tmp_path):
     import subprocess
     import sys
 
-    from paths import REPO
+    from support.paths import REPO
 
     write_dataset(tmp_path / "ds", make_rows([2, 2]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))

@@ -1,7 +1,7 @@
 """`offline-rec view` in a real browser: headless Chromium opens the page from disk (file://) and the test reads
 the DOM it rendered, then takes a screenshot.
 
-The dataset (tests/view_support.py) holds CJK, emoji and Arabic text cut into partial-UTF-8 tokens, a tool
+The dataset (tests/support/view_support.py) holds CJK, emoji and Arabic text cut into partial-UTF-8 tokens, a tool
 episode with environment tokens (loss_mask 0), a completion that tries to run a script and to change the title,
 and behavior log-probs that put known tokens outside the clip band of the policy (--model, the same checkpoint).
 Chromium comes from Debian's `chromium` package (scripts/test.sh installs it where missing); the tests are
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 
 import pytest
-from cli_support import cli_exit_code
-from view_support import ARABIC, SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
+from support.cli_support import cli_exit_code
+from support.view_support import ARABIC, SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
 
 pytestmark = pytest.mark.browser
 
@@ -253,7 +253,7 @@ def test_page_files_load_whatever_the_page_is_named(page):
 def test_clicking_through_pages_filters_and_colours(page):
     """A user's session, driven through chromedriver: next page, a filter typed in, the colour switched, a prompt
     opened; the completion's script never ran (it would set window.pwned)."""
-    from webdriver_support import Browser, driver_binaries
+    from support.webdriver_support import Browser, driver_binaries
 
     if driver_binaries() is None:
         missing("chromedriver")

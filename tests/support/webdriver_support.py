@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from support.ports import free_port
 
 ELEMENT = "element-6066-11e4-a52e-4f735466cecf"  # the W3C key of an element reference
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -32,12 +33,6 @@ def driver_binaries() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 class Browser:
     def __init__(self, timeout: float = 60.0):
         found = driver_binaries()
@@ -45,7 +40,7 @@ class Browser:
             raise FileNotFoundError("chromium and chromedriver")
         self.chromium, driver = found
         self.timeout = timeout
-        self.port = _free_port()
+        self.port = free_port()
         self.profile = tempfile.mkdtemp(prefix="view-webdriver-")
         self.process = subprocess.Popen([driver, f"--port={self.port}"], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL)

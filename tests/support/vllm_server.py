@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from support.ports import free_port
 
 SERVED_NAME = "tiny-chat"
 START_TIMEOUT_S = 480  # ~2 min is usual here; a machine shared with other test runs can take several times that
@@ -56,12 +57,6 @@ class VLLMServer:
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _healthy(root: str) -> bool:
@@ -106,7 +101,7 @@ def vllm_server(tmp_path_factory) -> VLLMServer:
 
     folder = tmp_path_factory.mktemp("vllm-server")
     model_dir = make_chat_checkpoint(folder / "model")
-    port = _free_port()
+    port = free_port()
     root = f"http://127.0.0.1:{port}"
     log_path = folder / "server.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}  # PYTHONPATH passes through: the server imports this tree

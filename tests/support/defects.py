@@ -16,9 +16,9 @@ import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from datagen import make_rows, write_dataset, write_raw_dataset
 
 from offline_rec import schema as S
+from support.datagen import make_rows, write_dataset, write_raw_dataset
 
 SHARD0 = "data/part-00000.parquet"
 SHARD1 = "data/part-00001.parquet"

@@ -14,12 +14,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from chat_logs import TOOL_RESULT
-from datagen import write_dataset
-
 from offline_rec import schema as S
 from offline_rec.dataset.format import make_row
 from offline_rec.models.tiny import chat_messages
+from support.chat_logs import TOOL_RESULT
+from support.datagen import write_dataset
 
 SCRIPT_COMPLETION = ('<script>window.pwned=1;document.title="pwned"</script>'
                      '<img src=x onerror="window.pwned=2;document.title=\'pwned\'"></script><!-- \u2028 &amp;')

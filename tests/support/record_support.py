@@ -29,6 +29,8 @@ import socket
 import threading
 import time
 
+from support.ports import free_port
+
 MODEL = "fake-model"
 MODEL_ROOT = "/models/fake-model-v3"
 # (token id, text) of the reply; id 7 is a control token that decodes to nothing.
@@ -315,7 +317,7 @@ class RecordProcess:
         import sys
         from pathlib import Path
 
-        from paths import REPO
+        from support.paths import REPO
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -370,12 +372,6 @@ def strict_lines(directory) -> list[dict]:
         assert not raw or raw.endswith(b"\n")
         lines += [json.loads(line, parse_constant=refuse) for line in raw.splitlines()]
     return lines
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerThread:
