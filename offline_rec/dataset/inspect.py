@@ -83,9 +83,11 @@ def describe_dataset(path: str | Path) -> dict:
     _check_shard_schemas(ds)
     try:
         return _describe(ds, path)
-    except (pl.exceptions.PolarsError, OSError) as e:
+    except (pl.exceptions.PolarsError, pl.exceptions.PanicException, OSError) as e:
         # A truncated or corrupt shard surfaces here, from inside the lazy query: name the
-        # dataset and the command that locates the damage instead of a polars traceback.
+        # dataset and the command that locates the damage instead of a polars traceback. Some
+        # damaged pages panic in polars' Parquet decoder (PanicException derives from
+        # BaseException, not Exception): same message.
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DataError(
             f"{path}: cannot read the dataset's shards ({first_line}); "

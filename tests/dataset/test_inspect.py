@@ -167,6 +167,22 @@ def test_unreadable_shard_is_a_data_error_not_a_polars_traceback(tmp_path):
     assert "\n" not in caught.value.message
 
 
+def test_a_panic_in_polars_decoder_is_a_data_error_too(tmp_path, monkeypatch):
+    """Some damaged Parquet pages make polars' decoder panic ("invalid num_bits 64", found by the reliability
+    test's hypothesis search); PanicException derives from BaseException, so it needs its own clause."""
+    import polars as pl
+
+    from offline_rec.dataset import inspect as inspect_module
+
+    def panics(*args):
+        raise pl.exceptions.PanicException("invalid num_bits 64")
+
+    path = write_dataset(tmp_path / "ds", make_rows([2, 2]))
+    monkeypatch.setattr(inspect_module, "_describe", panics)
+    with pytest.raises(DataError, match=r"cannot read the dataset's shards \(invalid num_bits 64\)"):
+        describe_dataset(path)
+
+
 def test_bad_paths_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         describe_dataset(tmp_path / "absent")
