@@ -137,19 +137,25 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         except ValueError:
             return None
 
-    def bad_request():
-        return JSONResponse({"error": {"message": "invalid JSON body", "type": "BadRequestError", "param": None,
-                                       "code": 400}}, status_code=400)
-
-    async def chat(request):
+    async def accepted(request):
+        """(body, None) for a request the server answers, or (None, the error response): a body that is not
+        JSON (400) or names the model `no-such-model` (404); an accepted body is recorded in `received`."""
         body = await read(request)
         if body is None:
-            return bad_request()
+            return None, JSONResponse({"error": {"message": "invalid JSON body", "type": "BadRequestError",
+                                                 "param": None, "code": 400}}, status_code=400)
         received.append((request.url.path, dict(request.headers), body))
         if body.get("model") == "no-such-model":
-            return JSONResponse({"error": {"message": "The model `no-such-model` does not exist.",
-                                           "type": "NotFoundError", "param": "model", "code": 404}}, status_code=404)
+            return None, JSONResponse({"error": {"message": "The model `no-such-model` does not exist.",
+                                                 "type": "NotFoundError", "param": "model", "code": 404}},
+                                      status_code=404)
         counter["n"] += 1
+        return body, None
+
+    async def chat(request):
+        body, refused = await accepted(request)
+        if refused is not None:
+            return refused
         rid = f"chatcmpl-{counter['n']}"
         n = lax(body.get("n"), int) or 1
         want_lp = lax_bool(body.get("logprobs"))
@@ -216,14 +222,9 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def completions(request):
-        body = await read(request)
-        if body is None:
-            return bad_request()
-        received.append((request.url.path, dict(request.headers), body))
-        if body.get("model") == "no-such-model":
-            return JSONResponse({"error": {"message": "The model `no-such-model` does not exist.",
-                                           "type": "NotFoundError", "param": "model", "code": 404}}, status_code=404)
-        counter["n"] += 1
+        body, refused = await accepted(request)
+        if refused is not None:
+            return refused
         rid = f"cmpl-{counter['n']}"
         n = lax(body.get("n"), int) or 1
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
