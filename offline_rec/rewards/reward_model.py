@@ -13,9 +13,9 @@ than the reward model's context scores null (counted "too_long").
 
 Two phases, so a run killed at any moment (kill -9 included) loses at most one input shard of work:
 
-1. Scoring, resumable: each input shard's scores (by this process, or by N spawned workers with
-   `data_parallel_size`, worker k taking shards k, k + N, ..., one GPU each where there are GPUs, or by
-   N Ray actors with `ray_address`, to which this process hands the shards' rows one at a time) are
+1. Scoring, resumable: each input shard's scores (by this process, or by N workers with
+   `data_parallel_size`: spawned processes, one GPU each where there are GPUs, or Ray actors with
+   `ray_address`; this process hands them the shards' rows, a shard at a time, and commits what comes back) are
    written to SCORES/scores-NNNNN.parquet (temporary name, fsync, rename), SCORES = the hidden folder
    `.OUT.reward-scores` beside OUT. A rerun of the same command skips the shards already scored, so
    every row is scored once. SCORES/run.json names the input shards (sha256) and the model settings; a
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
+from collections import deque
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +39,6 @@ import pyarrow.parquet as pq
 
 from offline_rec import schema as S
 from offline_rec.dataset.derive import ShardResults, commit_table, open_input, results_dir, source_block
-from offline_rec.devices import visible_gpus
 from offline_rec.errors import DataError, UserError, one_of, require_extra
 from offline_rec.rewards.config import NORMALIZATIONS
 from offline_rec.rewards.scorer import rescored_task, write_scored
@@ -129,107 +128,53 @@ def _score_rows(table: pa.Table, scorer: ConversationScorer, bar=None) -> pa.Tab
     return pa.concat_tables(parts) if parts else SCORES_SCHEMA.empty_table()
 
 
-def _score_in_workers(results: ShardResults, bar, workers: int, options: dict) -> None:
-    """Score the shards not scored yet in `workers` spawned processes (worker k: shards k, k + N, ...); the bar
-    follows the committed score files. A worker that fails leaves what it committed for the next run."""
-    import multiprocessing
-    import time
-
-    shards, score_files, shard_rows = results.dataset.shard_paths, results.files, results.shard_rows
-    devices = _worker_devices(workers)
-    context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_score_worker, daemon=True,
-                                 args=([str(p) for p in shards[k::workers]], [str(p) for p in score_files[k::workers]],
-                                       devices[k], options)) for k in range(workers)]
-    for process in processes:
-        process.start()
-    seen = {path for path in score_files if path.exists()}
-    try:
-        while any(process.is_alive() for process in processes):
-            time.sleep(0.2)
-            for path, rows in zip(score_files, shard_rows):
-                if path not in seen and path.exists():
-                    seen.add(path)
-                    bar.advance(rows)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-            process.join()
-    failed = [k for k, process in enumerate(processes) if process.exitcode != 0]
-    if failed:
-        raise UserError(f"reward worker {failed[0]} failed (exit code {processes[failed[0]].exitcode}); the scores "
-                        f"committed so far are kept in {results.folder}: run the same command to continue")
+SHARDS_IN_FLIGHT = 2  # shards handed to each worker at once: the next one waits while one is scored
 
 
-def _worker_devices(workers: int) -> list[str | None]:
-    """Worker k's GPU (round robin over the visible ones), or None on a CPU."""
-    gpus = visible_gpus()
-    return [gpus[k % len(gpus)] if gpus else None for k in range(workers)]
-
-
-def _score_worker(shards: list[str], score_files: list[str], device: str | None, options: dict) -> None:
-    """One data-parallel worker: its own model on its own GPU, its shards' scores committed one by one."""
-    if device is not None:  # before torch or vLLM initialise CUDA: this process sees its GPU only
-        os.environ["CUDA_VISIBLE_DEVICES"] = device
-    scorer = _worker_scorer(options)
-    for shard, path in zip(shards, score_files):
-        if not Path(path).exists():
-            commit_table(_score_shard(Path(shard), scorer), Path(path))
-
-
-def _worker_scorer(options: dict) -> ConversationScorer:
-    """A data-parallel worker's reward model, from the options its coordinator passed."""
-    from offline_rec.rewards.sequence_classifier import load_reward_model
-
-    options = dict(options)
-    max_batch_tokens = options.pop("max_batch_tokens")
-    return ConversationScorer(load_reward_model(options.pop("model"), **options), max_batch_tokens)
-
-
-RAY_SHARDS_IN_FLIGHT = 2  # shards handed to each Ray worker at once: the next one waits while one is scored
-
-
-def _score_on_ray(results: ShardResults, bar, workers: int, options: dict, address: str) -> None:
-    """Score the shards not scored yet on `workers` Ray actors (one GPU each where the cluster has GPUs). This
-    process reads each shard, hands its rows to the actor with the fewest in flight, and commits the scores that
-    come back, so the actors need no access to this machine's files and the score files are those of a local
-    run. A failure leaves what was committed for the next run."""
-    from collections import deque
-
-    from offline_rec.ray_cluster import RayCluster
+def _score_on_workers(results: ShardResults, bar, workers: int, options: dict, address: str | None) -> None:
+    """Score the shards not scored yet on `workers` workers (offline_rec/workers.py: spawned processes, one GPU
+    each where there are GPUs, shared round robin when there are fewer; or Ray actors on the cluster at
+    `address`). This process reads each shard, hands its rows to a worker with the fewest in flight, and commits
+    the scores that come back, so the workers need no access to this machine's files. A failure leaves what was
+    committed for the next run."""
+    from offline_rec.workers import start_workers, worker_environments
 
     todo = deque(results.pending())
-    with RayCluster(address, what="reward worker", failure=UserError) as cluster:
-        actors = cluster.start(partial(_RayScorer, options), workers, gpus_per_actor=1)
-        pending: dict = {}
+    environments = None if address else worker_environments(workers, share_gpus=True)
+    try:
+        with start_workers(partial(_ShardScorer, options), workers, what="reward worker", failure=UserError,
+                           address=address, environments=environments) as pool:
+            pending: dict = {}
 
-        def submit(rank: int) -> None:
-            shard, path, rows = todo.popleft()
-            pending[actors[rank].call.remote("score", _read_shard(shard))] = (rank, path, rows)
+            def submit(rank: int) -> None:
+                shard, path, rows = todo.popleft()
+                pending[pool.submit(rank, "score", _read_shard(shard))] = (rank, path, rows)
 
-        try:
-            for _ in range(RAY_SHARDS_IN_FLIGHT):
+            for _ in range(SHARDS_IN_FLIGHT):
                 for rank in range(workers):
                     if todo:
                         submit(rank)
             while pending:
-                for ref in cluster.wait(list(pending)):
-                    rank, path, rows = pending.pop(ref)
-                    commit_table(cluster.get(ref), path)
+                for handle in pool.wait(list(pending)):
+                    rank, path, rows = pending.pop(handle)
+                    commit_table(pool.get(handle), path)
                     bar.advance(rows)
                     if todo:
                         submit(rank)
-        except UserError as error:
-            raise UserError(f"{error.message}; the scores committed so far are kept in {results.folder}: "
-                            f"run the same command to continue") from None
+    except UserError as error:
+        raise UserError(f"{error.message}; the scores committed so far are kept in {results.folder}: "
+                        f"run the same command to continue") from None
 
 
-class _RayScorer:
-    """One Ray actor's reward model (held by ray_cluster's actor host, in the actor's process)."""
+class _ShardScorer:
+    """One worker's reward model (held in the worker's process: a child or a Ray actor)."""
 
     def __init__(self, options: dict, rank: int):
-        self.scorer = _worker_scorer(options)
+        from offline_rec.rewards.sequence_classifier import load_reward_model
+
+        options = dict(options)
+        max_batch_tokens = options.pop("max_batch_tokens")
+        self.scorer = ConversationScorer(load_reward_model(options.pop("model"), **options), max_batch_tokens)
 
     def score(self, rows: pa.Table) -> pa.Table:
         return _score_rows(rows, self.scorer)
@@ -297,9 +242,9 @@ def score_with_reward_model(
     """Write SRC with each row's reward set by reward model `model` to a new dataset OUT (see the module
     docstring); a rerun after a kill continues. `backend`: hf (transformers) or vllm (vLLM's pooling runner).
     `scorer` (a loaded `RewardModel`) skips loading `model`. `data_parallel_size` N > 1: N worker processes
-    (spawned; one GPU each where there are GPUs) score the shards i with i mod N = their index. `ray_address`
-    ("auto": the running cluster): the N workers are Ray actors instead (N >= 1), fed shard by shard by this
-    process, which commits their scores; a Ray connection this process had before the call is left open.
+    (spawned; one GPU each where there are GPUs) score the shards, fed shard by shard by this process, which
+    commits their scores. `ray_address` ("auto": the running cluster): the N workers are Ray actors instead
+    (N >= 1); a Ray connection this process had before the call is left open.
     Returns {"out", "rows", "groups", "rewarded", "null", "scored_now", "resumed", "mean", "std"}."""
     from offline_rec.progress import ProgressBar
     from offline_rec.rewards.sequence_classifier import load_reward_model, reward_model_identity
@@ -325,15 +270,13 @@ def score_with_reward_model(
     done_rows = results.done_rows
     with ProgressBar("reward", total=dataset.num_rows, done=done_rows, unit="rows", enabled=progress) as bar:
         worker_options = dict(model=model, label=label, dtype=dtype, backend=backend, max_batch_tokens=max_batch_tokens)
-        if ray_address:
-            _score_on_ray(results, bar, data_parallel_size, worker_options, ray_address)
-        elif data_parallel_size == 1:
+        if ray_address or data_parallel_size > 1:
+            _score_on_workers(results, bar, data_parallel_size, worker_options, ray_address)
+        else:
             local = ConversationScorer(scorer or load_reward_model(model, label=label, dtype=dtype, backend=backend),
                                        max_batch_tokens)
             for shard, path, _ in results.pending():
                 commit_table(_score_shard(shard, local, bar), path)
-        else:
-            _score_in_workers(results, bar, data_parallel_size, worker_options)
 
     stored = StoredScores(results.read(SCORES_SCHEMA), normalize, results.folder, src)
     reward_model = {**identity, "normalize": normalize, "mean": stored.mean, "std": stored.std,
