@@ -268,7 +268,11 @@ class JudgeScorer:
     def __init__(self, settings: JudgeSettings, where: str, bar):
         self.settings, self.where, self.bar = settings, where, bar
         self.runner = asyncio.Runner()
-        self.client = self.runner.run(_open_client(settings))
+        try:
+            self.client = self.runner.run(_open_client(settings))
+        except BaseException:
+            self.runner.close()
+            raise
         self.first = True
         self.audit = None
         self.rows = self.rewarded = 0
