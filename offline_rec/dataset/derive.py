@@ -5,10 +5,11 @@
   nothing and an existing folder (the input itself included) is never touched.
 - The input: `check_dataset_for_use` first (a bad row is refused with its shard and row, never copied into
   OUT), then opened complete.
-- The write (`map_dataset`): the input's groups are streamed in batches of whole groups (at least
-  `batch_rows` rows each) through `map_batch`, which returns the groups to write (the same rows changed, fewer
-  groups, or none); OUT is written by `DatasetWriter(atomic=True)`, so it appears whole or not at all: an
-  error raised while mapping or in `finish` (e.g. "no row got a reward") leaves nothing behind.
+- The write (`map_dataset`): the input's groups are streamed in batches of whole groups (`batch_rows` rows
+  or `batch_groups` groups, whichever is reached first) through `map_batch`, which returns the groups to
+  write (the same rows changed, fewer groups, or none); OUT is written by `DatasetWriter(atomic=True)`, so
+  it appears whole or not at all: an error raised while mapping or in `finish` (e.g. "no row got a reward")
+  leaves nothing behind.
 - Resumable work (`ShardResults`): where a command's costly step runs per input shard (a reward model's
   scores), each shard's result table is committed in a hidden folder beside OUT (temporary name, fsync,
   rename). A rerun of the same command (same input shards, same settings: the folder's run.json) skips the
@@ -54,14 +55,16 @@ def source_block(command: str, src: str | Path, dataset: Dataset, **settings) ->
     return {"command": command, "input": str(src), **settings, "input_source": dataset.manifest.get(S.M_SOURCE)}
 
 
-def group_batches(groups: Iterable[list[dict]], batch_rows: int) -> Iterator[list[list[dict]]]:
-    """Whole groups gathered until a batch holds at least `batch_rows` rows (the last batch may hold fewer)."""
+def group_batches(groups: Iterable[list[dict]], batch_rows: int | None = 1,
+                  batch_groups: int | None = None) -> Iterator[list[list[dict]]]:
+    """Whole groups gathered until a batch holds at least `batch_rows` rows or `batch_groups` groups, whichever
+    comes first (None: no such limit); the last batch may hold fewer."""
     batch: list[list[dict]] = []
     rows = 0
     for group in groups:
         batch.append(group)
         rows += len(group)
-        if rows >= batch_rows:
+        if (batch_rows is not None and rows >= batch_rows) or (batch_groups is not None and len(batch) >= batch_groups):
             yield batch
             batch, rows = [], 0
     if batch:
@@ -75,7 +78,8 @@ def map_dataset(
     *,
     task: dict,
     source: dict,
-    batch_rows: int = 1,
+    batch_rows: int | None = 1,
+    batch_groups: int | None = None,
     groups_per_shard: int = 256,
     begin: Callable[[Path], None] | None = None,
     finish: Callable[[DatasetWriter], None] | None = None,
@@ -90,7 +94,7 @@ def map_dataset(
                        groups_per_shard=groups_per_shard, atomic=True) as writer:
         if begin is not None:
             begin(writer.path)
-        for batch in group_batches(dataset.iter_groups(), batch_rows):
+        for batch in group_batches(dataset.iter_groups(), batch_rows, batch_groups):
             writer.add_groups(map_batch(batch))
         if finish is not None:
             finish(writer)

@@ -327,10 +327,11 @@ async def _open_client(settings: JudgeSettings) -> JudgeClient:
     return JudgeClient(settings)  # made inside the loop that will run its calls
 
 
-def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, batch_rows: int | None = None,
+def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, groups_per_chunk: int | None = None,
                   groups_per_shard: int = 256, progress: bool = True) -> dict:
     """Write SRC with each row's reward set by the judge to a new dataset OUT (see the module docstring), judging
-    `batch_rows` rows (whole groups) at once. Returns {"out", "rows", "groups", "rewarded", "null", "counts"}."""
+    `groups_per_chunk` groups at once (default: max(64, 4 x concurrency)). Returns {"out", "rows", "groups",
+    "rewarded", "null", "counts"}."""
     from offline_rec.progress import ProgressBar
 
     require_extra("reward --judge", "judge", "aiohttp")
@@ -345,7 +346,7 @@ def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, bat
             JudgeScorer(settings, str(src), bar) as scorer:
         summary = write_scored(dataset, out, scorer, task=task_block,
                                source=source_block("reward", src, dataset, judge=judge_block),
-                               batch_rows=batch_rows or max(64, 4 * settings.concurrency),
+                               batch_rows=None, batch_groups=groups_per_chunk or max(64, 4 * settings.concurrency),
                                counts=scorer.counts, refusal=scorer.refusal, groups_per_shard=groups_per_shard,
                                begin=scorer.open_audit)
         return {"out": str(out), **summary, "counts": scorer.client.counts.as_dict()}

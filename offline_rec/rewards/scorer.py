@@ -43,12 +43,13 @@ def rescored_task(dataset: Dataset, **changes) -> dict:
     return {**{k: v for k, v in dataset.task.items() if k != "previous"}, **changes, "previous": dataset.task or None}
 
 
-def write_scored(dataset: Dataset, out: str | Path, scorer: Scorer, *, task: dict, source: dict, batch_rows: int,
-                 counts: Callable[[], dict], refusal: Callable[[int, int], Exception | None] | None = None,
-                 groups_per_shard: int = 256, columns: dict | None = None,
-                 begin: Callable[[Path], None] | None = None) -> dict:
-    """Write DATASET to the new dataset OUT with each row's reward set by `scorer`, `batch_rows` rows (whole
-    groups) scored at once, and `columns` (name -> value) set on every row.
+def write_scored(dataset: Dataset, out: str | Path, scorer: Scorer, *, task: dict, source: dict,
+                 batch_rows: int | None, counts: Callable[[], dict], batch_groups: int | None = None,
+                 refusal: Callable[[int, int], Exception | None] | None = None, groups_per_shard: int = 256,
+                 columns: dict | None = None, begin: Callable[[Path], None] | None = None) -> dict:
+    """Write DATASET to the new dataset OUT with each row's reward set by `scorer`, `batch_rows` rows or
+    `batch_groups` groups (whole groups, `map_dataset`) scored at once, and `columns` (name -> value) set on
+    every row.
 
     `counts()`: what the scorer counted, for the manifest's stats.reward (beside "rewarded" and "null").
     `refusal(rows, rewarded)`, once every row is scored: the error that stops OUT from being written (e.g. no
@@ -74,7 +75,7 @@ def write_scored(dataset: Dataset, out: str | Path, scorer: Scorer, *, task: dic
         writer.stats.update({"reward": {**counts(), "rewarded": done["rewarded"],
                                         "null": done["rows"] - done["rewarded"]}})
 
-    map_dataset(dataset, out, score_batch, task=task, source=source, batch_rows=batch_rows,
+    map_dataset(dataset, out, score_batch, task=task, source=source, batch_rows=batch_rows, batch_groups=batch_groups,
                 groups_per_shard=groups_per_shard, begin=begin, finish=finish)
     return {"rows": done["rows"], "groups": done["groups"], "rewarded": done["rewarded"],
             "null": done["rows"] - done["rewarded"]}

@@ -63,6 +63,9 @@ def test_group_batches_hold_whole_groups_of_at_least_n_rows():
     assert [[len(g) for g in batch] for batch in group_batches(groups, 1)] == [[3], [1], [2], [1]]
     assert [len(batch) for batch in group_batches(groups, 100)] == [4]
     assert list(group_batches([], 5)) == []
+    by_groups = [[len(g) for g in batch] for batch in group_batches(groups, None, batch_groups=3)]
+    assert by_groups == [[3, 1, 2], [1]]  # 3 groups a batch whatever their rows
+    assert [[len(g) for g in batch] for batch in group_batches(groups, 3, batch_groups=2)] == [[3], [1, 2], [1]]
 
 
 def test_map_dataset_writes_the_mapped_groups_and_a_begin_file(tmp_path, source):
