@@ -75,10 +75,6 @@ class FilterConfig:
             )
 
 
-FilterOptions = FilterConfig
-"""FilterConfig's old name (dataset/filter.py still says it), removed next release."""
-
-
 @dataclass(frozen=True)
 class MergeConfig:
     """What `offline-rec merge` combines, and how."""

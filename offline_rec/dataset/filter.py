@@ -1,6 +1,7 @@
 """Write a filtered copy of a dataset (`offline-rec filter`): drop responses or whole groups, never edit rows.
 
-The input is streamed group by group and never modified; the output is written atomically.
+The input is streamed group by group and never modified; the output, which must not exist, is written
+atomically (offline_rec/dataset/derive.py).
 Filters are applied in this order, and a dropped row or group is counted under the first reason
 that removes it:
 
@@ -28,9 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.dataset.config import FilterOptions
-from offline_rec.dataset.format import DatasetWriter, open_dataset
-from offline_rec.dataset.validate import check_dataset_for_use
+from offline_rec.dataset.config import FilterConfig
+from offline_rec.dataset.derive import map_dataset, open_input, source_block
 from offline_rec.errors import UserError
 
 REASONS = ("policy_version", "truncated", "max_prompt_tokens", "max_completion_tokens", "all_equal", "sample_fraction")
@@ -42,7 +42,7 @@ def group_fraction_key(seed: int, group_id: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def _row_drop_reason(row: dict, options: FilterOptions) -> str | None:
+def _row_drop_reason(row: dict, options: FilterConfig) -> str | None:
     version = row[S.POLICY_VERSION]
     if options.min_policy_version is not None and version < options.min_policy_version:
         return "policy_version"
@@ -53,7 +53,7 @@ def _row_drop_reason(row: dict, options: FilterOptions) -> str | None:
     return None
 
 
-def _group_drop_reason(rows: list[dict], options: FilterOptions, where: str) -> str | None:
+def _group_drop_reason(rows: list[dict], options: FilterConfig, where: str) -> str | None:
     if options.max_prompt_tokens is not None and any(len(r[S.PROMPT_IDS]) > options.max_prompt_tokens for r in rows):
         return "max_prompt_tokens"
     if options.max_completion_tokens is not None and any(
@@ -77,7 +77,7 @@ def _group_drop_reason(rows: list[dict], options: FilterOptions, where: str) -> 
     return None
 
 
-def filter_groups(groups, options: FilterOptions, where: str = "the dataset"):
+def filter_groups(groups, options: FilterConfig, where: str = "the dataset"):
     """Yield (kept rows or None, {reason: [rows dropped, groups dropped]}) for each input group (row dicts)."""
     for rows in groups:
         dropped = {}
@@ -109,48 +109,41 @@ def dropped_parts(dropped: dict[str, dict[str, int]]) -> list[str]:
             if c["rows"] or c["groups"]]
 
 
-def filter_dataset(src: str | Path, out: str | Path, options: FilterOptions, groups_per_shard: int = 256) -> dict:
+def filter_dataset(src: str | Path, out: str | Path, options: FilterConfig, groups_per_shard: int = 256) -> dict:
     """Write the rows of SRC that pass `options` to a new dataset OUT; returns the counts.
 
     Summary: {"rows_in", "groups_in", "rows_out", "groups_out", "dropped": {reason: {"rows", "groups"}}}.
     """
     options.check()
-    check_dataset_for_use(src)  # bad rows are refused with their place, not copied into OUT
-    dataset = open_dataset(src, require_complete=True)
+    dataset = open_input(src, out)
     counts = {reason: [0, 0] for reason in REASONS}
-    rows_in = groups_in = rows_out = groups_out = 0
-    source = {
-        "command": "filter",
-        "input": str(src),
-        "filters": asdict(options),
-        "input_source": dataset.manifest.get(S.M_SOURCE),
-    }
-    with DatasetWriter(out, behavior=dataset.behavior, task=dataset.task, source=source,
-                       groups_per_shard=groups_per_shard, atomic=True) as writer:
-        def groups():
-            nonlocal rows_in, groups_in
-            for rows in dataset.iter_groups():
-                rows_in += len(rows)
-                groups_in += 1
-                yield rows
+    totals = {"rows_in": 0, "groups_in": 0, "rows_out": 0, "groups_out": 0}
+    summary: dict = {}  # totals and "dropped", filled once every group is read
 
-        for kept, dropped in filter_groups(groups(), options, str(src)):
-            for reason, (rows, whole) in dropped.items():
-                counts[reason][0] += rows
+    def keep(batch: list[list[dict]]) -> list[list[dict]]:
+        kept_groups = []
+        for rows, (kept, dropped) in zip(batch, filter_groups(batch, options, str(src))):
+            totals["rows_in"] += len(rows)
+            totals["groups_in"] += 1
+            for reason, (dropped_rows, whole) in dropped.items():
+                counts[reason][0] += dropped_rows
                 counts[reason][1] += whole
             if kept is not None:
-                writer.add_group(kept)
-                rows_out += len(kept)
-                groups_out += 1
-        summary = {
-            "rows_in": rows_in,
-            "groups_in": groups_in,
-            "rows_out": rows_out,
-            "groups_out": groups_out,
-            "dropped": {reason: {"rows": rows, "groups": whole} for reason, (rows, whole) in counts.items()},
-        }
-        if rows_in and not rows_out:  # an empty dataset trains nothing: nothing is written
-            raise UserError(f"filter kept no row of {rows_in} ({'; '.join(dropped_parts(summary['dropped']))}); "
-                            "nothing was written: loosen the filters")
+                kept_groups.append(kept)
+                totals["rows_out"] += len(kept)
+                totals["groups_out"] += 1
+        return kept_groups
+
+    def finish(writer) -> None:
+        summary.update(totals, dropped={reason: {"rows": rows, "groups": whole}
+                                        for reason, (rows, whole) in counts.items()})
+        if summary["rows_in"] and not summary["rows_out"]:  # an empty dataset trains nothing: nothing is written
+            reasons = "; ".join(dropped_parts(summary["dropped"]))
+            raise UserError(f"filter kept no row of {summary['rows_in']} ({reasons}); nothing was written: "
+                            "loosen the filters")
         writer.stats.update({"filter": summary})
+
+    map_dataset(dataset, out, keep, task=dataset.task, source=source_block("filter", src, dataset,
+                                                                         filters=asdict(options)),
+                groups_per_shard=groups_per_shard, finish=finish)
     return {"out": str(out), **summary}

@@ -17,6 +17,10 @@ from offline_rec.errors import DataError
 
 PERCENTILES = (0.5, 0.9, 0.99)
 REWARD_BINS = 10
+SUMMARY_KEYS = ("rows", "groups", "group_size_histogram", "tokens", "prompt_length", "completion_length", "reward",
+                "all_equal_reward_groups", "all_equal_reward_group_fraction", "signal", "finish_reasons",
+                "policy_versions", "behaviors")
+"""The order of a non-empty dataset's statistics after the manifest's blocks (as `inspect --json` prints them)."""
 
 
 # The reward with NaN and inf as null: those are counted apart and left out of every statistic
@@ -141,8 +145,7 @@ def _check_shard_schemas(ds: Dataset) -> None:
 
 
 def _describe(ds: Dataset, path: str | Path) -> dict:
-    import polars as pl
-
+    """The statistics of `describe_dataset`: the manifest's blocks, then what the lazy scans of the shards count."""
     base = {
         "path": str(path),
         "schema_version": ds.manifest.get(S.M_SCHEMA_VERSION),
@@ -154,7 +157,18 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
     }
     if not ds.shard_paths:
         return {**base, "rows": 0, "groups": 0}
-    lf = ds.scan().with_columns(
+    lf = _scan_with_lengths(ds)
+    row_stats = _row_stats(lf)
+    parts = {**_sizes_and_lengths(row_stats), "reward": _reward_stats(lf, row_stats), **_group_stats(lf, row_stats),
+             **_breakdowns(lf)}
+    return {**base, **{key: parts[key] for key in SUMMARY_KEYS}}
+
+
+def _scan_with_lengths(ds: Dataset):
+    """The lazy scan of every shard with each row's prompt, completion and policy lengths and its finite reward."""
+    import polars as pl
+
+    return ds.scan().with_columns(
         pl.col(S.PROMPT_IDS).list.len().alias("_prompt_len"),
         pl.col(S.COMPLETION_IDS).list.len().alias("_completion_len"),
         pl.when(pl.col(S.REWARD).is_finite()).then(pl.col(S.REWARD)).alias(_FINITE_REWARD),
@@ -164,9 +178,15 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         pl.when(pl.col(S.LOSS_MASK).is_null()).then(pl.col("_completion_len"))
         .otherwise(pl.col(S.LOSS_MASK).list.sum()).alias("_policy_len"),
     )
+
+
+def _row_stats(lf) -> dict:
+    """One streaming pass over the rows: counts, token sums, length percentiles, reward moments."""
+    import polars as pl
+
     finite = pl.col(_FINITE_REWARD)
     q = PERCENTILES
-    row_stats = lf.select(
+    return lf.select(
         pl.len().alias("rows"),
         pl.col("_prompt_len").sum().alias("prompt_tokens"),
         pl.col("_completion_len").sum().alias("completion_tokens"),
@@ -182,6 +202,44 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
         finite.min().alias("reward_min"),
         finite.max().alias("reward_max"),
     ).collect(engine="streaming").row(0, named=True)
+
+
+def _sizes_and_lengths(row_stats: dict) -> dict:
+    """"rows", "tokens", "prompt_length" and "completion_length" of the summary."""
+    def lengths(name: str) -> dict:
+        return {**{f"p{int(p * 100)}": row_stats[f"{name}_p{int(p * 100)}"] for p in PERCENTILES},
+                "max": row_stats[f"{name}_max"]}
+
+    return {
+        "rows": row_stats["rows"],
+        "tokens": {
+            "prompt": int(row_stats["prompt_tokens"]),
+            "completion": int(row_stats["completion_tokens"]),
+            "policy": int(row_stats["policy_tokens"]),
+            "environment": int(row_stats["completion_tokens"] - row_stats["policy_tokens"]),
+        },
+        "prompt_length": lengths("prompt"),
+        "completion_length": lengths("completion"),
+    }
+
+
+def _reward_stats(lf, row_stats: dict) -> dict:
+    return {
+        "mean": row_stats["reward_mean"],
+        "std": row_stats["reward_std"],
+        "null": int(row_stats["reward_null"]),
+        "nonfinite": int(row_stats["reward_nonfinite"]),
+        "min": row_stats["reward_min"],
+        "max": row_stats["reward_max"],
+        "histogram": _reward_histogram(lf, row_stats["reward_min"], row_stats["reward_max"]),
+    }
+
+
+def _group_stats(lf, row_stats: dict) -> dict:
+    """"groups", the group size histogram, the all-equal groups and the learning signal of the summary."""
+    import polars as pl
+
+    finite = pl.col(_FINITE_REWARD)
     groups = (
         lf.group_by(S.GROUP_ID)
         .agg(pl.len().alias("size"), finite.min().alias("rmin"), finite.max().alias("rmax"))
@@ -189,7 +247,21 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
     )
     size_hist = groups.group_by("size").agg(pl.len().alias("groups")).sort("size")
     all_equal = groups.filter(pl.col("rmin") == pl.col("rmax")).height
-    signal = _learning_signal(groups, row_stats["reward_mean"], row_stats["rows"])
+    n_groups = groups.height
+    return {
+        "groups": n_groups,
+        "group_size_histogram": {int(r["size"]): int(r["groups"]) for r in size_hist.iter_rows(named=True)},
+        "all_equal_reward_groups": all_equal,
+        "all_equal_reward_group_fraction": all_equal / n_groups if n_groups else 0.0,
+        "signal": _learning_signal(groups, row_stats["reward_mean"], row_stats["rows"]),
+    }
+
+
+def _breakdowns(lf) -> dict:
+    """Rows per finish reason, per policy version and per behavior (with its reward and log-prob means)."""
+    import polars as pl
+
+    finite = pl.col(_FINITE_REWARD)
     finish = (
         lf.group_by(S.FINISH_REASON).agg(pl.len().alias("n")).collect(engine="streaming").sort("n", descending=True)
     )
@@ -203,38 +275,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
             pl.col("_completion_len").sum().alias("tokens"),
         ).collect(engine="streaming").sort(S.BEHAVIOR)
     )
-    n_groups = groups.height
     return {
-        **base,
-        "rows": row_stats["rows"],
-        "groups": n_groups,
-        "group_size_histogram": {int(r["size"]): int(r["groups"]) for r in size_hist.iter_rows(named=True)},
-        "tokens": {
-            "prompt": int(row_stats["prompt_tokens"]),
-            "completion": int(row_stats["completion_tokens"]),
-            "policy": int(row_stats["policy_tokens"]),
-            "environment": int(row_stats["completion_tokens"] - row_stats["policy_tokens"]),
-        },
-        "prompt_length": {
-            **{f"p{int(p * 100)}": row_stats[f"prompt_p{int(p * 100)}"] for p in q},
-            "max": row_stats["prompt_max"],
-        },
-        "completion_length": {
-            **{f"p{int(p * 100)}": row_stats[f"completion_p{int(p * 100)}"] for p in q},
-            "max": row_stats["completion_max"],
-        },
-        "reward": {
-            "mean": row_stats["reward_mean"],
-            "std": row_stats["reward_std"],
-            "null": int(row_stats["reward_null"]),
-            "nonfinite": int(row_stats["reward_nonfinite"]),
-            "min": row_stats["reward_min"],
-            "max": row_stats["reward_max"],
-            "histogram": _reward_histogram(lf, row_stats["reward_min"], row_stats["reward_max"]),
-        },
-        "all_equal_reward_groups": all_equal,
-        "all_equal_reward_group_fraction": all_equal / n_groups if n_groups else 0.0,
-        "signal": signal,
         "finish_reasons": {r[S.FINISH_REASON]: int(r["n"]) for r in finish.iter_rows(named=True)},
         "policy_versions": {int(r[S.POLICY_VERSION]): int(r["n"]) for r in versions.iter_rows(named=True)},
         "behaviors": {r[S.BEHAVIOR]: {"rows": int(r["rows"]), "reward_mean": r["reward_mean"],

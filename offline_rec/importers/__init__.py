@@ -85,28 +85,32 @@ def import_dataset(config: ImportConfig) -> dict:
     Bad lines make it raise common.BadLinesError (nothing written) unless `skip_bad`, which writes
     the good rows plus OUT/rejects.jsonl. `score_with` recomputes every log-prob teacher-forced with
     that model (replacing any the source gives); its tokenizer must equal `tokenizer`'s (which
-    defaults to it).
+    defaults to it). Three steps: the options checked (`_check`), the source parsed and its good rows
+    scored (`_score`), the dataset written (`_write`).
     """
-    import json
-    from collections import Counter
+    checked = _check(config)
+    parsed, good, rejects = _score(checked, config)
+    return _write(checked, config, parsed, good, rejects)
 
-    from offline_rec import schema as S
-    from offline_rec.dataset.format import DatasetWriter
-    from offline_rec.importers.common import (
-        NO_LOGPROBS,
-        REJECTS_FILE,
-        BadLinesError,
-        assemble_groups,
-        behavior_block,
-        drop_lines,
-        refuse_existing,
-        resolve_logprobs_source,
-        scoring_rejects,
-        source_block,
-        source_files,
-        task_block,
-    )
-    from offline_rec.models.loading import check_model_tokenizer, load_model, load_tokenizer, tokenizer_hash
+
+@dataclass(frozen=True)
+class _Checked:
+    """What `_check` established about an import before any line is parsed."""
+
+    spec: ImportFormat
+    src: Path
+    out: Path
+    files: list
+    logprobs_source: str
+    tokenizer_path: str | None
+    tokenizer: object
+    tokenizer_hash: str | None
+
+
+def _check(config: ImportConfig) -> _Checked:
+    """Every option check, OUT refused if it exists, and the tokenizer loaded (and matched to --score-with's)."""
+    from offline_rec.importers.common import refuse_existing, resolve_logprobs_source, source_files
+    from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 
     fmt, tokenizer, score_with = config.format, config.tokenizer, config.score_with
     if fmt not in IMPORT_FORMATS:
@@ -141,8 +145,20 @@ def import_dataset(config: ImportConfig) -> dict:
             f"the tokenizer of --score-with {score_with} differs from --tokenizer {tokenizer}: "
             "the token ids would mean different text"
         )
+    return _Checked(spec, src, out, files, logprobs_source, tokenizer_path, tok, tok_hash)
 
-    parsed = spec.parse(files, tok, config)
+
+def _score(checked: _Checked, config: ImportConfig) -> tuple:
+    """(parse result, good lines, rejects sorted by place): the source parsed, the bad lines refused (or set aside
+    with --skip-bad), and the good rows' log-probs recomputed with --score-with."""
+    from collections import Counter
+
+    from offline_rec import schema as S
+    from offline_rec.importers.common import NO_LOGPROBS, REJECTS_FILE, BadLinesError, drop_lines, scoring_rejects
+    from offline_rec.models.loading import check_model_tokenizer, load_model
+
+    src, tok, score_with = checked.src, checked.tokenizer, config.score_with
+    parsed = checked.spec.parse(checked.files, tok, config)
     if not parsed.rows and not parsed.rejects:
         raise UserError(f"{src}: no records to import")
     rejects = list(parsed.rejects)
@@ -163,7 +179,8 @@ def import_dataset(config: ImportConfig) -> dict:
         shown = "; ".join(str(r) for r in rejects[:3])
         raise BadLinesError(
             f"{len(rejects)} bad line(s) in {src}, nothing written; first: {shown} "
-            f"(fix them, or pass --skip-bad to import the good rows and list the bad ones in {out / REJECTS_FILE})",
+            f"(fix them, or pass --skip-bad to import the good rows and list the bad ones in "
+            f"{checked.out / REJECTS_FILE})",
             rejects,
         )
     good = drop_lines(parsed.rows, rejects)
@@ -185,19 +202,31 @@ def import_dataset(config: ImportConfig) -> dict:
         )
         for row, logprobs in zip(rows, scored):
             row[S.BEHAVIOR_LOGPROBS] = logprobs
-    groups = assemble_groups(good)
+    return parsed, good, rejects
 
+
+def _write(checked: _Checked, config: ImportConfig, parsed, good: list, rejects: list) -> dict:
+    """The good rows as whole groups, written atomically to OUT with OUT/rejects.jsonl (--skip-bad); the summary."""
+    import json
+    from collections import Counter
+
+    from offline_rec.dataset.format import DatasetWriter
+    from offline_rec.importers.common import REJECTS_FILE, assemble_groups, behavior_block, source_block, task_block
+
+    out, score_with = checked.out, config.score_with
+    groups = assemble_groups(good)
     recomputed = (
         {"logprobs_model": score_with, "logprobs_dtype": config.dtype,
          "logprobs_temperature": config.score_temperature}
         if score_with
         else {}
     )
-    behavior = behavior_block(groups, parsed.sampling, config, tok_hash, logprobs_source, recomputed)
+    behavior = behavior_block(groups, parsed.sampling, config, checked.tokenizer_hash, checked.logprobs_source,
+                              recomputed)
     by_code = Counter(r.code for r in rejects)
     imported_lines = len({(p.file, p.line) for p in good})
     with DatasetWriter(out, behavior=behavior, task=task_block(groups, config),
-                       source=source_block(config, files, tokenizer_path),
+                       source=source_block(config, checked.files, checked.tokenizer_path),
                        groups_per_shard=config.groups_per_shard, atomic=True) as writer:
         writer.add_groups(groups)
         writer.stats.update(
@@ -223,6 +252,5 @@ def import_dataset(config: ImportConfig) -> dict:
         "rejects_by_reason": dict(by_code),
         **parsed.stats,
         "rejects_file": str(out / REJECTS_FILE) if rejects else None,
-        "logprobs_source": logprobs_source,
+        "logprobs_source": checked.logprobs_source,
     }
-

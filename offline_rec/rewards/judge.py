@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.dataset.format import DatasetWriter, open_dataset
-from offline_rec.dataset.validate import check_dataset_for_use
-from offline_rec.errors import DataError, UserError, require_extra
+from offline_rec.dataset.derive import open_input, source_block
+from offline_rec.errors import UserError, require_extra
 from offline_rec.rewards.config import JudgeOptions
+from offline_rec.rewards.scorer import meta_fields, rescored_task, write_scored
 
 BUILTIN_FIELDS = ("prompt", "completion")
 AUDIT_FILE = "judge-audit.jsonl"
@@ -131,16 +131,6 @@ def parse_score(answer: str | None, settings: JudgeSettings) -> float | None:
     return value
 
 
-def _meta(row: dict, where: str) -> dict:
-    try:
-        meta = json.loads(row[S.META])
-    except (json.JSONDecodeError, TypeError):
-        meta = None
-    if not isinstance(meta, dict):
-        raise DataError(f"{where}: meta is not a JSON object; run `offline-rec validate`")
-    return meta
-
-
 def check_rubric_fields(dataset, settings: JudgeSettings) -> None:
     """Every row must have every field the rubric names (read from the meta column alone)."""
     needed = [f for f in settings.fields if f not in BUILTIN_FIELDS]
@@ -148,7 +138,7 @@ def check_rubric_fields(dataset, settings: JudgeSettings) -> None:
         return
     for table in dataset.iter_group_tables([S.SAMPLE_INDEX, S.META]):
         for row in table.to_pylist():
-            meta = _meta(row, f"{dataset.path} group {row[S.GROUP_ID]!r}")
+            meta = meta_fields(row, f"{dataset.path} group {row[S.GROUP_ID]!r}")
             missing = [f for f in needed if f not in meta]
             if missing:
                 raise UserError(f"rubric field {{{missing[0]}}} is neither prompt, completion nor a meta field of "
@@ -270,79 +260,96 @@ def _answer(payload: str) -> str | None:
     return content if isinstance(content, str) else None
 
 
+class JudgeScorer:
+    """The judge as a `Scorer`: its own event loop and `JudgeClient` (use as a context manager), each batch's
+    calls made concurrently, the very first call alone (a refusing endpoint is a UserError before any other
+    call), one audit line per row."""
+
+    def __init__(self, settings: JudgeSettings, where: str, bar):
+        self.settings, self.where, self.bar = settings, where, bar
+        self.runner = asyncio.Runner()
+        try:
+            self.client = self.runner.run(_open_client(settings))
+        except BaseException:
+            self.runner.close()
+            raise
+        self.first = True
+        self.audit = None
+        self.rows = self.rewarded = 0
+
+    def open_audit(self, folder: Path) -> None:
+        """Write the audit lines to folder/AUDIT_FILE (the hidden folder of the output being written)."""
+        self.audit = open(folder / AUDIT_FILE, "w", encoding="utf-8")
+
+    def score(self, rows: list[dict]) -> list[float | None]:
+        texts = [fill_rubric(self.settings.rubric, row, meta_fields(row, self.where)) for row in rows]
+        results = self.runner.run(self._judge(texts))
+        for row, (_, entry) in zip(rows, results):
+            self.audit.write(json.dumps({"group_id": row[S.GROUP_ID], "sample_index": row[S.SAMPLE_INDEX], **entry},
+                                        ensure_ascii=False) + "\n")
+        self.audit.flush()  # each batch's lines on disk with its rows: the file is whole when the output appears
+        self.rows += len(rows)
+        self.rewarded += sum(score is not None for score, _ in results)
+        self.bar.advance(len(rows), f"null {self.rows - self.rewarded}")
+        return [score for score, _ in results]
+
+    async def _judge(self, texts: list[str]) -> list[tuple[float | None, dict]]:
+        results = []
+        if self.first and texts:  # alone, so that a refusing endpoint stops the run before anything is written
+            try:
+                results.append(await self.client.judge(texts[0], first=True))
+            except _Refused as refused:
+                raise UserError(f"judge endpoint refused the first call: {refused}") from None
+            self.first = False
+        return results + list(await asyncio.gather(*(self.client.judge(t) for t in texts[len(results):])))
+
+    def counts(self) -> dict:
+        return {"judge": self.client.counts.as_dict()}
+
+    def refusal(self, rows: int, rewarded: int) -> UserError | None:
+        if rows and not rewarded:  # a dataset of null rewards trains nothing: nothing is written
+            return no_score_error(rows, self.client.unscored, self.settings)
+        return None
+
+    def __enter__(self) -> JudgeScorer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.audit is not None:
+            self.audit.close()
+        try:
+            self.runner.run(self.client.close())
+        finally:
+            self.runner.close()
+
+
+async def _open_client(settings: JudgeSettings) -> JudgeClient:
+    return JudgeClient(settings)  # made inside the loop that will run its calls
+
+
 def judge_dataset(src: str | Path, out: str | Path, settings: JudgeSettings, groups_per_chunk: int | None = None,
                   groups_per_shard: int = 256, progress: bool = True) -> dict:
-    """Write SRC with each row's reward set by the judge to a new dataset OUT (see the module docstring).
-    Returns {"out", "rows", "groups", "rewarded", "null", "counts"}."""
+    """Write SRC with each row's reward set by the judge to a new dataset OUT (see the module docstring), judging
+    `groups_per_chunk` groups at once (default: max(64, 4 x concurrency)). Returns {"out", "rows", "groups",
+    "rewarded", "null", "counts"}."""
     from offline_rec.progress import ProgressBar
 
     require_extra("reward --judge", "judge", "aiohttp")
-    out = Path(out)
-    if out.exists():
-        raise UserError(f"output {out} already exists; choose another --out")
-    check_dataset_for_use(src)
-    dataset = open_dataset(src, require_complete=True)
+    dataset = open_input(src, out)
     check_rubric_fields(dataset, settings)
-    chunk = groups_per_chunk or max(64, 4 * settings.concurrency)
     judge_block = {"url": settings.url, "model": settings.model,
                    "rubric_sha256": hashlib.sha256(settings.rubric.encode()).hexdigest(), "rubric": settings.rubric,
                    "scores": list(settings.scores), "constrain": settings.constrain, "max_tokens": settings.max_tokens,
                    "concurrency": settings.concurrency, "retries": settings.retries, "timeout_s": settings.timeout_s}
-    task_block = {**{k: v for k, v in dataset.task.items() if k != "previous"},
-                  "reward_function": None, "judge": judge_block, "previous": dataset.task or None}
-    source = {"command": "reward", "input": str(src), "judge": judge_block,
-              "input_source": dataset.manifest.get(S.M_SOURCE)}
-
-    async def run(writer: DatasetWriter, bar) -> tuple[int, int, JudgeClient]:
-        client = JudgeClient(settings)
-        rows_done = rewarded = 0
-        try:
-            with open(writer.path / AUDIT_FILE, "w", encoding="utf-8") as audit:
-                first = True
-                pending: list[list[dict]] = []
-
-                async def flush() -> None:
-                    nonlocal first, rows_done, rewarded
-                    rows = [row for group in pending for row in group]
-                    texts = [fill_rubric(settings.rubric, row, _meta(row, str(src))) for row in rows]
-                    results = []
-                    if first:  # alone, so that a refusing endpoint stops the run before anything is written
-                        try:
-                            results.append(await client.judge(texts[0], first=True))
-                        except _Refused as refused:
-                            raise UserError(f"judge endpoint refused the first call: {refused}") from None
-                        first = False
-                    results += await asyncio.gather(*(client.judge(t) for t in texts[len(results):]))
-                    for row, (score, entry) in zip(rows, results):
-                        row[S.REWARD] = score
-                        rewarded += score is not None
-                        audit.write(json.dumps({"group_id": row[S.GROUP_ID], "sample_index": row[S.SAMPLE_INDEX],
-                                                **entry}, ensure_ascii=False) + "\n")
-                    writer.add_groups(pending)
-                    rows_done += len(rows)
-                    bar.advance(len(rows), f"null {rows_done - rewarded}")
-                    pending.clear()
-
-                for group in dataset.iter_groups():
-                    pending.append(group)
-                    if len(pending) >= chunk:
-                        await flush()
-                if pending:
-                    await flush()
-        finally:
-            await client.close()
-        return rows_done, rewarded, client
-
+    task_block = rescored_task(dataset, reward_function=None, judge=judge_block)
     with ProgressBar("judge", total=dataset.num_rows, unit="rows", enabled=progress) as bar, \
-            DatasetWriter(out, behavior=dataset.behavior, task=task_block, source=source,
-                          groups_per_shard=groups_per_shard, atomic=True) as writer:
-        rows, rewarded, client = asyncio.run(run(writer, bar))
-        if rows and not rewarded:  # a dataset of null rewards trains nothing: nothing is written
-            raise no_score_error(rows, client.unscored, settings)
-        counts = client.counts.as_dict()
-        writer.stats.update({"reward": {"rewarded": rewarded, "null": rows - rewarded, "judge": counts}})
-    return {"out": str(out), "rows": rows, "groups": dataset.num_groups, "rewarded": rewarded,
-            "null": rows - rewarded, "counts": counts}
+            JudgeScorer(settings, str(src), bar) as scorer:
+        summary = write_scored(dataset, out, scorer, task=task_block,
+                               source=source_block("reward", src, dataset, judge=judge_block),
+                               batch_rows=None, batch_groups=groups_per_chunk or max(64, 4 * settings.concurrency),
+                               counts=scorer.counts, refusal=scorer.refusal, groups_per_shard=groups_per_shard,
+                               begin=scorer.open_audit)
+        return {"out": str(out), **summary, "counts": scorer.client.counts.as_dict()}
 
 
 def no_score_error(rows: int, unscored: Counter, settings: JudgeSettings) -> UserError:

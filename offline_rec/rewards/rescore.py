@@ -6,19 +6,19 @@ For logged traffic rewarded after the fact, or to swap the reward. Each row's re
 times out, raises or returns None leaves the reward null, and is counted. Every other column is
 copied unchanged except `task`, set to the task's name. The input is streamed and never modified;
 the output is a new dataset, written atomically, whose manifest task block names the new reward
-function (the previous block is kept under "previous").
+function (the previous block is kept under "previous"). OUT must not exist (offline_rec/dataset/derive.py: the
+rule of every command that writes a new dataset from one).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.dataset.format import DatasetWriter, open_dataset
-from offline_rec.dataset.validate import check_dataset_for_use
-from offline_rec.errors import DataError, UserError
+from offline_rec.dataset.derive import open_input, source_block
+from offline_rec.errors import UserError
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
+from offline_rec.rewards.scorer import meta_fields, rescored_task, write_scored
 from offline_rec.tasks.builtin import (
     REWARD_TIMEOUT_S,
     get_task,
@@ -31,14 +31,28 @@ from offline_rec.tasks.builtin import (
 SCORE_BATCH_ROWS = 256  # rows handed to score_many at once (whole groups, at least one)
 
 
-def _fields(meta: str, where: str) -> dict:
-    try:
-        fields = json.loads(meta)
-    except (json.JSONDecodeError, TypeError):
-        fields = None
-    if not isinstance(fields, dict):
-        raise DataError(f"{where}: meta is not a JSON object; run `offline-rec validate`")
-    return fields
+class TaskScorer:
+    """A task's reward function as a `Scorer`: score_many over a batch, its timeout / error counts merged."""
+
+    def __init__(self, task, timeout_s: float | None, where: str):
+        self.task, self.timeout_s, self.where = task, timeout_s, where
+        self.stats: dict = {}
+
+    def score(self, rows: list[dict]) -> list[float | None]:
+        fields = [meta_fields(row, f"{self.where} group {row[S.GROUP_ID]!r}") for row in rows]
+        rewards, batch_stats = score_many(self.task, [r[S.PROMPT] for r in rows], [r[S.COMPLETION] for r in rows],
+                                          fields, timeout_s=self.timeout_s)
+        self.stats = merge_reward_stats(self.stats, batch_stats)
+        return rewards
+
+    def counts(self) -> dict:
+        return self.stats or merge_reward_stats({}, {})
+
+    def refusal(self, rows: int, rewarded: int) -> UserError | None:
+        if none_rewarded(self.counts()):  # a dataset of null rewards trains nothing: nothing is written
+            return UserError(f"reward: no row got a reward from task {self.task.name} ({rows} rows: "
+                             f"{null_reward_causes(self.counts())}); nothing was written")
+        return None
 
 
 def rescore_dataset(
@@ -53,55 +67,14 @@ def rescore_dataset(
     ``module:function``) to a new dataset OUT. Returns {"out", "rows", "groups", "rewarded", "null",
     "reward_stats"}."""
     task = get_task(task_name, reward)
-    check_dataset_for_use(src)  # bad rows are refused with their place, not copied into OUT
-    dataset = open_dataset(src, require_complete=True)
-    stats: dict = {}
-    rows_done = groups_done = rewarded = 0
-    task_block = {
-        **{k: v for k, v in dataset.task.items() if k != "previous"},
-        "name": task.name,
-        "reward_function": task.reward_name,
-        "reward_timeout_s": timeout_s,
-        "previous": dataset.task or None,
-    }
-    source = {"command": "reward", "input": str(src), "task": task_name, "reward": reward,
-              "timeout_s": timeout_s, "input_source": dataset.manifest.get(S.M_SOURCE)}
-    with DatasetWriter(out, behavior=dataset.behavior, task=task_block, source=source,
-                       groups_per_shard=groups_per_shard, atomic=True) as writer:
-        pending: list[list[dict]] = []
-
-        def flush() -> None:
-            nonlocal stats, rows_done, groups_done, rewarded
-            rows = [row for group in pending for row in group]
-            fields = [_fields(row[S.META], f"{src} group {row[S.GROUP_ID]!r}") for row in rows]
-            rewards, batch_stats = score_many(task, [r[S.PROMPT] for r in rows], [r[S.COMPLETION] for r in rows],
-                                              fields, timeout_s=timeout_s)
-            stats = merge_reward_stats(stats, batch_stats)
-            for row, value in zip(rows, rewards):
-                row[S.REWARD] = value
-                row[S.TASK] = task.name
-            writer.add_groups(pending)
-            rows_done += len(rows)
-            groups_done += len(pending)
-            rewarded += sum(value is not None for value in rewards)
-            pending.clear()
-
-        pending_rows = 0
-        for group in dataset.iter_groups():
-            pending.append(group)
-            pending_rows += len(group)
-            if pending_rows >= SCORE_BATCH_ROWS:
-                flush()
-                pending_rows = 0
-        if pending:
-            flush()
-        stats = stats or merge_reward_stats({}, {})
-        if none_rewarded(stats):  # a dataset of null rewards trains nothing: nothing is written
-            raise UserError(f"reward: no row got a reward from task {task.name} ({rows_done} rows: "
-                            f"{null_reward_causes(stats)}); nothing was written")
-        writer.stats.update({"reward": {**stats, "rewarded": rewarded, "null": rows_done - rewarded}})
-    return {"out": str(out), "rows": rows_done, "groups": groups_done, "rewarded": rewarded,
-            "null": rows_done - rewarded, "reward_stats": stats}
+    dataset = open_input(src, out)
+    scorer = TaskScorer(task, timeout_s, str(src))
+    task_block = rescored_task(dataset, name=task.name, reward_function=task.reward_name, reward_timeout_s=timeout_s)
+    source = source_block("reward", src, dataset, task=task_name, reward=reward, timeout_s=timeout_s)
+    summary = write_scored(dataset, out, scorer, task=task_block, source=source, batch_rows=SCORE_BATCH_ROWS,
+                           counts=scorer.counts, refusal=scorer.refusal, groups_per_shard=groups_per_shard,
+                           columns={S.TASK: task.name})
+    return {"out": str(out), **summary, "reward_stats": scorer.counts()}
 
 
 def reward_dataset(src: str | Path, out: str | Path, config: RewardConfig, judge: JudgeOptions | None = None,

@@ -60,10 +60,9 @@ from offline_rec.rollout.engines import (
     EngineSpec,
     Job,
     LocalEngines,
-    ProcessEngines,
     PromptRequest,
     PromptResult,
-    RayEngines,
+    WorkerEngines,
     run_on_engines,
 )
 from offline_rec.tasks.builtin import (
@@ -185,10 +184,8 @@ def open_engines(config: CollectConfig, backend: Backend | None = None, engine_k
     spec = EngineSpec(backend=backend_name, model=config.model, dtype=resolved_dtype(config.dtype, config.model),
                       tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
                       per_request_seeds=config.seed_per_prompt, engine_kwargs=dict(engine_kwargs or {}))
-    if config.ray_address:
-        return RayEngines(spec, config.data_parallel_size, config.ray_address)
-    if config.data_parallel_size > 1:
-        return ProcessEngines(spec, config.data_parallel_size)
+    if config.ray_address or config.data_parallel_size > 1:
+        return WorkerEngines(spec, config.data_parallel_size, config.ray_address)
     return LocalEngines(spec.build(0))
 
 

@@ -407,6 +407,22 @@ def test_two_data_parallel_workers_equal_one_process(models, logged, tmp_path, c
     assert one.keys() == two.keys() and all(abs(one[k] - two[k]) < 1e-6 for k in one)
 
 
+def test_a_failing_worker_is_one_line_and_keeps_the_committed_scores(models, logged, tmp_path, capsys):
+    """Weights that only a worker reads (the coordinator reads the config alone) are damaged: the run stops with
+    one line naming the worker and the scores folder; the shards scored before are kept for the rerun."""
+    import shutil
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(models["chat"], damaged)
+    (damaged / "model.safetensors").write_bytes(b"not weights")
+    folder = rm.scores_dir(tmp_path / "scored")
+    code, out, err = run_cli(capsys, "reward", logged, "--reward-model", damaged, "--data-parallel-size", 2,
+                             "--out", tmp_path / "scored", "-q")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "reward worker" in err and f"the scores committed so far are kept in {folder}" in err, err
+    assert not (tmp_path / "scored").exists() and (folder / "run.json").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_ray_actors_equal_one_process_and_resume(models, logged, tmp_path, monkeypatch, capsys):
