@@ -8,8 +8,8 @@ import json
 
 import pyarrow as pa
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, tree_digest, write_dataset
+from support.cli_support import run_cli
+from support.datagen import make_rows, tree_digest, write_dataset
 
 from offline_rec import schema as S
 from offline_rec.dataset.derive import (

@@ -4,7 +4,7 @@ counts in the manifest, a refusal that writes nothing, a scorer that returns the
 from __future__ import annotations
 
 import pytest
-from datagen import make_rows, write_dataset
+from support.datagen import make_rows, write_dataset
 
 from offline_rec import schema as S
 from offline_rec.dataset.derive import open_input
