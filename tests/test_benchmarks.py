@@ -264,3 +264,21 @@ def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():
     rows += [{"prompt": "b", "completion": "3", "reward": 1.0}, {"prompt": "c", "completion": "y", "reward": 0.0}]
     pairs = preference_pairs(rows, random.Random(0))
     assert sorted((p["prompt"], p["chosen"], p["rejected"]) for p in pairs) == [("a", "1", "x"), ("a", "2", "x")]
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5, 1.0])
+def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_path, keep):
+    """benchmarks/rare_positives.py's data: groups [1, 0, 0], [1, 1, 1], [0, 0]: every wrong row stays, each right
+    one with probability keep (all at 1, none at 0: the all-correct group disappears), in its own group."""
+    from benchmarks.rare_positives import derive
+    from offline_rec.dataset.format import open_dataset
+
+    source = write_dataset(tmp_path / "src", make_rows([3, 3, 2], rewards=[[1, 0, 0], [1, 1, 1], [0, 0]]))
+    counts = derive(source, tmp_path / f"out-{keep}", keep, seed=0)
+    groups = [[row["reward"] for row in group] for group in open_dataset(tmp_path / f"out-{keep}").iter_groups()]
+    assert counts["rows"] == sum(map(len, groups)) and counts["positives"] + counts["dropped_positives"] == 4
+    assert sum(r == 0 for g in groups for r in g) == 4  # the negatives, all of them
+    if keep == 1.0:
+        assert groups == [[1, 0, 0], [1, 1, 1], [0, 0]]
+    if keep == 0.0:
+        assert groups == [[0, 0], [0, 0]] and counts["positives"] == 0
