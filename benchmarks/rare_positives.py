@@ -6,7 +6,7 @@
 A logger that is rarely right: from peers.py's data (the shipped arith policy, 4096 train prompts x 8 samples at
 T=1, 21% of the rows correct) every correct row is kept with probability `--keep` (seeded) and every wrong row is
 kept, so with --keep 0.2 about 5% of the rows are correct (each row keeps its own behavior log-probs; a group
-shrinks by the positives it loses). Fine-tuning on the positives then has a fifth of its data; an RL arm still
+shrinks by the positives it loses, its rows numbered again). Fine-tuning on the positives then has a fifth of its data; an RL arm still
 learns from every wrong answer of the prompts that kept a right one. Everything else is peers.py's protocol
 (same passes, final models, lr chosen on validation, the same held-out test and validation prompts): this script
 only writes the derived data where peers.py looks for its data (OUT/data-k8) and runs peers.py on OUT.
@@ -26,6 +26,7 @@ from benchmarks import peers  # noqa: E402
 
 def derive(source: Path, out: Path, keep: float, seed: int) -> dict:
     """OUT: `source`'s groups with each positive row kept with probability `keep`; counts of what was kept."""
+    from offline_rec import schema as S
     from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
 
     manifest = read_manifest(source)
@@ -35,8 +36,8 @@ def derive(source: Path, out: Path, keep: float, seed: int) -> dict:
         for group in open_dataset(source).iter_groups():
             kept = [row for row in group if row["reward"] <= 0 or draw.random() < keep]
             counts["dropped_positives"] += len(group) - len(kept)
-            if kept:
-                writer.add_group(kept)
+            if kept:  # a group's sample_index runs 0..n-1 (validate checks it)
+                writer.add_group([{**row, S.SAMPLE_INDEX: i} for i, row in enumerate(kept)])
                 counts["rows"] += len(kept)
                 counts["positives"] += sum(row["reward"] > 0 for row in kept)
     return counts

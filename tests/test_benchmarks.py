@@ -272,6 +272,7 @@ def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_pa
     one with probability keep (all at 1, none at 0: the all-correct group disappears), in its own group."""
     from benchmarks.rare_positives import derive
     from offline_rec.dataset.format import open_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     source = write_dataset(tmp_path / "src", make_rows([3, 3, 2], rewards=[[1, 0, 0], [1, 1, 1], [0, 0]]))
     counts = derive(source, tmp_path / f"out-{keep}", keep, seed=0)
@@ -282,3 +283,4 @@ def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_pa
         assert groups == [[1, 0, 0], [1, 1, 1], [0, 0]]
     if keep == 0.0:
         assert groups == [[0, 0], [0, 0]] and counts["positives"] == 0
+    assert validate_dataset(tmp_path / f"out-{keep}").ok  # sample_index numbered 0..n-1 again
