@@ -6,10 +6,11 @@
 A logger that is rarely right: from peers.py's data (the shipped arith policy, 4096 train prompts x 8 samples at
 T=1, 21% of the rows correct) every correct row is kept with probability `--keep` (seeded) and every wrong row is
 kept, so with --keep 0.2 about 5% of the rows are correct (each row keeps its own behavior log-probs; a group
-shrinks by the positives it loses, its rows numbered again). Fine-tuning on the positives then has a fifth of its data; an RL arm still
-learns from every wrong answer of the prompts that kept a right one. Everything else is peers.py's protocol
-(same passes, final models, lr chosen on validation, the same held-out test and validation prompts): this script
-only writes the derived data where peers.py looks for its data (OUT/data-k8) and runs peers.py on OUT.
+shrinks by the positives it loses, its rows numbered again). Fine-tuning on the positives then has a fifth of
+its data; an RL arm still learns from every wrong answer of the prompts that kept a right one. Everything else
+is peers.py's protocol (same passes, final models, lr chosen on validation, the same held-out test and
+validation prompts): this script only writes the derived data where peers.py looks for its data (OUT/data-k8)
+and runs peers.py on OUT.
 """
 
 from __future__ import annotations
