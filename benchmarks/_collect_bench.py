@@ -65,7 +65,7 @@ def _time_collect(config, backend) -> float:
 def _prompt_batches(dataset: Path, batch_size: int) -> list[list[list[int]]]:
     """The prompt ids of a collected dataset, one per group in file (= sampling) order, in batches."""
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     table = open_dataset(dataset).to_table(columns=[S.SAMPLE_INDEX, S.PROMPT_IDS])
     first = [
@@ -232,7 +232,7 @@ def collect_dp_child(model: str, out: str, data_parallel_size: int, num_prompts:
     first (an untimed collect of 2 prompts per engine); samples / the timed run's sampling seconds."""
     import dataclasses
 
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.rollout.collect import CollectConfig, collect, open_engines
 
     threads_used = set_threads(threads)

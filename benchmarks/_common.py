@@ -199,7 +199,7 @@ def write_synthetic_dataset(path: str | Path, num_groups: int, group_size: int =
     import pyarrow.parquet as pq
 
     from offline_rec import schema as S
-    from offline_rec.data.dataset import DatasetWriter, completion_token_count
+    from offline_rec.dataset.format import DatasetWriter, completion_token_count
     from offline_rec.files import sha256_file
     rng = np.random.default_rng(seed)
     behavior = S.behavior_provenance(model="benchmark-synthetic", temperature=1.0, logprobs_source=S.LOGPROBS_SAMPLED)

@@ -70,7 +70,7 @@ def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_ST
     import torch
 
     from offline_rec.algorithms import get_algorithm
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.training import group_index, scheduling, step_plan
 
     index = group_index.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False)
@@ -213,8 +213,8 @@ def _raw_scan(dataset) -> float:
     """Rows/s of a raw pyarrow scan of the dataset's shards, over the columns the reader reads."""
     import pyarrow.parquet as pq
 
-    from offline_rec.data.rowstore import COLUMNS as STORE_COLUMNS
     from offline_rec.training import group_index
+    from offline_rec.training.rowstore import COLUMNS as STORE_COLUMNS
 
     columns = list(dict.fromkeys(group_index.INDEX_COLUMNS + STORE_COLUMNS))
     started = time.perf_counter()
@@ -234,7 +234,7 @@ def scan_reader(data: str, max_steps: int | None, rounds: int = 3, prompts_per_s
     """
     from statistics import median
 
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     dataset = open_dataset(data)
     results = []

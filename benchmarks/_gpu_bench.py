@@ -169,7 +169,7 @@ def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
         collect(config, backend=backend)
         seconds = time.perf_counter() - started
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     dataset = open_dataset(out)
     result = {"engine": engine, "seconds": seconds, "samples": dataset.num_rows,
@@ -191,7 +191,7 @@ def collect_stage(model: str, out: str, size: str, dtype: str) -> dict:
 
 def collect_dp_stage(model: str, out: str, size: str, dtype: str, data_parallel_size: int) -> dict:
     """collect --data-parallel-size N with vLLM (one engine per GPU): samples / the manifest's sampling seconds."""
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.rollout.collect import CollectConfig, collect
 
     settings = SIZES[size]["collect"]

@@ -32,7 +32,7 @@ from benchmarks._common import child_environment, median, random_words, set_thre
 
 
 def _write_text_dataset(path: Path, rows: int, seed: int = 0) -> str:
-    from offline_rec.data.dataset import DatasetWriter, make_row
+    from offline_rec.dataset.format import DatasetWriter, make_row
 
     rng = random.Random(seed)
     words = random_words(4000, seed)
@@ -53,10 +53,10 @@ def reward_model_vs_bare(workdir: str, rows: int, vocab_size: int, hidden_size: 
 
     import torch
 
-    from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.reward_model import score_with_reward_model, scoring_ids
-    from offline_rec.models.reward_model import load_reward_model
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.models.tiny import CHATML_TEMPLATE, build_bpe_tokenizer, build_tiny_reward_model, save_tiny
+    from offline_rec.rewards.reward_model import score_with_reward_model, scoring_ids
+    from offline_rec.rewards.sequence_classifier import load_reward_model
 
     set_threads(threads)
     work = Path(workdir)
@@ -145,8 +145,8 @@ def judge_vs_bare_client(workdir: str, rows: int, concurrency: int, delay_s: flo
 
     import aiohttp
 
-    from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.judge import JudgeSettings, fill_rubric, judge_dataset
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.rewards.judge import JudgeSettings, fill_rubric, judge_dataset
 
     work = Path(workdir)
     data = _write_text_dataset(work / "judge-rows", rows, seed=1)

@@ -40,7 +40,7 @@ def startup(data: str, cache: str, steps: int = STEPS) -> dict:
     import torch
 
     from offline_rec.algorithms import get_algorithm
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.training import group_index, scheduling, step_plan
 
     imports = time.perf_counter() - started
@@ -76,7 +76,7 @@ def merge_halves(data: str, out: str, check_rows: bool) -> dict:
     import shutil
 
     from offline_rec import schema as S
-    from offline_rec.data.merge import merge_datasets
+    from offline_rec.dataset.merge import merge_datasets
 
     count = len(json.loads((Path(data) / S.MANIFEST_FILE).read_text())[S.M_SHARDS])
     halves = [link_subset(data, f"{out}-half-{n}", part)

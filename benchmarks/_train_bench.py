@@ -83,7 +83,7 @@ def step_batches(config, num_steps: int) -> list[dict]:
     import torch
 
     from offline_rec.algorithms import get_algorithm
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.models.loading import load_tokenizer
     from offline_rec.training import group_index, scheduling, step_plan
 

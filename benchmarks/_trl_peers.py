@@ -1,6 +1,6 @@
 """The peer arms of benchmarks/logged.py, run with TRL's own trainers in TRL's own venv (never our dependency).
 
-    VENV/bin/python benchmarks/_trl_peers.py --trainer kto|sft --data DATASET --model POLICY --out DIR \
+    VENV/bin/python benchmarks/_trl_peers.py --trainer kto|sft|dpo --data DATASET --model POLICY --out DIR \
         --lr 1e-4 --max-steps 256 --save-steps 32 --batch-size 32
 
 Reads the dataset's Parquet shards with pyarrow alone (no offline_rec import: this runs in another venv):
@@ -8,7 +8,10 @@ Reads the dataset's Parquet shards with pyarrow alone (no offline_rec import: th
   first (KTOTrainer reads its data in order), beta 0.1, desirable weight 3.6 by default (TRL's advice for
   ~22% positives: desirable_weight * positives / (undesirable_weight * negatives) in [1, 1.33]);
 - sft: TRL's SFTTrainer on the positive responses only (filtered behaviour cloning, RAFT with b = 0),
-  loss on the completion tokens only.
+  loss on the completion tokens only;
+- dpo: TRL's DPOTrainer on (chosen, rejected) pairs of the same prompt: each positive response paired with one
+  negative of its prompt (drawn in turn from the prompt's negatives, shuffled), beta 0.1; prompts without a
+  negative or without a positive give no pair.
 Both as the other arms: AdamW without weight decay, cosine to 0, gradient norm clipped at 1, fp32 on the
 CPU (TRL's bf16 and gradient checkpointing defaults turned off), a checkpoint every --save-steps steps.
 Writes DIR/checkpoint-N (HF model folders) and DIR/peer.json (versions, sizes, seconds).
@@ -36,9 +39,23 @@ def read_rows(dataset: str) -> list[dict]:
     return rows
 
 
+def preference_pairs(rows: list[dict], rng: random.Random) -> list[dict]:
+    """(prompt, chosen, rejected): every positive of a prompt with one of that prompt's negatives, in turn."""
+    by_prompt: dict[str, tuple[list, list]] = {}
+    for row in rows:
+        by_prompt.setdefault(row["prompt"], ([], []))[0 if row["reward"] > 0 else 1].append(row["completion"])
+    pairs = []
+    for prompt, (chosen, rejected) in by_prompt.items():
+        rng.shuffle(rejected)
+        pairs += [{"prompt": prompt, "chosen": good, "rejected": rejected[i % len(rejected)]}
+                  for i, good in enumerate(chosen) if rejected]
+    rng.shuffle(pairs)
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trainer", choices=("kto", "sft"), required=True)
+    parser.add_argument("--trainer", choices=("kto", "sft", "dpo"), required=True)
     parser.add_argument("--data", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
@@ -77,6 +94,12 @@ def main() -> None:
                                undesirable_weight=1.0)
         trainer = trl.KTOTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
         size = {"rows": len(rows), "positives": sum(r["reward"] > 0 for r in rows)}
+    elif args.trainer == "dpo":
+        pairs = preference_pairs(rows, random.Random(args.seed))
+        config = trl.DPOConfig(**common, beta=args.beta)
+        trainer = trl.DPOTrainer(model=model, args=config, train_dataset=Dataset.from_list(pairs),
+                                 processing_class=tokenizer)
+        size = {"rows": len(rows), "pairs": len(pairs)}
     else:
         positives = [{"prompt": r["prompt"], "completion": r["completion"]} for r in rows if r["reward"] > 0]
         config = trl.SFTConfig(**common, completion_only_loss=True)

@@ -34,9 +34,9 @@ TIMED_PAGES = 20
 def first_page(data: str, tokenizer: str, out: str) -> dict:
     """In a fresh process: open the view (index pass) and write the page; then time further pages."""
     started = time.perf_counter()
-    from offline_rec.data.view.config import ViewConfig
-    from offline_rec.data.view.page import open_view, page_file_text, write_page
-    from offline_rec.data.view.page_data import scan_index
+    from offline_rec.view.config import ViewConfig
+    from offline_rec.view.page import open_view, page_file_text, write_page
+    from offline_rec.view.page_data import scan_index
 
     imported = time.perf_counter()
     view = open_view(ViewConfig(dataset=data, out=out, tokenizer=tokenizer))

@@ -17,6 +17,8 @@ is the arm's result, and its test curve is shown. Arms:
   step, dataset, constant   rec-oneside-nois, wide clip (0.6/2.0), with the baseline named (constant: 0.5)
   dataset-asym              rec-oneside-nois with the dataset baseline and clip-higher: eps_low 0.2 (negatives
                             stop once pushed below 0.8 rho), eps_high 2.0 (positives learn on, as in SFT)
+  dataset-open-neg0.25      rec-oneside-nois, dataset baseline, the recipe of benchmarks/peers.py: no upper clip on
+                            the positives (eps_high 1e6), eps_low 0.6, the negatives' term weighted 0.25
   topr                      TOPR as its preset: negatives tapered by min(rho, 1), the training rewards' mean as
                             threshold (its baseline)
   topr-0.5                  TOPR with the fixed threshold 0.5 (the paper's +-1 rewards with threshold 0)
@@ -53,6 +55,8 @@ ARMS: dict[str, tuple[str, dict] | None] = {
     "constant": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "constant", "baseline_value": 0.5}),
     # clip-higher: the negatives' side stays at the preset's 0.2, the positives' side opens to 2.0
     "dataset-asym": ("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0, "baseline": "dataset"}),
+    "dataset-open-neg0.25": ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 1e6, "baseline": "dataset",
+                                                  "negative_weight": 0.25}),
     "topr": ("topr", {}),
     "topr-0.5": ("topr", {"baseline": "constant", "baseline_value": 0.5}),
     "kto": None,
@@ -101,7 +105,7 @@ def demo_settings(scale: Scale, **changes):
 
 def prepare_data(out: Path, policy: str, scale: Scale, log) -> dict[str, str]:
     """The K=8 behavior data (the demo's collect), its cut to sample_index 0, and the validation prompts."""
-    from offline_rec.data.dataset import DatasetWriter, open_dataset, read_manifest
+    from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
     from offline_rec.demo.pipeline import collect_dataset, write_validation_prompts
 
     paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}

@@ -89,7 +89,7 @@ def cli(*args, log_path: Path) -> None:
 
 def group_ids(dataset) -> set[str]:
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     return {group[0][S.GROUP_ID] for group in open_dataset(dataset).iter_groups([S.GROUP_ID])}
 
@@ -97,7 +97,7 @@ def group_ids(dataset) -> set[str]:
 def write_groups_except(source, out: Path, excluded: set[str]) -> Path:
     """A copy of `source` without the groups whose id is in `excluded` (the prompts another logger answers)."""
     from offline_rec import schema as S
-    from offline_rec.data.dataset import DatasetWriter, open_dataset, read_manifest
+    from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
 
     manifest = read_manifest(source)
     with DatasetWriter(out, behavior=manifest["behavior"], task=manifest["task"], atomic=True) as writer:
@@ -159,7 +159,7 @@ def build_mixture(name: str, out: Path, a_data: str, b_model: str, scale: peers.
 def mixture_line(dataset) -> str:
     """Rows, positives and all-correct groups per behavior of a mixture (what the group baselines cannot use)."""
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     counts: dict[str, list[int]] = {}
     for group in open_dataset(dataset).iter_groups([S.BEHAVIOR, "reward"]):

@@ -113,7 +113,8 @@ class AlgorithmSpec:
     name: str = "custom"
     """Preset this spec came from, for logs; it does not change the math."""
     clip: str = "none"
-    """Clip mask M: none | one-side | two-side | ring | gspo-one-side."""
+    """Clip mask M: none | one-side | two-side | ring | gspo-one-side | one-side-negatives (one-side's lower half
+    only: positives unclipped) | the peers' masks (see `objectives.CLIP_MASKS`)."""
     weight: str = "none"
     """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | seq-is (prod_t rho_t) | advantage
     (exp(A/temp)) | the peers' weights (see `token_weights`)."""
@@ -271,6 +272,11 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
         AlgorithmSpec("reinforce-k3", regularizer="k3", reg_coef=0.1),
         AlgorithmSpec("red-drop", drop="balance"),
         AlgorithmSpec("red-weight", weight="advantage", temp=1.0),
+        # offline-rec's recipe for logged groups (benchmarks/peers.py, docs/paper.md "Against fine-tuning on the
+        # positives"): REC-OneSide's clip on the negatives only (eps_low 0.6, the wide clip's), the positives
+        # unclipped, the negatives' term weighted 0.25. With steps of shuffled rows it beat rec-oneside-nois with
+        # the wide clip by ~4 points held-out greedy and ~7.6 at T=1 on the demo's logs (3 seeds each).
+        AlgorithmSpec("rec-logged", clip="one-side-negatives", eps_low=0.6, negative_weight=0.25),
         # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group.
         # Its positives/negatives are split by a reward threshold (REINFORCE's baseline), never a group
         # mean. The paper shows that threshold sets the data's effective share of positives; the training
@@ -742,9 +748,10 @@ def group_advantages(
     A group of equal rewards gets exactly 0 when k = 1. drop="balance" (RED-Drop): in each group, negatives are
     r < mean, the rest positives; if negatives outnumber positives, randomly chosen negatives (drawn
     with `generator`, default a fixed seed) are dropped until the counts match, and mean and std are
-    recomputed over the KEPT rows (negatives stay r < mean whatever k). Dropped rows get A = 0 and keep = False: exclude them from the loss
-    and from N. Without drop, keep is all True. Computed in float64 (equal rewards give an exact 0),
-    returned in the rewards' float dtype. Zero-variance and singleton groups: see `advantage_stats`.
+    recomputed over the KEPT rows (negatives stay r < mean whatever k). Dropped rows get A = 0 and
+    keep = False: exclude them from the loss and from N. Without drop, keep is all True. Computed in
+    float64 (equal rewards give an exact 0), returned in the rewards' float dtype. Zero-variance and
+    singleton groups: see `advantage_stats`.
     """
     import torch
 

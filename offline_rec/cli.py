@@ -11,22 +11,23 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import typer
 
 from offline_rec import __version__
-from offline_rec.data.config import DatasetToDataset, FilterOptions, JudgeOptions, MergeOptions, RewardConfig
-from offline_rec.data.importers.config import ImportConfig
-from offline_rec.data.view.config import ViewConfig
+from offline_rec.dataset.config import DatasetToDataset, FilterConfig, InspectConfig, MergeConfig, ValidateConfig
 from offline_rec.demo.pipeline import DemoOptions
 from offline_rec.errors import UserError, disk_full
-from offline_rec.eval.config import EvalConfig
-from offline_rec.options import command, overrides
+from offline_rec.eval.config import EvalConfig, ReportConfig
+from offline_rec.hub.config import PullConfig, PushConfig
+from offline_rec.importers.config import ImportConfig
+from offline_rec.options import Output, command, overrides, shared
 from offline_rec.preemption import Preempted
-from offline_rec.record.settings import ProxySettings, RecordConfig
+from offline_rec.record.settings import ProxyOptions, RecordConfig
+from offline_rec.rewards.config import JudgeOptions, RewardConfig
 from offline_rec.rollout.config import CollectConfig
-from offline_rec.training.config import TrainConfig
+from offline_rec.training.config import CacheClearConfig, RowCacheConfig, TrainConfig
+from offline_rec.view.config import ViewConfig
 
 app = typer.Typer(
     name="offline-rec",
@@ -38,10 +39,9 @@ app = typer.Typer(
 )
 
 
-# Every option of import, filter, reward, merge, collect, eval, view, record and train is a field of the
-# command's config dataclass (offline_rec/options.py says how); the few options of the small commands
-# (validate, inspect, push, pull, cache, report, demo) are declared here, once each.
-SummaryJson = Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")]
+# Every option of every command is a field of the command's config dataclass (offline_rec/options.py says how);
+# --quiet and --json are the fields of options.Output. Only the root's --version and train's --config, --set and
+# --list-options are declared here.
 
 
 def _echo(lines: list[str]) -> None:
@@ -78,19 +78,14 @@ def _print_json(obj) -> None:
 # dataset checks
 
 
-@app.command()
-def validate(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    no_checksums: bool = typer.Option(
-        False, "--no-checksums", help="Skip the sha256 check of shards (faster on huge datasets)."
-    ),
-) -> None:
+@command(app, config=ValidateConfig, output=shared("as_json", as_json="Print the report as JSON."),
+         order=("dataset", "as_json"))
+def validate(config: ValidateConfig, output: Output) -> None:
     """Check a dataset against the format; exit 0 when clean, 1 on problems, 2 on unusable input."""
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
-    report = validate_dataset(dataset, check_checksums=not no_checksums)
-    if as_json:
+    report = validate_dataset(config.dataset, check_checksums=not config.no_checksums)
+    if output.as_json:
         _print_json(report.to_json())
     else:
         from offline_rec.display import print_validation
@@ -99,18 +94,15 @@ def validate(
     raise typer.Exit(0 if report.ok else 1)
 
 
-@app.command()
-def inspect(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
-) -> None:
+@command(app, config=InspectConfig, output=shared("as_json", as_json="Print the statistics as JSON."))
+def inspect(config: InspectConfig, output: Output) -> None:
     """Describe a dataset: sizes, lengths, rewards, groups without signal, provenance."""
-    from offline_rec.data.inspect import describe_dataset
+    from offline_rec.dataset.inspect import describe_dataset
 
-    stats = describe_dataset(dataset)
+    stats = describe_dataset(config.dataset)
     for warning in stats["warnings"]:
         typer.echo(f"warning: {warning}", err=True)
-    if as_json:
+    if output.as_json:
         _print_json(stats)
     else:
         from offline_rec.display import print_description
@@ -118,22 +110,22 @@ def inspect(
         print_description(_console(), stats)
 
 
-@command(app, config=ViewConfig)
-def view(config: ViewConfig, quiet: bool) -> None:
+@command(app, config=ViewConfig, output=shared("quiet"))
+def view(config: ViewConfig, output: Output) -> None:
     """Look at a dataset in the browser: groups, filters, every response token by token (an HTML page or --serve)."""
 
     def warn(message: str) -> None:
         typer.echo(f"warning: {message}", err=True)
 
     if config.serve:
-        from offline_rec.data.view.page import open_view
-        from offline_rec.data.view.serve import serve_view
+        from offline_rec.view.page import open_view
+        from offline_rec.view.serve import serve_view
 
         serve_view(open_view(config, warn), config.host, config.port, announce=typer.echo)
         return
-    from offline_rec.data.view.page import write_view
+    from offline_rec.view.page import write_view
 
-    summary = write_view(config, warn, progress=not quiet)
+    summary = write_view(config, warn, progress=output.progress)
     typer.echo(f"{summary['groups']} groups, {summary['pages']} pages -> {summary['page']}"
                + (f" (page files: {summary['page_files']})" if summary["page_files"] else ""))
 
@@ -142,11 +134,11 @@ def view(config: ViewConfig, quiet: bool) -> None:
 # import, filter, reward
 
 
-@command(app, "import", config=ImportConfig)
-def import_(config: ImportConfig, as_json: bool) -> None:
+@command(app, "import", config=ImportConfig, output=shared("as_json"))
+def import_(config: ImportConfig, output: Output) -> None:
     """Convert logs of another system (rows, text, OpenAI-compatible server, TRL) into a dataset."""
-    from offline_rec.data.importers import import_dataset
-    from offline_rec.data.importers.common import ERRORS_SHOWN, BadLinesError
+    from offline_rec.importers import import_dataset
+    from offline_rec.importers.common import ERRORS_SHOWN, BadLinesError
 
     try:
         summary = import_dataset(config)
@@ -156,34 +148,35 @@ def import_(config: ImportConfig, as_json: bool) -> None:
         if len(e.rejects) > ERRORS_SHOWN:
             typer.echo(f"... and {len(e.rejects) - ERRORS_SHOWN} more", err=True)
         raise
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     from offline_rec.summaries import import_lines
 
     _echo(import_lines(summary))
 
 
-@command(app, "filter", paths=DatasetToDataset, options=FilterOptions)
-def filter_(paths: DatasetToDataset, options: FilterOptions, as_json: bool) -> None:
+@command(app, "filter", paths=DatasetToDataset, options=FilterConfig, output=shared("as_json"))
+def filter_(paths: DatasetToDataset, options: FilterConfig, output: Output) -> None:
     """Write a filtered copy of a dataset: drop truncated responses, signal-free or over-long groups, sample groups."""
-    from offline_rec.data.filter import filter_dataset
+    from offline_rec.dataset.filter import filter_dataset
     from offline_rec.summaries import filter_lines
 
     summary = filter_dataset(paths.dataset, paths.out, options)
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     _echo(filter_lines(summary))
 
 
-@command(app, "reward", paths=DatasetToDataset, config=RewardConfig, judge=JudgeOptions)
-def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, quiet: bool, as_json: bool) -> None:
+@command(app, "reward", paths=DatasetToDataset, config=RewardConfig, judge=JudgeOptions,
+         output=shared("quiet", "as_json"))
+def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, output: Output) -> None:
     """(Re)score a dataset into a new dataset: a task's reward function (fields from each row's meta), a
     reward model (a rerun after an interruption continues) or an LLM judge."""
-    from offline_rec.data.reward import reward_dataset
+    from offline_rec.rewards.rescore import reward_dataset
     from offline_rec.summaries import reward_lines
 
-    summary = reward_dataset(paths.dataset, paths.out, config, judge, progress=not quiet)
-    if as_json:
+    summary = reward_dataset(paths.dataset, paths.out, config, judge, progress=output.progress)
+    if output.as_json:
         return _print_json(summary)
     _echo(reward_lines(summary, config.judge_model or config.reward_model))
 
@@ -235,63 +228,39 @@ def train(
 # Hugging Face Hub: push, pull  (owned by offline_rec/hub/transfer.py)
 
 
-@app.command()
-def push(
-    dataset: Path = typer.Argument(..., help="Dataset directory."),
-    repo_id: str = typer.Argument(..., metavar="ORG/NAME", help="Hub dataset repo, created if missing."),
-    private: bool = typer.Option(
-        False, "--private", help="Create the repo private (an existing repo keeps its visibility)."
-    ),
-    revision: str | None = typer.Option(
-        None, "--revision", help="Branch to push to, created if missing (default main)."
-    ),
-    token: str | None = typer.Option(
-        None, "--token", help="Hub token with write access (default: `hf auth login` or HF_TOKEN)."
-    ),
-    license: str | None = typer.Option(
-        None, "--license", help="License id for the card, e.g. cc-by-4.0 (default: the manifest's, else 'other')."
-    ),
-) -> None:
+@command(app, config=PushConfig)
+def push(config: PushConfig) -> None:
     """Upload a valid dataset to a Hub dataset repo, with a card generated from its manifest."""
     from offline_rec.hub.transfer import push_dataset
 
-    result = push_dataset(dataset, repo_id, private=private, revision=revision, token=token, license=license,
+    result = push_dataset(config.dataset, config.repo_id, private=config.private, revision=config.revision,
+                          token=config.token, license=config.license,
                           echo=lambda message: typer.echo(message, err=True))
-    typer.echo(f"pushed {len(result.files)} files to {result.url}" + (f" (branch {revision})" if revision else "")
-               + f", tagged {result.tag}")
+    typer.echo(f"pushed {len(result.files)} files to {result.url}"
+               + (f" (branch {config.revision})" if config.revision else "") + f", tagged {result.tag}")
 
 
-@app.command()
-def pull(
-    repo_id: str = typer.Argument(
-        ..., metavar="ORG/NAME", help="Hub dataset repo (or hf://datasets/ORG/NAME[@REVISION])."
-    ),
-    out: Path = typer.Option(..., "--out", "-o", help="New directory for the dataset."),
-    revision: str | None = typer.Option(
-        None, "--revision", help="Branch, tag (e.g. schema-v1.0) or commit (default main)."
-    ),
-    token: str | None = typer.Option(None, "--token", help="Hub token, for private or gated repos."),
-) -> None:
+@command(app, config=PullConfig)
+def pull(config: PullConfig) -> None:
     """Download a Hub dataset into a local folder, verifying its checksums and schema (works offline from the cache)."""
     from offline_rec.hub.transfer import pull_dataset
 
-    path = pull_dataset(repo_id, out, revision=revision, token=token)
-    typer.echo(f"pulled {repo_id}" + (f"@{revision}" if revision else "") + f" -> {path}")
+    path = pull_dataset(config.repo_id, config.out, revision=config.revision, token=config.token)
+    typer.echo(f"pulled {config.repo_id}" + (f"@{config.revision}" if config.revision else "") + f" -> {path}")
 
 
 # --------------------------------------------------------------------------------------------
 # collect, merge  (owned by offline_rec/rollout/collect.py, merge.py, backends/)
 
 
-@command(app, config=CollectConfig)
-def collect(config: CollectConfig, quiet: bool) -> None:
+@command(app, config=CollectConfig, output=shared("quiet"))
+def collect(config: CollectConfig, output: Output) -> None:
     """Sample K completions per prompt with their log-probs, reward them, and write a dataset."""
-    from offline_rec.data.dataset import read_manifest
+    from offline_rec.dataset.format import read_manifest
     from offline_rec.rollout.collect import collect as run_collect
     from offline_rec.rollout.engines import EngineError
     from offline_rec.summaries import collect_line, collect_unrewarded_line
 
-    config.show_progress = not quiet
     try:
         path = run_collect(config)
     except EngineError as error:  # an engine died or failed: what finished is committed, --resume goes on
@@ -305,15 +274,15 @@ def collect(config: CollectConfig, quiet: bool) -> None:
     typer.echo(collect_line(manifest, path))
 
 
-@command(app, config=MergeOptions)
-def merge(config: MergeOptions, as_json: bool) -> None:
+@command(app, config=MergeConfig, output=shared("as_json"))
+def merge(config: MergeConfig, output: Output) -> None:
     """Combine datasets with the same tokenizer and disjoint group ids into one (or, with --join-groups, the
     fresh answers to logged prompts into the logged groups).
 
     Shards already in the dataset schema are hard-linked as they are (seconds, whatever their size);
     others are rewritten and re-sharded.
     """
-    from offline_rec.data.merge import join_groups, merge_datasets
+    from offline_rec.dataset.merge import join_groups, merge_datasets
     from offline_rec.summaries import merge_line
 
     if config.join_groups:
@@ -323,48 +292,39 @@ def merge(config: MergeOptions, as_json: bool) -> None:
     else:
         summary = merge_datasets(config.datasets, config.out, groups_per_shard=config.groups_per_shard,
                                  check_rows=not config.no_row_checks)
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     typer.echo(merge_line(summary))
 
 
 # --------------------------------------------------------------------------------------------
-# cache: the trainer's row stores (offline_rec/data/rowcache.py)
+# cache: the trainer's row stores (offline_rec/training/rowcache.py)
 
 cache_app = typer.Typer(help="List or clear the trainer's row stores (the decoded token columns train reuses).",
                         no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
-CacheDir = Annotated[
-    Path | None,
-    typer.Option("--dir", help="The row-store cache (default: rows/ in $OFFLINE_REC_CACHE or ~/.cache/offline-rec)."),
-]
 
 
-@cache_app.command("list")
-def cache_list(cache_dir: CacheDir = None, as_json: SummaryJson = False) -> None:
+@command(cache_app, "list", config=RowCacheConfig, output=shared("as_json"))
+def cache_list(config: RowCacheConfig, output: Output) -> None:
     """The row stores in the cache: name, size, rows, the datasets they were built from, last use."""
-    from offline_rec.data import rowcache
     from offline_rec.display import print_row_stores
+    from offline_rec.training import rowcache
 
-    stores = rowcache.list_stores(cache_dir)
-    where = str(cache_dir if cache_dir is not None else rowcache.default_dir())
-    if as_json:
+    stores = rowcache.list_stores(config.cache_dir)
+    where = str(config.cache_dir if config.cache_dir is not None else rowcache.default_dir())
+    if output.as_json:
         _print_json({"dir": where, "stores": stores})
         return
     print_row_stores(_console(), where, stores)
 
 
-@cache_app.command("clear")
-def cache_clear(
-    names: list[str] = typer.Argument(
-        None, help="Stores to remove (default: all, and unfinished builds whose process is gone)."
-    ),
-    cache_dir: CacheDir = None,
-) -> None:
+@command(cache_app, "clear", config=CacheClearConfig)
+def cache_clear(config: CacheClearConfig) -> None:
     """Remove row stores; a later train on their data builds them again."""
-    from offline_rec.data import rowcache
+    from offline_rec.training import rowcache
 
-    removed = rowcache.clear_stores(cache_dir, names or ())
+    removed = rowcache.clear_stores(config.cache_dir, config.names)
     for entry in removed:
         typer.echo(f"removed {entry['name']} ({entry['bytes'] / 2**20:.1f} MB)")
     typer.echo(f"{len(removed)} removed, {sum(e['bytes'] for e in removed) / 2**20:.1f} MB freed")
@@ -374,11 +334,10 @@ def cache_clear(
 # eval, report  (owned by offline_rec/eval/config.py, rollouts.py, offline.py, offpolicy.py, report.py)
 
 
-@command(app, "eval", config=EvalConfig)
-def eval_(config: EvalConfig, quiet: bool, as_json: bool) -> None:
+@command(app, "eval", config=EvalConfig, output=shared("quiet", "as_json"))
+def eval_(config: EvalConfig, output: Output) -> None:
     """Evaluate a policy: sample it on held-out prompts (a new dataset too), or estimate offline from logged data."""
-    config.show_progress = not quiet
-    if config.offline:
+    if config.mode == "offline":
         from offline_rec.eval.offline import offline_evaluate
 
         summary = offline_evaluate(config)
@@ -391,46 +350,33 @@ def eval_(config: EvalConfig, quiet: bool, as_json: bool) -> None:
         except EngineError as error:  # an engine died or failed
             typer.echo(f"error: {error}", err=True)
             sys.exit(1)
-    if as_json:
+    if output.as_json:
         return _print_json(summary)
     from offline_rec.display import eval_summary_table
 
     _console().print(eval_summary_table(summary))
     if config.out is not None:
-        typer.echo(f"-> {config.out}" + ("" if config.offline else f" (rollouts: {summary['rollouts']})"))
+        typer.echo(f"-> {config.out}" + ("" if config.mode == "offline" else f" (rollouts: {summary['rollouts']})"))
 
 
-@command(app, config=RecordConfig, settings=ProxySettings)
-def record(config: RecordConfig, settings: ProxySettings) -> None:
+@command(app, config=RecordConfig, settings=ProxyOptions)
+def record(config: RecordConfig, settings: ProxyOptions) -> None:
     """Run an OpenAI-compatible proxy that records every completion as an import-ready line (Ctrl-C stops)."""
     from offline_rec.record.proxy import run_record
-    from offline_rec.record.recorder import RecordOptions, parse_redact_field
     from offline_rec.summaries import record_line
 
-    options = RecordOptions(
-        rotate_bytes=int(config.rotate_mb * (1 << 20)), rotate_seconds=config.rotate_seconds,
-        fsync_interval=config.fsync_interval, episode_idle_timeout=config.episode_idle_timeout,
-        redact_fields=tuple(parse_redact_field(f) for f in config.redact_field),
-        max_episode_bytes=int(config.max_episode_mb * (1 << 20)),
-    )
-    stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=options,
+    stats = run_record(config.upstream, str(config.out), host=config.host, port=config.port, options=config.recording,
                        settings=settings, logprobs_mode=config.logprobs_mode,
                        warn=lambda message: typer.echo(message, err=True))
     typer.echo(record_line(stats, config.out))
 
 
-@app.command()
-def report(
-    runs: list[Path] = typer.Argument(..., help="Train RUN folders and/or evaluation folders (or their summary.json)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Folder for the PNG plots and summary.md."),
-    smoothing: float = typer.Option(
-        0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none)."
-    ),
-) -> None:
+@command(app, config=ReportConfig)
+def report(config: ReportConfig) -> None:
     """Plot training and evaluation curves of runs side by side, and write a markdown summary table."""
     from offline_rec.eval.report import report_runs
 
-    written = report_runs(runs, out, smoothing=smoothing)
+    written = report_runs(config.runs, config.out, smoothing=config.smoothing)
     for name, path in written.items():
         typer.echo(f"{name}: {path}")
 

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from offline_rec.data.validate import ERROR, Report
+from offline_rec.dataset.validate import ERROR, Report
 
 
 def print_validation(console: Console, report: Report) -> None:

@@ -48,6 +48,11 @@ RATIO_LOW = 0.1
 STD_EPS = 1e-6
 """Added to the group std before dividing (std_normalize)."""
 
+RATIO_TOTALS = ("tokens", "ratio_sum", "ratio_sq_sum", "ratio_high", "ratio_low", "ratio_max")
+"""The columns of `Ratios.row_totals`: per row, its completion tokens n, sum rho, sum rho^2, the tokens with
+rho > RATIO_HIGH and with rho < RATIO_LOW (sums: they add over rows, micro-batches and ranks), and max rho (0
+with no tokens; combined by max). `ratio_stats` reads them: the loss's metrics and the weight monitor's alike."""
+
 NO_TOKEN_RATIO_METRICS = dict(ratio_min=1.0, ratio_max=1.0, ratio_mean=1.0, ratio_sq_mean=1.0, ess=1.0, chi2=0.0)
 """What `Ratios.metrics` reads for a batch with no completion tokens (the ratios of an empty batch are 1)."""
 
@@ -90,28 +95,70 @@ class Ratios:
 
         return torch.where(self.mask, values, 0.0).sum() / self.denominator
 
-    def metrics(self) -> dict[str, torch.Tensor]:
-        """The ratio diagnostics over the completion tokens, as 0-d tensors (`policy_loss`'s metrics, `eval
-        --offline`'s ess_token and chi2_token): ratio_mean/min/max of rho, kl_behavior = mean(rho - 1 - log rho)
-        (the k3 estimate of KL(mu || pi)), ratio_sq_mean = mean(rho^2), ess = mean(rho)^2 / mean(rho^2) (the
-        token ratios' effective sample size as a fraction), chi2 = mean(rho^2) - 1, ratio_high_fraction and
-        ratio_low_fraction (rho > RATIO_HIGH, rho < RATIO_LOW). With no tokens: `NO_TOKEN_RATIO_METRICS`."""
+    def row_totals(self) -> torch.Tensor:
+        """[B, 6] per row the `RATIO_TOTALS` of its completion tokens, in rho's dtype (at least float32: counts stay
+        exact)."""
         import torch
 
-        rho = self.rho
-        ratio_mean = self.mean(rho)
-        ratio_sq_mean = self.mean(rho**2)
+        dtype = torch.promote_types(self.rho.dtype, torch.float32)
+        tokens = self.mask.to(dtype)  # [B, T]
+        rho = self.rho.to(dtype) * tokens  # [B, T], 0 off the completion tokens
+        # a row of no tokens has max 0 (every rho is > 0); amax needs at least one column to reduce
+        row_max = rho.amax(dim=1) if rho.shape[1] else rho.new_zeros(rho.shape[0])  # [B]
+        high = (rho > RATIO_HIGH).to(dtype)  # [B, T]
+        low = (rho < RATIO_LOW).to(dtype) * tokens  # [B, T]
+        return torch.stack([tokens.sum(1), rho.sum(1), (rho * rho).sum(1), high.sum(1), low.sum(1), row_max], dim=1)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The ratio diagnostics over the completion tokens, as 0-d tensors (`policy_loss`'s metrics, `eval
+        --offline`'s ess_token and chi2_token): ratio_mean/min of rho, kl_behavior = mean(rho - 1 - log rho)
+        (the k3 estimate of KL(mu || pi)), ratio_sq_mean = mean(rho^2), chi2 = mean(rho^2) - 1, and
+        `ratio_stats`' ess, ratio_max, ratio_high_fraction and ratio_low_fraction. With no tokens:
+        `NO_TOKEN_RATIO_METRICS`."""
+        import torch
+
+        totals = add_totals(self.row_totals())  # [6]
+        ratio_sq_mean = totals[2] / self.denominator
         return {
-            "ratio_mean": ratio_mean,
-            "ratio_min": torch.where(self.mask, rho, math.inf).amin(),
-            "ratio_max": torch.where(self.mask, rho, -math.inf).amax(),
-            "kl_behavior": self.mean(rho - 1 - self.log_ratio),
+            "ratio_mean": totals[1] / self.denominator,
+            "ratio_min": torch.where(self.mask, self.rho, math.inf).amin(),
+            "kl_behavior": self.mean(self.rho - 1 - self.log_ratio),
             "ratio_sq_mean": ratio_sq_mean,
-            "ess": ratio_mean**2 / ratio_sq_mean.clamp(min=torch.finfo(rho.dtype).tiny),
             "chi2": ratio_sq_mean - 1,
-            "ratio_high_fraction": self.mean((rho > RATIO_HIGH).to(rho.dtype)),
-            "ratio_low_fraction": self.mean((rho < RATIO_LOW).to(rho.dtype)),
+            **ratio_stats(totals),
         }
+
+
+def add_totals(totals: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """`RATIO_TOTALS` [..., 6] combined along `dim` (rows, ranks): the five sums summed, ratio_max by max."""
+    combined = totals.sum(dim)
+    if totals.shape[dim]:
+        combined[..., -1] = totals[..., -1].amax(dim)
+    return combined
+
+
+def ratio_stats(totals: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The importance weights' measure of the tokens that `totals` [6] (`RATIO_TOTALS`) counts, as 0-d tensors:
+
+        ess                 = (sum rho)^2 / (n sum rho^2) = mean(rho)^2 / mean(rho^2)   in (0, 1]
+        ratio_max           = max rho
+        ratio_high_fraction = #(rho > RATIO_HIGH) / n,   ratio_low_fraction = #(rho < RATIO_LOW) / n
+    ess is the token ratios' effective sample size as a fraction. With no tokens (n = 0): ess 1, ratio_max 1,
+    shares 0 (the ratios of nothing are 1: nothing is off-policy).
+    """
+    import torch
+
+    tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max = totals.unbind()
+    denominator = tokens.clamp(min=1)
+    ratio_mean, ratio_sq_mean = ratio_sum / denominator, ratio_sq_sum / denominator
+    ess = ratio_mean**2 / ratio_sq_mean.clamp(min=torch.finfo(totals.dtype).tiny)
+    some = tokens > 0
+    return {
+        "ess": torch.where(some, ess, 1.0),
+        "ratio_max": torch.where(some, ratio_max, 1.0),
+        "ratio_high_fraction": high / denominator,
+        "ratio_low_fraction": low / denominator,
+    }
 
 
 def ratios(logp: torch.Tensor, blogp: torch.Tensor, mask: torch.Tensor) -> Ratios:
@@ -197,6 +244,13 @@ def no_clip(rho, seq_ratio, advantages, mask):
 def one_side(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
     """one-side: M = (A >= 0 and rho <= 1+eps_high) or (A <= 0 and rho >= 1-eps_low): PPO-clip's gradient region."""
     return _one_side(rho, advantages, eps_low, eps_high)
+
+
+def one_side_negatives(rho, seq_ratio, advantages, mask, *, eps_low):
+    """one-side-negatives: M = A >= 0 or rho >= 1-eps_low: the one-side clip on the negatives alone. A positive
+    is pushed up however far the policy has moved from the logger (as fine-tuning on it would); a negative stops
+    once its ratio falls below 1-eps_low, which bounds the push-down."""
+    return (advantages >= 0) | (rho >= 1 - eps_low)
 
 
 def _one_side(ratio, advantages, eps_low: float, eps_high: float):
@@ -306,6 +360,7 @@ CLIP_MASKS: dict[str, Term] = {
     "icepop-seq": Term(icepop_seq),
     "m2po": Term(m2po),
     "opsm": Term(opsm, filters_one_side=True),
+    "one-side-negatives": Term(one_side_negatives, token_ratio=True),
 }
 """The clip masks M by `AlgorithmSpec.clip` value."""
 

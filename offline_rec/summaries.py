@@ -30,7 +30,7 @@ def import_lines(summary: dict) -> list[str]:
 
 
 def filter_lines(summary: dict) -> list[str]:
-    from offline_rec.data.filter import dropped_parts
+    from offline_rec.dataset.filter import dropped_parts
 
     return ([f"kept {summary['rows_out']}/{summary['rows_in']} rows, {summary['groups_out']}/{summary['groups_in']} "
              f"groups -> {summary['out']}"] + [f"  {part}" for part in dropped_parts(summary["dropped"])])

@@ -1,4 +1,4 @@
-"""Build the demo's behavior policy (offline_rec.demo.policy) into a folder and print its held-out stats.
+"""Build the demo's behavior policy (offline_rec.demo.behavior_policy) into a folder and print its held-out stats.
 
     python scripts/build_demo_policy.py --out offline_rec/demo/arith_policy --threads 1   # the shipped model
     python scripts/build_demo_policy.py --out /tmp/policy --steps 30        # a quick smoke build
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from offline_rec.demo.policy import DemoRecipe, build_demo_policy
+from offline_rec.demo.behavior_policy import DemoRecipe, build_demo_policy
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --all
-# The browser tests (tests/data/test_view_browser.py) open pages in Debian's headless Chromium and drive it
+# The browser tests (tests/view/test_view_browser.py) open pages in Debian's headless Chromium and drive it
 # through chromedriver; the Noto fonts draw CJK and emoji in their screenshots. Installed here where missing
 # (CI starts from a clean machine).
 if { ! command -v chromium || ! command -v chromedriver; } >/dev/null 2>&1 \

@@ -12,9 +12,13 @@ from __future__ import annotations
 import os
 
 import pytest
-from vllm_server import require_vllm
 
-pytest_plugins = ["vllm_server"]  # the session's vLLM OpenAI-compatible server (tests/vllm_server.py)
+# The helpers of tests/support/ are plain modules: pytest rewrites their asserts only when told before they load.
+pytest.register_assert_rewrite("support")
+
+from support.vllm_server import require_vllm  # noqa: E402 (after the rewrite hook above)
+
+pytest_plugins = ["support.vllm_server"]  # the session's vLLM OpenAI-compatible server (tests/support/vllm_server.py)
 
 
 def pytest_configure(config):
@@ -46,7 +50,7 @@ def pytest_unconfigure(config):
 
 @pytest.fixture(scope="session")
 def vllm_tiny_model(tmp_path_factory) -> str:
-    """The chat checkpoint (tests/sampling_support.py) that the session's vLLM engine serves."""
+    """The chat checkpoint (tests/support/sampling_support.py) that the session's vLLM engine serves."""
     from offline_rec.models.tiny import make_chat_checkpoint
 
     return make_chat_checkpoint(tmp_path_factory.mktemp("vllm-tiny") / "model")

@@ -24,6 +24,7 @@ from offline_rec.algorithms import (
     policy_loss,
     token_weights,
 )
+from offline_rec.objectives import CLIP_MASKS
 
 torch.set_num_threads(1)
 
@@ -46,7 +47,12 @@ EXTRA_SPECS = {
                                aggregation="seq-mean-token-mean"),
     "sapo-gate": AlgorithmSpec("sapo-gate", weight="sapo-gate", aggregation="token-mean"),
     "seq-is-oneside": AlgorithmSpec("seq-is-oneside", clip="one-side", weight="seq-is"),
+    # rec-logged's eps_low 0.6 keeps every negative of the random batch: this one drops some (rho < 0.8)
+    "negatives-clip-is": AlgorithmSpec("negatives-clip-is", clip="one-side-negatives", weight="is", eps_low=0.2,
+                                       negative_weight=0.5),
 }
+# Presets whose band the random batch (ratios 0.18 to 5.6, few negatives far down) does not cross.
+KEEPS_EVERY_TOKEN_OF_THE_RANDOM_BATCH = {"rec-logged"}
 ALL_SPECS = {**ALGORITHMS, **EXTRA_SPECS}
 
 
@@ -141,6 +147,7 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "icepop-seq": spec.mask_low <= product <= spec.mask_high,
                 "m2po": (i, t) in m2po_keep,
                 "opsm": one_side and not (A < 0 and mean_kl > spec.opsm_delta),
+                "one-side-negatives": A >= 0 or rho >= lo,
             }[spec.clip]
             W = {
                 "none": 1.0,
@@ -163,7 +170,8 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "forward-kl": -spec.reg_coef * logp[i, t],
                 "k3": spec.reg_coef * ((logp[i, t] - float(blogp[i, t])).exp() - 1 - (logp[i, t] - float(blogp[i, t]))),
             }[spec.regularizer]
-            row = row + (-float(M) * W * A * logp[i, t] + R)
+            lam = spec.negative_weight if A < 0 else 1.0
+            row = row + (-float(M) * W * lam * A * logp[i, t] + R)
             num_clipped += not M
         total = total + row
         num_tokens += len(tokens)
@@ -308,6 +316,7 @@ EXPECTED_MASKS = {
     "one-side": [[1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1]],
     "two-side": [[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 0]],
     "ring": [[1, 0, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1]],
+    "one-side-negatives": [[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]],  # row 0 (A > 0) never clipped
 }
 # With W = 1, logp = -1 on row 0 and -2 on row 1, N = 12:
 #   per kept token: row 0: -1 * (+1) * (-1) = +1, row 1: -1 * (-1) * (-2) = -2
@@ -316,6 +325,7 @@ EXPECTED_CLIP_LOSS = {
     "one-side": (4 * 1 + 4 * -2) / 12,  # -1/3
     "two-side": (2 * 1 + 2 * -2) / 12,  # -1/6
     "ring": (3 * 1 + 3 * -2) / 12,  # -1/4
+    "one-side-negatives": (6 * 1 + 4 * -2) / 12,  # -1/6
 }
 
 
@@ -343,6 +353,18 @@ def test_one_side_is_exactly_where_ppo_clip_passes_gradient():
     logp, blogp, adv, mask = batch_with_ratios(CLIP_RHOS, [[-1.0], [-2.0]], CLIP_ADV)
     ppo_clip_loss(spec, logp, blogp, adv, mask).backward()
     assert (logp.grad != 0).int().tolist() == EXPECTED_MASKS["one-side"]
+
+
+def test_one_side_negatives_is_one_side_with_no_upper_bound():
+    """The negatives' half of one-side: equal to one-side with an eps_high no ratio reaches, on random ratios."""
+    torch.manual_seed(0)
+    rho = torch.exp(torch.randn(64, 8) * 3)  # ratios from ~1e-4 to ~1e4
+    adv = torch.randn(64, 1)
+    negatives_only = AlgorithmSpec(clip="one-side-negatives", eps_low=0.6)
+    wide_open = AlgorithmSpec(clip="one-side", eps_low=0.6, eps_high=1e9)
+    mask = torch.ones(64, 8, dtype=torch.bool)
+    assert torch.equal(CLIP_MASKS["one-side-negatives"](negatives_only, rho, None, adv, mask),
+                       CLIP_MASKS["one-side"](wide_open, rho, None, adv, mask))
 
 
 def test_gspo_one_side_by_hand():
@@ -509,8 +531,8 @@ def test_matches_naive_per_token_loop(name):
     torch.testing.assert_close(loss, reference.detach())
     torch.testing.assert_close(grad, torch.where(mask, clean.grad, 0.0))
     assert metrics["clip_fraction"] == pytest.approx(clip_fraction)
-    if spec.clip != "none":  # the data exercises both sides of every mask
-        assert 0 < clip_fraction < 1
+    if spec.clip != "none" and name not in KEEPS_EVERY_TOKEN_OF_THE_RANDOM_BATCH:
+        assert 0 < clip_fraction < 1  # the data exercises both sides of every mask
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

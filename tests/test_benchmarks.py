@@ -14,11 +14,11 @@ import sys
 
 import numpy as np
 import pytest
-from paths import REPO
+from support.paths import REPO
 
 sys.path.insert(0, str(REPO))
 
-from datagen import make_rows, write_dataset  # noqa: E402
+from support.datagen import make_rows, write_dataset  # noqa: E402
 
 from benchmarks._common import median, write_synthetic_dataset  # noqa: E402
 from benchmarks._data_bench import padding_efficiency, paper_packing, paper_step_lengths  # noqa: E402
@@ -68,8 +68,8 @@ def test_median_of_odd_and_even_counts():
 
 
 def test_synthetic_dataset_has_the_asked_shape_and_validates(tmp_path):
-    from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     # 5 groups of 2 rows, 2 groups per shard: shards of 2, 2, 1 groups; every row 3 + 4 tokens.
     info = write_synthetic_dataset(tmp_path / "ds", num_groups=5, group_size=2, prompt_lengths=(3, 3),
@@ -163,7 +163,7 @@ def test_quick_benchmark_writes_every_key(tmp_path):
 def test_record_benchmark_load_round_counts_what_it_sends():
     import asyncio
 
-    from record_support import MODEL, ServerThread, create_fake
+    from support.record_support import MODEL, ServerThread, create_fake
 
     from benchmarks._record_bench import _round, _side_by_side
 
@@ -199,7 +199,7 @@ def test_logged_benchmark_quick_run_chooses_on_validation(tmp_path):
     scale = logged.Scale(num_prompts=32, epochs=1, rows_per_step=16, eval_every=1, eval_prompts=16,
                          validation_prompts=16, lrs=(3e-4,))
     outcome = logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)
-    from offline_rec.data.inspect import describe_dataset
+    from offline_rec.dataset.inspect import describe_dataset
 
     assert describe_dataset(tmp_path / "data-singletons")["group_size_histogram"] == {1: 32}
     assert describe_dataset(tmp_path / "data-k8")["group_size_histogram"] == {8: 32}
@@ -263,7 +263,7 @@ def test_mixture_benchmark_quick_run_builds_both_mixtures_and_resumes(tmp_path):
     row; a rerun skips the finished runs."""
     from benchmarks import mixture, peers
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     arms = ["nois", "k0.5"]
     outcome = mixture.run(tmp_path, ["s0.5", "join0.5"], arms, mixture.QUICK, log=lambda message: None)
@@ -298,3 +298,50 @@ def test_mixture_benchmark_quick_run_builds_both_mixtures_and_resumes(tmp_path):
     assert "| s0.5 | k0.5 | 0.0006 | 1 |" in outcome["table"] and (tmp_path / mixture.PLOT_FILE).is_file()
     mixture.run(tmp_path, ["s0.5", "join0.5"], arms, mixture.QUICK, log=lambda message: None)  # nothing left
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+def test_peers_summary_chooses_the_lr_on_validation_averaged_over_its_seeds():
+    """One lucky seed does not choose: lr 2e-3 scores 0.99 on seed 0 but 0.8 on seeds 1 and 2 (mean 0.863);
+    lr 1e-3's one seed, 0.9, wins, and its test numbers are the arm's."""
+    from benchmarks import peers
+
+    def run(lr, seed, validation, greedy):
+        return {"arm": "sft-positives", "lr": lr, "seed": seed, "validation": validation, "greedy": greedy,
+                "t1": greedy, "pass8": greedy, "train_seconds": 1.0}
+
+    results = [run(2e-3, 0, 0.99, 0.99), run(2e-3, 1, 0.8, 0.7), run(2e-3, 2, 0.8, 0.7), run(1e-3, 0, 0.9, 0.88)]
+    (row,) = peers.summarize(results)
+    assert (row["lr"], row["seeds"], row["greedy"]) == (1e-3, 1, pytest.approx(88.0))
+    assert row["by_lr"][2e-3] == (pytest.approx(0.7967, abs=1e-4), 3)
+    assert "0.002: 79.7 (3 seeds)" in peers.markdown_table([row], peers.QUICK)
+
+
+def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():
+    """benchmarks/_trl_peers.py's pairs: prompt a (2 right, 1 wrong) gives 2 pairs sharing the one negative;
+    prompt b (all right) and c (all wrong) give none."""
+    import random
+
+    from benchmarks._trl_peers import preference_pairs
+
+    rows = [{"prompt": "a", "completion": c, "reward": r} for c, r in (("1", 1.0), ("2", 1.0), ("x", 0.0))]
+    rows += [{"prompt": "b", "completion": "3", "reward": 1.0}, {"prompt": "c", "completion": "y", "reward": 0.0}]
+    pairs = preference_pairs(rows, random.Random(0))
+    assert sorted((p["prompt"], p["chosen"], p["rejected"]) for p in pairs) == [("a", "1", "x"), ("a", "2", "x")]
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.5, 1.0])
+def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_path, keep):
+    """benchmarks/rare_positives.py's data: groups [1, 0, 0], [1, 1, 1], [0, 0]: every wrong row stays, each right
+    one with probability keep (all at 1, none at 0: the all-correct group disappears), in its own group."""
+    from benchmarks.rare_positives import derive
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.dataset.validate import validate_dataset
+
+    source = write_dataset(tmp_path / "src", make_rows([3, 3, 2], rewards=[[1, 0, 0], [1, 1, 1], [0, 0]]))
+    counts = derive(source, tmp_path / f"out-{keep}", keep, seed=0)
+    groups = [[row["reward"] for row in group] for group in open_dataset(tmp_path / f"out-{keep}").iter_groups()]
+    assert counts["rows"] == sum(map(len, groups)) and counts["positives"] + counts["dropped_positives"] == 4
+    assert sum(r == 0 for g in groups for r in g) == 4  # the negatives, all of them
+    if keep == 1.0:
+        assert groups == [[1, 0, 0], [1, 1, 1], [0, 0]]
+    if keep == 0.0:
+        assert groups == [[0, 0], [0, 0]] and counts["positives"] == 0
+    assert validate_dataset(tmp_path / f"out-{keep}").ok  # sample_index numbered 0..n-1 again

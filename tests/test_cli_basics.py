@@ -14,14 +14,14 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import typer
-from cli_support import run_cli as run_main
-from datagen import make_rows, write_dataset
-from paths import REPO as REPO_DIR
+from support.cli_support import run_cli as run_main
+from support.datagen import make_rows, write_dataset
+from support.paths import REPO as REPO_DIR
 
 from offline_rec import __version__
 from offline_rec import schema as S
 from offline_rec.cli import app
-from offline_rec.data.inspect import describe_dataset
+from offline_rec.dataset.inspect import describe_dataset
 
 HEAVY_MODULES = ("torch", "transformers", "vllm")
 

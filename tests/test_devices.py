@@ -3,9 +3,8 @@
 import pytest
 import torch
 
-from offline_rec.data.reward_model import _worker_devices
 from offline_rec.devices import visible_gpus
-from offline_rec.rollout.engines import engine_environment
+from offline_rec.workers import worker_environments
 
 
 @pytest.fixture
@@ -34,11 +33,14 @@ def test_visible_gpus(cuda, count, listed, expected):
     assert visible_gpus() == expected
 
 
-def test_engines_and_reward_workers_get_the_same_gpus(cuda):
+def test_engines_and_reward_workers_get_the_same_gpus(cuda, monkeypatch):
     cuda(2, "2,3")
-    engines = [engine_environment(rank, 2, 1, visible_gpus())["CUDA_VISIBLE_DEVICES"] for rank in range(2)]
+    engines = [env["CUDA_VISIBLE_DEVICES"] for env in worker_environments(2, gpus_per_worker=1)]
     assert engines == ["2", "3"]
-    assert _worker_devices(3) == ["2", "3", "2"]  # round robin over the same names
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in worker_environments(1, gpus_per_worker=2)] == ["2,3"]
+    reward = [env["CUDA_VISIBLE_DEVICES"] for env in worker_environments(3, share_gpus=True)]
+    assert reward == ["2", "3", "2"]  # round robin over the same names
     cuda(0, "0,1")
-    assert _worker_devices(2) == [None, None]
-    assert "CUDA_VISIBLE_DEVICES" not in engine_environment(0, 2, 1, visible_gpus())
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    for environments in (worker_environments(2), worker_environments(2, share_gpus=True)):
+        assert environments == [{"OMP_NUM_THREADS": "3"}] * 2  # no GPU: threads, never CUDA_VISIBLE_DEVICES

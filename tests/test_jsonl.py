@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from offline_rec.data.importers.common import BAD_JSON, BAD_UTF8, ParseResult, read_records
-from offline_rec.data.importers.rewards import Rewards
 from offline_rec.errors import UserError
 from offline_rec.files import read_jsonl
+from offline_rec.importers.common import BAD_JSON, BAD_UTF8, ParseResult, read_records
+from offline_rec.importers.rewards import Rewards
 from offline_rec.tasks.prompts import load_prompts
 
 # Line 1 opens with a byte-order mark; 3 is blank; 4 has a Latin-1 byte (0xe9) at byte 11; 5 lacks a

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from paths import REPO
+from support.paths import REPO
 
 
 def test_ruff_check_is_clean():

@@ -15,9 +15,9 @@ import sys
 import urllib.request
 
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, write_dataset
-from paths import REPO
+from support.cli_support import run_cli
+from support.datagen import make_rows, write_dataset
+from support.paths import REPO
 
 from offline_rec.models.tiny import build_char_tokenizer, build_tiny_reward_model, make_tiny_checkpoint, save_tiny
 

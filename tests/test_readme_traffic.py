@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from paths import REPO
-from traffic_support import write_logged
+from support.paths import REPO
+from support.traffic_support import write_logged
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
+from offline_rec.dataset.format import open_dataset
 
 HEADING = "### From logged traffic to training"
 

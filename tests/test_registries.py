@@ -22,7 +22,15 @@ from offline_rec.algorithms import (
     get_algorithm,
     policy_loss,
 )
-from offline_rec.objectives import EXPONENT_LIMIT, NO_TOKEN_RATIO_METRICS, REGISTRIES, ratios
+from offline_rec.objectives import (
+    EXPONENT_LIMIT,
+    NO_TOKEN_RATIO_METRICS,
+    RATIO_TOTALS,
+    REGISTRIES,
+    add_totals,
+    ratio_stats,
+    ratios,
+)
 
 torch.set_num_threads(1)
 
@@ -102,6 +110,32 @@ def test_ratios_by_hand():
     assert metrics["ratio_mean"].item() == pytest.approx(sum(rho) / 4)
     assert metrics["ess"].item() == pytest.approx(sum(rho) ** 2 / (4 * sum(x * x for x in rho)))
     assert metrics["ratio_high_fraction"].item() == 0.25 and metrics["ratio_low_fraction"].item() == 0.0
+
+
+def test_ratio_totals_and_stats_by_hand():
+    # row 0: rho = 20 and 0.05 on its two tokens (the third off the mask); row 1: rho = 1; row 2: no tokens
+    logp = torch.log(torch.tensor([[20.0, 0.05, 7.0], [1.0, 3.0, 3.0], [5.0, 5.0, 5.0]], dtype=torch.float64))
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
+    r = ratios(logp, torch.zeros_like(logp), mask)
+    totals = r.row_totals()
+    assert len(RATIO_TOTALS) == totals.shape[1] == 6  # tokens, sum rho, sum rho^2, > 10, < 0.1, max rho
+    torch.testing.assert_close(totals, torch.tensor([[2.0, 20.05, 400.0025, 1.0, 1.0, 20.0],
+                                                     [1.0, 1.0, 1.0, 0.0, 0.0, 1.0],
+                                                     [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+    combined = add_totals(totals)  # the sums summed, the max by max
+    torch.testing.assert_close(combined, torch.tensor([3.0, 21.05, 401.0025, 1.0, 1.0, 20.0], dtype=torch.float64))
+    stats = {key: value.item() for key, value in ratio_stats(combined).items()}
+    # ess = 21.05^2 / (3 * 401.0025) = 0.36833
+    assert stats == pytest.approx({"ess": 21.05**2 / (3 * 401.0025), "ratio_max": 20.0,
+                                   "ratio_high_fraction": 1 / 3, "ratio_low_fraction": 1 / 3})
+    assert {key: value.item() for key, value in r.metrics().items() if key in stats} == pytest.approx(stats)
+    # no tokens: nothing off-policy, as NO_TOKEN_RATIO_METRICS says
+    empty = ratio_stats(add_totals(totals[2:]))
+    assert {key: value.item() for key, value in empty.items()} == {
+        "ess": 1.0, "ratio_max": 1.0, "ratio_high_fraction": 0.0, "ratio_low_fraction": 0.0}
+    # totals of ranks [world, K, 6] combine along the ranks
+    ranks = torch.stack([totals[:2], totals[1:]])  # [2, 2, 6]
+    torch.testing.assert_close(add_totals(ranks, dim=0)[:, -1], torch.tensor([20.0, 1.0], dtype=torch.float64))
 
 
 def test_policy_loss_logs_the_ratios_metrics():

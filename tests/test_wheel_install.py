@@ -16,7 +16,7 @@ import venv
 from pathlib import Path
 
 import pytest
-from paths import REPO
+from support.paths import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
 from uv_options import uv_options  # noqa: E402

@@ -1,2 +1,2 @@
-"""The data layer: the dataset format on disk (writer, reader, manifest, card), its checks, and the commands
-that turn datasets into datasets (import, filter, merge, reward). Nothing here loads a model to sample."""
+"""Old import paths (`offline_rec.data.dataset`, `.card`, `.validate`), kept for one release: the data layer was
+split by job into offline_rec/dataset/, importers/, view/, rewards/ and training/ (docs/architecture.md)."""

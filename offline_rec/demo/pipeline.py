@@ -3,14 +3,14 @@
 Seven stages, each timed and written under OUT:
 
 1. policy    the shipped weak-but-learnable behavior policy (offline_rec/demo/arith_policy, see
-             `offline_rec.demo.policy`); when it is missing it is built once into a cache folder
+             `offline_rec.demo.behavior_policy`); when it is missing it is built once into a cache folder
              (no network is ever used). Or `--model`: any causal LM, with its chat template and the
              instruct reward when it has one, at sizes for a CPU (OWN_MODEL). Then the estimate of
              how long the demo will take here, from a micro-benchmark of the policy (`demo.estimate`)
 2. collect   K=8 samples per prompt at temperature 1, with their sampling log-probs, from the arith
              TRAIN split -> OUT/data (a normal dataset); and OUT/validation-prompts.jsonl: other
              train-split prompts, none of them trained on (the validation split)
-3. validate  the dataset against the format (`offline_rec.data.validate`)
+3. validate  the dataset against the format (`offline_rec.dataset.validate`)
 4. before    the behavior policy on held-out TEST prompts: greedy accuracy, accuracy at T=1, pass@8
 5. train     `rec-oneside-nois` with the wide clip on that fixed dataset (offline: the data is never
              re-collected), a checkpoint every `eval_every` steps -> OUT/run; each checkpoint is then
@@ -26,18 +26,18 @@ Why the transformers backend by default: on the 2-core CPU this was built on, vL
 this 0.8M-parameter model no faster than transformers (both ~6 s of CPU for 512 x 8 samples) but
 costs 8-30 s to start, once per sampling stage; `backend="vllm"` remains available.
 
-The training recipe: `rec-oneside-nois` with the paper's wide clip (0.6/2.0), Adam (AdamW without
-weight decay) at lr 3e-4 decayed by a cosine to 0 at the last step, steps of 128 rows shuffled
-across prompts with the rows of advantage 0 left out (DEMO_TRAIN: `batching: rows`,
-`skip_zero_advantage`), token-mean loss, gradient norm clipped at 1, 4096 prompts x 2 epochs = ~414
-steps. Chosen by measurement on the shipped policy (held-out greedy accuracy 48.0%), seed 0 first:
-the old default (default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%; the wide clip at 73.2%;
-with a cosine from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at 83.4% (32 whole
-groups a step, 256 steps; over seeds 0-4 in docs/paper.md every seed gains more than 25 points).
-Steps of rows with the skip then gained about 5 more points over 3 seeds (benchmarks/peers.py,
-docs/paper.md "Against fine-tuning on the positives"). A cosine to 0 leaves the last checkpoints
-close to each other, so the validation choice moves the result little; it guards against a late
-collapse, and it is the only choice that reads no test score.
+The training recipe: `rec-logged` (REC-OneSide's clip on the negatives only, eps_low 0.6, the positives
+unclipped, the negatives' term weighted 0.25), Adam (AdamW without weight decay) at lr 6e-4 decayed by a
+cosine to 0 at the last step, steps of 128 rows shuffled across prompts with the rows of advantage 0 left
+out (DEMO_TRAIN: `batching: rows`, `skip_zero_advantage`), token-mean loss, gradient norm clipped at 1,
+4096 prompts x 2 epochs = ~414 steps. Chosen by measurement on the shipped policy (held-out greedy
+accuracy 48.0%), seed 0 first: the old default (default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%;
+the wide clip at 73.2%; with a cosine from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at
+83.4% (32 whole groups a step, 256 steps; over seeds 0-4 in docs/paper.md every seed gains more than 25
+points). Steps of rows with the skip then gained about 5 more points over 3 seeds, and rec-logged at lr
+6e-4 about 4 more greedy and 7.6 at T=1 (benchmarks/peers.py, docs/paper.md "Against fine-tuning on the
+positives"). A cosine to 0 leaves the last checkpoints close to each other, so the validation choice moves
+the result little; it guards against a late collapse, and it is the only choice that reads no test score.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from offline_rec.errors import UserError
 from offline_rec.files import cache_root
 from offline_rec.options import option
 
-DEMO_ALGORITHM = "rec-oneside-nois"
+DEMO_ALGORITHM = "rec-logged"
 DEMO_TASK = "arith"
 # The shipped policy learnt raw "What is a+b? " prompts and answers with the bare sum: its prompts skip the
 # chat template its character tokenizer has, and its reward is arith's strict form, as when it was measured.
@@ -107,8 +107,9 @@ class DemoSettings:
     prompts, the behavior policy included; a tie goes to the later step) or final (the last step). Only
     validation scores are read: the held-out test prompts play no part in the choice."""
     algorithm: str = DEMO_ALGORITHM
-    wide_clip: bool = True
-    """Use the paper's wide clip eps_low=0.6, eps_high=2.0 (`algorithms.WIDE_CLIP`)."""
+    wide_clip: bool = False
+    """Put the paper's wide clip eps_low=0.6, eps_high=2.0 (`algorithms.WIDE_CLIP`) over the preset's (rec-logged
+    has eps_low 0.6 itself and no upper clip)."""
     logged: bool = False
     """Production logs: collect ONE response per prompt (groups of one); train with a baseline for them."""
     baseline: str | None = None
@@ -120,7 +121,7 @@ class DemoSettings:
     train_overrides: tuple[tuple[str, object], ...] = DEMO_TRAIN
     """Other `TrainConfig` fields as (name, value) pairs, applied last: DEMO_TRAIN (steps of rows, zero-advantage
     rows skipped); () trains on whole groups, prompts_per_step of them a step (--logged and --model do)."""
-    lr: float = 3e-4
+    lr: float = 6e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
     min_lr_ratio: float = 0.0
@@ -194,7 +195,7 @@ class DemoSettings:
 QUICK = dict(num_prompts=64, epochs=2, eval_prompts=64, validation_prompts=64, num_samples=4, eval_every=2)
 """The reduced demo (`quick=True`): every stage on a small slice of the data; for tests and a first look."""
 
-LOGGED = dict(logged=True, algorithm=DEMO_ALGORITHM, wide_clip=False, baseline="dataset",
+LOGGED = dict(logged=True, algorithm="rec-oneside-nois", wide_clip=False, baseline="dataset",
               extra_overrides=(("eps_low", 0.2), ("eps_high", 2.0)), lr=1e-4, epochs=8, prompts_per_step=128,
               train_overrides=())
 """`--logged`: one response per prompt, as production traffic is logged, trained with the offline-rec setting
@@ -203,13 +204,15 @@ rewards' mean as the baseline, clip-higher (negatives' side 0.2, positives' side
 validation), 8 epochs of 128 rows per step (256 steps over 4096 prompts)."""
 
 OWN_MODEL = dict(num_prompts=32, num_samples=4, epochs=1, eval_prompts=32, validation_prompts=32, eval_every=2,
-                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24, train_overrides=())
+                 prompts_per_step=8, batch_size=8, lr=1e-5, max_new_tokens=24, train_overrides=(),
+                 algorithm="rec-oneside-nois", wide_clip=True)
 """`--model`: sizes for a real model (a hundred million parameters or more) on a CPU, far below the tiny
 policy's: 32 train prompts x 4 samples, 1 epoch of 8 groups per step (4 optimizer steps), a checkpoint every
 2 steps, 32 held-out test and 32 validation prompts, 8 prompts per generate call, answers of at most 24
 tokens (an instruct model states a sum in a short sentence: "53 + 40 = 93."), lr 1e-5 (a pretrained model:
-3e-4 is the randomly initialised tiny policy's). SmolLM2-135M-Instruct at these sizes: see README "Your own
-model"."""
+the tiny policy's 6e-4 is for a randomly initialised model), rec-oneside-nois with the wide clip (as measured
+there; rec-logged was measured on the tiny policy only). SmolLM2-135M-Instruct at these sizes: see README
+"Your own model"."""
 
 OWN_MODEL_QUICK = dict(num_prompts=8, eval_prompts=8, validation_prompts=8, prompts_per_step=4)
 """`--model` with `--quick`: 8 train prompts x 4 samples, 2 steps of 4 groups, 8 test and 8 validation prompts."""
@@ -218,11 +221,11 @@ OWN_MODEL_QUICK = dict(num_prompts=8, eval_prompts=8, validation_prompts=8, prom
 def model_recipe(model: str | None, quick: bool) -> tuple[bool, dict]:
     """(whether `model` is the user's own, the DemoSettings its demo starts from).
 
-    The shipped policy (`model` None) and any policy of its recipe (`demo.policy.is_demo_policy`: the cached
+    The shipped policy (`model` None) and any policy of its recipe (`demo.behavior_policy.is_demo_policy`: the cached
     build, tests' tiny builds) keep the tiny policy's recipe (QUICK with `quick`); any other causal LM starts
     from OWN_MODEL (and OWN_MODEL_QUICK). Its prompt format is read from its tokenizer later (`prompt_format`).
     """
-    from offline_rec.demo.policy import is_demo_policy
+    from offline_rec.demo.behavior_policy import is_demo_policy
 
     if model is None or is_demo_policy(model):
         return False, dict(QUICK if quick else {})
@@ -265,11 +268,12 @@ class DemoOptions:
     out: Path = option(Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json.")
     algorithm: str | None = option(
         None, "--algorithm",
-        help="Loss preset to train with (default rec-oneside-nois; --logged: with its baseline).",
+        help="Loss preset to train with (default rec-logged; --logged: rec-oneside-nois with its baseline; --model: "
+             "rec-oneside-nois, wide clip).",
     )
     wide_clip: bool | None = option(
         None, "--wide-clip/--default-clip",
-        help="The paper's wide clip eps_low 0.6, eps_high 2.0 (the default), or the preset's.",
+        help="The paper's wide clip eps_low 0.6, eps_high 2.0 over the preset's, or the preset's own (the default).",
     )
     backend: str = option(
         DemoSettings.backend, "--backend",
@@ -332,91 +336,29 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     """
     from rich.console import Console
 
-    from offline_rec.algorithms import get_algorithm
-    from offline_rec.demo.estimate import estimate_demo
-    from offline_rec.rollout.backends import check_backend_name
     from offline_rec.training.distributed import import_deepspeed_only_when_used
 
     import_deepspeed_only_when_used()  # the demo trains in one process: no DeepSpeed, nor its CPU warning in the log
-    settings = {k: v for k, v in settings.items() if v is not None}
-    # another preset given with --logged keeps its own baseline (topr's threshold, say)
-    own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
-    logged_recipe = ({"logged": True, "train_overrides": ()} if own_preset else LOGGED) if logged else {}
-    own_model, recipe = model_recipe(model, quick)
-    config = DemoSettings(**{**recipe, **logged_recipe, **settings})
-    check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
-    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
-    config = keep_zero_advantage_for_regularizer(config, spec.regularizer)
-    if own_model:
-        config = prompt_format(model, config)
-    if threads is not None:
-        if threads < 1:
-            raise UserError(f"demo: threads must be >= 1, got {threads}")
-        import torch
-
-        torch.set_num_threads(threads)
+    own_model, config = resolve_settings(model, quick, logged, settings)
+    _set_threads(threads)
     console = console or Console(stderr=True, highlight=False)
     out = Path(out_dir)
-    _prepare_out(out, overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / SETTINGS_FILE).write_text(json.dumps({"what": "offline-rec demo", **asdict(config)}, indent=2) + "\n")
-
-    paths = {
-        "out": str(out),
-        "dataset": str(out / "data"),
-        "run": str(out / "run"),
-        "validation_prompts": str(out / VALIDATION_FILE),
-        "before": str(out / "eval" / "before"),
-        "after": str(out / "eval" / "after"),
-        "report": str(out / "report"),
-    }
+    paths = _start_out(out, overwrite, config)
     stages = Stages(console, total=7)
     started = time.monotonic()
 
-    with stages.run("policy", "the behavior policy"):
-        policy = model or ensure_demo_policy(progress=progress)
-        paths["policy"] = str(policy)
-        stages.note(f"{policy}" + (f": {'chat template, ' if config.chat_template else 'raw prompts, '}reward "
-                                   f"{config.reward}" if own_model else ""))
-        estimate = estimate_demo(policy, config, DEMO_TASK)
-        stages.note(estimate.line())
-
-    with stages.run(
-        "collect", f"{config.num_prompts} train prompts x {config.collect_samples} sample(s) at T=1, backend "
-                   f"{config.backend}" + (" (logged: one response per prompt, like production traffic)"
-                                          if config.logged else "")
-    ):
-        collect_dataset(policy, Path(paths["dataset"]), config, progress)
-        stages.note(dataset_line(paths["dataset"]))
-        if config.validation_prompts:
-            write_validation_prompts(Path(paths["validation_prompts"]), config)
-            stages.note(f"{config.validation_prompts} validation prompts (train split, none trained on) -> "
-                        f"{paths['validation_prompts']}")
-        else:
-            paths["validation_prompts"] = None
-
+    policy, estimate = _policy_stage(stages, model, own_model, config, paths, progress)
+    _collect_stage(stages, policy, config, paths, progress)
     with stages.run("validate", "the dataset against the format"):
         report = check_dataset(paths["dataset"])
         stages.note(f"valid: {report.rows_checked} rows, {report.groups_checked} groups, {report.warnings} warning(s)")
-
     with stages.run("before", f"the behavior policy on {config.eval_prompts} held-out test prompts"):
         before = evaluate_policy(policy, Path(paths["before"]), config, config.num_samples, progress)
         stages.note(metrics_line(before, config.num_samples))
-
-    with stages.run("train", f"{config.algorithm_label} on the fixed dataset, {config.epochs} epoch(s)"):
-        train_summary = train_offline(policy, paths["dataset"], Path(paths["run"]), config, progress)
-        paths["final_model"] = train_summary["final_model"]
-        curve = heldout_curve(Path(paths["run"]), policy, config, before, paths["validation_prompts"], progress)
-        checkpoint = choose_checkpoint(curve, config, paths["final_model"])
-        paths["chosen_model"] = checkpoint["model"]
-        stages.note(f"{train_summary['steps']} steps; held-out greedy accuracy by step: "
-                    + ", ".join(f"{p['step']}: {p['greedy_accuracy']:.2f}" for p in curve))
-        stages.note(f"result: step {checkpoint['step']}, {checkpoint['why']}")
-
+    train_summary, curve, checkpoint = _train_stage(stages, policy, before, config, paths, progress)
     with stages.run("after", f"the chosen model (step {checkpoint['step']}), on the same held-out prompts and seeds"):
         after = evaluate_policy(paths["chosen_model"], Path(paths["after"]), config, config.num_samples, progress)
         stages.note(metrics_line(after, config.num_samples))
-
     with stages.run("report", "plots and tables"):
         figures = write_report(Path(paths["report"]), paths, curve, config, checkpoint["step"])
         stages.note(", ".join(str(p) for p in figures.values()))
@@ -445,6 +387,99 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
     return summary
 
 
+def resolve_settings(model: str | None, quick: bool, logged: bool, settings: dict) -> tuple[bool, DemoSettings]:
+    """(whether `model` is the user's own, the demo's settings): the recipe (`model_recipe`, `LOGGED`), the
+    explicit `settings` over it, checked before any work (the backend, the algorithm)."""
+    from offline_rec.algorithms import get_algorithm
+    from offline_rec.rollout.backends import check_backend_name
+
+    settings = {k: v for k, v in settings.items() if v is not None}
+    # another preset given with --logged keeps its own baseline (topr's threshold, say)
+    own_preset = settings.get("algorithm", LOGGED["algorithm"]) != LOGGED["algorithm"]
+    logged_recipe = ({"logged": True, "train_overrides": ()} if own_preset else LOGGED) if logged else {}
+    own_model, recipe = model_recipe(model, quick)
+    config = DemoSettings(**{**recipe, **logged_recipe, **settings})
+    check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
+    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
+    config = keep_zero_advantage_for_regularizer(config, spec.regularizer)
+    return own_model, prompt_format(model, config) if own_model else config
+
+
+def _set_threads(threads: int | None) -> None:
+    """torch's CPU threads for this process (`run_demo`'s `threads`; None: torch's choice)."""
+    if threads is None:
+        return
+    if threads < 1:
+        raise UserError(f"demo: threads must be >= 1, got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _start_out(out: Path, overwrite: bool, config: DemoSettings) -> dict:
+    """OUT made (an earlier demo's outputs replaced with `overwrite`), its settings.json written; the paths of
+    every output, as summary.json lists them."""
+    _prepare_out(out, overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / SETTINGS_FILE).write_text(json.dumps({"what": "offline-rec demo", **asdict(config)}, indent=2) + "\n")
+    return {
+        "out": str(out),
+        "dataset": str(out / "data"),
+        "run": str(out / "run"),
+        "validation_prompts": str(out / VALIDATION_FILE),
+        "before": str(out / "eval" / "before"),
+        "after": str(out / "eval" / "after"),
+        "report": str(out / "report"),
+    }
+
+
+def _policy_stage(stages: Stages, model: str | None, own_model: bool, config: DemoSettings, paths: dict,
+                  progress: bool):
+    """Stage 1: the behavior policy (the user's, or the shipped one, built if missing) and the time estimate."""
+    from offline_rec.demo.estimate import estimate_demo
+
+    with stages.run("policy", "the behavior policy"):
+        policy = model or ensure_demo_policy(progress=progress)
+        paths["policy"] = str(policy)
+        stages.note(f"{policy}" + (f": {'chat template, ' if config.chat_template else 'raw prompts, '}reward "
+                                   f"{config.reward}" if own_model else ""))
+        estimate = estimate_demo(policy, config, DEMO_TASK)
+        stages.note(estimate.line())
+    return policy, estimate
+
+
+def _collect_stage(stages: Stages, policy: str, config: DemoSettings, paths: dict, progress: bool) -> None:
+    """Stage 2: the logged dataset, and the validation prompts (train split, none trained on) where asked."""
+    with stages.run(
+        "collect", f"{config.num_prompts} train prompts x {config.collect_samples} sample(s) at T=1, backend "
+                   f"{config.backend}" + (" (logged: one response per prompt, like production traffic)"
+                                          if config.logged else "")
+    ):
+        collect_dataset(policy, Path(paths["dataset"]), config, progress)
+        stages.note(dataset_line(paths["dataset"]))
+        if config.validation_prompts:
+            write_validation_prompts(Path(paths["validation_prompts"]), config)
+            stages.note(f"{config.validation_prompts} validation prompts (train split, none trained on) -> "
+                        f"{paths['validation_prompts']}")
+        else:
+            paths["validation_prompts"] = None
+
+
+def _train_stage(stages: Stages, policy: str, before: dict, config: DemoSettings, paths: dict,
+                 progress: bool) -> tuple[dict, list[dict], dict]:
+    """Stage 5: (train's summary, the held-out curve of its checkpoints, the checkpoint chosen)."""
+    with stages.run("train", f"{config.algorithm_label} on the fixed dataset, {config.epochs} epoch(s)"):
+        train_summary = train_offline(policy, paths["dataset"], Path(paths["run"]), config, progress)
+        paths["final_model"] = train_summary["final_model"]
+        curve = heldout_curve(Path(paths["run"]), policy, config, before, paths["validation_prompts"], progress)
+        checkpoint = choose_checkpoint(curve, config, paths["final_model"])
+        paths["chosen_model"] = checkpoint["model"]
+        stages.note(f"{train_summary['steps']} steps; held-out greedy accuracy by step: "
+                    + ", ".join(f"{p['step']}: {p['greedy_accuracy']:.2f}" for p in curve))
+        stages.note(f"result: step {checkpoint['step']}, {checkpoint['why']}")
+    return train_summary, curve, checkpoint
+
+
 # --------------------------------------------------------------------------------------------
 # the stages
 
@@ -460,7 +495,7 @@ def ensure_demo_policy(progress: bool = True, **recipe) -> str:
     `recipe`: `demo_policy.DemoRecipe` fields for a build (tests use tiny ones). The build goes into a
     temporary sibling folder renamed when complete, so an interrupted build is never used.
     """
-    from offline_rec.demo.policy import build_demo_policy, demo_policy_path
+    from offline_rec.demo.behavior_policy import build_demo_policy, demo_policy_path
 
     try:
         return demo_policy_path()
@@ -492,7 +527,7 @@ def collect_dataset(policy: str, out: Path, config: DemoSettings, progress: bool
 
 def check_dataset(path: str):
     """The validation report; a dataset with errors stops the demo (it would be a bug upstream)."""
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     report = validate_dataset(path)
     if not report.ok:
@@ -731,7 +766,7 @@ def metrics_line(metrics: dict, num_samples: int) -> str:
 
 
 def dataset_line(path: str) -> str:
-    from offline_rec.data.dataset import read_manifest
+    from offline_rec.dataset.format import read_manifest
 
     manifest = read_manifest(path)
     totals = manifest["totals"]

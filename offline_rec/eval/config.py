@@ -19,8 +19,18 @@ import dataclasses
 from pathlib import Path
 
 from offline_rec.errors import UserError
-from offline_rec.options import api_only, cli_fields, option
-from offline_rec.rollout.config import sampling_option
+from offline_rec.options import (
+    api_only,
+    argument,
+    cli_fields,
+    flags_of,
+    flattened,
+    nested,
+    option,
+    progress_switch,
+    required,
+)
+from offline_rec.rollout.config import RolloutOptions
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S
 
 SUCCESS_THRESHOLD = 0.5
@@ -28,6 +38,33 @@ ROLLOUT_TEMPERATURE = 1.0
 """The sampling temperature when `temperature` is None (the offline estimate uses the data's)."""
 
 
+EVAL_MODES = ("rollouts", "offline")
+"""What an evaluation does: sample the policy, or estimate its value from logged data (`--offline`)."""
+
+
+@dataclasses.dataclass
+class OfflineOptions:
+    """The options of the offline mode alone (`eval --offline`): the logged data and the bootstrap."""
+
+    data: list[str] | None = option(
+        None, "--data",
+        help="--offline: dataset(s) of logged groups (repeatable; default: the run's).",
+    )
+    run: str | None = option(
+        None, "--run",
+        help="--offline: train RUN folder; its held-out groups (holdout.json) are used.",
+    )
+    num_bootstrap: int = option(
+        1000, "--num-bootstrap",
+        help="--offline: bootstrap resamples of the 95% intervals (0: none).",
+    )
+    alpha: float = api_only(0.05, help="--offline: the bootstrap intervals cover 1 - alpha.")
+
+    def __post_init__(self) -> None:
+        self.data = [str(path) for path in self.data or ()]
+
+
+@flattened
 @dataclasses.dataclass
 class EvalConfig:
     """Everything `offline-rec eval` needs. Validated on construction (UserError)."""
@@ -45,26 +82,16 @@ class EvalConfig:
     # -- rollouts
     num_samples: int = option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k).")
     greedy: bool = option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy).")
-    prompts: str | None = sampling_option("prompts")
-    prompt_column: str | None = sampling_option("prompt_column")
-    num_prompts: int | None = sampling_option("num_prompts")
     split: str = option("test", "--split", help="Built-in prompts: test (held out, the default) or train.")
-    reward: str | None = sampling_option("reward")
-    backend: str | None = sampling_option("backend")
     temperature: float | None = option(
         None, "--temperature",
         help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",
     )
-    top_p: float = sampling_option("top_p")
-    top_k: int | None = sampling_option("top_k")
-    max_new_tokens: int = sampling_option("max_new_tokens")
     seed: int = option(0, "--seed", help="Seeds sampling, picks built-in prompts; --offline: seeds the bootstrap.")
     batch_size: int = option(
         16, "--batch-size",
         help="Prompts per generate call; --offline: sequences per forward pass.",
     )
-    dtype: str | None = sampling_option("dtype")
-    chat_template: bool = sampling_option("chat_template")
     success_threshold: float = option(
         SUCCESS_THRESHOLD, "--success-threshold",
         help="A sample is correct when its reward is above this (accuracy, pass@k).",
@@ -77,7 +104,6 @@ class EvalConfig:
         1, "--data-parallel-size",
         help="Engines sampling the rollouts (one per GPU set; on a CPU, processes).",
     )
-    ray_address: str | None = sampling_option("ray_address")
     reward_timeout_s: float = option(
         REWARD_TIMEOUT_S, "--reward-timeout",
         help="Seconds per reward call; a call past it scores null, counted as 0 (0: no limit).",
@@ -87,19 +113,6 @@ class EvalConfig:
         False, "--offline",
         help="Estimate from logged data without generating (needs --data or --run).",
     )
-    data: list[str] | None = option(
-        None, "--data",
-        help="--offline: dataset(s) of logged groups (repeatable; default: the run's).",
-    )
-    run: str | None = option(
-        None, "--run",
-        help="--offline: train RUN folder; its held-out groups (holdout.json) are used.",
-    )
-    num_bootstrap: int = option(
-        1000, "--num-bootstrap",
-        help="--offline: bootstrap resamples of the 95% intervals (0: none).",
-    )
-    alpha: float = api_only(0.05, help="--offline: the bootstrap intervals cover 1 - alpha.")
     # -- output
     overwrite: bool = option(False, "--overwrite", help="Replace the evaluation already in --out.")
     resume: bool = option(
@@ -107,17 +120,22 @@ class EvalConfig:
         help="Continue the rollout evaluation in --out that was stopped (preempted, killed): "
              "its committed groups are kept, the others sampled.",
     )
-    show_progress: bool = api_only(True, help="Show progress bars (the CLI's --quiet turns them off).")
+    rollout: RolloutOptions = nested(RolloutOptions, after={
+        "greedy": ("prompts", "prompt_column", "num_prompts"), "split": ("reward", "backend"),
+        "temperature": ("top_p", "top_k", "max_new_tokens"), "batch_size": ("dtype", "chat_template"),
+        "data_parallel_size": ("ray_address",),
+    })
+    estimate: OfflineOptions = nested(OfflineOptions, after={"offline": ("data", "run", "num_bootstrap")})
+    show_progress: bool = progress_switch(help="Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
         self.out = None if self.out is None else Path(self.out)
-        self.data = [str(path) for path in self.data or ()]
         self.reward_timeout_s = float(self.reward_timeout_s or 0.0)
         if self.batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if self.data_parallel_size < 1:
             raise UserError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
-        if self.offline:
+        if self.mode == "offline":
             if self.resume:
                 raise UserError("--resume continues a rollout evaluation; eval --offline samples nothing")
             if not self.model and not self.run:
@@ -132,6 +150,12 @@ class EvalConfig:
                 raise UserError(f"eval needs {flag} (or --offline to estimate from logged data)")
 
     @property
+    def mode(self) -> str:
+        """"offline" (`--offline`: estimate from logged data; the `estimate` group's options) or "rollouts"
+        (sample the policy: the `rollout` group's options and the rollout fields above)."""
+        return "offline" if self.offline else "rollouts"
+
+    @property
     def sampling_temperature(self) -> float:
         """The temperature rollouts are sampled at."""
         return ROLLOUT_TEMPERATURE if self.temperature is None else self.temperature
@@ -143,11 +167,11 @@ def cli_arguments(config: EvalConfig) -> list[str]:
     Options at None are left out (None is then their default); `alpha` has no flag and must be at
     its default; `show_progress` False is `--quiet`, an option of the CLI itself.
     """
-    if config.alpha != EvalConfig.alpha:
+    if config.alpha != OfflineOptions.alpha:
         raise ValueError("alpha has no command-line flag")
     arguments: list[str] = []
     for field in cli_fields(EvalConfig):
-        value, flag = getattr(config, field.name), field.metadata["flags"][0]
+        value, flag = getattr(config, field.name), flags_of(field)[0]
         if value is None:
             continue
         if isinstance(value, bool):
@@ -159,3 +183,12 @@ def cli_arguments(config: EvalConfig) -> list[str]:
         else:
             arguments += [flag, str(value)]
     return arguments + ([] if config.show_progress else ["--quiet"])
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportConfig:
+    """What `offline-rec report` plots, and where."""
+
+    runs: list[Path] = argument(help="Train RUN folders and/or evaluation folders (or their summary.json).")
+    out: Path = required("--out", "-o", help="Folder for the PNG plots and summary.md.")
+    smoothing: float = option(0.0, "--smoothing", help="EMA smoothing of the training curves, in [0, 1) (0: none).")

@@ -20,8 +20,8 @@ import json
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_datasets
-from offline_rec.data.validate import check_dataset_for_use
+from offline_rec.dataset.format import open_datasets
+from offline_rec.dataset.validate import check_dataset_for_use
 from offline_rec.errors import UserError
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.rollouts import (

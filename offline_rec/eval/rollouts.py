@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
+from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval.config import SUCCESS_THRESHOLD, EvalConfig, cli_arguments
 from offline_rec.files import atomic_write_json, atomic_write_text
@@ -243,13 +243,11 @@ def rollout_config(config: EvalConfig, model: str):
     from offline_rec.rollout.collect import CollectConfig
 
     return CollectConfig(
-        model=model, task=config.task, out=config.out / ROLLOUTS_DIR, num_samples=config.num_samples,
-        prompts=config.prompts, prompt_column=config.prompt_column, num_prompts=config.num_prompts,
-        split=config.split, reward=config.reward, temperature=config.sampling_temperature, top_p=config.top_p,
-        top_k=config.top_k, max_new_tokens=config.max_new_tokens, seed=config.seed, batch_size=config.batch_size,
-        dtype=config.dtype, chat_template=config.chat_template, policy_version=model_policy_version(model),
+        model=model, task=config.task, out=config.out / ROLLOUTS_DIR, rollout=config.rollout,
+        num_samples=config.num_samples, split=config.split, temperature=config.sampling_temperature,
+        seed=config.seed, batch_size=config.batch_size, policy_version=model_policy_version(model),
         reward_timeout_s=config.reward_timeout_s or None, show_progress=config.show_progress,
-        data_parallel_size=config.data_parallel_size, ray_address=config.ray_address, resume=config.resume,
+        data_parallel_size=config.data_parallel_size, resume=config.resume,
     )
 
 

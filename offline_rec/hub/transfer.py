@@ -33,10 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.card import refresh_dataset_card, render_dataset_card, render_model_card
-from offline_rec.data.dataset import read_manifest
-from offline_rec.data.locations import HF_DATASET_PREFIX, check_repo_id, parse_hub_dataset_path
+from offline_rec.dataset.card import refresh_dataset_card, render_dataset_card
+from offline_rec.dataset.format import read_manifest
+from offline_rec.dataset.locations import HF_DATASET_PREFIX, check_repo_id, parse_hub_dataset_path
 from offline_rec.errors import DataError, UserError
+from offline_rec.hub.model_card import render_model_card
 
 DATASET_REPO = "dataset"
 MODEL_REPO = "model"
@@ -277,7 +278,7 @@ def _print_err(message: str) -> None:
 
 def _require_valid(path: Path, what: str, fix: str) -> dict:
     """The manifest of `path` when `validate_dataset` finds no error; DataError naming the first one otherwise."""
-    from offline_rec.data.validate import check_dataset_for_use
+    from offline_rec.dataset.validate import check_dataset_for_use
 
     check_dataset_for_use(path, what=what, fix=fix)
     return read_manifest(path)

@@ -42,7 +42,7 @@ from offline_rec.record.request_checks import (
     error_response,
     read_body,
 )
-from offline_rec.record.settings import ProxySettings
+from offline_rec.record.settings import ProxyOptions
 
 HEALTH = "/health"  # answered by the proxy itself, GET and HEAD only, without a client key (load balancers)
 
@@ -200,7 +200,7 @@ def run_record(
     host: str = "127.0.0.1",
     port: int = 8001,
     options: RecordOptions | None = None,
-    settings: ProxySettings | None = None,
+    settings: ProxyOptions | None = None,
     logprobs_mode: str = "auto",
     warn: Callable[[str], None] = print,
 ) -> dict:
@@ -216,7 +216,7 @@ def run_record(
     if logprobs_mode != "auto" and logprobs_mode not in exchange.LOGPROBS_MODES:
         raise one_of("--logprobs-mode", logprobs_mode, ("auto", *exchange.LOGPROBS_MODES))
     options = options or RecordOptions()
-    settings = settings or ProxySettings()
+    settings = settings or ProxyOptions()
     keys = settings.client_keys()
     settings.check_host(host, keys)
     recorder = Recorder(out, options, warn=warn)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from offline_rec.record import exchange
 from offline_rec.record.recorder import Recorder
-from offline_rec.record.settings import ProxySettings
+from offline_rec.record.settings import ProxyOptions
 
 
 def upstream_base(url: str) -> str:
@@ -39,7 +39,7 @@ def split_credentials(url: str) -> tuple[str, str | None]:
 class ProxyState:
     upstream: str  # without credentials (see split_credentials): safe to show
     recorder: Recorder
-    settings: ProxySettings = field(default_factory=ProxySettings)
+    settings: ProxyOptions = field(default_factory=ProxyOptions)
     client_keys: list = field(default_factory=list)  # empty: no client authentication
     upstream_auth: str | None = None  # the Authorization header of every upstream call, when set
     logprobs_mode: str = exchange.UNKNOWN

@@ -31,7 +31,6 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from offline_rec.errors import UserError
 from offline_rec.record import open_episodes as E
 from offline_rec.record import sink
 from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source, read_field
+from offline_rec.record.settings import RecordOptions
 
 REDACTED = "[redacted]"
 JOURNAL_COMPACT_BYTES = 64 << 20  # rewrite the journal past this size when most of it is closed episodes
@@ -46,16 +46,6 @@ JOURNAL_COMPACT_BYTES = 64 << 20  # rewrite the journal past this size when most
 
 # --------------------------------------------------------------------------------------------
 # redaction
-
-
-def parse_redact_field(text: str) -> tuple[str, ...]:
-    """`a.b.0.c` -> ("a", "b", "0", "c"); `*` stands for every list item or object value."""
-    parts = tuple(text.split("."))
-    if not text or any(not p for p in parts):
-        raise UserError(
-            f"--redact-field {text!r}: expected a dotted path into the request, such as user or metadata.email"
-        )
-    return parts
 
 
 def redact(value: Any, path: tuple[str, ...]) -> Any:
@@ -159,19 +149,6 @@ def call_records(
 # the recorder
 
 
-@dataclass(frozen=True)
-class RecordOptions:
-    rotate_bytes: int = 256 << 20
-    rotate_seconds: float | None = 3600.0
-    fsync_interval: float = 1.0
-    """Seconds between fsyncs of the open files; 0: fsync before each response's last byte goes out."""
-    episode_idle_timeout: float = 300.0
-    redact_fields: tuple[tuple[str, ...], ...] = ()
-    max_episode_bytes: int = 64 << 20
-    """An episode whose recorded calls pass this size is written (closed_by "max-size") once its calls
-    in flight finish; the id's next call starts a new episode."""
-
-
 def _closed_by(episode: E.Episode) -> str:
     """Why an episode closed when its last call in flight finished: an end header, else its size."""
     return E.CLOSED_BY_END if episode.ending else E.CLOSED_BY_SIZE
@@ -180,8 +157,9 @@ def _closed_by(episode: E.Episode) -> str:
 class Recorder:
     """Writes the lines of one proxy run into a directory. Used from one event loop (no locks)."""
 
-    def __init__(self, out: str | os.PathLike, options: RecordOptions = RecordOptions(),
+    def __init__(self, out: str | os.PathLike, options: RecordOptions | None = None,
                  warn: Callable[[str], None] | None = None, wall_clock=time.time, clock=time.monotonic):
+        options = options or RecordOptions()
         if options.rotate_bytes < 1:
             raise UserError(f"--rotate-mb must be > 0, got {options.rotate_bytes / (1 << 20)}")
         if options.fsync_interval < 0:

@@ -1,5 +1,5 @@
-"""Every option of `offline-rec record`: `RecordConfig` (what is proxied, where it is written) and
-`ProxySettings` (the proxy's own authentication, limits and timeouts).
+"""Every option of `offline-rec record`: `RecordConfig` (what is proxied, where it is written; its group
+`RecordOptions`: how the recorder writes) and `ProxyOptions` (the proxy's own authentication, limits and timeouts).
 
 Each field carries its default, its command-line flag(s), its help line and, where a secret may be
 given that way, its environment variable (`offline_rec.options`); the CLI builds `record` from the
@@ -9,26 +9,36 @@ fields. Light on purpose: the CLI imports it to declare its options.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 from pathlib import Path
 
 from offline_rec.errors import UserError
-from offline_rec.options import option, required
+from offline_rec.options import flattened, nested, option, required
 
 API_KEY_ENV = "OFFLINE_REC_RECORD_API_KEY"
 UPSTREAM_API_KEY_ENV = "OFFLINE_REC_UPSTREAM_API_KEY"
 MAX_EPISODE_ID_CHARS = 256
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordConfig:
-    """What `record` proxies and where it writes; the proxy's own limits are `ProxySettings`."""
+def parse_redact_field(text: str) -> tuple[str, ...]:
+    """`a.b.0.c` -> ("a", "b", "0", "c"); `*` stands for every list item or object value."""
+    parts = tuple(text.split("."))
+    if not text or any(not p for p in parts):
+        raise UserError(
+            f"--redact-field {text!r}: expected a dotted path into the request, such as user or metadata.email"
+        )
+    return parts
 
-    upstream: str = required(
-        "--upstream", help="The OpenAI-compatible (vLLM) server to record, e.g. http://127.0.0.1:8000.")
-    out: Path = required("--out", "-o", help="Directory of the recorded JSONL files (created; may hold earlier runs).")
-    port: int = option(8001, "--port", help="Port the proxy listens on (0: any free port).")
-    host: str = option("127.0.0.1", "--host", help="Address the proxy listens on.")
+
+@dataclasses.dataclass(frozen=True)
+class RecordOptions:
+    """How the recorder writes: redaction, episodes, file rotation, fsync.
+
+    A `nested` group of `RecordConfig` (flags under the fields' own names) that `recorder.Recorder` reads as it
+    is; the sizes in bytes and the parsed redaction paths are derived here, once.
+    """
+
     redact_field: list[str] = option(
         [], "--redact-field",
         help="Dotted path into the request written as [redacted], e.g. user (repeatable; *: all).",
@@ -46,12 +56,43 @@ class RecordConfig:
     rotate_seconds: float = option(3600.0, "--rotate-seconds", help="Start a new file after this many seconds.")
     fsync_interval: float = option(
         1.0, "--fsync-interval", help="Seconds between fsyncs (0: fsync each line before its response ends).")
+
+    def __post_init__(self):
+        _ = self.redact_fields  # a malformed path is refused before anything is served
+
+    @property
+    def rotate_bytes(self) -> int:
+        return int(self.rotate_mb * (1 << 20))
+
+    @property
+    def max_episode_bytes(self) -> int:
+        """An episode whose recorded calls pass this size is written (closed_by "max-size") once its calls
+        in flight finish; the id's next call starts a new episode."""
+        return int(self.max_episode_mb * (1 << 20))
+
+    @functools.cached_property
+    def redact_fields(self) -> tuple[tuple[str, ...], ...]:
+        """--redact-field's paths, parsed (`parse_redact_field`)."""
+        return tuple(parse_redact_field(field) for field in self.redact_field)
+
+
+@flattened
+@dataclasses.dataclass(frozen=True)
+class RecordConfig:
+    """What `record` proxies and where it writes; the proxy's own limits are `ProxyOptions`."""
+
+    upstream: str = required(
+        "--upstream", help="The OpenAI-compatible (vLLM) server to record, e.g. http://127.0.0.1:8000.")
+    out: Path = required("--out", "-o", help="Directory of the recorded JSONL files (created; may hold earlier runs).")
+    port: int = option(8001, "--port", help="Port the proxy listens on (0: any free port).")
+    host: str = option("127.0.0.1", "--host", help="Address the proxy listens on.")
+    recording: RecordOptions = nested(RecordOptions)
     logprobs_mode: str = option(
         "auto", "--logprobs-mode", help="The upstream's vLLM --logprobs-mode (default auto: probed at start).")
 
 
 @dataclasses.dataclass
-class ProxySettings:
+class ProxyOptions:
     """Who may call the proxy, what it sends upstream on its own behalf, and its limits. Validated on construction."""
 
     api_key: str | None = option(

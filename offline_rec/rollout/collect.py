@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, make_row, read_manifest
+from offline_rec.dataset.format import DatasetWriter, make_row, read_manifest
 from offline_rec.errors import DataError, UserError
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.preemption import Preempted, StopRequest
@@ -60,10 +60,9 @@ from offline_rec.rollout.engines import (
     EngineSpec,
     Job,
     LocalEngines,
-    ProcessEngines,
     PromptRequest,
     PromptResult,
-    RayEngines,
+    WorkerEngines,
     run_on_engines,
 )
 from offline_rec.tasks.builtin import (
@@ -185,10 +184,8 @@ def open_engines(config: CollectConfig, backend: Backend | None = None, engine_k
     spec = EngineSpec(backend=backend_name, model=config.model, dtype=resolved_dtype(config.dtype, config.model),
                       tensor_parallel_size=config.tensor_parallel_size, seed=config.seed,
                       per_request_seeds=config.seed_per_prompt, engine_kwargs=dict(engine_kwargs or {}))
-    if config.ray_address:
-        return RayEngines(spec, config.data_parallel_size, config.ray_address)
-    if config.data_parallel_size > 1:
-        return ProcessEngines(spec, config.data_parallel_size)
+    if config.ray_address or config.data_parallel_size > 1:
+        return WorkerEngines(spec, config.data_parallel_size, config.ray_address)
     return LocalEngines(spec.build(0))
 
 
@@ -333,7 +330,7 @@ def _logged_prompts(config: CollectConfig, tokenizer) -> tuple[list[PromptItem],
     group's prompt text and exact prompt ids; the dataset must have been tokenized with the policy's tokenizer."""
     import json
 
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.models.loading import check_tokenizers
 
     dataset = open_dataset(config.prompts_from, require_complete=True)

@@ -7,12 +7,13 @@ How the options act is in offline_rec/rollout/collect.py's docstring.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from offline_rec.errors import UserError, one_of
-from offline_rec.options import api_only, option, required
+from offline_rec.options import flattened, nested, option, progress_switch, required
 from offline_rec.tasks.builtin import REWARD_TIMEOUT_S, SPLITS
 
 if TYPE_CHECKING:
@@ -21,31 +22,35 @@ if TYPE_CHECKING:
 DEFAULT_REWARD_WORKERS = 4
 """Threads per engine scoring rewards while it samples."""
 
-# The options collect and eval both take, with the same flag, help and default: declared here once.
-SHARED_SAMPLING_OPTIONS: dict[str, tuple[Any, tuple[str, ...], str]] = {
-    "prompts": (None, ("--prompts",), "Prompt file, JSONL or Parquet (default: the task's built-in prompts)."),
-    "prompt_column": (None, ("--prompt-column",), "The prompt file's prompt column (default: the task's)."),
-    "num_prompts": (None, ("--num-prompts",),
-                    "First N prompts of the file, or N built-in prompts (default: all / 512)."),
-    "reward": (None, ("--reward",), "Replace the task's reward with module:function."),
-    "backend": (None, ("--backend",), "hf or vllm (default: vllm when importable, else hf)."),
-    "top_p": (1.0, ("--top-p",), "Nucleus sampling mass (1: off)."),
-    "top_k": (None, ("--top-k",), "Top-k truncation (default: none)."),
-    "max_new_tokens": (256, ("--max-new-tokens",), "Longest completion, in tokens."),
-    "dtype": (None, ("--dtype",), "float32, bfloat16 or float16 (default: the checkpoint's saved dtype)."),
-    "chat_template": (True, ("--chat-template/--no-chat-template",),
-                      "Render chat-message prompts with the tokenizer's chat template."),
-    "ray_address": (None, ("--ray-address",),
-                    "Run the engines as Ray actors on this Ray cluster ('auto': the running one)."),
-}
+
+@dataclass
+class RolloutOptions:
+    """The options collect and eval both take to roll a policy out, with the same flag, help and default.
+
+    A `nested` group of `CollectConfig` and `EvalConfig` (flattened: `--top-p` on the command line,
+    `CollectConfig(top_p=...)` and `config.top_p` in Python); eval hands its group to the collect it runs.
+    """
+
+    prompts: str | None = option(None, help="Prompt file, JSONL or Parquet (default: the task's built-in prompts).")
+    prompt_column: str | None = option(None, help="The prompt file's prompt column (default: the task's).")
+    num_prompts: int | None = option(
+        None, help="First N prompts of the file, or N built-in prompts (default: all / 512).",
+    )
+    reward: str | None = option(None, help="Replace the task's reward with module:function.")
+    backend: str | None = option(None, help="hf or vllm (default: vllm when importable, else hf).")
+    top_p: float = option(1.0, help="Nucleus sampling mass (1: off).")
+    top_k: int | None = option(None, help="Top-k truncation (default: none).")
+    """None or 0: no top-k truncation."""
+    max_new_tokens: int = option(256, help="Longest completion, in tokens.")
+    dtype: str | None = option(None, help="float32, bfloat16 or float16 (default: the checkpoint's saved dtype).")
+    chat_template: bool = option(True, help="Render chat-message prompts with the tokenizer's chat template.")
+    """Render chat-message prompts with the tokenizer's chat template (else as plain 'role: content' lines)."""
+    ray_address: str | None = option(
+        None, help="Run the engines as Ray actors on this Ray cluster ('auto': the running one).",
+    )
 
 
-def sampling_option(name: str) -> Any:
-    """A config field for option `name` of SHARED_SAMPLING_OPTIONS (a new field for each class that takes it)."""
-    default, flags, help_text = SHARED_SAMPLING_OPTIONS[name]
-    return option(default, *flags, help=help_text)
-
-
+@flattened
 @dataclass
 class CollectConfig:
     """Every option of `offline-rec collect`."""
@@ -54,23 +59,14 @@ class CollectConfig:
     task: str = required("--task", help="arith, gsm8k, math, or module:function (a reward over --prompts).")
     out: Path = required("--out", "-o", help="New dataset directory (or the one to --resume).")
     num_samples: int = option(8, "--num-samples", "-k", help="Completions per prompt (one group).")
-    prompts: str | None = sampling_option("prompts")
     prompts_from: str | None = option(
         None, "--prompts-from",
         help="A logged dataset whose prompts are answered again: exact prompt_ids, under its group ids.",
     )
     """A dataset whose prompts are answered again: each group's exact prompt_ids (no re-tokenization) and meta,
     sampled under its group id (`merge --join-groups` then joins the logged and the fresh answers)."""
-    prompt_column: str | None = sampling_option("prompt_column")
-    num_prompts: int | None = sampling_option("num_prompts")
     split: str = option("train", "--split", help="Built-in prompts: train or test.")
-    reward: str | None = sampling_option("reward")
-    backend: str | None = sampling_option("backend")
     temperature: float = option(1.0, "--temperature", help="Sampling temperature (0: greedy).")
-    top_p: float = sampling_option("top_p")
-    top_k: int | None = sampling_option("top_k")
-    """None or 0: no top-k truncation."""
-    max_new_tokens: int = sampling_option("max_new_tokens")
     seed: int = option(0, "--seed", help="Seeds sampling (one seed per engine and run), picks built-in prompts.")
     """Seeds the sampling and picks the built-in prompts (see the module docstring)."""
     seed_per_prompt: bool = option(
@@ -90,14 +86,10 @@ class CollectConfig:
         help="Engines writing into this one dataset (one per GPU set; on a CPU, processes).",
     )
     """Engines sampling into this one dataset: child processes here, or Ray actors with ray_address."""
-    ray_address: str | None = sampling_option("ray_address")
     reward_workers: int = option(
         DEFAULT_REWARD_WORKERS, "--reward-workers",
         help="Threads per engine scoring rewards while it samples.",
     )
-    dtype: str | None = sampling_option("dtype")
-    chat_template: bool = sampling_option("chat_template")
-    """Render chat-message prompts with the tokenizer's chat template (else as plain 'role: content' lines)."""
     tensor_parallel_size: int = option(1, "--tensor-parallel-size", help="vLLM: GPUs per engine.")
     groups_per_shard: int = option(
         256, "--groups-per-shard",
@@ -121,13 +113,18 @@ class CollectConfig:
         help="Seconds per reward call; a call past it scores null (0: no limit).",
     )
     """None or 0: no limit."""
-    show_progress: bool = api_only(True, help="Show a progress bar (the CLI's --quiet turns it off).")
+    rollout: RolloutOptions = nested(RolloutOptions, after={
+        "num_samples": ("prompts",), "prompts_from": ("prompt_column", "num_prompts"), "split": ("reward", "backend"),
+        "temperature": ("top_p", "top_k", "max_new_tokens"), "data_parallel_size": ("ray_address",),
+        "reward_workers": ("dtype", "chat_template"),
+    })
+    show_progress: bool = progress_switch(help="Show a progress bar (the CLI's --quiet turns it off).")
 
     def __post_init__(self):
         self.out = Path(self.out)
         self.reward_timeout_s = self.reward_timeout_s or None
-        if self.top_k == 0:
-            self.top_k = None
+        if self.top_k == 0:  # a group eval hands over stays as it is
+            self.rollout = dataclasses.replace(self.rollout, top_k=None)
         _ = self.sampling  # validates temperature, top-p, top-k, max-new-tokens
         positive = {
             "num-samples": self.num_samples,

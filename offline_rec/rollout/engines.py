@@ -12,20 +12,17 @@ N engines (`run_on_engines`): a coordinator (the calling process) hands units to
 has the fewest waiting and gets their results back; only the coordinator writes, so the N engines
 fill ONE dataset with one manifest, each prompt exactly once. The engines live in
 - `LocalEngines`: this process (one engine, the `collect` default);
-- `ProcessEngines`: N child processes (spawned; on a GPU machine each sees its own
-  --tensor-parallel-size GPUs through CUDA_VISIBLE_DEVICES; on a CPU each gets cores / N threads).
-  A child dies with the coordinator (PR_SET_PDEATHSIG on Linux, and EOF on its pipe elsewhere);
-  a child that dies ends the run with an error after the finished groups are written;
-- `RayEngines`: N Ray actors on a running Ray cluster (`--ray-address`), one GPU set or a few
-  CPUs each; results travel back to the coordinator, which writes the dataset where it runs.
+- `WorkerEngines`: N workers of offline_rec/workers.py, the fan-out reward scoring shares: child processes
+  (spawned; on a GPU machine each sees its own --tensor-parallel-size GPUs through CUDA_VISIBLE_DEVICES; on a
+  CPU each gets cores / N threads; a child dies with the coordinator), or Ray actors on a running Ray cluster
+  (`--ray-address`), one GPU set or a few CPUs each. Results travel back to the coordinator, which writes the
+  dataset where it runs; an engine that dies ends the run with an error after the finished groups are written.
 An engine's sampler is seeded with derive_seed(run seed, engine index) (see backends/vllm.py for
 what that makes reproducible).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +32,6 @@ from functools import partial
 
 from offline_rec.devices import visible_gpus
 from offline_rec.errors import UserError
-from offline_rec.ray_cluster import enter_worker_environment
 from offline_rec.rollout.backends import Sample, SamplingSettings, derive_seed
 from offline_rec.rollout.config import DEFAULT_REWARD_WORKERS
 
@@ -325,15 +321,6 @@ class LocalEngines:
         self.close()
 
 
-def engine_environment(rank: int, size: int, tensor_parallel_size: int, gpus: list[str] | None) -> dict[str, str]:
-    """Environment of engine `rank` of `size`: its GPUs, or on a CPU its share of the cores as threads."""
-    if gpus:
-        share = gpus[rank * tensor_parallel_size:(rank + 1) * tensor_parallel_size]
-        return {"CUDA_VISIBLE_DEVICES": ",".join(share)}
-    threads = str(max(1, (os.cpu_count() or 1) // size))
-    return {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-
-
 def check_gpus(size: int, tensor_parallel_size: int, gpus: list[str]) -> None:
     if gpus and len(gpus) < size * tensor_parallel_size:
         raise UserError(
@@ -342,225 +329,51 @@ def check_gpus(size: int, tensor_parallel_size: int, gpus: list[str]) -> None:
         )
 
 
-class ProcessEngines:
-    """N engines in spawned child processes (see the module docstring); use as a context manager."""
+class WorkerEngines:
+    """N engines in worker processes (offline_rec/workers.py): spawned children, or Ray actors on the cluster at
+    `address` ("auto": the running one); use as a context manager.
 
-    def __init__(self, spec: EngineSpec, size: int):
-        import multiprocessing
-
-        gpus = visible_gpus()
-        check_gpus(size, spec.tensor_parallel_size, gpus)
-        context = multiprocessing.get_context("spawn")
-        self.size = size
-        self.processes, self.connections = [], []
-        try:
-            for rank in range(size):
-                parent, child = context.Pipe()
-                env = engine_environment(rank, size, spec.tensor_parallel_size, gpus)
-                process = context.Process(target=_engine_process, args=(child, spec, rank, env),
-                                          name=f"offline-rec-engine-{rank}", daemon=True)
-                process.start()
-                child.close()
-                self.processes.append(process)
-                self.connections.append(parent)
-            self.info = [self._receive(rank, "ready")[0] for rank in range(size)][0]
-        except BaseException:
-            self.close()
-            raise
-
-    def begin(self, job: Job) -> list[int]:
-        for rank, connection in enumerate(self.connections):
-            connection.send(("begin", job, rank))
-        return [self._receive(rank, "begun")[0] for rank in range(self.size)]
-
-    def submit(self, rank: int, units: list[list[PromptRequest]]) -> None:
-        self.connections[rank].send(("work", units))
-
-    def wait(self) -> list[tuple[int, list, int, bool]]:
-        from multiprocessing.connection import wait as wait_any
-
-        ready = wait_any(self.connections + [p.sentinel for p in self.processes])
-        results = []
-        for rank, connection in enumerate(self.connections):
-            if connection in ready:
-                results.append((rank, *self._receive(rank, "worked")))
-        if not results:  # a sentinel fired: a process ended without a word
-            for rank, process in enumerate(self.processes):
-                if process.sentinel in ready:
-                    self._receive(rank, "worked")
-        return results
-
-    def end(self) -> None:
-        for rank, connection in enumerate(self.connections):
-            try:
-                connection.send(("end",))
-                self._receive(rank, "ended")
-            except (EngineError, OSError):
-                pass
-
-    def _receive(self, rank: int, expected: str):
-        connection, process = self.connections[rank], self.processes[rank]
-        try:
-            message = connection.recv()
-        except (EOFError, OSError):
-            process.join(5)
-            raise EngineError(
-                f"engine {rank} (pid {process.pid}) died{_exit_description(process.exitcode)}"
-            ) from None
-        kind, payload = message[0], message[1:]
-        if kind == "error":
-            user_error, text = payload
-            if user_error:
-                raise UserError(text)
-            raise EngineError(f"engine {rank} failed: {text}")
-        if kind != expected:
-            raise EngineError(f"engine {rank} answered {kind!r} where {expected!r} was expected")
-        return payload
-
-    def close(self) -> None:
-        """Stop every child: ask, then terminate, then kill; none is left behind."""
-        for connection in self.connections:
-            try:
-                connection.send(("close",))
-            except OSError:
-                pass
-        deadline = time.monotonic() + ENGINE_CLOSE_TIMEOUT_S
-        for process in self.processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-            if process.is_alive():
-                process.kill()
-                process.join()
-        for connection in self.connections:
-            connection.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def _exit_description(code: int | None) -> str:
-    if code is None:
-        return ""
-    if code < 0:
-        import signal
-
-        return f" (killed by {signal.Signals(-code).name})"
-    return f" (exit code {code})"
-
-
-def _engine_process(connection, spec: EngineSpec, rank: int, environment: dict[str, str]) -> None:
-    """A child process's life: build the engine, then serve begin/work/end until close (or the coordinator's end)."""
-    _die_with_parent()
-    worker = None
-    try:
-        enter_worker_environment(environment)
-        worker = EngineWorker(spec.build(rank))
-        connection.send(("ready", worker.info))
-        while True:
-            try:
-                message = connection.recv()
-            except (EOFError, OSError):
-                return  # the coordinator is gone
-            kind = message[0]
-            if kind == "begin":
-                connection.send(("begun", worker.begin(message[1], rank=message[2])))
-            elif kind == "work":
-                finished = worker.work(message[1])
-                connection.send(("worked", finished, worker.backlog, worker.has_work))
-            elif kind == "end":
-                worker.end()
-                connection.send(("ended",))
-            elif kind == "close":
-                return
-    except BaseException as error:  # reported to the coordinator, which raises it
-        try:
-            connection.send(("error", isinstance(error, UserError), _describe(error)))
-        except OSError:
-            pass
-        if not isinstance(error, (UserError, KeyboardInterrupt)):
-            import traceback
-
-            traceback.print_exc()
-    finally:
-        if worker is not None:
-            try:
-                worker.end()
-            except Exception:  # the process is ending anyway
-                pass
-
-
-def _describe(error: BaseException) -> str:
-    text = str(error).strip()
-    return text if isinstance(error, UserError) else f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when its parent dies (a kill -9 of the coordinator included)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except OSError:
-        pass
-    if os.getppid() == 1:  # the parent died before the call above
-        os._exit(1)
-
-
-class RayEngines:
-    """N engines as Ray actors on the cluster at `address` ("auto": the running one); use as a context manager.
-
-    Each actor asks for --tensor-parallel-size GPUs where the cluster has GPUs, else for cores / N
-    CPUs. If this process is already connected to Ray (e.g. a local `ray.init()`), that connection
-    is used and left open; otherwise it connects and disconnects at the end (offline_rec/ray_cluster.py).
+    A child sees its own --tensor-parallel-size GPUs (or, on a CPU, cores / N threads); an actor asks for
+    --tensor-parallel-size GPUs where the cluster has GPUs, else for cores / N CPUs. If this process is already
+    connected to Ray (e.g. a local `ray.init()`), that connection is used and left open.
     """
 
-    def __init__(self, spec: EngineSpec, size: int, address: str):
-        from offline_rec.ray_cluster import RayCluster
+    def __init__(self, spec: EngineSpec, size: int, address: str | None = None):
+        from offline_rec.workers import start_workers
 
+        if not address:
+            check_gpus(size, spec.tensor_parallel_size, visible_gpus())
         self.size = size
-        self.cluster = RayCluster(address, what="engine", failure=EngineError)
+        self.workers = start_workers(partial(_HostedEngine, spec), size, what="engine", failure=EngineError,
+                                     address=address, gpus_per_worker=spec.tensor_parallel_size)
         self._pending = {}
         try:
-            self.actors = self.cluster.start(partial(_RayEngine, spec), size, spec.tensor_parallel_size)
-            self.info = self._get([actor.call.remote("info") for actor in self.actors])[0]
+            self.info = self.workers.call_all("info")[0]
         except BaseException:
             self.close()
             raise
 
     def begin(self, job: Job) -> list[int]:
-        return self._get([actor.call.remote("begin", job, rank) for rank, actor in enumerate(self.actors)])
+        return self.workers.call_all("begin", job)
 
     def submit(self, rank: int, units: list[list[PromptRequest]]) -> None:
-        self._pending[self.actors[rank].call.remote("work", units)] = rank
+        self._pending[self.workers.submit(rank, "work", units)] = rank
 
     def wait(self) -> list[tuple[int, list, int, bool]]:
         results = []
-        for ref in self.cluster.wait(list(self._pending)):
-            rank = self._pending.pop(ref)
-            results.append((rank, *self._get(ref)))
+        for handle in self.workers.wait(list(self._pending)):
+            rank = self._pending.pop(handle)
+            results.append((rank, *self.workers.get(handle)))
         return results
 
     def end(self) -> None:
         try:
-            self._get([actor.call.remote("end") for actor in self.actors])
-        except EngineError:
+            self.workers.call_all("end")
+        except (EngineError, OSError):
             pass
 
-    def _get(self, refs):
-        return self.cluster.get(refs)
-
     def close(self) -> None:
-        self.cluster.close()
+        self.workers.close()
 
     def __enter__(self):
         return self
@@ -569,21 +382,25 @@ class RayEngines:
         self.close()
 
 
-class _RayEngine:
-    """One Ray actor's `EngineWorker` (held by ray_cluster's actor host, in the actor's process)."""
+class _HostedEngine:
+    """One worker's `EngineWorker` (held in the worker's process: a child or a Ray actor)."""
 
     def __init__(self, spec: EngineSpec, rank: int):
+        self.rank = rank
         self.worker = EngineWorker(spec.build(rank))
 
     def info(self) -> dict:
         return self.worker.info
 
-    def begin(self, job: Job, rank: int) -> int:
-        return self.worker.begin(job, rank=rank)
+    def begin(self, job: Job) -> int:
+        return self.worker.begin(job, rank=self.rank)
 
     def work(self, units):
         finished = self.worker.work(units)
         return finished, self.worker.backlog, self.worker.has_work
 
     def end(self) -> None:
+        self.worker.end()
+
+    def close(self) -> None:
         self.worker.end()

@@ -10,8 +10,8 @@ import numpy as np
 
 from offline_rec import schema as S
 from offline_rec.algorithms import TOKEN_WEIGHTS, AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.locations import is_hub_path
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.locations import is_hub_path
 from offline_rec.errors import UserError, require_extra
 from offline_rec.models.loading import (
     check_token_ids_fit,
@@ -163,7 +163,7 @@ def check_logprobs_sources(spec: AlgorithmSpec, datasets, force_raw: bool = Fals
     (`weighs_by_ratio`): returns warning lines for rows whose log-probs are of `unknown` source; UserError for
     `raw` log-probs (the model's softmax at temperature 1) of rows sampled at another temperature, unless
     `force_raw`: mu is then not the distribution the tokens were drawn from."""
-    from offline_rec.data.merge import logprobs_provenance
+    from offline_rec.dataset.merge import logprobs_provenance
 
     if not weighs_by_ratio(spec):
         return []

@@ -16,6 +16,9 @@ prefix (`--set algorithm.eps_high=2.0`); they are merged over the preset's defau
 `offline_rec.algorithms.get_algorithm`. An unknown key is refused with the list of valid keys
 and the closest match.
 
+The options of `offline-rec cache` (the row stores train builds and reuses) are here too: `RowCacheConfig`,
+`CacheClearConfig`.
+
 No torch here: the CLI imports this module to list and check options.
 """
 
@@ -32,7 +35,7 @@ from typing import Any
 from offline_rec.algorithms import ALGORITHMS, KL_ESTIMATORS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
-from offline_rec.options import api_only, option
+from offline_rec.options import api_only, argument, flattened, nested, option
 
 ALGORITHM_PREFIX = "algorithm."
 LR_SCHEDULES = ("constant", "cosine")
@@ -431,3 +434,25 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
     """The resolved config as YAML (written atomically); `--config` on it reproduces the run."""
     from offline_rec.files import atomic_write_text
     atomic_write_text(path, config_to_yaml(config))
+
+
+# --------------------------------------------------------------------------------------------
+# offline-rec cache
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCacheConfig:
+    """Where `offline-rec cache` looks: the folder of the trainer's row stores."""
+
+    cache_dir: Path | None = option(
+        None, "--dir", help="The row-store cache (default: rows/ in $OFFLINE_REC_CACHE or ~/.cache/offline-rec).")
+
+
+@flattened
+@dataclasses.dataclass(frozen=True)
+class CacheClearConfig:
+    """The row stores `offline-rec cache clear` removes."""
+
+    names: list[str] = argument(
+        [], help="Stores to remove (default: all, and unfinished builds whose process is gone).")
+    cache: RowCacheConfig = nested(RowCacheConfig)

@@ -3,8 +3,8 @@
 Memory model. `index_datasets` streams every shard once and writes, per GROUP, its id, where it
 lives (dataset, shard, first row), and per ROW four numbers (prompt length, completion length,
 reward, policy version: 20 bytes), next to the rows' tokens and log-probs, decoded (~9 bytes per
-token), into the data's row store (`offline_rec.data.rowstore`): a folder in the row-store cache,
-built once per machine and reused by later runs and `--resume` (`offline_rec.data.rowcache`).
+token), into the data's row store (`offline_rec.training.rowstore`): a folder in the row-store cache,
+built once per machine and reused by later runs and `--resume` (`offline_rec.training.rowcache`).
 The index is then read from the store's memory-mapped files: processes share its pages, and
 what a process holds of its own is a few bytes per group. Each optimizer step takes the rows of
 its own groups (`micro_batching.read_step_rows`) without decoding anything. Shuffling permutes
@@ -23,10 +23,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from offline_rec import schema as S
-from offline_rec.data import rowcache
-from offline_rec.data.dataset import Dataset
-from offline_rec.data.rowstore import RowStore, RowStoreWriter
+from offline_rec.dataset.format import Dataset
 from offline_rec.errors import DataError, UserError
+from offline_rec.training import rowcache
+from offline_rec.training.rowstore import RowStore, RowStoreWriter
 
 # Columns the index pass reads (each step reads the RowStore's COLUMNS of its rows from the store).
 INDEX_COLUMNS = [
@@ -291,7 +291,7 @@ def index_datasets(datasets: list[Dataset], max_length: int, truncate: bool, kee
 
     With `keep_rows`, index and token columns come from the datasets' row store in the cache
     `cache_dir` (default `rowcache.default_dir()`): the one there, or built now by one pass over
-    the shards, in one process of this machine at a time (`offline_rec.data.rowcache`);
+    the shards, in one process of this machine at a time (`offline_rec.training.rowcache`);
     `validate` checks the data once first (`check_dataset_for_use`); `progress` shows the pass.
     `read_step_rows` reads steps from it. Without `keep_rows`, one pass builds an index in memory
     and writes nothing lasting; `rows` is None.

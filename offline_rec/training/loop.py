@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from offline_rec.algorithms import baseline_record, describe_baseline, get_algorithm
-from offline_rec.models.packing import choose_layout, probe_packing
+from offline_rec.algorithms import AlgorithmSpec, RewardMoments, baseline_record, describe_baseline, get_algorithm
+from offline_rec.models.packing import Layout, choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.training import checkpoint as ckpt
@@ -70,7 +71,6 @@ class TrainHooks:
 
 def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     """Train `config.model` on `config.data` with `config.algorithm`; returns a summary dict."""
-    from accelerate.utils import set_seed
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # per-file load/save bars would drown the step bar
@@ -84,16 +84,53 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     datasets, tokenizer = checks.open_training_data(config)
     if config.resume and (run_dir / ckpt.FINAL_DIR).is_dir():
         return ckpt.finished_summary(run_dir)
+    data = _check_data(config, run_dir, spec, datasets, tokenizer)
+    # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
+    trainer = _start_trainer(config, data)
+    # ---- 3. The run directory, the step logs and the importance weights' watch.
+    logs = _start_run(config, data, trainer, run_dir)
+    # ---- 4. The steps, then 5. the final model and the summary; the one teardown either way.
+    with _teardown(trainer, logs, data.index):
+        ending = _run_steps(config, hooks, data, trainer, logs, run_dir)
+        return _finish(config, hooks, data, trainer, logs, ending, run_dir, started)
+
+
+@dataclass
+class _Data:
+    """What the checks opened and decided: the algorithm, the data and its index, the schedule of steps."""
+
+    spec: AlgorithmSpec
+    datasets: list
+    tokenizer: object
+    index: group_index.GroupIndex
+    schedule: scheduling.Schedule
+    moments: RewardMoments
+    """The `dataset` baseline's reward moments, fixed for the run (`checks.training_reward_moments`)."""
+    signal: dict
+    """What `checks.check_learning_signal` found (the settings block prints it)."""
+    source_warnings: list[str]
+    """`checks.check_logprobs_sources`' lines: what pi / mu assumes of the logged log-probs."""
+    row_steps: row_batching.RowSteps | None
+    """With `batching: rows`, the steps of rows shuffled across prompts; None for steps of whole groups."""
+    resume_from: Path | None
+    init_from: Path | None
+    state: dict | None
+    """The trainer state of the checkpoint resumed from."""
+
+
+def _check_data(config: TrainConfig, run_dir: Path, spec: AlgorithmSpec, datasets, tokenizer) -> _Data:
+    """Step 1 after the options and datasets opened: the run folder, the checkpoint to continue, the index of
+    the data (validated, its row store built once per machine) and the schedule, each refused if wrong."""
     checks.check_run_dir(config, run_dir)
     resume_from = ckpt.latest_checkpoint(run_dir) if config.resume else None
     # A resumed continuation starts from its own checkpoint: the run it continued may be gone by now.
     init_from = checks.check_init_from(config, tokenizer) if config.init_from and resume_from is None else None
     # Validates the data and builds its row store once per machine (the other ranks wait), or reuses the store.
     index = group_index.index_datasets(datasets, config.max_length, config.truncate, cache_dir=config.reader_cache_dir,
-                                    validate=True, progress=config.progress)
+                                       validate=True, progress=config.progress)
     checks.check_context(index, config.model)
     schedule = scheduling.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs,
-                                    config.max_steps, config.seed, config.shuffle)
+                                      config.max_steps, config.seed, config.shuffle)
     moments = checks.training_reward_moments(index, schedule)  # the `dataset` baseline, fixed for the run
     signal = checks.check_learning_signal(spec, index, schedule, moments)  # refuses data with no signal at all
     source_warnings = checks.check_logprobs_sources(spec, datasets, config.force_raw_logprobs)  # what pi/mu assumes
@@ -105,12 +142,40 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
                                       config.max_steps)
     state = ckpt.read_trainer_state(resume_from) if resume_from else None
     checks.check_resumable(state, schedule, resume_from)
+    return _Data(spec, datasets, tokenizer, index, schedule, moments, signal, source_warnings, row_steps,
+                 resume_from, init_from, state)
 
-    # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
-    # A process group that exists already belongs to someone else (an in-process vLLM engine, a
-    # notebook's own setup): whoever made it tears it down, not the end of this run.
+
+@dataclass
+class _Trainer:
+    """The processes, the prepared model, optimizer and schedule, and where the run starts from."""
+
+    accelerator: object
+    foreign_process_group: bool
+    """A process group that existed before the run belongs to someone else (an in-process vLLM engine, a
+    notebook's own setup): whoever made it tears it down, not the end of this run."""
+    scorer: PolicyScorer
+    optimizer: object
+    scheduler: object
+    reference: object
+    layout: Layout
+    """Padded or padding-free micro-batches (`models.packing.choose_layout`)."""
+    start_step: int
+    steps_at_start: int
+    """Optimizer updates counted before this run (its own on --resume, init_from's AdamW state)."""
+    version_start: int
+    continued_from: str | None
+    """The checkpoint this line of init_from runs continued (`ckpt.policy_lineage`), recorded in each checkpoint."""
+
+
+def _start_trainer(config: TrainConfig, data: _Data) -> _Trainer:
+    """Step 2: the accelerator of the launch, the policy (from the checkpoint continued, if any), the KL
+    reference, AdamW and its schedule prepared, their states loaded on --resume or from init_from."""
+    from accelerate.utils import set_seed
+
     foreign_process_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     accelerator = distributed.make_accelerator(config.cpu, config.mixed_precision)
+    resume_from, init_from, state = data.resume_from, data.init_from, data.state
     continued = resume_from or init_from
     ckpt.check_backend(ckpt.read_trainer_state(continued) if continued else None, distributed.name(accelerator),
                        continued)
@@ -120,10 +185,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     # A sharded checkpoint has no HF weights: the backend loads its shards into the prepared model below.
     policy = load_policy(config, continued if continued and ckpt.has_model_weights(continued) else None,
                          backend_checkpointing)
-    checks.check_vocabulary(index, policy, config.model)
+    checks.check_vocabulary(data.index, policy, config.model)
     check_update_precision(policy, config.lr, config.model_dtype)
     scorer = PolicyScorer(policy, config.logprob_chunk_size, config.temperature)
-    optimizer, scheduler = build_optimizer(scorer, config, schedule.total_steps)
+    optimizer, scheduler = build_optimizer(scorer, config, data.schedule.total_steps)
     scorer, optimizer, scheduler = accelerator.prepare(scorer, optimizer, scheduler)
     reference = load_reference(config, accelerator)
     ckpt.register_state_hooks(accelerator)
@@ -132,81 +197,153 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     elif init_from:
         ckpt.load_optimizer_state(accelerator, optimizer, scheduler, init_from)
         set_seed(config.seed)  # the earlier run's saved RNG states must not decide this run's
-    start_step = state["step"] if state else 0
     # Updates counted by the optimizer's own state; init_from's AdamW state brings its earlier ones.
     steps_at_start = state.get("optimizer_steps_at_start", 0) if state else optimizer_steps(optimizer)
     # Padding-free micro-batches where the model keeps packed sequences apart (offline_rec.models.packing).
     layout = choose_layout(config.padding_free, policy, lambda one_row: probe_packing(
         lambda ids, mask, positions, scored: scorer(ids, mask, scored, position_ids=positions),
-        len(tokenizer), accelerator.device, module=scorer, one_row=one_row), config.model)
+        len(data.tokenizer), accelerator.device, module=scorer, one_row=one_row), config.model)
+    return _Trainer(accelerator, foreign_process_group, scorer, optimizer, scheduler, reference, layout,
+                    state["step"] if state else 0, steps_at_start, version_start, continued_from)
 
-    # ---- 3. The run directory.
+
+@dataclass
+class _Logs:
+    """What a run writes and shows as it goes: metrics.jsonl and the trackers, the step bar, the weights' watch."""
+
+    metrics_log: MetricsLog
+    progress: ProgressBar
+    weights: weight_monitor.WeightMonitor
+
+
+def _start_run(config: TrainConfig, data: _Data, trainer: _Trainer, run_dir: Path) -> _Logs:
+    """Step 3: RUN/ written (main process) with the settings block printed; the step logs opened; the
+    importance weights measured against the initial policy now, then watched at every step."""
+    accelerator, spec = trainer.accelerator, data.spec
     if accelerator.is_main_process:
-        ckpt.start_run_dir(run_dir, config, datasets, index, schedule, baseline_record(spec, moments))
-        print_settings(config, spec, index, schedule, accelerator.num_processes, start_step,
-                       backend=distributed.settings_line(accelerator), packing=layout.note, signal=signal,
-                       baseline=describe_baseline(spec, moments))
-    metrics_log = MetricsLog(run_dir, config, start_step, accelerator.is_main_process,
-                             state["metrics"] if state else None)
-    progress = ProgressBar("train", schedule.total_steps, done=start_step,
+        ckpt.start_run_dir(run_dir, config, data.datasets, data.index, data.schedule,
+                           baseline_record(spec, data.moments))
+        print_settings(config, spec, data.index, data.schedule, accelerator.num_processes, trainer.start_step,
+                       backend=distributed.settings_line(accelerator), packing=trainer.layout.note,
+                       signal=data.signal, baseline=describe_baseline(spec, data.moments))
+    metrics_log = MetricsLog(run_dir, config, trainer.start_step, accelerator.is_main_process,
+                             data.state["metrics"] if data.state else None)
+    progress = ProgressBar("train", data.schedule.total_steps, done=trainer.start_step,
                            enabled=config.progress and accelerator.is_main_process)
-    # The importance weights, measured against the initial policy now and watched at every step.
-    weights = weight_monitor.monitor_run(config, index, schedule, accelerator, scorer, tokenizer,
-                                         start_step, distributed.is_sharded(accelerator), source_warnings)
+    weights = weight_monitor.monitor_run(config, data.index, data.schedule, accelerator, trainer.scorer,
+                                         data.tokenizer, trainer.start_step, distributed.is_sharded(accelerator),
+                                         data.source_warnings)
+    return _Logs(metrics_log, progress, weights)
 
-    # ---- 4. The loop: one iteration = one optimizer step. A stop signal (preemption) ends it after the
-    # step in progress, with that step checkpointed like a periodic save.
-    last_saved, metrics, last_eval, preempted, collapsed = None, {}, {}, False, False
-    with progress, StopRequest() as stop:
-        for step in range(start_step, schedule.total_steps):
+
+@contextmanager
+def _teardown(trainer: _Trainer, logs: _Logs, index: group_index.GroupIndex):
+    """The end of every run that ends in step with the other ranks, finished or stopped (`Preempted`,
+    `WeightCollapse`): logs closed, the row store unmapped, all ranks met, the process group ended (unless
+    foreign). An unexpected error skips it: a barrier would hang the ranks still in the step, and the
+    trackers should record a crash as one."""
+    try:
+        yield
+    except (Preempted, weight_monitor.WeightCollapse):
+        _close(trainer, logs, index)
+        raise
+    _close(trainer, logs, index)
+
+
+def _close(trainer: _Trainer, logs: _Logs, index: group_index.GroupIndex) -> None:
+    logs.metrics_log.close()
+    index.close()
+    trainer.accelerator.wait_for_everyone()
+    if not trainer.foreign_process_group:
+        trainer.accelerator.end_training()
+
+
+@dataclass
+class _Ending:
+    """Where the steps left the run."""
+
+    last_saved: Path | None = None
+    """The last checkpoint written (None: resumed at the very end, nothing to do)."""
+    metrics: dict = field(default_factory=dict)
+    """The last step's metrics."""
+    last_eval: dict = field(default_factory=dict)
+    """The last evaluation, as eval/<metric> keys."""
+
+
+def _run_steps(config: TrainConfig, hooks: TrainHooks, data: _Data, trainer: _Trainer, logs: _Logs,
+               run_dir: Path) -> _Ending:
+    """Step 4, the loop: one iteration = one optimizer step, then its checkpoint, evaluation and logs. A stop
+    signal (preemption) ends it after the step in progress, with that step checkpointed like a periodic save
+    (`Preempted`); stop_on_weight_collapse, with `WeightCollapse`."""
+    accelerator, schedule, weights = trainer.accelerator, data.schedule, logs.weights
+    ending, stopped = _Ending(), False
+    with logs.progress, StopRequest() as stop:
+        for step in range(trainer.start_step, schedule.total_steps):
             step_started = time.time()
-            drops = torch.Generator().manual_seed(scheduling.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
-            if row_steps is None:
-                plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, accelerator.process_index,
-                                           accelerator.num_processes, config.micro_batch_tokens,
-                                           layout.padding_free, layout.one_row, dataset_moments=moments,
-                                           skip_zero_advantage=config.skip_zero_advantage)
-            else:
-                plan = step_plan.plan_row_step(index, *row_steps.step(step, schedule.steps_per_epoch),
-                                               accelerator.process_index, accelerator.num_processes,
-                                               config.micro_batch_tokens, layout.padding_free, layout.one_row)
-            passes = run_step(accelerator, scorer, reference, optimizer, scheduler, plan, spec, config,
-                              tokenizer.pad_token_id, observe=weights.observe)
-            metrics = step_metrics(step, schedule, plan, passes, index, version_start, time.time() - step_started)
+            plan = _plan_step(config, data, trainer, step)
+            passes = run_step(accelerator, trainer.scorer, trainer.reference, trainer.optimizer, trainer.scheduler,
+                              plan, data.spec, config, data.tokenizer.pad_token_id, observe=weights.observe)
+            metrics = step_metrics(step, schedule, plan, passes, data.index, trainer.version_start,
+                                   time.time() - step_started)
             metrics.update(weights.step_metrics(accelerator))
             collapsed = weights.check(step + 1, metrics)  # a warning line, or stop_on_weight_collapse
             preempted = any_rank(stop.requested, accelerator)  # every rank saves, whichever got the signal
-
-            # Checkpoint (also when an evaluation needs one), evaluation, logs.
-            done = step + 1 == schedule.total_steps
-            evaluate_now = config.eval_every and (step + 1) % config.eval_every == 0 and not preempted
-            if done or evaluate_now or preempted or (config.save_every and (step + 1) % config.save_every == 0):
-                trainer_state = ckpt.make_trainer_state(schedule, step + 1, metrics, version_start, continued_from,
-                                                        optimizer_steps(optimizer), steps_at_start)
-                last_saved = ckpt.save_checkpoint(accelerator, scorer, tokenizer, run_dir, step + 1, trainer_state,
-                                                  config.keep_last, with_model=bool(evaluate_now))
-            if evaluate_now:
-                if accelerator.is_main_process:
-                    last_eval = {f"eval/{k}": v for k, v in hooks.evaluate(last_saved).items()}
-                    metrics.update(last_eval)
-                accelerator.wait_for_everyone()
-            metrics_log.write(metrics)
-            progress.advance(1, f"loss {metrics['loss']:.4f}  reward {metrics['reward_mean']:.3f}  "
-                                f"{metrics['tokens_per_s']:.0f} tok/s")
-            if (preempted and not done) or collapsed:
+            ending.metrics = metrics
+            _save_and_evaluate(config, hooks, data, trainer, ending, step + 1, preempted, run_dir)
+            logs.metrics_log.write(metrics)
+            logs.progress.advance(1, f"loss {metrics['loss']:.4f}  reward {metrics['reward_mean']:.3f}  "
+                                     f"{metrics['tokens_per_s']:.0f} tok/s")
+            stopped = (preempted and step + 1 < schedule.total_steps) or collapsed
+            if stopped:
                 break
-    if (preempted and not done) or collapsed:
-        metrics_log.close()
-        index.close()
-        accelerator.wait_for_everyone()
-        if not foreign_process_group:
-            accelerator.end_training()
-        if collapsed:
-            raise weight_monitor.WeightCollapse(weights.stop_line)
+    if stopped and collapsed:
+        raise weight_monitor.WeightCollapse(weights.stop_line)
+    if stopped:
         raise Preempted(f"{stop.signal_name or 'a stop signal on another rank'} after step {step + 1} of "
-                        f"{schedule.total_steps}: {last_saved} is saved; run the same command with --resume")
+                        f"{schedule.total_steps}: {ending.last_saved} is saved; run the same command with --resume")
+    return ending
 
-    # ---- 5. The end: final model, summary, optional publishing.
+
+def _plan_step(config: TrainConfig, data: _Data, trainer: _Trainer, step: int) -> step_plan.StepPlan:
+    """This rank's share of step `step`: whole groups (`plan_step`) or rows shuffled across prompts."""
+    accelerator, layout = trainer.accelerator, trainer.layout
+    drops = torch.Generator().manual_seed(scheduling.epoch_seed(config.seed, -1 - step))  # RED-Drop's draws
+    if data.row_steps is None:
+        return step_plan.plan_step(data.index, data.schedule.groups_of(step), data.spec, drops,
+                                   accelerator.process_index, accelerator.num_processes, config.micro_batch_tokens,
+                                   layout.padding_free, layout.one_row, dataset_moments=data.moments,
+                                   skip_zero_advantage=config.skip_zero_advantage)
+    return step_plan.plan_row_step(data.index, *data.row_steps.step(step, data.schedule.steps_per_epoch),
+                                   accelerator.process_index, accelerator.num_processes, config.micro_batch_tokens,
+                                   layout.padding_free, layout.one_row)
+
+
+def _save_and_evaluate(config: TrainConfig, hooks: TrainHooks, data: _Data, trainer: _Trainer, ending: _Ending,
+                       completed: int, preempted: bool, run_dir: Path) -> None:
+    """After `completed` steps: a checkpoint when the run ends or stops, an evaluation needs one or save_every
+    says so; the evaluation (main process) into the step's metrics."""
+    accelerator, schedule = trainer.accelerator, data.schedule
+    evaluate_now = config.eval_every and completed % config.eval_every == 0 and not preempted
+    if (completed == schedule.total_steps or evaluate_now or preempted
+            or (config.save_every and completed % config.save_every == 0)):
+        trainer_state = ckpt.make_trainer_state(schedule, completed, ending.metrics, trainer.version_start,
+                                                trainer.continued_from, optimizer_steps(trainer.optimizer),
+                                                trainer.steps_at_start)
+        ending.last_saved = ckpt.save_checkpoint(accelerator, trainer.scorer, data.tokenizer, run_dir, completed,
+                                                 trainer_state, config.keep_last, with_model=bool(evaluate_now))
+    if evaluate_now:
+        if accelerator.is_main_process:
+            ending.last_eval = {f"eval/{k}": v for k, v in hooks.evaluate(ending.last_saved).items()}
+            ending.metrics.update(ending.last_eval)
+        accelerator.wait_for_everyone()
+
+
+def _finish(config: TrainConfig, hooks: TrainHooks, data: _Data, trainer: _Trainer, logs: _Logs, ending: _Ending,
+            run_dir: Path, started: float) -> dict:
+    """Step 5: the summary, the final model (a sharded run gathers its full model once, here: every rank takes
+    part) and, with push_to_hub, its publishing."""
+    accelerator, schedule = trainer.accelerator, data.schedule
+    last_saved, metrics = ending.last_saved, ending.metrics
     if last_saved is None:  # resumed at the very end: the checkpoint of the last step is already there
         last_saved = ckpt.latest_checkpoint(run_dir)
         metrics = ckpt.read_trainer_state(last_saved).get("metrics", {})
@@ -215,28 +352,22 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
         "final_model": str(run_dir / ckpt.FINAL_DIR),
         "last_checkpoint": str(last_saved),
         "steps": schedule.total_steps,
-        "policy_version": version_start + schedule.total_steps,
+        "policy_version": trainer.version_start + schedule.total_steps,
         "train_groups": len(schedule.train_groups),
         "holdout_groups": len(schedule.holdout_groups),
         "world_size": accelerator.num_processes,
         **distributed.describe(accelerator),
-        "optimizer_steps": optimizer_steps(optimizer) - steps_at_start,
-        "padding_free": layout.padding_free,
+        "optimizer_steps": optimizer_steps(trainer.optimizer) - trainer.steps_at_start,
+        "padding_free": trainer.layout.padding_free,
         "seconds": time.time() - started,
         "final_metrics": metrics,
-        "importance_weights": weights.summary(),
+        "importance_weights": logs.weights.summary(),
     }
-    # A sharded run gathers its full model once, here (every rank takes part).
     sharded = distributed.is_sharded(accelerator)
-    source = ckpt.consolidate(accelerator, scorer, tokenizer, run_dir) if sharded else last_saved
+    source = ckpt.consolidate(accelerator, trainer.scorer, data.tokenizer, run_dir) if sharded else last_saved
     if accelerator.is_main_process:
         final = ckpt.export_final(source, run_dir, config.model, config.model_dtype, summary)
         if config.push_to_hub:
-            evals = {k.removeprefix("eval/"): v for k, v in last_eval.items()}
+            evals = {k.removeprefix("eval/"): v for k, v in ending.last_eval.items()}
             summary["pushed_to"] = hooks.publish(final, summary, evals)
-    metrics_log.close()
-    index.close()
-    accelerator.wait_for_everyone()
-    if not foreign_process_group:
-        accelerator.end_training()
     return summary

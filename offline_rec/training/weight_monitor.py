@@ -6,9 +6,10 @@ pushed down 5000 times harder than the rest collapses the policy in a few steps 
 
 1. `weight_stats` is the one measure, for train and `eval --offline` alike: over the policy tokens of
    some rows, ess = (sum rho)^2 / (n sum rho^2) in (0, 1] (the token-level effective sample size as a
-   fraction: the `ess` that `policy_loss` logs), ratio_max, and the shares of tokens with rho > 10
-   (`RATIO_HIGH`) and rho < 0.1 (`RATIO_LOW`); `behavior_weight_stats` gives them with the rows, reward
-   mean and mean logged log-prob of each value of the `behavior` column.
+   fraction), ratio_max, and the shares of tokens with rho > 10 (`RATIO_HIGH`) and rho < 0.1
+   (`RATIO_LOW`): `objectives.ratio_stats` of the rows' `Ratios`, the very numbers `policy_loss` logs;
+   `behavior_weight_stats` gives them with the rows, reward mean and mean logged log-prob of each value
+   of the `behavior` column.
 2. Before the first step, `initial_weights` measures a seeded sample of the training rows against the
    INITIAL policy (teacher-forced, as `eval --offline` does), per behavior.
 3. At every step, `WeightMonitor.observe` reads each pass's log-probs (the ones the loss uses: no extra
@@ -29,8 +30,9 @@ import sys
 
 import numpy as np
 
-from offline_rec.algorithms import EXPONENT_LIMIT, RATIO_HIGH, RATIO_LOW
+from offline_rec.algorithms import RATIO_HIGH, RATIO_LOW
 from offline_rec.errors import UserError
+from offline_rec.objectives import RATIO_TOTALS
 
 ESS_WARNING = 0.1
 """Default of train's weight_ess_warning: a step whose token ESS fraction is below it gets a warning."""
@@ -42,9 +44,6 @@ BOUNDING_OPTIONS = ("--set algorithm.is_cap=10 or algorithm.dual_clip_negatives=
 STEP_PREFIX = "behavior/"
 """metrics.jsonl keys of the per-behavior step metrics: behavior/<name>/<metric> (name: `metric_name`)."""
 
-# Per-behavior sums of a step: index of each quantity (all summed over ranks, but the max).
-_SUMS = ("tokens", "ratio_sum", "ratio_sq_sum", "high", "low", "ratio_max")
-
 
 class WeightCollapse(UserError):
     """stop_on_weight_collapse: the importance weights' ESS fell below the threshold."""
@@ -54,11 +53,17 @@ def weight_stats(token_log_ratios) -> dict:
     """ess, ratio_max, ratio_high_fraction, ratio_low_fraction, tokens of the token ratios rho = exp(log pi -
     log mu) over every sequence of `token_log_ratios` (a list of 1-D arrays, one per row, its policy tokens).
 
-    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0. log rho is
-    clamped to +-20 first, as the loss does (float64: no overflow either way).
+    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0 (`objectives.ratio_stats`).
+    log rho is clamped to +-20 first, as the loss does (float64: no overflow either way).
     """
+    import torch
+
+    from offline_rec.algorithms import ratios
+
     flat = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in token_log_ratios] or [np.zeros(0)])
-    return _from_sums(_sums(flat))
+    log_ratio = torch.from_numpy(flat).unsqueeze(0)  # [1, n]: the measure is over tokens, whatever their row
+    r = ratios(log_ratio, torch.zeros_like(log_ratio), torch.ones_like(log_ratio, dtype=torch.bool))
+    return _stats(r.row_totals()[0])
 
 
 def behavior_weight_stats(token_log_ratios, behaviors, rewards=None, behavior_logprobs=None) -> dict:
@@ -197,21 +202,14 @@ class WeightMonitor:
 
         from offline_rec.algorithms import ratios
 
-        r = ratios(logprobs.double(), batch["behavior_logprobs"].double(), batch["loss_mask"])
-        mask, rho = r.mask, r.rho  # [B, T]
+        totals = ratios(logprobs.double(), batch["behavior_logprobs"].double(), batch["loss_mask"]).row_totals()
         rows = batch["rows"].cpu().numpy()
         codes = torch.as_tensor(np.where(rows >= 0, self.codes[np.maximum(rows, 0)], 0), dtype=torch.long,
-                                device=rho.device)  # [B]
+                                device=totals.device)  # [B]
         if self.sums is None:
-            self.sums = torch.zeros(len(self.names), len(_SUMS), dtype=torch.float64, device=rho.device)
-        masked = mask.double()
-        added = torch.stack([masked.sum(1), (rho * masked).sum(1), (rho**2 * masked).sum(1),
-                             ((rho > RATIO_HIGH) & mask).double().sum(1), ((rho < RATIO_LOW) & mask).double().sum(1)],
-                            dim=1)  # [B, 5]
-        self.sums[:, :5].index_add_(0, codes, added)
-        row_max = torch.where(mask, rho, 0.0).amax(dim=1)  # [B]
-        at_max = self.sums[:, 5].clone().scatter_reduce(0, codes, row_max, "amax")
-        self.sums[:, 5] = at_max
+            self.sums = torch.zeros(len(self.names), len(RATIO_TOTALS), dtype=torch.float64, device=totals.device)
+        self.sums[:, :-1].index_add_(0, codes, totals[:, :-1])  # the sums; ratio_max below, by max
+        self.sums[:, -1] = self.sums[:, -1].clone().scatter_reduce(0, codes, totals[:, -1], "amax")
 
     def step_metrics(self, accelerator) -> dict:
         """The step's per-behavior metrics (behavior/<name>/...), over all ranks; resets the sums. Every rank
@@ -220,17 +218,18 @@ class WeightMonitor:
             return {}
         import torch
 
-        sums = self.sums if self.sums is not None else torch.zeros(len(self.names), len(_SUMS), dtype=torch.float64)
+        from offline_rec.objectives import add_totals
+
+        sums = self.sums if self.sums is not None else torch.zeros(len(self.names), len(RATIO_TOTALS),
+                                                                   dtype=torch.float64)
         gathered = accelerator.gather(sums.to(accelerator.device).unsqueeze(0)).cpu().double()  # [world, K, 6]
-        total = gathered.sum(dim=0)
-        total[:, 5] = gathered[:, :, 5].amax(dim=0)
+        total = add_totals(gathered, dim=0)  # [K, 6]
         self.sums = None
         metrics = {}
         for k, name in enumerate(self.names):
-            tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max = total[k].tolist()
-            if not tokens:
+            if not total[k, 0]:  # no tokens of this behavior in the step
                 continue
-            stats = _from_sums((tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max))
+            stats = _stats(total[k])
             metrics.update({f"{STEP_PREFIX}{metric_name(name)}/{key}": value for key, value in stats.items()})
         return metrics
 
@@ -288,16 +287,8 @@ def metric_name(behavior: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", behavior)
 
 
-def _sums(flat: np.ndarray) -> tuple:
-    rho = np.exp(np.clip(flat, -EXPONENT_LIMIT, EXPONENT_LIMIT))
-    return (float(len(rho)), float(rho.sum()), float((rho**2).sum()), float((rho > RATIO_HIGH).sum()),
-            float((rho < RATIO_LOW).sum()), float(rho.max()) if len(rho) else 1.0)
+def _stats(totals) -> dict:
+    """`objectives.ratio_stats` of `totals` [6] (`RATIO_TOTALS`) as plain numbers, with its token count."""
+    from offline_rec.objectives import ratio_stats
 
-
-def _from_sums(sums) -> dict:
-    tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max = sums
-    if not tokens:
-        return {"ess": 1.0, "ratio_max": 1.0, "ratio_high_fraction": 0.0, "ratio_low_fraction": 0.0, "tokens": 0}
-    ess = ratio_sum**2 / (tokens * ratio_sq_sum) if ratio_sq_sum else 1.0
-    return {"ess": ess if math.isfinite(ess) else 0.0, "ratio_max": ratio_max, "ratio_high_fraction": high / tokens,
-            "ratio_low_fraction": low / tokens, "tokens": int(tokens)}
+    return {**{key: value.item() for key, value in ratio_stats(totals).items()}, "tokens": int(totals[0])}

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_support import run_cli
-from paths import REPO
+from support.cli_support import run_cli
+from support.paths import REPO
 
 from offline_rec.errors import UserError
 
@@ -30,7 +30,7 @@ TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, validation_pr
 def nonzero_advantage_rows(dataset: str) -> int:
     """Rows of the groups whose rewards are not all equal: the rows skip_zero_advantage trains on."""
     from offline_rec import schema as S
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
 
     return sum(len(group) for group in open_dataset(dataset).iter_groups([S.REWARD])
                if len({row[S.REWARD] for row in group}) > 1)
@@ -42,7 +42,7 @@ def toy_steps(summary: dict) -> int:
 
 @pytest.fixture(scope="module")
 def tiny_policy() -> str:
-    from offline_rec.demo.policy import demo_policy_path
+    from offline_rec.demo.behavior_policy import demo_policy_path
 
     return demo_policy_path()
 
@@ -60,7 +60,7 @@ def demo(tmp_path_factory, tiny_policy):
 def test_every_stage_leaves_its_output(demo):
     from transformers import AutoModelForCausalLM
 
-    from offline_rec.data.validate import validate_dataset
+    from offline_rec.dataset.validate import validate_dataset
 
     out, summary = demo
     assert validate_dataset(summary["paths"]["dataset"]).ok
@@ -88,9 +88,8 @@ def test_summary_json_has_the_promised_keys(demo):
     out, returned = demo
     summary = json.loads((out / "summary.json").read_text())
     assert summary == json.loads(json.dumps(returned))
-    # the default recipe is the paper's wide clip
-    assert summary["algorithm"] == "rec-oneside-nois" and summary["algorithm_overrides"] == {"eps_low": 0.6,
-                                                                                          "eps_high": 2.0}
+    # the default recipe is rec-logged as the preset defines it (no wide clip over it)
+    assert summary["algorithm"] == "rec-logged" and summary["algorithm_overrides"] == {}
     assert summary["seed"] == 0 == summary["settings"]["seed"]
     for side in ("before", "after"):
         assert set(summary[side]) == {"greedy_accuracy", "accuracy", "pass@4"}
@@ -114,7 +113,7 @@ def test_summary_json_has_the_promised_keys(demo):
 
 @pytest.mark.slow
 def test_validation_prompts_are_train_split_and_never_trained_on(demo):
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.tasks.builtin import arith_split
     from offline_rec.tasks.prompts import load_prompts
 
@@ -204,7 +203,7 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
 
 
 def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatch):
-    import offline_rec.demo.policy as demo_policy
+    import offline_rec.demo.behavior_policy as demo_policy
     from offline_rec.demo.pipeline import demo_policy_cache, ensure_demo_policy
 
     def missing():
@@ -374,7 +373,7 @@ def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_po
 
 @pytest.mark.slow
 def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline(tmp_path, tiny_policy, capsys):
-    from offline_rec.data.inspect import describe_dataset
+    from offline_rec.dataset.inspect import describe_dataset
     from offline_rec.demo.pipeline import LOGGED
 
     out = tmp_path / "logged"
@@ -411,7 +410,7 @@ def test_the_default_recipe_trains_steps_of_rows_and_the_others_whole_groups():
     default = DemoSettings()
     assert dict(default.train_overrides) == {"batching": "rows", "skip_zero_advantage": True, "rows_per_step": 128}
     assert default.train_overrides == DEMO_TRAIN and (default.lr, default.epochs, default.lr_schedule) == (
-        3e-4, 2, "cosine")
+        6e-4, 2, "cosine")
     # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes ~414)
     assert step_rows(default) == (512, 128)
     # --logged and --model keep whole-group steps: 4096 / 128 x 8 epochs; 32 / 8 x 1 epoch, 8 groups of 4 rows

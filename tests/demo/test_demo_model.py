@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from cli_support import run_cli
+from support.cli_support import run_cli
 
 from offline_rec.errors import UserError
 
@@ -74,7 +74,7 @@ def chat_model(tmp_path_factory) -> str:
 @pytest.mark.slow  # ~1 min on a 2-core machine: the teaching (~20 s) and a quick demo
 def test_demo_on_a_chat_model_uses_its_template_the_instruct_reward_and_prints_an_estimate(
         chat_model, tmp_path, capsys):
-    from offline_rec.data.dataset import open_dataset, read_manifest
+    from offline_rec.dataset.format import open_dataset, read_manifest
     from offline_rec.demo.pipeline import INSTRUCT_REWARD, OWN_MODEL, OWN_MODEL_QUICK
     from offline_rec.models.loading import load_tokenizer
     from offline_rec.tasks.builtin import arith_reward
@@ -140,8 +140,8 @@ def test_planned_work_and_the_estimate_worked_by_hand():
 
 
 def test_the_shipped_policy_and_its_recipe_keep_the_tiny_recipe(tmp_path):
+    from offline_rec.demo.behavior_policy import demo_policy_path
     from offline_rec.demo.pipeline import OWN_MODEL, OWN_MODEL_QUICK, QUICK, model_recipe
-    from offline_rec.demo.policy import demo_policy_path
 
     assert model_recipe(None, quick=False) == (False, {})
     assert model_recipe(demo_policy_path(), quick=True) == (False, QUICK)

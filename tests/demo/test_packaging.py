@@ -4,7 +4,7 @@ import subprocess
 import sys
 import zipfile
 
-from paths import REPO
+from support.paths import REPO
 
 POLICY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -22,7 +22,8 @@ def test_the_wheel_ships_the_demo_policy_and_an_install_finds_it(tmp_path):
                    check=True)
     found = subprocess.run(
         [sys.executable, "-I", "-c",
-         f"import sys; sys.path.insert(0, {str(site)!r}); from offline_rec.demo.policy import demo_policy_path; "
+         f"import sys; sys.path.insert(0, {str(site)!r}); "
+         "from offline_rec.demo.behavior_policy import demo_policy_path; "
          "print(demo_policy_path())"],
         check=True, capture_output=True, text=True, cwd=tmp_path,
     ).stdout.strip()

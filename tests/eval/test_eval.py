@@ -10,12 +10,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_support import cli_exit_code
-from cli_support import run_cli as run_main
+from support.cli_support import cli_exit_code
+from support.cli_support import run_cli as run_main
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval import rollouts as E
 from offline_rec.eval.config import EvalConfig, cli_arguments

@@ -11,12 +11,12 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from cli_support import run_cli
-from sampling_support import chat_prompt_file, max_logprob_error
+from support.cli_support import run_cli
+from support.sampling_support import chat_prompt_file, max_logprob_error
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.eval.config import EvalConfig
 from offline_rec.eval.offline import offline_evaluate
 from offline_rec.eval.rollouts import evaluate

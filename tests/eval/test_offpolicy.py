@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 import pytest
-from cli_support import run_cli
+from support.cli_support import run_cli
 
 from offline_rec import schema as S
 from offline_rec.eval.offpolicy import behavior_kl, offpolicy_estimates
@@ -148,7 +148,7 @@ def other_model(tmp_path_factory) -> str:
 
 def logged_dataset(path, model_path, groups, batch_size=8):
     """Write `groups` with behavior log-probs teacher-forced by `model_path` (rows in file order)."""
-    from datagen import write_dataset
+    from support.datagen import write_dataset
 
     from offline_rec.models.loading import load_model, load_tokenizer
     from offline_rec.models.teacher_forced import teacher_forced_logprobs
@@ -169,7 +169,7 @@ def logged_dataset(path, model_path, groups, batch_size=8):
 
 def test_policy_equal_to_behavior_gives_the_logged_mean_and_full_ess(tmp_path, behavior_model):
     """The logged log-probs ARE the policy's teacher-forced ones (same batches): every weight is exactly 1."""
-    from datagen import make_rows
+    from support.datagen import make_rows
 
     from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.offline import offline_evaluate
@@ -198,9 +198,9 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
     import shutil
 
     import torch
-    from datagen import make_rows
+    from support.datagen import make_rows
 
-    from offline_rec.data.dataset import open_dataset
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.eval.config import EvalConfig
     from offline_rec.eval.offline import offline_evaluate
     from offline_rec.models.loading import load_model
@@ -259,7 +259,7 @@ def test_estimate_from_a_runs_holdout_with_masks_and_null_rewards(tmp_path, beha
 
 
 def test_cli_offline(tmp_path, behavior_model, capsys):
-    from datagen import make_rows
+    from support.datagen import make_rows
 
     data = logged_dataset(tmp_path / "data", behavior_model, make_rows([2, 2], seed=1, vocab_size=VOCAB))
     code, out, err = run_cli(capsys, "eval", "--offline", "--model", behavior_model, "--data", data, "--out",
@@ -272,7 +272,7 @@ def test_cli_offline(tmp_path, behavior_model, capsys):
 
 
 def test_cli_offline_bad_input(tmp_path, behavior_model, capsys):
-    from datagen import make_rows, write_dataset
+    from support.datagen import make_rows, write_dataset
 
     empty_run = tmp_path / "empty-run"
     empty_run.mkdir()

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_support import run_cli
+from support.cli_support import run_cli
 
 from offline_rec.errors import UserError
 from offline_rec.eval.report import format_number, read_metrics, report_runs, smooth

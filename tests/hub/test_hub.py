@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, tree_digest, write_dataset
-from datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
-from paths import REPO as ROOT
+from support.cli_support import run_cli
+from support.datagen import make_rows, tree_digest, write_dataset
+from support.datasets_support import old_style_card, rows_by_datasets, rows_by_pyarrow, use_private_datasets_cache
+from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
-from offline_rec.data.card import card_problem, split_front_matter
+from offline_rec.dataset.card import card_problem, split_front_matter
 from offline_rec.errors import UserError
 from offline_rec.hub import transfer as hub
 
@@ -533,8 +533,8 @@ def test_resolve_dataset_path_validates_and_parses(fake_hub, dataset, tmp_path):
 
 def test_training_data_from_the_hub_is_validated_once_with_its_row_store(fake_hub, dataset, tmp_path, monkeypatch):
     """train reads hf:// data in the Hub cache (no copy) and validates it once, when its row store is built."""
-    import offline_rec.data.validate as validate
-    from offline_rec.data.dataset import open_dataset
+    import offline_rec.dataset.validate as validate
+    from offline_rec.dataset.format import open_dataset
     from offline_rec.training import checks, group_index
 
     FakeHub.snapshot = dataset

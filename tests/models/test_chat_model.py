@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from offline_rec.data.importers.tokens import is_valid_utf8
+from offline_rec.importers.tokens import is_valid_utf8
 from offline_rec.models.tiny import (
     CHAT_SYSTEM_PROMPT,
     build_chat_tokenizer,

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import cli_exit_code as run_main
-from sampling_support import raw_logprobs
+from support.cli_support import cli_exit_code as run_main
+from support.sampling_support import raw_logprobs
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.models.loading import load_model, load_tokenizer, model_source
 from offline_rec.tasks.builtin import arith_answer_reward
 

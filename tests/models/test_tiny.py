@@ -1,4 +1,5 @@
-"""Tiny models built without downloads (offline_rec.models.tiny) and the demo policy build (offline_rec.demo.policy)."""
+"""Tiny models built without downloads (offline_rec.models.tiny) and the demo policy build
+(offline_rec.demo.behavior_policy)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from paths import REPO
+from support.paths import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from offline_rec.demo.policy import BUILD_INFO_FILE, completion_batch, demo_policy_path
+from offline_rec.demo.behavior_policy import BUILD_INFO_FILE, completion_batch, demo_policy_path
 from offline_rec.errors import UserError
 from offline_rec.models.tiny import build_bpe_tokenizer, build_char_tokenizer, build_tiny_model, make_tiny_checkpoint
 

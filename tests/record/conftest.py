@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from record_support import ServerThread, create_fake
+from support.record_support import ServerThread, create_fake
 
 
 @pytest.fixture(scope="module")

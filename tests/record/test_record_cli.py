@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from cli_support import run_cli
+from support.cli_support import run_cli
 
 
 @pytest.mark.parametrize(

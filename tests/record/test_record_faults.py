@@ -12,8 +12,9 @@ import time
 
 import httpx
 import pytest
-from paths import REPO
-from record_support import MESSAGES_FOR_FAULTS, MODEL, ServerThread, create_fake, free_port, sse_payloads
+from support.paths import REPO
+from support.ports import free_port
+from support.record_support import MESSAGES_FOR_FAULTS, MODEL, ServerThread, create_fake, sse_payloads
 
 from offline_rec.record.recorder import Recorder, RecordOptions
 from offline_rec.record.sink import whole_lines

@@ -14,9 +14,10 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, MODEL_ROOT, RecordProcess, ServerThread, create_fake, free_port, strict_lines
+from support.ports import free_port
+from support.record_support import MODEL, MODEL_ROOT, RecordProcess, ServerThread, create_fake, strict_lines
 
-from offline_rec.record.settings import ProxySettings
+from offline_rec.record.settings import ProxyOptions
 
 CHAT = "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "Grüß dich! 你好"}]
@@ -213,15 +214,15 @@ def test_7_a_call_without_a_right_key_is_a_401(fake, proxy, auth):
 
 
 def test_7_listening_beyond_this_machine_needs_a_key_or_insecure(capsys, tmp_path):
-    from cli_support import run_cli
+    from support.cli_support import run_cli
 
     code, _, err = run_cli(capsys, "record", "--upstream", "http://127.0.0.1:9", "--out", tmp_path / "rec",
                            "--host", "0.0.0.0", "--port", "0")
     assert code == 2 and "--host 0.0.0.0" in err and "--insecure" in err
-    ProxySettings(insecure=True).check_host("0.0.0.0", [])
-    ProxySettings().check_host("0.0.0.0", ["k"])
+    ProxyOptions(insecure=True).check_host("0.0.0.0", [])
+    ProxyOptions().check_host("0.0.0.0", ["k"])
     for host in ("127.0.0.1", "::1", "localhost"):
-        ProxySettings().check_host(host, [])
+        ProxyOptions().check_host(host, [])
 
 
 def test_11_episodes_belong_to_the_key_that_opened_them(proxy):

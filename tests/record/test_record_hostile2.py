@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, RecordProcess, sse_payloads, strict_lines
+from support.record_support import MODEL, RecordProcess, sse_payloads, strict_lines
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, RecordProcess, sse_payloads, strict_lines
+from support.record_support import MODEL, RecordProcess, sse_payloads, strict_lines
 
 from offline_rec.record import sink
 from offline_rec.record.recorder import Recorder, RecordOptions
@@ -310,7 +310,7 @@ def test_a_call_whose_fsync_the_shutdown_cuts_is_answered_and_not_called_unrecor
 
     from offline_rec.record.proxy import _server, create_app
     from offline_rec.record.proxy_state import ProxyState
-    from offline_rec.record.settings import ProxySettings
+    from offline_rec.record.settings import ProxyOptions
 
     real_fsync, entered, release = os.fsync, threading.Event(), threading.Event()
 
@@ -321,7 +321,7 @@ def test_a_call_whose_fsync_the_shutdown_cuts_is_answered_and_not_called_unrecor
 
     warnings: list[str] = []
     state = ProxyState(upstream=fake.url, recorder=Recorder(tmp_path / "rec", RecordOptions(fsync_interval=0)),
-                       warn=warnings.append, settings=ProxySettings(shutdown_timeout=0.3), probe=False,
+                       warn=warnings.append, settings=ProxyOptions(shutdown_timeout=0.3), probe=False,
                        logprobs_mode="processed_logprobs")
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

@@ -15,7 +15,8 @@ from offline_rec.record.assemble import SseSplitter, StreamAssembler, event_data
 from offline_rec.record.logprobs_probe import classify
 from offline_rec.record.open_episodes import EpisodeBook, is_end
 from offline_rec.record.proxy_state import upstream_base
-from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_field, redact
+from offline_rec.record.recorder import Recorder, RecordOptions, redact
+from offline_rec.record.settings import parse_redact_field
 
 # --------------------------------------------------------------------------------------------
 # what goes upstream, what comes back
@@ -189,6 +190,31 @@ def test_redact_paths():
     for bad in ("", "a..b", ".a"):
         with pytest.raises(UserError, match="redact-field"):
             parse_redact_field(bad)
+
+
+def test_record_takes_the_recorders_options_as_one_group_in_the_units_of_its_flags(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from offline_rec.cli import app
+    from offline_rec.record import proxy
+    from offline_rec.record.settings import RecordConfig
+
+    config = RecordConfig(upstream="http://u", out=tmp_path, rotate_mb=1.5, max_episode_mb=0.5,
+                          redact_field=["user", "messages.*.name"], fsync_interval=0)
+    assert config.recording == RecordOptions(rotate_mb=1.5, max_episode_mb=0.5, fsync_interval=0,
+                                             redact_field=["user", "messages.*.name"])
+    assert (config.recording.rotate_bytes, config.recording.max_episode_bytes) == (1_572_864, 524_288)  # 1.5 MiB
+    assert config.recording.redact_fields == (("user",), ("messages", "*", "name"))
+    assert (RecordOptions().rotate_bytes, RecordOptions().max_episode_bytes) == (256 << 20, 64 << 20)
+    with pytest.raises(UserError, match="redact-field 'a..b'"):
+        RecordConfig(upstream="http://u", out=tmp_path, redact_field=["a..b"])  # refused before serving
+    seen = {}
+    monkeypatch.setattr(proxy, "run_record", lambda *args, **kwargs: seen.update(kwargs) or {})
+    monkeypatch.setattr("offline_rec.summaries.record_line", lambda stats, out: "done")
+    result = CliRunner().invoke(app, ["record", "--upstream", "http://u", "-o", str(tmp_path), "--rotate-mb", "1.5",
+                                      "--redact-field", "user", "--episode-idle-timeout", "7"])
+    assert result.exit_code == 0, result.output
+    assert seen["options"] == RecordOptions(rotate_mb=1.5, redact_field=["user"], episode_idle_timeout=7.0)
 
 
 # --------------------------------------------------------------------------------------------

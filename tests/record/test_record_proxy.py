@@ -7,11 +7,11 @@ import time
 
 import httpx
 import pytest
-from record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
+from support.record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
 
 from offline_rec.record.proxy import create_app
 from offline_rec.record.proxy_state import ProxyState
-from offline_rec.record.recorder import Recorder, RecordOptions, parse_redact_field
+from offline_rec.record.recorder import Recorder, RecordOptions
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -194,7 +194,7 @@ def test_upstream_errors_pass_through_unchanged_and_are_not_recorded(fake, proxy
 
 
 def test_unreachable_upstream_is_a_502(tmp_path):
-    from record_support import free_port
+    from support.ports import free_port
 
     p = Proxy(f"http://127.0.0.1:{free_port()}", tmp_path / "rec", logprobs_mode="processed_logprobs")
     try:
@@ -214,8 +214,7 @@ def test_models_pass_through_and_health_is_answered_by_the_proxy(fake, proxy):
 
 
 def test_secrets_never_reach_the_files(fake, proxy):
-    redact = (parse_redact_field("user"), parse_redact_field("messages.*.name"), parse_redact_field("metadata.email"))
-    p = proxy(redact_fields=redact)
+    p = proxy(redact_field=["user", "messages.*.name", "metadata.email"])
     secret = "sk-very-secret-key-123"
     messages = [{**MESSAGES[1], "name": "Jeanne Dupont"}]
     body = {"model": MODEL, "messages": messages, "user": "customer-42", "metadata": {"email": "j@d.fr", "plan": "x"}}
@@ -235,7 +234,7 @@ def test_secrets_never_reach_the_files(fake, proxy):
 
 
 def test_rotation_keeps_every_line_whole(fake, proxy):
-    p = proxy(rotate_bytes=4000)
+    p = proxy(rotate_mb=4000 / (1 << 20))  # 4000 bytes
     for i in range(12):
         post(p.url, CHAT, {"model": MODEL, "messages": MESSAGES, "seed": i, "stream": i % 2 == 1})
     p.stop()

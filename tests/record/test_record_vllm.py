@@ -19,8 +19,8 @@ import time
 
 import httpx
 import pytest
-from chat_logs import whole_word_tokens
-from record_support import ServerThread, read_lines, sse_payloads
+from support.chat_logs import whole_word_tokens
+from support.record_support import ServerThread, read_lines, sse_payloads
 from transformers import AutoTokenizer
 
 from offline_rec.record.assemble import StreamAssembler
@@ -94,7 +94,7 @@ def session(vllm_server, tmp_path_factory):
                                       json={"model": "no-such-model", "messages": conversations[0]})
             errors.append((answer.status_code, answer.content))
         # a two-call tool episode; reply 1 among whole-word tokens, so that the chat template renders it
-        # back to the same tokens in call 2 (as a real model's usual text does; see tests/chat_logs.py)
+        # back to the same tokens in call 2 (as a real model's usual text does; see tests/support/chat_logs.py)
         tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
         allowed = whole_word_tokens(tokenizer) + [tokenizer.eos_token_id]
         first = httpx.post(proxy.url + "/v1/chat/completions", timeout=300, headers={"X-Episode-Id": "episode-1"},
@@ -170,8 +170,8 @@ def test_import_gives_the_server_ids_and_teacher_forced_logprobs(session, tmp_pa
     """`offline-rec import` of the recorded directory as it is (single calls and the episode), rewards
     given afterwards by response and episode id: ids are the server's, log-probs equal a teacher-forced
     recomputation, the episode is one row whose loss mask covers exactly its two replies."""
-    from offline_rec.data.dataset import open_dataset
-    from offline_rec.data.importers import ImportConfig, import_dataset
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.importers import ImportConfig, import_dataset
     from offline_rec.models.loading import load_model, load_tokenizer
     from offline_rec.models.teacher_forced import teacher_forced_logprobs
     from offline_rec.models.tiny import token_bytes

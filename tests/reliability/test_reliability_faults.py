@@ -41,16 +41,16 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from cli_support import cli_exit_code
-from datagen import make_rows, tree_digest, write_dataset
-from file_watch import FileWatch
-from paths import TESTS
-from train_support import tiny_model
-from train_support import write_dataset as write_training_dataset
+from support.cli_support import cli_exit_code
+from support.datagen import make_rows, tree_digest, write_dataset
+from support.file_watch import FileWatch
+from support.paths import TESTS
+from support.train_support import tiny_model
+from support.train_support import write_dataset as write_training_dataset
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.models.tiny import make_tiny_checkpoint
 from offline_rec.training import checkpoint as ckpt
 
@@ -101,7 +101,7 @@ RUNNER = textwrap.dedent('''
 
         checkpoint.atomic_write_json = atomic_write_json
     elif point == "store-build":  # the row store holds the token columns, the index only in part
-        from offline_rec.data.rowstore import RowStoreWriter
+        from offline_rec.training.rowstore import RowStoreWriter
 
         real_append = RowStoreWriter.append_array
 
@@ -696,7 +696,7 @@ def enospc(*args, **kwargs):
 
 def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch):
     """Where no tmpfs can be mounted: linking the second shard raises ENOSPC as a full disk would."""
-    import offline_rec.data.dataset as dataset_module
+    import offline_rec.dataset.format as dataset_module
 
     source = write_dataset(tmp_path / "input", make_rows([2] * 300, seed=23), groups_per_shard=50)
     before = tree_digest(source)

@@ -28,13 +28,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_support import run_cli
-from datagen import make_rows, tree_digest, write_dataset
-from defects import DEFECTS as VALIDATE_DEFECTS
-from paths import REPO as ROOT
+from support.cli_support import run_cli
+from support.datagen import make_rows, tree_digest, write_dataset
+from support.defects import DEFECTS as VALIDATE_DEFECTS
+from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
-from offline_rec.data.validate import ERROR, validate_dataset
+from offline_rec.dataset.validate import ERROR, validate_dataset
 from offline_rec.hub import transfer as hub
 from offline_rec.models.tiny import make_tiny_checkpoint
 

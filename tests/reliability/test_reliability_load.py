@@ -25,16 +25,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from paths import REPO as ROOT
+from support.datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
+from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
 from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, group_advantages, policy_loss
-from offline_rec.data.filter import FilterOptions, filter_dataset
-from offline_rec.data.inspect import describe_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.config import FilterConfig
+from offline_rec.dataset.filter import filter_dataset
+from offline_rec.dataset.inspect import describe_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import DataError, UserError
 
 # --------------------------------------------------------------------------------------------
@@ -278,5 +279,5 @@ def test_damaged_shard_bytes_never_crash_a_reader(shard, damages):
         except DataError:
             pass
         with pytest.raises(UserError):
-            filter_dataset(path, Path(folder) / "out", FilterOptions())
+            filter_dataset(path, Path(folder) / "out", FilterConfig())
         assert not (Path(folder) / "out").exists() and tree_digest(path) == before

@@ -1,7 +1,7 @@
 """`collect` with the transformers backend: the log-prob contract, EOS handling, the CLI, resume, errors.
 
 The log-prob contract: a sampled token's logged log-prob is that of the distribution it was drawn
-from. References are computed by hand from an unpadded float32 forward pass (tests/sampling_support.py):
+from. References are computed by hand from an unpadded float32 forward pass (tests/support/sampling_support.py):
 log_softmax(logits / T) at the sampled token, restricted to the top-k / nucleus set and renormalized.
 """
 
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import cli_exit_code as run_main
-from datagen import tree_digest
-from sampling_support import (
+from support.cli_support import cli_exit_code as run_main
+from support.datagen import tree_digest
+from support.sampling_support import (
     ALPHABET,
     PROMPTS,
     make_sampling_checkpoint,
@@ -30,8 +30,8 @@ from sampling_support import (
 )
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import DatasetWriter, open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import DatasetWriter, open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.models.tiny import build_char_tokenizer

@@ -21,12 +21,12 @@ import uuid
 from pathlib import Path
 
 import pytest
-from cli_support import cli_exit_code
-from paths import REPO
+from support.cli_support import cli_exit_code
+from support.paths import REPO
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -38,7 +38,7 @@ SLOW_REWARD = "import time\ndef score(prompt, completion, fields):\n    time.sle
 
 @pytest.fixture(scope="module", autouse=True)
 def vllm_importable():
-    from vllm_server import require_vllm
+    from support.vllm_server import require_vllm
 
     from offline_rec.rollout.backends import vllm_import_error
 

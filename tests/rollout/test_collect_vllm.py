@@ -4,7 +4,7 @@ All tests share the session's engine (tests/conftest.py `vllm_engine`: the tiny 
 model with a byte-level BPE vocabulary, float32, processed log-probs, vLLM's default scheduler
 with chunked prefill); sampling settings are per request. `collect` and `eval` commands run
 through the CLI are handed that engine too (`the_session_engine`). References are computed by
-hand from a float32 transformers forward pass of the same checkpoint (tests/sampling_support.py).
+hand from a float32 transformers forward pass of the same checkpoint (tests/support/sampling_support.py).
 vLLM's kernels differ from transformers' in summation order, hence a looser tolerance than the
 hf tests' 1e-4.
 """
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from cli_support import run_cli
-from sampling_support import (
+from support.cli_support import run_cli
+from support.sampling_support import (
     PROMPTS,
     chat_prompt_file,
     max_logprob_error,
@@ -26,8 +26,8 @@ from sampling_support import (
 )
 
 from offline_rec import schema as S
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.validate import validate_dataset
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import UserError
 from offline_rec.models.loading import load_model
 from offline_rec.rollout.backends import SamplingSettings, encode_prompts

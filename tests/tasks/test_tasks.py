@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from paths import FIXTURES
+from support.paths import FIXTURES
 
 from offline_rec.errors import UserError
 from offline_rec.tasks import builtin as tasks

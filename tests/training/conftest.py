@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from train_support import tiny_model
+from support.train_support import tiny_model
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from offline_rec.data.dataset import DatasetWriter, make_row, open_dataset
+from offline_rec.dataset.format import DatasetWriter, make_row, open_dataset
 from offline_rec.errors import DataError, UserError
 from offline_rec.training import group_index, micro_batching, scheduling, step_plan
 

@@ -3,7 +3,7 @@
 
 import pytest
 import yaml
-from paths import REPO
+from support.paths import REPO
 
 from offline_rec.algorithms import ALGORITHMS, get_algorithm
 from offline_rec.errors import UserError
@@ -114,4 +114,4 @@ def test_wide_clip_and_gpu_configs():
     gpu = build_config(CONFIGS / "gsm8k-qwen2.5-1.5b.yaml", {"data": ["d"], "out": "r"})
     assert (gpu.model, gpu.prompts_per_step, gpu.lr, gpu.max_grad_norm, gpu.mixed_precision) == (
         "Qwen/Qwen2.5-1.5B-Instruct", 96, 1e-6, 1.0, "bf16")
-    assert len(list(CONFIGS.glob("*.yaml"))) == len(ALGORITHMS) + 2
+    assert len(list(CONFIGS.glob("*.yaml"))) == len(ALGORITHMS) + 2  # + the wide clip and the GPU recipe

@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from paths import REPO, TESTS
 from safetensors.torch import load_file
-from train_support import bpe_tiny_model, config, write_dataset
+from support.paths import REPO, TESTS
+from support.train_support import bpe_tiny_model, config, write_dataset
 
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.config import TrainConfig
@@ -219,7 +219,7 @@ def test_fsdp2_killed_then_resumed_from_its_sharded_checkpoint(setup):
 
 
 def test_a_sharded_checkpoint_is_not_resumed_by_another_backend(setup, capsys):
-    from cli_support import cli_exit_code
+    from support.cli_support import cli_exit_code
 
     run = _backend_run(setup, "fsdp2")
     before = (run / ckpt.METRICS_FILE).read_text()
@@ -240,7 +240,7 @@ def test_a_sharded_checkpoint_is_not_resumed_by_another_backend(setup, capsys):
 HEAD_RECORDER = textwrap.dedent('''
     import json, os, sys
     from pathlib import Path
-    from train_support import WidestVocabularyRows
+    from support.train_support import WidestVocabularyRows
     from offline_rec.cli import main
 
     with WidestVocabularyRows(int(os.environ["VOCAB"])) as recorder:

@@ -10,9 +10,9 @@ import re
 
 import pytest
 import torch
-from cli_support import run_cli
+from support.cli_support import run_cli
 
-from offline_rec.demo.policy import demo_policy_path
+from offline_rec.demo.behavior_policy import demo_policy_path
 
 TRAIN = ("--set", "progress=false", "--set", "report_to=[]", "--set", "save_every=0", "--set", "cpu=true")
 

@@ -15,8 +15,8 @@ import json
 
 import pytest
 import torch
-from cli_support import cli_exit_code
-from train_support import config, tiny_model, write_dataset
+from support.cli_support import cli_exit_code
+from support.train_support import config, tiny_model, write_dataset
 
 from offline_rec.errors import UserError
 from offline_rec.training.loop import train

@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from train_support import config, tiny_model, write_dataset
+from support.train_support import config, tiny_model, write_dataset
 
 from offline_rec.preemption import PREEMPTED_EXIT_CODE, Preempted
 from offline_rec.training import checkpoint as ckpt

@@ -11,10 +11,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from train_support import config, write_dataset
+from support.train_support import config, write_dataset
 
 from offline_rec.algorithms import get_algorithm
-from offline_rec.data.dataset import open_dataset
+from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training import group_index, row_batching, scheduling

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import yaml
-from cli_support import run_cli
-from paths import REPO, TESTS
-from train_support import config, tiny_model, write_dataset
+from support.cli_support import run_cli
+from support.paths import REPO, TESTS
+from support.train_support import config, tiny_model, write_dataset
 
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.metrics import _NAMESPACE_OF

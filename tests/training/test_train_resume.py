@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from train_support import tiny_model, write_dataset
+from support.train_support import tiny_model, write_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.faults]
 

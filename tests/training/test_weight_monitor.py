@@ -11,12 +11,12 @@ import re
 
 import numpy as np
 import pytest
-from train_support import config, write_dataset
+from support.train_support import config, write_dataset
 
 from offline_rec.algorithms import ALGORITHMS
-from offline_rec.data.dataset import open_dataset
-from offline_rec.data.inspect import describe_dataset
-from offline_rec.data.merge import merge_datasets
+from offline_rec.dataset.format import open_dataset
+from offline_rec.dataset.inspect import describe_dataset
+from offline_rec.dataset.merge import merge_datasets
 from offline_rec.errors import UserError
 from offline_rec.summaries import merge_line, train_line
 from offline_rec.training import checks
@@ -52,6 +52,24 @@ def test_weight_stats_by_hand():
     assert weight_stats([])["ess"] == 1.0  # no tokens: nothing off-policy
     # a log-ratio of 1000 is clamped to 20 as in the loss: finite, e^20
     assert weight_stats([np.array([1000.0])])["ratio_max"] == pytest.approx(math.exp(20))
+
+
+def test_weight_stats_are_the_losss_ratio_metrics():
+    # the monitor and policy_loss read one measure (objectives.ratio_stats): same rows, same numbers
+    import torch
+
+    from offline_rec.algorithms import AlgorithmSpec, policy_loss
+
+    rows = [np.array([0.3, -2.5, 2.4]), np.array([-0.1]), np.array([3.0, 0.0])]
+    logp = torch.zeros(3, 3, dtype=torch.float64)
+    mask = torch.zeros(3, 3, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        logp[i, : len(row)], mask[i, : len(row)] = torch.from_numpy(row), True
+    _, metrics = policy_loss(AlgorithmSpec(), logp, torch.zeros_like(logp), torch.ones(3, dtype=torch.float64), mask)
+    stats = weight_stats(rows)
+    assert stats["tokens"] == 6 and metrics["ratio_high_fraction"] == pytest.approx(2 / 6)  # e^2.4, e^3 > 10
+    for key in ("ess", "ratio_max", "ratio_high_fraction", "ratio_low_fraction"):
+        assert stats[key] == pytest.approx(metrics[key], rel=1e-12), key
 
 
 def test_behavior_breakdown_by_hand():
