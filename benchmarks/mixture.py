@@ -26,6 +26,8 @@ T=1 accuracy and pass@8 on 512 held-out test prompts, greedy on 512 validation p
   is-tis          `is` with the weight clamped on both sides (`weight: tis`): W = clamp(rho, 0.5, 2)
   k0.5, k0.25     `nois` with group_mean_scale 0.5 / 0.25: A = r - kappa * mean_g(r), so an all-correct group
                   (what B got right) keeps A = 1 - kappa
+  rec-logged      the demo's default preset (issue 35: the clip on the negatives only, negatives weighted 0.25),
+                  rows + skip, lr 6e-4; rec-logged-k0.5 the same with group_mean_scale 0.5
   b-alone         no training: B itself, scored the same way
 Seeds: the training seed (the data is collect seed 0's). Per run the training log is kept next to the results
 (RUN.log): the weight monitor's warnings are counted from it. Output in --out (default runs/mixture):
@@ -68,6 +70,9 @@ ARMS: dict[str, peers.Arm] = {
                                            "eps_high_prime": 1.0}, peers.SKIP),
     "k0.5": peers.Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, peers.SKIP),
     "k0.25": peers.Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.25}, peers.SKIP),
+    # the demo's default (issue 35's recipe) as it is, and with the all-correct groups kept (kappa 0.5)
+    "rec-logged": peers.Arm("rec-logged", {}, peers.SKIP),
+    "rec-logged-k0.5": peers.Arm("rec-logged", {"group_mean_scale": 0.5}, peers.SKIP),
 }
 LRS = {"sft-positives": 1e-3}
 """Per arm; the others 6e-4 (`DEFAULT_LR`). TRL's SFT: the lr it chose on validation on A's data."""
