@@ -18,6 +18,7 @@ import pytest
 from support.cli_support import run_cli
 from support.datagen import make_rows, write_dataset
 from support.paths import REPO
+from support.processes import interruptible
 
 from offline_rec.models.tiny import build_char_tokenizer, build_tiny_reward_model, make_tiny_checkpoint, save_tiny
 
@@ -151,7 +152,7 @@ def test_view_serve_needs_no_extra(dataset):
                f"main(['view', {str(dataset)!r}, '--serve', '--port', '0'])\n")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     server = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env)
+                              text=True, env=env, preexec_fn=interruptible)
     try:
         line = server.stdout.readline()
         url = line.split(" on ", 1)[1].split()[0]

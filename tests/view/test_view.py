@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from support.cli_support import run_cli
 from support.datagen import make_rows, write_dataset
+from support.processes import interruptible
 from support.view_support import SCRIPT_COMPLETION, SHIFT_DOWN, SHIFT_UP, write_view_dataset
 
 from offline_rec import schema as S
@@ -343,7 +344,8 @@ def test_the_serve_command_announces_its_address_and_stops_on_ctrl_c(tmp_path):
     write_dataset(tmp_path / "ds", make_rows([2, 2]))
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     server = subprocess.Popen([sys.executable, "-m", "offline_rec", "view", str(tmp_path / "ds"), "--serve", "--port",
-                               "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                               "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              preexec_fn=interruptible)
     try:
         line = server.stdout.readline()
         url = line.split(" on ", 1)[1].split()[0]
