@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.cli_support import VLLM_IN_A_CHILD, run_cli_process
 from support.cli_support import cli_exit_code as run_main
 from support.sampling_support import raw_logprobs
 
@@ -149,16 +150,11 @@ def test_collect_with_vllm_through_the_chat_template(smol, work):
     runs in a `collect` process of its own: this test process keeps one vLLM engine per session (a second one
     in-process tears down the parallel state the session's engine uses)."""
     pytest.importorskip("vllm")
-    import subprocess
-    import sys
-
     out = work / "vllm"
-    command = [sys.executable, "-m", "offline_rec", "collect", "--model", smol, "--task", "arith",
-               "--num-prompts", "2", "-k", "2", "--max-new-tokens", "8", "--backend", "vllm", "--dtype", "float32",
-               "--seed", "0", "--out", str(out), "-q"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, err = run_cli_process("collect", "--model", smol, "--task", "arith", "--num-prompts", 2, "-k", 2,
+                                   "--max-new-tokens", 8, "--backend", "vllm", "--dtype", "float32", "--seed", 0,
+                                   "--out", out, "-q", env=VLLM_IN_A_CHILD)
+    assert code == 0, err[-3000:]
     dataset = open_dataset(out, require_complete=True)
     assert dataset.behavior["engine"] == "vllm"
     model = load_model(smol)

@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from support.cli_support import run_cli
+from support.cli_support import VLLM_IN_A_CHILD, run_cli, run_cli_process
 from support.datagen import tree_digest, write_dataset
 
 from offline_rec import schema as S
@@ -388,10 +388,12 @@ def test_vllm_pooling_backend_equals_transformers(models, logged, tmp_path, caps
     reason = vllm_import_error()
     if reason is not None:
         require_vllm(reason)
-    for backend in ("hf", "vllm"):
-        code, _, err = run_cli(capsys, "reward", logged, "--reward-model", models[kind], *extra, "--backend", backend,
-                               "--out", tmp_path / backend, "-q")
-        assert code == 0, err
+    # vLLM's pooling engine in a process of its own: the session keeps one vLLM engine in this one
+    arguments = ("reward", logged, "--reward-model", models[kind], *extra, "--out")
+    code, _, err = run_cli(capsys, *arguments, tmp_path / "hf", "--backend", "hf", "-q")
+    assert code == 0, err
+    code, _, err = run_cli_process(*arguments, tmp_path / "vllm", "--backend", "vllm", "-q", env=VLLM_IN_A_CHILD)
+    assert code == 0, err[-3000:]
     hf, vllm = rewards_of(tmp_path / "hf"), rewards_of(tmp_path / "vllm")
     assert hf.keys() == vllm.keys() and all(abs(hf[k] - vllm[k]) < 1e-5 for k in hf), (hf, vllm)
     assert open_dataset(tmp_path / "vllm").manifest[S.M_TASK]["reward_model"]["engine"] == "vllm"
