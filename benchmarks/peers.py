@@ -39,7 +39,7 @@ The arms change one lever at a time, starting from the demo's recipe (`groups`):
   kto                  TRL KTOTrainer on every row (label: reward > 0), 128 rows a step
 
 Output in --out (default runs/peers): results.jsonl (one line per finished (arm, lr, seed), resumable),
-table.md.
+table.md, arms.png.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` 
 from benchmarks import logged  # noqa: E402  (the data, the TRL venv and demo settings are logged.py's)
 from offline_rec.algorithms import WIDE_CLIP  # noqa: E402
 
-RESULTS_FILE, TABLE_FILE = "results.jsonl", "table.md"
+RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "arms.png"
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,34 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     rows = summarize([r for r in done if r["arm"] in arms])
     table = markdown_table(rows, scale)
     (out / TABLE_FILE).write_text(table)
+    if rows:
+        plot(rows, out / PLOT_FILE, scale)
     return {"table": table, "rows": rows, "out": str(out)}
+
+
+def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
+    """Per arm (its chosen lr): held-out greedy and T=1 accuracy, with the 95% interval where several seeds ran."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7.5, 0.32 * len(rows) + 1.4), layout="constrained")
+    positions = range(len(rows))
+    for offset, key, label in ((-0.2, "greedy", "greedy"), (0.2, "t1", "T=1")):
+        axis.barh([p + offset for p in positions], [r[key] for r in rows], height=0.4, label=label,
+                  xerr=[r[key + "_ci"] or 0 for r in rows], capsize=2)
+    axis.set_yticks(list(positions), [f"{r['arm']} (lr {r['lr']:g}, {r['seeds']} seed{'s' * (r['seeds'] > 1)})"
+                                      for r in rows], fontsize=8)
+    axis.invert_yaxis()
+    axis.set_xlabel(f"accuracy on {scale.eval_prompts} held-out prompts, final model (%)")
+    axis.set_title(f"{scale.num_prompts} logged prompts x 8, {scale.epochs} passes; lr chosen on validation",
+                   fontsize=10)
+    axis.grid(True, axis="x", alpha=0.3)
+    axis.legend(fontsize=8, loc="lower right")
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -233,6 +233,7 @@ def test_peers_benchmark_quick_run_scores_final_models_and_resumes(tmp_path):
     for result in results:
         assert 0 <= result["greedy"] <= 1 and 0 <= result["t1"] <= 1 and 0 <= result["pass8"] <= 1
     assert [row["arm"] for row in outcome["rows"]] == arms and "| rows-skip | 0.0003 | 1 |" in outcome["table"]
+    assert (tmp_path / "arms.png").stat().st_size > 0
     peers.run(tmp_path, arms, scale, log=lambda message: None)  # nothing left to run
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
 
