@@ -62,6 +62,10 @@ def test_lossy_token_strings_import_to_the_exact_ids_and_logprobs(logs, vllm_ser
         if column == S.GROUP_ID:  # the two logs are different requests: their response ids differ
             assert [r[column] for r in lossy] != [r[column] for r in ids]
             continue
+        if column == S.BEHAVIOR_LOGPROBS:  # two requests: vLLM-CPU may differ in the last float32 bits (~1e-6)
+            assert [len(r[column]) for r in lossy] == [len(r[column]) for r in ids]
+            assert max(abs(a - b) for r, q in zip(lossy, ids) for a, b in zip(r[column], q[column])) < 1e-4
+            continue
         assert [r[column] for r in lossy] == [r[column] for r in ids], column
     assert any(not r[S.COMPLETION].isascii() for r in lossy)
     # the server's prompt is the chat template's: the first row's ids as a token-id log gives them
