@@ -165,17 +165,17 @@ def test_the_old_paths_still_import_what_the_readme_named_and_warn():
 # backends: what a backend can do is read from its class in rollout/backends/, never from its name
 
 
+def compared_constants(node: ast.Compare) -> set:
+    """The constants a comparison compares with, alone or in a literal collection (`x in ("a", "b")`)."""
+    operands = [node.left, *node.comparators]
+    literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+    return {e.value for e in literals if isinstance(e, ast.Constant)}
+
+
 def backend_name_comparisons(source: str, names: set[str]) -> list[int]:
     """Lines of `source` that compare a value with one of `names` (==, !=, in / not in a literal collection)."""
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
-        if any(isinstance(e, ast.Constant) and e.value in names for e in literals):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and compared_constants(node) & names]
 
 
 def test_backend_names_are_compared_only_inside_rollout_backends():
@@ -208,6 +208,39 @@ def test_every_backend_declares_its_capabilities():
         assert backend.name == key
         assert all(hasattr(backend, attribute) for attribute in declared), (key, declared)
         assert callable(backend.load)
+
+
+# --------------------------------------------------------------------------------------------
+# import formats: what a format does is asked of its IMPORT_FORMATS entry or done in its own module, never
+# decided by a test of its name
+
+
+def format_name_comparisons(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that compare an import format's name (an attribute `.format`, or a variable `fmt`) with
+    one of `names`."""
+    def names_a_format(operand: ast.expr) -> bool:
+        return (isinstance(operand, ast.Attribute) and operand.attr == "format") or (
+            isinstance(operand, ast.Name) and operand.id == "fmt")
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and compared_constants(node) & names
+            and any(names_a_format(operand) for operand in [node.left, *node.comparators])]
+
+
+def test_import_format_names_are_never_compared():
+    from offline_rec.importers import IMPORT_FORMATS
+
+    found = [f"{path.relative_to(REPO)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line in format_name_comparisons(path.read_text(encoding="utf-8"), set(IMPORT_FORMATS))]
+    assert not found, ("give the format a hook or an ImportFormat field (importers/__init__.py) instead of "
+                       "testing its name: " + ", ".join(found))
+
+
+def test_the_format_name_check_finds_every_form_of_comparison():
+    names = {"text", "openai", "trl"}
+    source = ('a = fmt == "text"\nb = config.format in ("text", "trl")\nc = "openai" != fmt\n'
+              'd = fmt not in ["trl"]\ne = evidence.kind == "text"\nf = fmt == "other"\n')
+    assert format_name_comparisons(source, names) == [1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------------------------
