@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
@@ -21,7 +22,7 @@ from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig, ReportConfig
 from offline_rec.hub.config import PullConfig, PushConfig
 from offline_rec.importers.config import ImportConfig
-from offline_rec.options import Output, command, overrides, shared
+from offline_rec.options import Output, app_options, command, option, overrides, shared
 from offline_rec.preemption import Preempted
 from offline_rec.record.settings import ProxyOptions, RecordConfig
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
@@ -40,8 +41,8 @@ app = typer.Typer(
 
 
 # Every option of every command is a field of the command's config dataclass (offline_rec/options.py says how);
-# --quiet and --json are the fields of options.Output. Only the root's --version and train's --config, --set and
-# --list-options are declared here.
+# --quiet and --json are the fields of options.Output, --version a field of ProgramOptions. Only train's --config,
+# --set and --list-options are declared here.
 
 
 def _echo(lines: list[str]) -> None:
@@ -55,12 +56,15 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
+@dataclass(frozen=True)
+class ProgramOptions:
+    """The options of `offline-rec` itself, given before a command."""
+
+    version: bool = option(False, "--version", help="Print the version and exit.", eager=_version)
+
+
+@app_options(app, options=ProgramOptions)
+def _root(options: ProgramOptions) -> None:
     """Offline RL for LLMs from logged trajectories."""
 
 

@@ -17,7 +17,7 @@ LAYERS = [
      "offline_rec.coerce", "offline_rec.preemption", "offline_rec.objectives", "offline_rec.algorithms",
      "offline_rec.options",
      "offline_rec.ray_cluster", "offline_rec.devices", "offline_rec.workers"},
-    {"offline_rec.dataset", "offline_rec.data"},  # the format, below everything that reads or writes it
+    {"offline_rec.dataset"},  # the format, below everything that reads or writes it
     {"offline_rec.models"},
     {"offline_rec.tasks"},
     {"offline_rec.rewards", "offline_rec.importers"},  # scoring and importing load models and run task rewards
@@ -28,10 +28,6 @@ LAYERS = [
     {"offline_rec.demo"},
     {"offline_rec.cli", "offline_rec.display", "offline_rec.summaries", "offline_rec.__main__"},
 ]
-
-
-OLD_PATH_SHIMS = {"offline_rec.data", "offline_rec.data.dataset", "offline_rec.data.card", "offline_rec.data.validate"}
-"""Old import paths kept as re-exports for one release (docs/architecture.md lists them); no module uses them."""
 
 
 def module_name(path: Path) -> str:
@@ -127,8 +123,7 @@ def shared_file_names(paths: list[Path]) -> dict[str, list[str]]:
 
 def test_no_two_modules_of_the_package_share_a_file_name():
     """A file name says its job: `reward_model.py` in two rooms left a reader guessing which one a traceback meant."""
-    modules = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py"))
-               if module_name(path) not in OLD_PATH_SHIMS]
+    modules = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py"))]
     assert not shared_file_names(modules), shared_file_names(modules)
 
 
@@ -138,44 +133,28 @@ def test_the_shared_file_name_check_finds_a_repeat():
     assert shared_file_names(paths) == {"policy.py": ["p/a/policy.py", "p/b/policy.py"]}
 
 
-def test_no_package_module_imports_an_old_path(graph):
-    assert OLD_PATH_SHIMS <= set(graph)
-    users = [f"{source} imports {target}" for source, targets in graph.items() if source not in OLD_PATH_SHIMS
-             for target in targets & OLD_PATH_SHIMS]
-    assert not users, users
-
-
-def test_the_old_paths_still_import_what_the_readme_named_and_warn():
-    import importlib
-    import sys
-
-    from offline_rec.dataset import card, validate
-    from offline_rec.dataset import format as dataset_format
-
-    for old, new, name in (("offline_rec.data.dataset", dataset_format, "DatasetWriter"),
-                           ("offline_rec.data.card", card, "refresh_dataset_card"),
-                           ("offline_rec.data.validate", validate, "check_dataset_for_use")):
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=old.replace(".", r"\.") + " moved to " + new.__name__):
-            module = importlib.import_module(old)
-        assert getattr(module, name) is getattr(new, name)
+def test_the_old_data_paths_are_gone():
+    """The re-exports `offline_rec.data.dataset`, `.card` and `.validate`, kept one release after the data layer's
+    split, are removed (CHANGELOG.md; docs/architecture.md maps each old path to its new one): the package has no
+    data/ module left. (Not an import attempt: an editable install of another checkout would answer for it.)"""
+    assert not list((PACKAGE / "data").glob("**/*.py"))  # a checkout may keep an ignored __pycache__ there
 
 
 # --------------------------------------------------------------------------------------------
 # backends: what a backend can do is read from its class in rollout/backends/, never from its name
 
 
+def compared_constants(node: ast.Compare) -> set:
+    """The constants a comparison compares with, alone or in a literal collection (`x in ("a", "b")`)."""
+    operands = [node.left, *node.comparators]
+    literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+    return {e.value for e in literals if isinstance(e, ast.Constant)}
+
+
 def backend_name_comparisons(source: str, names: set[str]) -> list[int]:
     """Lines of `source` that compare a value with one of `names` (==, !=, in / not in a literal collection)."""
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
-        if any(isinstance(e, ast.Constant) and e.value in names for e in literals):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and compared_constants(node) & names]
 
 
 def test_backend_names_are_compared_only_inside_rollout_backends():
@@ -208,6 +187,39 @@ def test_every_backend_declares_its_capabilities():
         assert backend.name == key
         assert all(hasattr(backend, attribute) for attribute in declared), (key, declared)
         assert callable(backend.load)
+
+
+# --------------------------------------------------------------------------------------------
+# import formats: what a format does is asked of its IMPORT_FORMATS entry or done in its own module, never
+# decided by a test of its name
+
+
+def format_name_comparisons(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that compare an import format's name (an attribute `.format`, or a variable `fmt`) with
+    one of `names`."""
+    def names_a_format(operand: ast.expr) -> bool:
+        return (isinstance(operand, ast.Attribute) and operand.attr == "format") or (
+            isinstance(operand, ast.Name) and operand.id == "fmt")
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and compared_constants(node) & names
+            and any(names_a_format(operand) for operand in [node.left, *node.comparators])]
+
+
+def test_import_format_names_are_never_compared():
+    from offline_rec.importers import IMPORT_FORMATS
+
+    found = [f"{path.relative_to(REPO)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line in format_name_comparisons(path.read_text(encoding="utf-8"), set(IMPORT_FORMATS))]
+    assert not found, ("give the format a hook or an ImportFormat field (importers/__init__.py) instead of "
+                       "testing its name: " + ", ".join(found))
+
+
+def test_the_format_name_check_finds_every_form_of_comparison():
+    names = {"text", "openai", "trl"}
+    source = ('a = fmt == "text"\nb = config.format in ("text", "trl")\nc = "openai" != fmt\n'
+              'd = fmt not in ["trl"]\ne = evidence.kind == "text"\nf = fmt == "other"\n')
+    assert format_name_comparisons(source, names) == [1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------------------------
