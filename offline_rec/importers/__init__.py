@@ -63,8 +63,9 @@ class ImportFormat:
     """Whether the source carries behavior log-probs (else --score-with is required)."""
     needs_tokenizer: bool
     description: str
-    own_options: tuple[str, ...] = ()
-    """ImportConfig fields that only this format takes: an import in another format that sets one is refused."""
+    options: tuple[str, ...] = ()
+    """The format-specific ImportConfig fields this format reads. A format-specific field (one that some format
+    lists) set away from its default with a format that does not list it is refused, not silently ignored."""
 
     def parse(self, files: list[Path], tokenizer, config: ImportConfig):
         """The module's `parse`: (source files, tokenizer or None, ImportConfig) -> common.ParseResult."""
@@ -86,15 +87,17 @@ IMPORT_FORMATS: dict[str, ImportFormat] = {
     "text": ImportFormat(
         "text", gives_logprobs=False, needs_tokenizer=True,
         description="prompt/completion/reward text, tokenized with --tokenizer; needs --score-with",
+        options=("prompt_column", "completion_column", "reward_column", "group_column", "append_eos"),
     ),
     "openai": ImportFormat(
         "openai", gives_logprobs=True, needs_tokenizer=True,
         description="OpenAI-compatible chat/completion logs with logprobs (vLLM included)",
-        own_options=("rewards", "split_episodes"),
+        options=("group_by_prompt", "split_episodes", "keep_messages", "rewards"),
     ),
     "trl": ImportFormat(
         "trl", gives_logprobs=False, needs_tokenizer=True,
         description="TRL GRPO completion logs (step, prompt, completion, reward columns); needs --score-with",
+        options=("prompt_column", "completion_column", "append_eos", "reward_columns"),
     ),
 }
 
@@ -167,12 +170,18 @@ def _check(config: ImportConfig) -> _Checked:
 
 
 def _refuse_options_of_other_formats(config: ImportConfig) -> None:
-    """An option that another format owns (`ImportFormat.own_options`), set with this one: refused, not ignored."""
+    """A format-specific option (`ImportFormat.options`) that this format does not read, set: refused, not ignored."""
     declared = {field.name: field for field in fields(ImportConfig)}
+    readers: dict[str, list[str]] = {}
     for name, spec in IMPORT_FORMATS.items():
-        for option in spec.own_options if name != config.format else ():
-            if getattr(config, option) != declared[option].default:
-                raise UserError(f"{flags_of(declared[option])[0]} applies to the {name} format only")
+        for option in spec.options:
+            readers.setdefault(option, []).append(name)
+    for option, formats in readers.items():
+        value = getattr(config, option)
+        if config.format not in formats and value != declared[option].default:
+            on, _, off = flags_of(declared[option])[0].partition("/")  # a switch: the side that was given
+            raise UserError(f"{off if off and value is False else on} applies to the {' and '.join(formats)} format"
+                            f"{'s' if len(formats) > 1 else ''} only")
 
 
 def _logprobs_source(given: str | None, score_with: str | None) -> str:
