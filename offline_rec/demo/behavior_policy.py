@@ -77,7 +77,7 @@ def build_demo_policy(out_dir, progress: bool = True, **recipe) -> dict:
     recipe = DemoRecipe(**recipe)
     if recipe.steps < 0 or recipe.batch_size < 1 or not 0.0 <= recipe.wrong_fraction <= 1.0:
         raise UserError(f"demo policy: bad recipe {recipe}")
-    tokenizer = build_char_tokenizer()
+    tokenizer = build_char_tokenizer(chat_template=None)  # it learns raw prompts: no template it never saw
     model = build_tiny_model(
         tokenizer,
         hidden_size=recipe.hidden_size,
