@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from support.cli_support import run_cli
 from support.paths import REPO
+from support.readme_blocks import readme_bash_lines
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
@@ -24,11 +25,7 @@ LOOP_HEADING = "## The loop"
 
 def readme_loop_collect() -> list[str]:
     """The options of the README loop's `offline-rec collect` line (its first bash block), comment dropped."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text[text.index(LOOP_HEADING):]
-    block = section[section.index("```bash\n") + len("```bash\n"):]
-    block = block[:block.index("```")]
-    (line,) = [line for line in block.splitlines() if line.startswith("offline-rec collect ")]
+    (line,) = [line for line in readme_bash_lines(LOOP_HEADING) if line.startswith("offline-rec collect ")]
     return shlex.split(line.split("#", 1)[0])[2:]
 
 
