@@ -65,8 +65,8 @@ def test_the_readme_loop_with_the_shipped_arith_policy_logs_data_like_the_demo(t
     # 192 rows of 48 prompts: a few points of sampling noise, and prompts differ, hence the 0.12 margin.
     demo_t1 = json.loads((Path(policy) / BUILD_INFO_FILE).read_text())["stats"]["mean_at_t1"]
     assert abs(stats["reward"]["mean"] - demo_t1) <= 0.12, stats["reward"]
-    # All-equal 4-sample groups: 35% measured here (and ~40% on 512 train prompts, docs/paper.md); with the chat
-    # template the policy never learnt, 98.4%.
+    # All-equal 4-sample groups: 35% measured here, 42.7% expected on 512 train prompts from the policy's exact
+    # per-prompt accuracies (docs/paper.md, "A task with headroom"); with the chat template it never learnt, 98.4%.
     assert 0.15 <= stats["all_equal_reward_group_fraction"] <= 0.65, stats["all_equal_reward_group_fraction"]
 
 
@@ -113,27 +113,30 @@ def test_the_add3_policy_records_the_recipe_that_rebuilds_it_and_sits_at_the_edg
 
 
 @pytest.mark.slow  # ~20 s: collect and eval of the tiny policy with transformers
-def test_the_add3_policy_answers_through_collect_and_eval(tmp_path, capsys):
-    from offline_rec.demo.behavior_policy import SHIPPED_POLICIES, demo_policy_path
+def test_the_readme_lines_of_the_add3_policy_collect_and_eval(tmp_path, capsys, monkeypatch):
+    """The README's two add3 lines as written, on fewer prompts and samples, with transformers."""
+    from offline_rec.demo.behavior_policy import SHIPPED_POLICIES
 
-    policy, entry = demo_policy_path("add3"), SHIPPED_POLICIES["add3"]
-    budget = ("--max-new-tokens", entry.max_new_tokens, "--backend", "hf", "-q")
-    code, _, err = run_cli(capsys, "collect", "--model", policy, "--task", "add3", "-k", 4, "--num-prompts", 32,
-                           "--out", tmp_path / "logs", *budget)
+    collect, evaluate = (shlex.split(line)[1:] for line in readme_bash_lines("A task with headroom ships too"))
+    assert collect[:5] == ["collect", "--model", "offline_rec/demo/add3_policy", "--task", "add3"], collect
+    assert evaluate[:5] == ["eval", "--model", "offline_rec/demo/add3_policy", "--task", "add3"], evaluate
+    assert collect[collect.index("--max-new-tokens") + 1] == str(SHIPPED_POLICIES["add3"].max_new_tokens)
+    monkeypatch.chdir(REPO)
+    logs = tmp_path / "logs"
+    code, _, err = run_cli(capsys, *with_options(collect, out=logs, num_samples=4, num_prompts=32, backend="hf"), "-q")
     assert code == 0, err
-    rows = open_dataset(tmp_path / "logs").to_table().to_pylist()
+    rows = open_dataset(logs).to_table().to_pylist()
     assert {row[S.TASK] for row in rows} == {"add3"} and len(rows) == 32 * 4
-    assert all(row[S.PROMPT] == f"What is {json.loads(row[S.META])['a']}+{json.loads(row[S.META])['b']}? "
-               for row in rows)  # raw prompts, as it learnt them
+    assert all(row[S.PROMPT] == "What is {a}+{b}? ".format(**json.loads(row[S.META])) for row in rows)  # raw
     rewards = [row[S.REWARD] for row in rows]
-    assert 0.05 <= sum(rewards) / len(rewards) <= 0.5  # answers right at the edge of its competence, not never
+    assert 0.05 <= sum(rewards) / len(rewards) <= 0.6  # right at the edge of its competence: sometimes
 
-    code, out, err = run_cli(capsys, "eval", "--model", policy, "--task", "add3", "--split", "ood", "-k", 4,
-                             "--num-prompts", 16, "--out", tmp_path / "ood", "--json", *budget)
+    ood = tmp_path / "ood"
+    code, _, err = run_cli(capsys, *with_options(evaluate, out=ood, num_samples=4, num_prompts=16, backend="hf"), "-q")
     assert code == 0, err
-    summary = json.loads((tmp_path / "ood" / "summary.json").read_text())
+    summary = json.loads((ood / "summary.json").read_text())
     assert summary["metrics"]["num_prompts"] == 16 and summary["prompts"] == "builtin:add3/ood"
-    per_prompt = [json.loads(line) for line in (tmp_path / "ood" / "per_prompt.jsonl").read_text().splitlines()]
+    per_prompt = [json.loads(line) for line in (ood / "per_prompt.jsonl").read_text().splitlines()]
     assert all(p["fields"]["carries"] == 3 for p in per_prompt)  # every ood prompt carries in all three columns
 
 
