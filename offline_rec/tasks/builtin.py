@@ -580,7 +580,7 @@ def _task_prompts(task: Task, n: int | None, seed: int, split: str, prompts_file
         if n is None:
             raise UserError(f"task {task.name!r}: say how many built-in prompts to use")
         if split not in task.splits:
-            raise one_of(f"task {task.name!r} split", split, task.splits)
+            raise one_of(f"{task.name} split", split, task.splits)
         return task.prompts(n, seed, split)
     items = load_prompts(prompts_file, prompt_column or task.prompt_column)
     if n is not None:

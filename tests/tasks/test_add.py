@@ -100,7 +100,7 @@ def test_add_prompt_errors():
         add_prompts(3, split="valid")
     with pytest.raises(UserError, match="at most"):
         add_prompts(ADD_MAX_PROMPTS + 1)
-    with pytest.raises(UserError, match="'arith' split 'ood'"):
+    with pytest.raises(UserError, match="unknown arith split 'ood'; valid: test, train"):
         get_prompts(get_task("arith"), n=3, split="ood")  # arith has no harder split
     assert len(get_prompts(get_task("add4"), n=3, split="ood")) == 3
 
