@@ -91,7 +91,7 @@ class DemoRecipe:
     eval_samples: int = 8
     """Samples per held-out prompt at temperature 1, for mean@T1 and pass@k."""
     max_new_tokens: int = 8
-    """Generation budget when measuring; a sum has at most 3 digits plus eos."""
+    """Generation budget when measuring; a sum of two 3-digit numbers has at most 4 digits, then eos."""
 
 
 @dataclass(frozen=True)
@@ -117,14 +117,17 @@ ADD3_RECIPE = DemoRecipe(task="add3", steps=3000, batch_size=128, wrong_fraction
 """The add3 policy: right targets only, stopped at 25% accuracy at T=1 (docs/paper.md, "A task with headroom")."""
 
 SHIPPED_POLICIES: dict[str, ShippedPolicy] = {
-    "arith": ShippedPolicy("arith_policy", DemoRecipe(), "offline_rec.tasks.builtin:arith_reward", 8, True,
-                           DEMO_POLICY_WHAT),
-    "add3": ShippedPolicy("add3_policy", ADD3_RECIPE, "offline_rec.tasks.builtin:arith_reward", 8, True,
-                          f"{WHAT_PREFIX}: add3 at the edge of competence ('What is a+b? ' -> a+b, 3 digits)"),
+    "arith": ShippedPolicy(folder="arith_policy", recipe=DemoRecipe(), reward="offline_rec.tasks.builtin:arith_reward",
+                           max_new_tokens=8, raw_prompts=True, what=DEMO_POLICY_WHAT),
+    "add3": ShippedPolicy(folder="add3_policy", recipe=ADD3_RECIPE, reward="offline_rec.tasks.builtin:arith_reward",
+                          max_new_tokens=8, raw_prompts=True,
+                          what=f"{WHAT_PREFIX}: add3 at the edge of competence ('What is a+b? ' -> a+b, 3 digits)"),
 }
+"""The shipped policies, keyed by the task they answer: what the demo needs to run each (`demo --task`)."""
 
 
 def shipped_policy(task: str) -> ShippedPolicy:
+    """The `SHIPPED_POLICIES` entry of `task`; a one-line error naming the others when there is none."""
     if task not in SHIPPED_POLICIES:
         raise one_of("shipped policy for task", task, SHIPPED_POLICIES)
     return SHIPPED_POLICIES[task]
@@ -161,12 +164,10 @@ def build_demo_policy(out_dir, progress: bool = True, **recipe) -> dict:
     train_seconds = time.monotonic() - started
 
     held_out = {split: task.prompts(recipe.eval_prompts, EVAL_SEED, split) for split in task.splits if split != "train"}
-    stats = measure_policy(model, tokenizer, held_out["test"], samples=recipe.eval_samples, seed=recipe.seed,
-                           max_new_tokens=recipe.max_new_tokens)
-    stats.update(final_loss=final_loss, train_seconds=round(train_seconds, 1), steps=steps)
-    if "ood" in held_out:
-        stats["ood"] = measure_policy(model, tokenizer, held_out["ood"], samples=recipe.eval_samples, seed=recipe.seed,
-                                      max_new_tokens=recipe.max_new_tokens)
+    measured = {split: measure_policy(model, tokenizer, items, samples=recipe.eval_samples, seed=recipe.seed,
+                                      max_new_tokens=recipe.max_new_tokens) for split, items in held_out.items()}
+    stats = {**measured.pop("test"), "final_loss": final_loss, "train_seconds": round(train_seconds, 1),
+             "steps": steps, **measured}  # the test split's measures, then "ood"'s where the task has one
 
     save_tiny(model, tokenizer, out_dir)
     info = {

@@ -52,14 +52,13 @@ from typing import Any, NamedTuple
 from offline_rec.errors import UserError, one_of
 from offline_rec.tasks.prompts import Messages, PromptItem, load_prompts
 
-TASK_SPLITS = ("train", "test")
-"""A built-in task's splits unless it says otherwise (`Task.splits`)."""
-
 RewardFn = Callable[[str, str, dict], "float | None"]
 PromptSource = Callable[[int, int, str], "list[PromptItem]"]
 
 GENERIC = "generic"
-SPLITS = ("train", "test", "ood")
+TASK_SPLITS = ("train", "test")
+"""A built-in task's splits unless it says otherwise (`Task.splits`)."""
+SPLITS = (*TASK_SPLITS, "ood")
 """Every split a built-in task may have: train, test (held out), ood (held out and a step harder: add3 .. add6)."""
 REWARD_TIMEOUT_S = 10.0
 
@@ -392,7 +391,6 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 
 ADD_DIGITS = (3, 4, 5, 6)
 """The family's levels: task add{d} for each d."""
-ADD_SPLITS = ("train", "test", "ood")
 ADD_MAX_PROMPTS = 100_000
 """Most prompts one call draws: below the smallest split (add3's ood, 131,175 pairs), so a draw always ends."""
 
@@ -418,8 +416,8 @@ def add_split(a: int, b: int, digits: int) -> str:
 def add_prompts(n: int, seed: int = 0, split: str = "train", digits: int = 3) -> list[PromptItem]:
     """`n` distinct "What is a+b? " prompts with `digits`-digit a and b from `split`, the same ones for the same
     seed: pairs drawn uniformly from a generator seeded with `seed`, kept when `add_split` says `split`."""
-    if split not in ADD_SPLITS:
-        raise one_of(f"add{digits} split", split, ADD_SPLITS)
+    if split not in SPLITS:
+        raise one_of(f"add{digits} split", split, SPLITS)
     if not 0 <= n <= ADD_MAX_PROMPTS:
         raise UserError(f"add{digits}: asked for {n} prompts; one call draws at most {ADD_MAX_PROMPTS}")
     rng = random.Random(seed)
@@ -443,7 +441,7 @@ ADD_TASKS = {
         reward_fn=arith_answer_reward,
         reward_name=function_name(arith_answer_reward),
         prompts=functools.partial(add_prompts, digits=digits),
-        splits=ADD_SPLITS,
+        splits=SPLITS,
         chat_instruction=ARITH_CHAT_INSTRUCTION,
         description=f"synthetic 'What is a+b? ' with {digits}-digit a, b; split ood: every column carries; the "
                     "answer the completion states is the sum",
