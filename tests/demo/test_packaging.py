@@ -1,10 +1,12 @@
-"""A built wheel carries the demo policy: a wheel install runs `offline-rec demo` without rebuilding it."""
+"""A built wheel carries the shipped demo policies: a wheel install runs `offline-rec demo` without rebuilding."""
 
 import subprocess
 import sys
 import zipfile
 
 from support.paths import REPO
+
+from offline_rec.demo.behavior_policy import SHIPPED_POLICIES
 
 POLICY_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
@@ -14,7 +16,8 @@ def test_the_wheel_ships_the_demo_policy_and_an_install_finds_it(tmp_path):
                     "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path)
     (wheel,) = (tmp_path / "wheel").glob("offline_rec-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"offline_rec/demo/arith_policy/{name}" for name in POLICY_FILES} <= names
+    for policy in SHIPPED_POLICIES.values():
+        assert {f"offline_rec/demo/{policy.folder}/{name}" for name in POLICY_FILES} <= names
     assert not any(name.startswith("tests/") for name in names)  # test fixtures stay out of the package
 
     site = tmp_path / "site"
@@ -24,7 +27,8 @@ def test_the_wheel_ships_the_demo_policy_and_an_install_finds_it(tmp_path):
         [sys.executable, "-I", "-c",
          f"import sys; sys.path.insert(0, {str(site)!r}); "
          "from offline_rec.demo.behavior_policy import demo_policy_path; "
-         "print(demo_policy_path())"],
+         "print(demo_policy_path(), demo_policy_path('add3'))"],
         check=True, capture_output=True, text=True, cwd=tmp_path,
     ).stdout.strip()
-    assert found.startswith(str(site)) and found.endswith("arith_policy")
+    arith, add3 = found.split()
+    assert arith.startswith(str(site)) and arith.endswith("arith_policy") and add3.endswith("add3_policy")
