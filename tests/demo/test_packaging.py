@@ -1,4 +1,5 @@
-"""A built wheel carries the demo policy: a wheel install runs `offline-rec demo` without rebuilding it."""
+"""A built wheel carries the demo policy and its training recipes: a wheel install runs `offline-rec demo` without
+rebuilding anything; the experiments and benchmarks beside the package stay out of it."""
 
 import subprocess
 import sys
@@ -15,7 +16,11 @@ def test_the_wheel_ships_the_demo_policy_and_an_install_finds_it(tmp_path):
     (wheel,) = (tmp_path / "wheel").glob("offline_rec-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"offline_rec/demo/arith_policy/{name}" for name in POLICY_FILES} <= names
-    assert not any(name.startswith("tests/") for name in names)  # test fixtures stay out of the package
+    recipes = {path.name for path in (REPO / "offline_rec" / "demo" / "recipes").glob("*.yaml")}
+    assert recipes >= {"shipped.yaml", "logged.yaml", "own-model.yaml"}
+    assert {f"offline_rec/demo/recipes/{name}" for name in recipes} <= names
+    # test fixtures, experiments and benchmarks stay out of the package
+    assert not any(name.startswith(("tests/", "experiments/", "benchmarks/")) for name in names)
 
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
@@ -24,7 +29,9 @@ def test_the_wheel_ships_the_demo_policy_and_an_install_finds_it(tmp_path):
         [sys.executable, "-I", "-c",
          f"import sys; sys.path.insert(0, {str(site)!r}); "
          "from offline_rec.demo.behavior_policy import demo_policy_path; "
-         "print(demo_policy_path())"],
+         "from offline_rec.demo.config import DemoSettings, training_recipe; "
+         "print(demo_policy_path()); print(training_recipe(DemoSettings())['algorithm'])"],
         check=True, capture_output=True, text=True, cwd=tmp_path,
-    ).stdout.strip()
-    assert found.startswith(str(site)) and found.endswith("arith_policy")
+    ).stdout.strip().splitlines()
+    assert found[0].startswith(str(site)) and found[0].endswith("arith_policy")
+    assert found[1] == "rec-logged"  # the recipe file read from the installed package
