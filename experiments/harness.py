@@ -1,7 +1,7 @@
 """What every experiment runs on: the demo's data, an arm trained and evaluated, results kept, resumed and tabulated.
 
 The data is the demo's own (`demo_data`): the shipped arith policy's samples of `num_prompts` train-split prompts
-(8 at T=1, collect seed 0, the strict 0/1 reward: `offline_rec.demo.pipeline.collect_dataset`), its cut to one
+(8 at T=1, collect seed 0, the strict 0/1 reward: `offline_rec.demo.inputs.collect_dataset`), its cut to one
 response per prompt (sample_index 0, what `record` -> `import` gives), and validation prompts: train-split
 prompts no arm trains on. Evaluations are the demo's (`offline_rec.demo.config.heldout_evaluation`: the held-out
 TEST prompts, greedy plus samples at T=1) through the library's `offline_rec.eval.selection`.
@@ -21,6 +21,7 @@ Results are JSON Lines, one line per finished run (`append_run`); a rerun skips 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -88,9 +89,23 @@ QUICK = Scale(num_prompts=32, epochs=1, groups_per_step=8, rows_per_step=32, pos
 # the data and the evaluations
 
 
+def check_names(names, valid, what: str) -> None:
+    """Refuse (one line, exit) the `names` that are not among `valid` (an experiment's arms, mixtures, regimes)."""
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise SystemExit(f"unknown {what} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+
+def start(out: Path, policy: str | None, num_prompts: int, validation_prompts: int, log) -> tuple[str, dict]:
+    """OUT made; (the behavior policy: `policy` or the shipped one, the demo's data in OUT: `demo_data`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    policy = shipped_policy(policy)
+    return policy, demo_data(out, policy, num_prompts, validation_prompts, log)
+
+
 def shipped_policy(policy: str | None = None) -> str:
     """`policy`, or the shipped demo policy (built into the cache once if missing)."""
-    from offline_rec.demo.pipeline import ensure_demo_policy
+    from offline_rec.demo.inputs import ensure_demo_policy
 
     return policy or ensure_demo_policy(progress=False)
 
@@ -99,7 +114,7 @@ def demo_data(out: Path, policy: str, num_prompts: int, validation_prompts: int,
     """OUT/data-k8 (the demo's collect), OUT/data-singletons (its cut to sample_index 0) and OUT/validation.jsonl,
     each made once."""
     from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
-    from offline_rec.demo.pipeline import collect_dataset, write_validation_prompts
+    from offline_rec.demo.inputs import collect_dataset, write_validation_prompts
 
     settings = DemoSettings(num_prompts=num_prompts, validation_prompts=validation_prompts)
     paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}
@@ -307,6 +322,30 @@ def append_run(results_path: Path, result: dict) -> None:
     """Record one finished run (a whole line; a rerun of the experiment skips it)."""
     with open(results_path, "a") as file:
         file.write(json.dumps(result) + "\n")
+
+
+def experiment_parser(doc: str, out: str, quick: str, arms, table_only: str,
+                      model: str = "behavior policy folder (default: the demo policy)") -> argparse.ArgumentParser:
+    """The options every experiment with arms takes: --out, --quick, --arms, --no-peers, --model, --table-only."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=out, help="output folder (finished runs in it are kept)")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(arms)}")
+    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+    parser.add_argument("--model", help=model)
+    parser.add_argument("--table-only", action="store_true", help=table_only)
+    return parser
+
+
+def chosen_arms(args: argparse.Namespace, arms, is_peer) -> list[str]:
+    """The arms --arms names (all of `arms` by default), without the peers (`is_peer(name)`) with --no-peers."""
+    names = args.arms.split(",") if args.arms else list(arms)
+    return [name for name in names if not (args.no_peers and is_peer(name))]
+
+
+def numbers(text: str, kind=float) -> tuple:
+    """A comma-separated option's values: "1e-4,3e-4" -> (0.0001, 0.0003)."""
+    return tuple(kind(value) for value in text.split(","))
 
 
 def cli(*args, log_path: Path) -> None:

@@ -34,7 +34,6 @@ cache (`files.cache_root()/bench-venvs/trl`) on first use, never into offline-re
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -186,12 +185,8 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
 def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False) -> dict:
     from offline_rec.eval.selection import evaluate_policy
 
-    for arm in arms:
-        if arm not in ARMS:
-            raise SystemExit(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
-    out.mkdir(parents=True, exist_ok=True)
-    policy = harness.shipped_policy(policy)
-    paths = harness.demo_data(out, policy, scale.num_prompts, scale.validation_prompts, log)
+    harness.check_names(arms, ARMS, "arm")
+    policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log)
     before = evaluate_policy(harness.heldout_template(scale.eval_prompts, policy, out), policy, out / "before")
     results_path = out / RESULTS_FILE
     done = harness.finished_runs(results_path, asdict(scale))  # any lr of the same sizes
@@ -215,22 +210,15 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/logged", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 128 prompts, 8 steps of 32 rows, one lr")
-    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+    parser = harness.experiment_parser(__doc__, "runs/logged", "toy sizes: 128 prompts, 8 steps of 32 rows, one lr",
+                                       ARMS, "write table.md and curves.png from the finished runs in --out (every "
+                                       "lr found), running nothing")
     parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-5,1e-4,3e-4; --quick: 3e-4)")
-    parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
-    parser.add_argument("--table-only", action="store_true", help="write table.md and curves.png from the finished "
-                        "runs in --out (every lr found), running nothing")
     args = parser.parse_args(argv)
     scale = QUICK if args.quick else Scale()
     if args.lrs:
-        scale = replace(scale, lrs=tuple(float(x) for x in args.lrs.split(",")))
-    arms = args.arms.split(",") if args.arms else list(ARMS)
-    if args.no_peers:
-        arms = [a for a in arms if a not in PEERS]
+        scale = replace(scale, lrs=harness.numbers(args.lrs))
+    arms = harness.chosen_arms(args, ARMS, lambda arm: arm in PEERS)
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 
 

@@ -37,7 +37,6 @@ results.jsonl (one line per finished (mixture, arm, seed), resumable), table.md,
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
@@ -133,7 +132,7 @@ def build_mixture(name: str, out: Path, a_data: str, b_model: str, scale: Scale,
     logs.mkdir(parents=True, exist_ok=True)
     if not (picked / "manifest.json").is_file():
         harness.cli("filter", a_data, "--out", picked, "--sample-fraction", share, "--seed", 0,
-            log_path=logs / f"filter-{share:g}.log")
+                    log_path=logs / f"filter-{share:g}.log")
     if not (answers / "manifest.json").is_file():
         log(f"B answers {len(group_ids(picked))} of A's prompts again -> {answers}")
         # the shipped policy learnt raw prompts: no chat template (as the demo collects)
@@ -258,13 +257,9 @@ def run(out: Path, mixtures, arms, scale: Scale, policy: str | None = None, log=
         table_only: bool = False) -> dict:
     from offline_rec.eval.selection import evaluate_policy
 
-    for name, known in ((mixtures, MIXTURES), (arms, ARMS)):
-        unknown = [x for x in name if x not in known]
-        if unknown:
-            raise SystemExit(f"unknown {unknown}; valid: {', '.join(known)}")
-    out.mkdir(parents=True, exist_ok=True)
-    policy = harness.shipped_policy(policy)
-    paths = harness.demo_data(out, policy, scale.num_prompts, scale.validation_prompts, log)
+    harness.check_names(mixtures, MIXTURES, "mixture")
+    harness.check_names(arms, ARMS, "arm")
+    policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log)
     base = evaluate_policy(harness.heldout_template(scale.eval_prompts, policy, out), policy, out / "before")
     b_model, b_scores = train_logger_b(out, paths, policy, scale, log)
     log(f"A greedy {base['greedy_accuracy']:.3f}; B greedy {b_scores['greedy']:.3f} (T=1 {b_scores['t1']:.3f})")
@@ -292,24 +287,19 @@ def run(out: Path, mixtures, arms, scale: Scale, policy: str | None = None, log=
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/mixture", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 32 prompts, one pass")
+    parser = harness.experiment_parser(__doc__, "runs/mixture", "toy sizes: 32 prompts, one pass", ARMS,
+                                       "write the table and plot from finished runs only",
+                                       model="logger A, the policy every arm starts from (default: the demo policy)")
     parser.add_argument("--mixtures", help=f"comma-separated, from: {', '.join(MIXTURES)}")
-    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arm (no venv needed)")
     parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
-    parser.add_argument("--model", help="logger A, the policy every arm starts from (default: the demo policy)")
-    parser.add_argument("--table-only", action="store_true", help="write the table and plot from finished runs only")
     args = parser.parse_args(argv)
     scale = QUICK if args.quick else replace(Scale(), lrs=(), seeds=(0,))
     if args.seeds:
-        scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
+        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
     mixtures = args.mixtures.split(",") if args.mixtures else list(MIXTURES)
-    arms = args.arms.split(",") if args.arms else list(ARMS)
-    if args.no_peers:
-        arms = [a for a in arms if not ARMS[a].peer]
+    arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
     return harness.run_and_print(run, Path(args.out), mixtures, arms, scale, args.model, table_only=args.table_only)
+
 
 if __name__ == "__main__":
     main()

@@ -410,12 +410,8 @@ def run_grid(out: Path, variants, regimes, seeds, scale: Scale, policy: str | No
              threshold: float = 0.6, log=print) -> dict:
     """Run every (seed, regime, variant) not yet in results.jsonl, then write table.md and curves.png."""
     scale.check()
-    for name in variants:
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
-    for name in regimes:
-        if name not in REGIMES:
-            raise SystemExit(f"unknown regime {name!r}; valid: {', '.join(REGIMES)}")
+    harness.check_names(variants, VARIANTS, "variant")
+    harness.check_names(regimes, REGIMES, "regime")
     out.mkdir(parents=True, exist_ok=True)
     grid = Grid(out, harness.shipped_policy(policy), scale, log)
     done = {(r["variant"], r["regime"], r["seed"]) for r in read_results(out, scale)}

@@ -44,7 +44,6 @@ table.md, arms.png.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -94,12 +93,8 @@ def markdown_table(rows: list[dict], scale: Scale) -> str:
 
 
 def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False) -> dict:
-    for arm in arms:
-        if arm not in ARMS:
-            raise SystemExit(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
-    out.mkdir(parents=True, exist_ok=True)
-    policy = harness.shipped_policy(policy)
-    paths = harness.demo_data(out, policy, scale.num_prompts, scale.validation_prompts, log)
+    harness.check_names(arms, ARMS, "arm")
+    policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log)
     results_path = out / RESULTS_FILE
     done = harness.finished_runs(results_path, asdict(scale), varying=("lrs", "seeds"))
     finished = {(r["arm"], r["lr"], r["seed"]) for r in done}
@@ -140,24 +135,17 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/peers", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 32 prompts, one pass")
-    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arm (no venv needed)")
+    parser = harness.experiment_parser(__doc__, "runs/peers", "toy sizes: 32 prompts, one pass", ARMS,
+                                       "write table.md from the finished runs only")
     parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-4)")
     parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
-    parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
-    parser.add_argument("--table-only", action="store_true", help="write table.md from the finished runs only")
     args = parser.parse_args(argv)
     scale = QUICK if args.quick else Scale()
     if args.lrs:
-        scale = replace(scale, lrs=tuple(float(x) for x in args.lrs.split(",")))
+        scale = replace(scale, lrs=harness.numbers(args.lrs))
     if args.seeds:
-        scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
-    arms = args.arms.split(",") if args.arms else list(ARMS)
-    if args.no_peers:
-        arms = [a for a in arms if not ARMS[a].peer]
+        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
+    arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 
 

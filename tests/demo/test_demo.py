@@ -164,7 +164,7 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
 
 def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatch):
     import offline_rec.demo.behavior_policy as demo_policy
-    from offline_rec.demo.pipeline import demo_policy_cache, ensure_demo_policy
+    from offline_rec.demo.inputs import demo_policy_cache, ensure_demo_policy
 
     def missing():
         raise UserError("the demo policy is missing")
