@@ -41,8 +41,9 @@ RECIPE_BASE = dict(lr_schedule="cosine", min_lr_ratio=0.0, weight_decay=0.0, max
 """What every arm trains with besides its own recipe: AdamW without weight decay, cosine lr to 0, clip 1."""
 FILTERED_SFT = "filtered-sft"
 """offline-rec's filtered-SFT form (`FILTERED_SFT_ARM`): its steps take `positives_per_step` rows."""
-T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78}
-"""t quantiles of a two-sided 95% interval by number of seeds (2.0 beyond)."""
+T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20, 13: 2.18,
+       14: 2.16, 15: 2.14, 16: 2.13, 17: 2.12, 18: 2.11, 19: 2.10, 20: 2.09, 21: 2.09}
+"""The t quantile of a two-sided 95% interval of a mean over n seeds (n - 1 degrees of freedom); 2.0 beyond 21."""
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,21 @@ def test_peers_summary_chooses_the_lr_on_validation_averaged_over_its_seeds():
     assert "0.002: 79.7 (3 seeds)" in peers.markdown_table([row], peers.QUICK)
 
 
+def test_the_interval_over_seeds_takes_the_t_quantile_of_their_number():
+    """Ten seeds, greedy 0.80 and 0.90 five times each: mean 85.0, sample sd 5.27 (sqrt(250 / 9)), the 95%
+    interval 2.26 (t, 9 degrees of freedom) x 5.27 / sqrt(10) = 3.77; with 2 seeds 12.71 x 7.07 / sqrt(2)."""
+    def run(seed, greedy):
+        return {"arm": "rows-skip", "lr": 6e-4, "seed": seed, "validation": 0.9, "greedy": greedy, "t1": greedy,
+                "pass8": greedy, "train_seconds": 1.0}
+
+    (row,) = harness.summarize([run(seed, 0.8 if seed < 5 else 0.9) for seed in range(10)], ["rows-skip"])
+    assert (row["seeds"], row["greedy"]) == (10, pytest.approx(85.0))
+    assert row["greedy_ci"] == pytest.approx(2.26 * (250 / 9) ** 0.5 / 10 ** 0.5)
+    assert row["validation_ci"] == pytest.approx(0.0)
+    (two,) = harness.summarize([run(0, 0.8), run(1, 0.9)], ["rows-skip"])
+    assert two["greedy_ci"] == pytest.approx(12.71 * 50 ** 0.5 / 2 ** 0.5)
+
+
 def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():
     """experiments/trl_peers.py's pairs: prompt a (2 right, 1 wrong) gives 2 pairs sharing the one negative;
     prompt b (all right) and c (all wrong) give none."""
