@@ -19,7 +19,7 @@ def demo_policy_cache() -> Path:
 
 
 def ensure_demo_policy(progress: bool = True, **recipe) -> str:
-    """The shipped demo policy folder; if it is missing, the cached build, built now if needed (~2 min).
+    """The shipped demo policy folder; if it is missing, the cached build, built now if needed (minutes on a CPU).
 
     `recipe`: `demo_policy.DemoRecipe` fields for a build (tests use tiny ones). The build goes into a
     temporary sibling folder renamed when complete, so an interrupted build is never used.
