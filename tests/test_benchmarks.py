@@ -128,20 +128,19 @@ def test_quick_benchmark_writes_every_key(tmp_path):
         assert key in done.stdout  # the table
 
 
-def test_every_part_declares_its_keys_and_the_list_is_made_from_them():
+def test_every_part_declares_its_keys_and_the_list_is_made_from_them(capsys):
     """--list and the docstring of benchmarks/run.py list every declared key with its goal; --only refuses a part
     that does not exist; a part returning a key it does not declare fails."""
     import benchmarks.run as run
     from benchmarks.measurements import Key, Part, check_unique
     from benchmarks.parts import PARTS
 
-    listed = subprocess.run([sys.executable, "-m", "benchmarks.run", "--list"], cwd=REPO, capture_output=True,
-                            text=True, timeout=120)
-    assert listed.returncode == 0, listed.stderr
+    assert run.main(["--list"]) == 0
+    listed = capsys.readouterr().out
     for part in PARTS:
-        assert f"[{part.name}]" in listed.stdout and f"[{part.name}]" in run.__doc__
+        assert f"[{part.name}]" in listed and f"[{part.name}]" in run.__doc__
         for key in part.keys:
-            line = next(line for line in listed.stdout.splitlines() if line.split()[:1] == [key.name])
+            line = next(line for line in listed.splitlines() if line.split()[:1] == [key.name])
             assert key.goal in line and key.compares in line
             assert key.name in run.__doc__
     with pytest.raises(SystemExit):
