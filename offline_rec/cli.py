@@ -17,7 +17,7 @@ import typer
 
 from offline_rec import __version__
 from offline_rec.dataset.config import DatasetToDataset, FilterConfig, InspectConfig, MergeConfig, ValidateConfig
-from offline_rec.demo.pipeline import DemoOptions
+from offline_rec.demo.config import DemoOptions
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig, ReportConfig
 from offline_rec.hub.config import PullConfig, PushConfig
@@ -386,13 +386,16 @@ def report(config: ReportConfig) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# demo  (owned by offline_rec/demo/pipeline.py)
+# demo  (owned by offline_rec/demo/: its options in config.py, its stages in pipeline.py)
 
 
 @command(app, options=DemoOptions)
 def demo(options: DemoOptions) -> None:
     """Collect, validate, train offline, evaluate and report on a tiny arith policy: the whole pipeline on a CPU."""
-    summary = options.run()
+    from offline_rec.demo.pipeline import run_demo
+
+    summary = run_demo(options.out, options.settings(), model=options.model, overwrite=options.overwrite,
+                       threads=options.threads)
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
 
 

@@ -121,10 +121,64 @@ def shared_file_names(paths: list[Path]) -> dict[str, list[str]]:
     return {name: found for name, found in where.items() if len(found) > 1}
 
 
-def test_no_two_modules_of_the_package_share_a_file_name():
-    """A file name says its job: `reward_model.py` in two rooms left a reader guessing which one a traceback meant."""
+BESIDE_THE_PACKAGE = ("experiments", "benchmarks")
+"""The research experiments and the performance benchmarks: they use the package, the package never uses them."""
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says its job: `reward_model.py` in two rooms left a reader guessing which one a traceback meant.
+    The package, the experiments and the benchmarks together."""
     modules = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py"))]
+    modules += [path.relative_to(REPO) for folder in BESIDE_THE_PACKAGE
+                for path in sorted((REPO / folder).rglob("*.py"))]
     assert not shared_file_names(modules), shared_file_names(modules)
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports (function-level imports included)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_the_package_never_imports_the_experiments_or_the_benchmarks():
+    users = [f"{path.relative_to(REPO)} imports {root}" for path in sorted(PACKAGE.rglob("*.py"))
+             for root in sorted(imported_roots(path) & set(BESIDE_THE_PACKAGE))]
+    assert not users, users
+
+
+def test_the_import_check_finds_every_form_of_import(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import os.path\nfrom experiments import harness\ndef f():\n    import benchmarks.run as r\n"
+                      "from . import sibling\n")
+    assert imported_roots(source) == {"os", "experiments", "benchmarks"}
+
+
+def declared_benchmark_keys(paths) -> list[str]:
+    """The names of every `Key("name", ...)` of `paths`: each key of the benchmark is declared so, once."""
+    names = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Key"
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                names.append(node.args[0].value)
+    return names
+
+
+def test_no_benchmark_key_is_declared_twice():
+    names = declared_benchmark_keys(sorted((REPO / "benchmarks").rglob("*.py")))
+    assert len(names) > 100 and {"train_vs_bare", "record_throughput_vs_direct", "judge_vs_bare_client"} <= set(names)
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+    from benchmarks.parts import PARTS
+    from benchmarks.run import RUN_KEYS
+
+    # every key the runner knows is one of those declarations
+    known = [key.name for part in PARTS for key in part.keys] + [key.name for key in RUN_KEYS]
+    assert sorted(known) == sorted(names)
 
 
 def test_the_shared_file_name_check_finds_a_repeat():

@@ -2,7 +2,7 @@
 
     pip download --no-deps verl==0.9.1 trinity-rft==0.6.0 -d WHEELS
     for w in WHEELS/*.whl; do unzip -q -o "$w" -d PEERS; done
-    python benchmarks/peer_objectives.py --peers PEERS
+    python -m experiments.peer_objectives --peers PEERS
 
 For each pair it prints the largest absolute difference of the gradient with respect to the policy's
 log-probs (and of the advantages, for the advantage functions) between offline-rec and the peer, with
@@ -11,9 +11,10 @@ purpose"): icepop-seq against verl's sequence-level IS with an IcePop band, grpo
 Trinity's PPO loss, sapo-gate against Trinity's SAPO, kl_estimator k2 against Trinity's K2 KL loss,
 population_std against Trinity's REC advantage, and how verl and Trinity treat a group of one.
 
-The peers are imported from --peers (their unpacked wheels), not installed: the packages they import at
-module level and this machine lacks (ray, omegaconf, ...) are stood in for by empty modules. The
-functions measured here never call them; a stand-in that were called would fail the run, not fake a value.
+The peers are imported from --peers (their unpacked wheels, added as a site directory), not installed: the
+packages they import at module level and this machine lacks (ray, omegaconf, ...) are stood in for by empty
+modules. The functions measured here never call them; a stand-in that were called would fail the run, not fake
+a value.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import math
+import site
 import sys
 from unittest import mock
 
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", required=True, help="folder holding the unpacked verl and trinity-rft wheels")
     args = parser.parse_args(argv)
-    sys.path.insert(0, args.peers)
+    site.addsitedir(args.peers)
     sys.meta_path.append(_StandIn(STAND_INS))
     return run()
 
