@@ -69,8 +69,8 @@ def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_ST
     """Real tokens / input_ids sizes over one epoch of the trainer's collated micro-batches, per layout."""
     import torch
 
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
+    from offline_rec.loss.presets import get_algorithm
     from offline_rec.training import group_index, scheduling, step_plan
 
     index = group_index.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False)

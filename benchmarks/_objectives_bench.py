@@ -61,7 +61,8 @@ def time_losses(steps: list[dict], names) -> dict[str, float]:
     """Median seconds per step of `policy_loss` forward + backward alone, per preset (rounds interleaved)."""
     import torch
 
-    from offline_rec.algorithms import get_algorithm, policy_loss
+    from offline_rec.loss.policy_loss import policy_loss
+    from offline_rec.loss.presets import get_algorithm
 
     specs = {name: get_algorithm(name) for name in names}
     inputs = []

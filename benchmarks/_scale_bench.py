@@ -39,8 +39,8 @@ def startup(data: str, cache: str, steps: int = STEPS) -> dict:
     started = time.perf_counter()
     import torch
 
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
+    from offline_rec.loss.presets import get_algorithm
     from offline_rec.training import group_index, scheduling, step_plan
 
     imports = time.perf_counter() - started

@@ -12,7 +12,7 @@ turn:
            checkpoint.
   bare     the same model freshly loaded, the same micro-batch tensors (built beforehand with the
            trainer's own batching functions, for the same steps), the same loss
-           (`offline_rec.algorithms.policy_loss`) and AdamW settings; per micro-batch only
+           (`offline_rec.loss.policy_loss.policy_loss`) and AdamW settings; per micro-batch only
            forward + loss + backward, then AdamW. Log-probs the obvious way: the model's full
            logits [B, L-1, V], float32 log_softmax, gather.
   bare_chunked  the same bare loop with the trainer's log-prob path (`token_logprobs_from_model`,
@@ -82,8 +82,8 @@ def step_batches(config, num_steps: int) -> list[dict]:
     """The micro-batch tensors of the trainer's first `num_steps` steps (one process), built by its own functions."""
     import torch
 
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
+    from offline_rec.loss.presets import get_algorithm
     from offline_rec.models.loading import load_tokenizer
     from offline_rec.training import group_index, scheduling, step_plan
 
@@ -108,7 +108,8 @@ def time_bare(config, steps: list[dict], warmup: int, chunked: bool) -> list[dic
     tokens."""
     import torch
 
-    from offline_rec.algorithms import get_algorithm, policy_loss
+    from offline_rec.loss.policy_loss import policy_loss
+    from offline_rec.loss.presets import get_algorithm
     from offline_rec.models.loading import load_model
     from offline_rec.models.logprobs import naive_token_logprobs, token_logprobs_from_model
 

@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from offline_rec.algorithms import WIDE_CLIP
+from offline_rec.loss.presets import WIDE_CLIP
 
 PEER_REQUIREMENT = ("torch==2.13.0", "trl==1.16.0")
 RESULTS_FILE, TABLE_FILE, CURVES_FILE = "results.jsonl", "table.md", "curves.png"

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `offline_rec` importable
 
 from benchmarks import logged, peers  # noqa: E402  (data, TRL venv, training and scoring are theirs)
-from offline_rec.algorithms import WIDE_CLIP  # noqa: E402
+from offline_rec.loss.presets import WIDE_CLIP  # noqa: E402
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "greedy_vs_share.png"
 A_BEHAVIOR, B_BEHAVIOR = "demo-policy", "logger-b"  # A's is the name demo's collect_dataset gives

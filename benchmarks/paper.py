@@ -54,8 +54,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from offline_rec.algorithms import ALGORITHMS, WIDE_CLIP
 from offline_rec.demo.pipeline import DEMO_CHAT_TEMPLATE, DEMO_REWARD
+from offline_rec.loss.presets import ALGORITHMS, WIDE_CLIP
 
 TASK = "arith"  # with the demo's reward and prompts (strict sum, no chat template), as the demo policy learnt
 MAX_NEW_TOKENS = 8
@@ -68,7 +68,7 @@ WIDE = "rec-oneside-nois-wide"
 VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in ALGORITHMS}
 VARIANTS[WIDE] = ("rec-oneside-nois", dict(WIDE_CLIP))
 DEFAULT_VARIANTS = ("reinforce", "grpo", "rec-oneside-nois", WIDE, "opmd")
-# The peers' objectives (offline_rec.algorithms), with two controls of the default grid (rec-oneside-nois, grpo):
+# The peers' objectives (offline_rec.loss.presets), with two controls of the default grid (rec-oneside-nois, grpo):
 # a grid run into the default grid's --out reuses their finished runs.
 PEER_VARIANTS = ("rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop", "icepop-seq", "opsm", "sapo",
                  "gmpo", "dapo", "dr-grpo")

@@ -92,7 +92,9 @@ def run() -> list[dict]:
     from verl.trainer.ppo import core_algos
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
-    from offline_rec.algorithms import ALGORITHMS, get_algorithm, group_advantages, kl_to_initial, policy_loss
+    from offline_rec.loss.advantages import group_advantages
+    from offline_rec.loss.policy_loss import kl_to_initial, policy_loss
+    from offline_rec.loss.presets import ALGORITHMS, get_algorithm
 
     logp, blogp, advantages, mask = batch()
     rows, width = logp.shape

@@ -56,7 +56,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `offline_rec` importable
 
 from benchmarks import logged  # noqa: E402  (the data, the TRL venv and demo settings are logged.py's)
-from offline_rec.algorithms import WIDE_CLIP  # noqa: E402
+from offline_rec.loss.presets import WIDE_CLIP  # noqa: E402
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "arms.png"
 

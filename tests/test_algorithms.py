@@ -10,21 +10,11 @@ import pytest
 import torch
 
 from offline_rec import errors
-from offline_rec.algorithms import (
-    ALGORITHMS,
-    METRIC_KEYS,
-    WIDE_CLIP,
-    AlgorithmSpec,
-    RewardMoments,
-    advantage_stats,
-    clip_mask,
-    get_algorithm,
-    group_advantages,
-    kl_to_initial,
-    policy_loss,
-    token_weights,
-)
-from offline_rec.objectives import CLIP_MASKS
+from offline_rec.loss.advantages import RewardMoments, advantage_stats, group_advantages
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.policy_loss import METRIC_KEYS, clip_mask, kl_to_initial, policy_loss, token_weights
+from offline_rec.loss.presets import ALGORITHMS, WIDE_CLIP, get_algorithm
+from offline_rec.loss.terms import CLIP_MASKS
 
 torch.set_num_threads(1)
 

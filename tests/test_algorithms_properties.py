@@ -9,7 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offline_rec.algorithms import ALGORITHMS, TIE_TOLERANCE, AlgorithmSpec, group_advantages, policy_loss
+from offline_rec.loss.advantages import TIE_TOLERANCE, group_advantages
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.policy_loss import policy_loss
+from offline_rec.loss.presets import ALGORITHMS
 
 torch.set_num_threads(1)
 

@@ -15,17 +15,12 @@ import pytest
 import torch
 from test_algorithms import batch_with_ratios, grad_of, naive_m2po_keep, ppo_clip_loss, random_batch
 
-from offline_rec.algorithms import (
-    ALGORITHMS,
-    AlgorithmSpec,
-    RewardMoments,
-    get_algorithm,
-    group_advantages,
-    kl_to_initial,
-    m2po_mask,
-    policy_loss,
-)
 from offline_rec.errors import UserError
+from offline_rec.loss.advantages import RewardMoments, group_advantages
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.policy_loss import kl_to_initial, policy_loss
+from offline_rec.loss.presets import ALGORITHMS, get_algorithm
+from offline_rec.loss.terms import m2po_mask
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums, importance_diagnostics
 

@@ -1,4 +1,4 @@
-"""The objective axes as registries (offline_rec.objectives): every entry documented with its formula and its
+"""The objective axes as registries (offline_rec.loss): every entry documented with its formula and its
 own parameters, every unknown value refused when a spec is made, and `ratios` computed by hand."""
 
 from __future__ import annotations
@@ -10,23 +10,23 @@ import pytest
 import torch
 
 from offline_rec import errors
-from offline_rec.algorithms import (
+from offline_rec.loss.objective import (
     AGGREGATIONS,
     BASELINES,
     CLIPS,
     DROPS,
     RATIO_LEVELS,
+    REGISTRIES,
     REGULARIZERS,
     WEIGHTS,
     AlgorithmSpec,
-    get_algorithm,
-    policy_loss,
 )
-from offline_rec.objectives import (
+from offline_rec.loss.policy_loss import policy_loss
+from offline_rec.loss.presets import get_algorithm
+from offline_rec.loss.ratios import (
     EXPONENT_LIMIT,
     NO_TOKEN_RATIO_METRICS,
     RATIO_TOTALS,
-    REGISTRIES,
     add_totals,
     ratio_stats,
     ratios,

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from offline_rec import errors
-from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, get_algorithm, policy_loss
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.policy_loss import policy_loss
+from offline_rec.loss.presets import ALGORITHMS, get_algorithm
 
 torch.set_num_threads(1)
 

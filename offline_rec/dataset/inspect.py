@@ -50,7 +50,7 @@ def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD
 
 
 def _learning_signal(groups, reward_mean: float | None, rows: int) -> dict:
-    """Which baselines give this data a learning signal (`offline_rec.algorithms.AlgorithmSpec.baseline`).
+    """Which baselines give this data a learning signal (`offline_rec.loss.objective.AlgorithmSpec.baseline`).
 
     Per baseline, the rows whose advantage is not 0 when the whole dataset is one step: `group`, the
     rows of groups of >= 2 responses whose rewards differ; `step` and `dataset` (the data's mean for

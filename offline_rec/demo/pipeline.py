@@ -108,7 +108,7 @@ class DemoSettings:
     validation scores are read: the held-out test prompts play no part in the choice."""
     algorithm: str = DEMO_ALGORITHM
     wide_clip: bool = False
-    """Put the paper's wide clip eps_low=0.6, eps_high=2.0 (`algorithms.WIDE_CLIP`) over the preset's (rec-logged
+    """Put the paper's wide clip eps_low=0.6, eps_high=2.0 (`loss.presets.WIDE_CLIP`) over the preset's (rec-logged
     has eps_low 0.6 itself and no upper clip)."""
     logged: bool = False
     """Production logs: collect ONE response per prompt (groups of one); train with a baseline for them."""
@@ -170,7 +170,7 @@ class DemoSettings:
 
     @property
     def algorithm_overrides(self) -> dict:
-        from offline_rec.algorithms import WIDE_CLIP
+        from offline_rec.loss.presets import WIDE_CLIP
 
         overrides = dict(WIDE_CLIP) if self.wide_clip else {}
         if self.baseline is not None:
@@ -390,7 +390,7 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
 def resolve_settings(model: str | None, quick: bool, logged: bool, settings: dict) -> tuple[bool, DemoSettings]:
     """(whether `model` is the user's own, the demo's settings): the recipe (`model_recipe`, `LOGGED`), the
     explicit `settings` over it, checked before any work (the backend, the algorithm)."""
-    from offline_rec.algorithms import get_algorithm
+    from offline_rec.loss.presets import get_algorithm
     from offline_rec.rollout.backends import check_backend_name
 
     settings = {k: v for k, v in settings.items() if v is not None}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from offline_rec.algorithms import get_algorithm
+from offline_rec.loss.presets import get_algorithm
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.loop import TrainHooks
 

@@ -160,7 +160,10 @@ def objective_diagnostics(token_log_ratios, rewards, group_ids) -> dict:
     """
     import torch
 
-    from offline_rec.algorithms import ALGORITHMS, NO_TOKEN_RATIO_METRICS, group_advantages, keep_mask, ratios
+    from offline_rec.loss.advantages import group_advantages
+    from offline_rec.loss.policy_loss import keep_mask
+    from offline_rec.loss.presets import ALGORITHMS
+    from offline_rec.loss.ratios import NO_TOKEN_RATIO_METRICS, ratios
 
     lengths = torch.tensor([len(r) for r in token_log_ratios], dtype=torch.long)  # [N]
     width = int(lengths.max()) if len(lengths) else 0

@@ -9,10 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from offline_rec import schema as S
-from offline_rec.algorithms import TOKEN_WEIGHTS, AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.locations import is_hub_path
 from offline_rec.errors import UserError, require_extra
+from offline_rec.loss.advantages import RewardMoments, advantage_stats, group_advantages
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.terms import TOKEN_WEIGHTS
 from offline_rec.models.loading import (
     check_token_ids_fit,
     check_tokenizers,

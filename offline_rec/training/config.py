@@ -13,7 +13,7 @@ Values are coerced to the field's type (a --set value is read as YAML: `--set be
 `--set truncate=true`). Algorithm hyper-parameters go into `algorithm_overrides`, either as a
 YAML mapping (`algorithm_overrides: {eps_low: 0.6, eps_high: 2.0}`) or with the `algorithm.`
 prefix (`--set algorithm.eps_high=2.0`); they are merged over the preset's defaults by
-`offline_rec.algorithms.get_algorithm`. An unknown key is refused with the list of valid keys
+`offline_rec.loss.presets.get_algorithm`. An unknown key is refused with the list of valid keys
 and the closest match.
 
 The options of `offline-rec cache` (the row stores train builds and reuses) are here too: `RowCacheConfig`,
@@ -32,9 +32,10 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from offline_rec.algorithms import ALGORITHMS, KL_ESTIMATORS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
+from offline_rec.loss.objective import KL_ESTIMATORS, AlgorithmSpec
+from offline_rec.loss.presets import ALGORITHMS
 from offline_rec.options import api_only, argument, flattened, nested, option
 
 ALGORITHM_PREFIX = "algorithm."
@@ -69,7 +70,7 @@ class TrainConfig:
     )
     algorithm: str = option(
         "", "--algorithm",
-        help="loss preset (formulas: README, offline_rec.algorithms.ALGORITHMS): " + ", ".join(ALGORITHMS),
+        help="loss preset (formulas: README, offline_rec.loss.presets.ALGORITHMS): " + ", ".join(ALGORITHMS),
         flag_help="Loss preset, e.g. rec-oneside-nois, grpo, opmd.",
     )
     algorithm_overrides: dict = api_only(
@@ -224,7 +225,7 @@ class TrainConfig:
             if not getattr(self, name):
                 raise UserError(f"{name} is required (--{name} or `{name}:` in the config file)")
         # An unknown preset or preset field is refused here, with the valid choices.
-        from offline_rec.algorithms import get_algorithm
+        from offline_rec.loss.presets import get_algorithm
 
         spec = get_algorithm(self.algorithm, **self.algorithm_overrides)
         for name in ("prompts_per_step", "epochs", "micro_batch_tokens", "max_length", "logprob_chunk_size"):

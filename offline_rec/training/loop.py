@@ -32,7 +32,9 @@ from pathlib import Path
 
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec, RewardMoments, baseline_record, describe_baseline, get_algorithm
+from offline_rec.loss.advantages import RewardMoments, baseline_record, describe_baseline
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.presets import get_algorithm
 from offline_rec.models.packing import Layout, choose_layout, probe_packing
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec
+from offline_rec.loss.objective import AlgorithmSpec
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.checks import SINGLETON_FIX
 from offline_rec.training.config import TrainConfig

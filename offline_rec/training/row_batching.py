@@ -3,7 +3,7 @@
 With whole-group steps (`batching: groups`) a step holds a few prompts' near-duplicate responses and
 its token mean runs over all of their rows, so the share of positive tokens moves from step to step.
 Row batching decouples the two: at the start of every epoch the advantages of ALL training groups are
-computed from their rewards (`algorithms.group_advantages`, the group mean as usual, RED-Drop's draws
+computed from their rewards (`loss.advantages.group_advantages`, the group mean as usual, RED-Drop's draws
 seeded by the epoch), then the rows -- without the ones RED-Drop removed and, with
 `skip_zero_advantage`, without the ones whose advantage is exactly 0 -- are shuffled across prompts
 (seeded by seed and epoch) and cut into steps of `rows_per_step` rows (the last step of an epoch
@@ -19,7 +19,8 @@ import dataclasses
 
 import numpy as np
 
-from offline_rec.algorithms import AlgorithmSpec, RewardMoments, group_advantages
+from offline_rec.loss.advantages import RewardMoments, group_advantages
+from offline_rec.loss.objective import AlgorithmSpec
 from offline_rec.training.group_index import GroupIndex
 from offline_rec.training.scheduling import Schedule, epoch_seed
 

@@ -22,7 +22,7 @@ optimizer and scheduler wrappers step after the loop. Gradient reduction per bac
   DeepSpeed  ZeRO reduces (stage 2, 3: per micro-batch, into partitions) as DeepSpeed decides;
              clipping and the update are DeepSpeed's, at the boundary.
 
-Optional KL penalty to the initial policy (`kl_to_initial` = beta): `algorithms.kl_to_initial`
+Optional KL penalty to the initial policy (`kl_to_initial` = beta): `loss.policy_loss.kl_to_initial`
 (beta * sum(k * m) / N, k the per-token `kl_estimator`: k3, or k2 as Trinity-RFT; the formula there)
 is added to the policy loss. The reference log-probs come from the initial model run under no_grad,
 prepared like the policy (sharded under FSDP2 and ZeRO-3); with LoRA it is the same model with its
@@ -36,7 +36,8 @@ import math
 
 import torch
 
-from offline_rec.algorithms import AlgorithmSpec, kl_to_initial, policy_loss
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.policy_loss import kl_to_initial, policy_loss
 from offline_rec.training import distributed, micro_batching, step_plan
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.metrics import PassSums

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from offline_rec.algorithms import RewardMoments, advantage_stats, group_advantages
+from offline_rec.loss.advantages import RewardMoments, advantage_stats, group_advantages
 from offline_rec.training.group_index import GroupIndex
 from offline_rec.training.micro_batching import (
     Row,

@@ -7,7 +7,7 @@ pushed down 5000 times harder than the rest collapses the policy in a few steps 
 1. `weight_stats` is the one measure, for train and `eval --offline` alike: over the policy tokens of
    some rows, ess = (sum rho)^2 / (n sum rho^2) in (0, 1] (the token-level effective sample size as a
    fraction), ratio_max, and the shares of tokens with rho > 10 (`RATIO_HIGH`) and rho < 0.1
-   (`RATIO_LOW`): `objectives.ratio_stats` of the rows' `Ratios`, the very numbers `policy_loss` logs;
+   (`RATIO_LOW`): `loss.ratios.ratio_stats` of the rows' `Ratios`, the very numbers `policy_loss` logs;
    `behavior_weight_stats` gives them with the rows, reward mean and mean logged log-prob of each value
    of the `behavior` column.
 2. Before the first step, `initial_weights` measures a seeded sample of the training rows against the
@@ -30,9 +30,8 @@ import sys
 
 import numpy as np
 
-from offline_rec.algorithms import RATIO_HIGH, RATIO_LOW
 from offline_rec.errors import UserError
-from offline_rec.objectives import RATIO_TOTALS
+from offline_rec.loss.ratios import RATIO_HIGH, RATIO_LOW, RATIO_TOTALS
 
 ESS_WARNING = 0.1
 """Default of train's weight_ess_warning: a step whose token ESS fraction is below it gets a warning."""
@@ -53,12 +52,12 @@ def weight_stats(token_log_ratios) -> dict:
     """ess, ratio_max, ratio_high_fraction, ratio_low_fraction, tokens of the token ratios rho = exp(log pi -
     log mu) over every sequence of `token_log_ratios` (a list of 1-D arrays, one per row, its policy tokens).
 
-    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0 (`objectives.ratio_stats`).
+    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0 (`loss.ratios.ratio_stats`).
     log rho is clamped to +-20 first, as the loss does (float64: no overflow either way).
     """
     import torch
 
-    from offline_rec.algorithms import ratios
+    from offline_rec.loss.ratios import ratios
 
     flat = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in token_log_ratios] or [np.zeros(0)])
     log_ratio = torch.from_numpy(flat).unsqueeze(0)  # [1, n]: the measure is over tokens, whatever their row
@@ -143,7 +142,7 @@ def monitor_run(config, index, schedule, accelerator, scorer, tokenizer, start_s
     """The run's monitor, its measure before step 1 taken (fresh runs, main process, unsharded models: a
     sharded model has no whole copy to score with outside a step); `notes`: lines printed first
     (`checks.check_logprobs_sources`'s warnings)."""
-    from offline_rec.algorithms import get_algorithm
+    from offline_rec.loss.presets import get_algorithm
     from offline_rec.training.checks import weighs_by_ratio
 
     codes, names = index.behavior, index.behavior_names  # read with the index: no shard opened here
@@ -200,7 +199,7 @@ class WeightMonitor:
             return
         import torch
 
-        from offline_rec.algorithms import ratios
+        from offline_rec.loss.ratios import ratios
 
         totals = ratios(logprobs.double(), batch["behavior_logprobs"].double(), batch["loss_mask"]).row_totals()
         rows = batch["rows"].cpu().numpy()
@@ -218,7 +217,7 @@ class WeightMonitor:
             return {}
         import torch
 
-        from offline_rec.objectives import add_totals
+        from offline_rec.loss.ratios import add_totals
 
         sums = self.sums if self.sums is not None else torch.zeros(len(self.names), len(RATIO_TOTALS),
                                                                    dtype=torch.float64)
@@ -288,7 +287,7 @@ def metric_name(behavior: str) -> str:
 
 
 def _stats(totals) -> dict:
-    """`objectives.ratio_stats` of `totals` [6] (`RATIO_TOTALS`) as plain numbers, with its token count."""
-    from offline_rec.objectives import ratio_stats
+    """`loss.ratios.ratio_stats` of `totals` [6] (`RATIO_TOTALS`) as plain numbers, with its token count."""
+    from offline_rec.loss.ratios import ratio_stats
 
     return {**{key: value.item() for key, value in ratio_stats(totals).items()}, "tokens": int(totals[0])}

@@ -90,8 +90,8 @@ def _tokenizer_for(config: ViewConfig, behavior: dict, warn) -> tuple[object | N
 
 def open_view(config: ViewConfig, warn=lambda message: None) -> View:
     """Open the dataset, its tokenizer and (with --model) the policy; scan the group index."""
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
+    from offline_rec.loss.presets import get_algorithm
 
     dataset = open_dataset(config.dataset)
     spec = get_algorithm(config.algorithm)

@@ -266,7 +266,7 @@ def _advantages(spec, rows: list[dict]) -> tuple[list, list[bool]]:
     with a missing reward."""
     import torch
 
-    from offline_rec.algorithms import group_advantages
+    from offline_rec.loss.advantages import group_advantages
 
     advantages: list = [None] * len(rows)
     keep = [True] * len(rows)
@@ -285,7 +285,8 @@ def _dropped(spec, logp: list[float], blogp: list[float], mask: list[bool], adva
     """Positions of the sampled tokens the preset's clip mask M drops (as `policy_loss` computes M)."""
     import torch
 
-    from offline_rec.algorithms import clip_mask, ratios
+    from offline_rec.loss.policy_loss import clip_mask
+    from offline_rec.loss.ratios import ratios
 
     if not logp:
         return []

@@ -31,12 +31,15 @@ from support.datagen import make_rows, tree_digest, write_dataset, write_raw_dat
 from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
-from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, group_advantages, policy_loss
 from offline_rec.dataset.config import FilterConfig
 from offline_rec.dataset.filter import filter_dataset
 from offline_rec.dataset.inspect import describe_dataset
 from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import DataError, UserError
+from offline_rec.loss.advantages import group_advantages
+from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.policy_loss import policy_loss
+from offline_rec.loss.presets import ALGORITHMS
 
 # --------------------------------------------------------------------------------------------
 # memory

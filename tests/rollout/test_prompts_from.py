@@ -15,10 +15,12 @@ from support.sampling_support import raw_logprobs
 from support.traffic_support import BEHAVIOR, write_logged
 
 from offline_rec import schema as S
-from offline_rec.algorithms import get_algorithm, group_advantages, policy_loss
 from offline_rec.dataset.format import DatasetWriter, make_row, open_dataset
 from offline_rec.dataset.merge import join_groups
 from offline_rec.dataset.validate import validate_dataset
+from offline_rec.loss.advantages import group_advantages
+from offline_rec.loss.policy_loss import policy_loss
+from offline_rec.loss.presets import get_algorithm
 from offline_rec.models.loading import load_model, load_tokenizer
 from offline_rec.models.tiny import (
     build_chat_tokenizer,

@@ -250,7 +250,7 @@ def test_padding_free_collate_places_tokens_by_hand(tmp_path):
 
 
 def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
-    from offline_rec.algorithms import get_algorithm
+    from offline_rec.loss.presets import get_algorithm
 
     rng = np.random.default_rng(2)
     groups = [[_row(f"g{g}", k, [4] * int(rng.integers(1, 30)), [5] * int(rng.integers(1, 60)),

@@ -5,8 +5,8 @@ import pytest
 import yaml
 from support.paths import REPO
 
-from offline_rec.algorithms import ALGORITHMS, get_algorithm
 from offline_rec.errors import UserError
+from offline_rec.loss.presets import ALGORITHMS, get_algorithm
 from offline_rec.training.config import TrainConfig, build_config, option_help, parse_sets, save_config
 
 CONFIGS = REPO / "configs"

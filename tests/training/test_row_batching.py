@@ -13,9 +13,9 @@ import pytest
 import torch
 from support.train_support import config, write_dataset
 
-from offline_rec.algorithms import get_algorithm
 from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
+from offline_rec.loss.presets import get_algorithm
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training import group_index, row_batching, scheduling
 from offline_rec.training.loop import train

@@ -15,9 +15,10 @@ import torch
 from support.cli_support import run_cli
 from support.train_support import config, state_dict_of, write_dataset
 
-from offline_rec.algorithms import RewardMoments, get_algorithm, group_advantages
 from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
+from offline_rec.loss.advantages import RewardMoments, group_advantages
+from offline_rec.loss.presets import get_algorithm
 from offline_rec.training import group_index, step_plan
 from offline_rec.training.loop import train
 

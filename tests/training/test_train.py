@@ -13,11 +13,12 @@ import torch
 from safetensors.torch import load_file
 from support.train_support import config, state_dict_of, write_dataset
 
-from offline_rec.algorithms import ALGORITHMS, get_algorithm, kl_to_initial, policy_loss
 from offline_rec.cli import main as cli_main
 from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval.hooks import training_hooks
+from offline_rec.loss.policy_loss import kl_to_initial, policy_loss
+from offline_rec.loss.presets import ALGORITHMS, get_algorithm
 from offline_rec.models.loading import load_model
 from offline_rec.models.logprobs import token_logprobs_from_model
 from offline_rec.models.tiny import make_tiny_checkpoint

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from support.train_support import config, write_dataset
 
-from offline_rec.algorithms import ALGORITHMS
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.inspect import describe_dataset
 from offline_rec.dataset.merge import merge_datasets
 from offline_rec.errors import UserError
+from offline_rec.loss.presets import ALGORITHMS
 from offline_rec.summaries import merge_line, train_line
 from offline_rec.training import checks
 from offline_rec.training.loop import train
@@ -55,10 +55,11 @@ def test_weight_stats_by_hand():
 
 
 def test_weight_stats_are_the_losss_ratio_metrics():
-    # the monitor and policy_loss read one measure (objectives.ratio_stats): same rows, same numbers
+    # the monitor and policy_loss read one measure (loss.ratios.ratio_stats): same rows, same numbers
     import torch
 
-    from offline_rec.algorithms import AlgorithmSpec, policy_loss
+    from offline_rec.loss.objective import AlgorithmSpec
+    from offline_rec.loss.policy_loss import policy_loss
 
     rows = [np.array([0.3, -2.5, 2.4]), np.array([-0.1]), np.array([3.0, 0.0])]
     logp = torch.zeros(3, 3, dtype=torch.float64)
