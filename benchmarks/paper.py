@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from offline_rec.demo.pipeline import DEMO_CHAT_TEMPLATE, DEMO_REWARD
-from offline_rec.loss.presets import ALGORITHMS, WIDE_CLIP
+from offline_rec.loss.presets import PRESETS, WIDE_CLIP
 
 TASK = "arith"  # with the demo's reward and prompts (strict sum, no chat template), as the demo policy learnt
 MAX_NEW_TOKENS = 8
@@ -65,7 +65,7 @@ CURVES_FILE = "curves.png"
 
 WIDE = "rec-oneside-nois-wide"
 # A variant is a preset plus overrides; the wide clip is the paper's recommended REC-OneSide setting.
-VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in ALGORITHMS}
+VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in PRESETS}
 VARIANTS[WIDE] = ("rec-oneside-nois", dict(WIDE_CLIP))
 DEFAULT_VARIANTS = ("reinforce", "grpo", "rec-oneside-nois", WIDE, "opmd")
 # The peers' objectives (offline_rec.loss.presets), with two controls of the default grid (rec-oneside-nois, grpo):
@@ -215,7 +215,7 @@ def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, s
     # The trainer prints its settings table on stdout: once per segment would drown the grid's log.
     with open(out.with_name(out.name + ".log"), "w") as log, contextlib.redirect_stdout(log):
         train(TrainConfig(
-            data=[str(data)], model=model, algorithm=preset, algorithm_overrides=overrides, out=str(out),
+            data=[str(data)], model=model, algorithm=preset, **overrides, out=str(out),
             prompts_per_step=scale.prompts_per_step, max_steps=steps, lr=scale.lr, weight_decay=0.0,
             max_grad_norm=scale.max_grad_norm, seed=seed, save_every=save_every, keep_last=0, report_to=[],
             progress=False, init_from=None if init_from is None else str(init_from),

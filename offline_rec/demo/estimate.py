@@ -90,12 +90,12 @@ def step_rows(config) -> tuple[int, int]:
     """(optimizer steps, rows a step) of a demo with `config`. Steps of rows (`batching: rows`) count every
     collected row: the rows of advantage 0 that skip_zero_advantage leaves out are known only after collect, so
     the count is an upper bound (512 for the demo, which makes ~414)."""
-    from offline_rec.training.config import TrainConfig
+    from offline_rec.loss.presets import get_preset
     from offline_rec.training.scheduling import steps_per_epoch
 
-    train = dict(config.train_overrides)
-    if train.get("batching") == "rows":
-        rows = train.get("rows_per_step", TrainConfig.rows_per_step)
+    train = {**get_preset(config.algorithm).settings(), **dict(config.train_overrides)}  # the recipe, then the demo's
+    if train["batching"] == "rows":
+        rows = train["rows_per_step"]
         return -(-config.num_prompts * config.collect_samples // rows) * config.epochs, rows
     steps = steps_per_epoch(config.num_prompts, config.prompts_per_step) * config.epochs
     return steps, config.prompts_per_step * config.collect_samples

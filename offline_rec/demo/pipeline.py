@@ -12,10 +12,10 @@ Seven stages, each timed and written under OUT:
              train-split prompts, none of them trained on (the validation split)
 3. validate  the dataset against the format (`offline_rec.dataset.validate`)
 4. before    the behavior policy on held-out TEST prompts: greedy accuracy, accuracy at T=1, pass@8
-5. train     `rec-oneside-nois` with the wide clip on that fixed dataset (offline: the data is never
-             re-collected), a checkpoint every `eval_every` steps -> OUT/run; each checkpoint is then
-             decoded greedily (plus one sample at T=1) on the held-out test prompts (the curve) and
-             greedily on the validation prompts; the checkpoint with the best VALIDATION score
+5. train     the preset's whole recipe (`rec-logged`: steps of rows, its measured settings) on that fixed
+             dataset (offline: the data is never re-collected), a checkpoint every `eval_every` steps ->
+             OUT/run; each checkpoint is then decoded greedily (plus one sample at T=1) on the held-out test
+             prompts (the curve) and greedily on the validation prompts; the checkpoint with the best VALIDATION score
              (the behavior policy included) is the result (`select`; the test scores are not read)
 6. after     the chosen model, evaluated exactly like "before" (same prompts, same sampling seeds)
 7. report    OUT/report: heldout.png and heldout.md (held-out accuracy over training, the chosen
@@ -26,18 +26,12 @@ Why the transformers backend by default: on the 2-core CPU this was built on, vL
 this 0.8M-parameter model no faster than transformers (both ~6 s of CPU for 512 x 8 samples) but
 costs 8-30 s to start, once per sampling stage; `backend="vllm"` remains available.
 
-The training recipe: `rec-logged` (REC-OneSide's clip on the negatives only, eps_low 0.6, the positives
-unclipped, the negatives' term weighted 0.25), Adam (AdamW without weight decay) at lr 6e-4 decayed by a
-cosine to 0 at the last step, steps of 128 rows shuffled across prompts with the rows of advantage 0 left
-out (DEMO_TRAIN: `batching: rows`, `skip_zero_advantage`), token-mean loss, gradient norm clipped at 1,
-4096 prompts x 2 epochs = ~414 steps. Chosen by measurement on the shipped policy (held-out greedy
-accuracy 48.0%), seed 0 first: the old default (default clip, constant lr 1e-4, 2048 x 3) ended at 68.2%;
-the wide clip at 73.2%; with a cosine from 2e-4 at 75.0%, from 3e-4 at 77.0%; the same with 4096 x 2 at
-83.4% (32 whole groups a step, 256 steps; over seeds 0-4 in docs/paper.md every seed gains more than 25
-points). Steps of rows with the skip then gained about 5 more points over 3 seeds, and rec-logged at lr
-6e-4 about 4 more greedy and 7.6 at T=1 (benchmarks/peers.py, docs/paper.md "Against fine-tuning on the
-positives"). A cosine to 0 leaves the last checkpoints close to each other, so the validation choice moves
-the result little; it guards against a late collapse, and it is the only choice that reads no test score.
+The training recipe is the preset's whole recipe (`loss.presets.PRESETS`, default `rec-logged`: its objective,
+steps of 128 rows shuffled across prompts without the rows of advantage 0, lr 6e-4 decayed by a cosine to 0,
+AdamW without weight decay, 2 epochs), checkpoints every `eval_every` steps; how it was chosen, and what it
+measured, is in docs/paper.md ("Against fine-tuning on the positives") and the README. A cosine to 0 leaves the
+last checkpoints close to each other, so the validation choice moves the result little; it guards against a
+late collapse, and it is the only choice that reads no test score.
 """
 
 from __future__ import annotations
@@ -72,11 +66,6 @@ CURVE_PLOT = "heldout.png"
 VALIDATION_FILE = "validation-prompts.jsonl"
 VALIDATION_EVAL_DIR = "eval-validation"
 SELECTIONS = ("best-validation", "final")
-DEMO_TRAIN = (("batching", "rows"), ("skip_zero_advantage", True), ("rows_per_step", 128))
-"""The demo's steps: 128 rows shuffled across prompts, the rows of advantage 0 (groups whose samples all scored
-alike, ~19% of the data) left out. Over 3 seeds it beat 32 whole groups a step on held-out greedy accuracy, 87.8
-+- 1.2 against 82.7 +- 3.5, and at T=1, 74.1 +- 1.7 against 65.2 +- 1.5, on 19% fewer rows (benchmarks/peers.py
-arm rows-skip; docs/paper.md, "Against fine-tuning on the positives")."""
 # A sum of two 2-digit numbers is at most 3 digits, then eos: 8 tokens leave room for a wrong longer answer.
 MAX_NEW_TOKENS = 8
 
@@ -113,14 +102,14 @@ class DemoSettings:
     logged: bool = False
     """Production logs: collect ONE response per prompt (groups of one); train with a baseline for them."""
     baseline: str | None = None
-    """`AlgorithmSpec.baseline` (group, step, dataset, constant); None: the preset's."""
+    """`Objective.baseline` (group, step, dataset, constant); None: the preset's."""
     baseline_value: float | None = None
-    """`AlgorithmSpec.baseline_value` for baseline=constant; None: the preset's."""
+    """`Objective.baseline_value` for baseline=constant; None: the preset's."""
     extra_overrides: tuple[tuple[str, object], ...] = ()
-    """Other `AlgorithmSpec` fields as (name, value) pairs, applied last (benchmarks use them)."""
-    train_overrides: tuple[tuple[str, object], ...] = DEMO_TRAIN
-    """Other `TrainConfig` fields as (name, value) pairs, applied last: DEMO_TRAIN (steps of rows, zero-advantage
-    rows skipped); () trains on whole groups, prompts_per_step of them a step (--logged and --model do)."""
+    """Other `Objective` fields as (name, value) pairs, applied last (benchmarks use them)."""
+    train_overrides: tuple[tuple[str, object], ...] = ()
+    """Other `TrainConfig` fields as (name, value) pairs, applied last over the preset's recipe (its steps: rows or
+    whole groups, and its measured settings)."""
     lr: float = 6e-4
     lr_schedule: str = "cosine"
     """constant, or cosine from lr down to lr * min_lr_ratio at the last step (`TrainConfig.lr_schedule`)."""
@@ -230,16 +219,6 @@ def model_recipe(model: str | None, quick: bool) -> tuple[bool, dict]:
     if model is None or is_demo_policy(model):
         return False, dict(QUICK if quick else {})
     return True, {**OWN_MODEL, **(OWN_MODEL_QUICK if quick else {})}
-
-
-def keep_zero_advantage_for_regularizer(config: DemoSettings, regularizer: str) -> DemoSettings:
-    """`config` training on every row when its preset has a regularizer (--algorithm opmd, asymre): a row of
-    advantage 0 still gets the regularizer's gradient, so skipping it would change the objective (TrainConfig
-    refuses the pair)."""
-    overrides = dict(config.train_overrides)
-    if regularizer == "none" or not overrides.get("skip_zero_advantage"):
-        return config
-    return replace(config, train_overrides=tuple({**overrides, "skip_zero_advantage": False}.items()))
 
 
 def prompt_format(model: str, config: DemoSettings) -> DemoSettings:
@@ -390,7 +369,7 @@ def run_demo(out_dir, *, model: str | None = None, quick: bool = False, logged: 
 def resolve_settings(model: str | None, quick: bool, logged: bool, settings: dict) -> tuple[bool, DemoSettings]:
     """(whether `model` is the user's own, the demo's settings): the recipe (`model_recipe`, `LOGGED`), the
     explicit `settings` over it, checked before any work (the backend, the algorithm)."""
-    from offline_rec.loss.presets import get_algorithm
+    from offline_rec.loss.presets import get_objective
     from offline_rec.rollout.backends import check_backend_name
 
     settings = {k: v for k, v in settings.items() if v is not None}
@@ -400,8 +379,7 @@ def resolve_settings(model: str | None, quick: bool, logged: bool, settings: dic
     own_model, recipe = model_recipe(model, quick)
     config = DemoSettings(**{**recipe, **logged_recipe, **settings})
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here: refused before any work
-    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
-    config = keep_zero_advantage_for_regularizer(config, spec.regularizer)
+    get_objective(config.algorithm, **config.algorithm_overrides)  # an unknown preset fails before any work
     return own_model, prompt_format(model, config) if own_model else config
 
 
@@ -582,7 +560,7 @@ def train_offline(policy: str, dataset: str, run_dir: Path, config: DemoSettings
     from offline_rec.training.loop import train
 
     train_config = TrainConfig(**{**dict(
-        data=[dataset], model=policy, algorithm=config.algorithm, algorithm_overrides=config.algorithm_overrides,
+        data=[dataset], model=policy, algorithm=config.algorithm, **config.algorithm_overrides,
         out=str(run_dir), prompts_per_step=config.prompts_per_step, epochs=config.epochs, lr=config.lr,
         lr_schedule=config.lr_schedule, min_lr_ratio=config.min_lr_ratio, weight_decay=0.0,
         max_grad_norm=config.max_grad_norm, seed=config.seed,

@@ -1,4 +1,9 @@
 """Advantages from rewards: group-relative centring, the baselines of rows no group centres, RED-Drop.
+
+`group_advantages` is the one computation of A from rewards: the trainer's step sources, its checks and the data
+viewer call it. A group of one response cannot centre itself: it gets A = 0 under the group baseline, or the
+objective's fallback baseline (the step's or the data's mean reward, a constant); any baseline that does not depend
+on the sampled response keeps the REINFORCE direction. torch and numpy are imported inside the functions.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from collections.abc import Hashable, Sequence
 if typing.TYPE_CHECKING:
     import torch
 
-from offline_rec.loss.objective import AlgorithmSpec
+from offline_rec.loss.objective import Objective
 from offline_rec.loss.terms import BASELINE_RULES, STD_EPS
 
 TIE_TOLERANCE = 1e-6
@@ -19,9 +24,6 @@ of the mean (e.g. rewards [0.1, 0.2, 0.3]) must not turn a reward equal to the m
 
 DEFAULT_DROP_SEED = 0
 """Seed of the generator RED-Drop uses when the caller passes none (reproducible by default)."""
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,29 +107,29 @@ class RewardMoments:
         return cls(float(values.mean()), std, len(values))
 
 
-def describe_baseline(spec: AlgorithmSpec, moments: RewardMoments | None = None) -> str:
-    """One line on what `spec`'s advantages are centred on, for logs."""
+def describe_baseline(objective: Objective, moments: RewardMoments | None = None) -> str:
+    """One line on what `objective`'s advantages are centred on, for logs."""
     fallback = {
         "group": "none (advantage 0)",
         "step": "the step's mean reward, leaving the row out",
         "dataset": "the training data's mean reward"
         + (f" {moments.mean:.6g} (std {moments.std:.6g}, {moments.count} rows)" if moments else ""),
-        "constant": f"the constant {spec.baseline_value:g}",
-    }[spec.baseline]
-    if not spec.group_mean:
+        "constant": f"the constant {objective.baseline_value:g}",
+    }[objective.baseline]
+    if not objective.group_mean:
         return f"every row: {fallback}"
-    return "group mean" + ("" if spec.baseline == "group" else f"; groups of one response: {fallback}")
+    return "group mean" + ("" if objective.baseline == "group" else f"; groups of one response: {fallback}")
 
 
-def baseline_record(spec: AlgorithmSpec, moments: RewardMoments) -> dict:
+def baseline_record(objective: Objective, moments: RewardMoments) -> dict:
     """What a run's baseline.json holds: the choice, and the training rewards' moments it may use."""
-    return {"baseline": spec.baseline, "baseline_value": spec.baseline_value, "group_mean": spec.group_mean,
-            "std_normalize": spec.std_normalize, "description": describe_baseline(spec, moments),
-            "training_rewards": dataclasses.asdict(moments)}
+    return {"baseline": objective.baseline, "baseline_value": objective.baseline_value,
+            "group_mean": objective.group_mean, "std_normalize": objective.std_normalize,
+            "description": describe_baseline(objective, moments), "training_rewards": dataclasses.asdict(moments)}
 
 
 def group_advantages(
-    spec: AlgorithmSpec,
+    objective: Objective,
     rewards: torch.Tensor,
     group_ids: Sequence[Hashable],
     generator: torch.Generator | None = None,
@@ -135,11 +137,11 @@ def group_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages [N] and the keep mask [N] (bool) for rewards [N] of complete groups (one step's rows).
 
-    A row whose group has >= 2 kept rows is centred on its group (with `spec.group_mean`, the default):
+    A row whose group has >= 2 kept rows is centred on its group (with `objective.group_mean`, the default):
         A_i = r_i - k * mean_g(r)                           (default; k = group_mean_scale, 1 by default)
         A_i = (r_i - k * mean_g(r)) / (std_g(r) + 1e-6)     (std_normalize; unbiased sample std, or the
                                                              population std with population_std)
-    The other rows (singleton groups; every row without `group_mean`) use `spec.baseline`:
+    The other rows (singleton groups; every row without `group_mean`) use `objective.baseline`:
         group     A_i = 0                                   (no baseline)
         step      A_i = r_i - mean_{j != i}(r_j)            (leave-one-out over the kept rows passed in,
                   std_normalize: / (std_{j != i}(r_j) + 1e-6);   i.e. the whole step, all ranks; A_i = 0
@@ -167,14 +169,14 @@ def group_advantages(
     codes = torch.from_numpy(code_array).to(values.device)  # [N]
 
     keep = torch.ones_like(values, dtype=torch.bool)  # [N]
-    if spec.drop == "balance":
+    if objective.drop == "balance":
         keep = _balance_drop(values, codes, num_groups, generator)
-    count, mean, std = _group_moments(values, codes, num_groups, keep, population=spec.population_std)
-    centred = values - spec.group_mean_scale * mean[codes]  # [N]
-    if spec.std_normalize:
+    count, mean, std = _group_moments(values, codes, num_groups, keep, population=objective.population_std)
+    centred = values - objective.group_mean_scale * mean[codes]  # [N]
+    if objective.std_normalize:
         centred = centred / (std[codes] + STD_EPS)
-    grouped = keep & (count[codes] > 1) if spec.group_mean else torch.zeros_like(keep)  # [N]
-    fallback = BASELINE_RULES[spec.baseline](spec, values, keep, dataset_moments)  # [N], float64
+    grouped = keep & (count[codes] > 1) if objective.group_mean else torch.zeros_like(keep)  # [N]
+    fallback = BASELINE_RULES[objective.baseline](objective, values, keep, dataset_moments)  # [N], float64
     advantages = torch.where(grouped, centred, torch.where(keep, fallback, 0.0))  # [N]
     return advantages.to(out_dtype), keep
 

@@ -1,4 +1,19 @@
-"""The objective's hyper-parameters (`AlgorithmSpec`): one value per axis, checked when made.
+"""The objective: the loss's hyper-parameters, one field per choice, grouped by axis and checked when made.
+
+`Objective` is a frozen dataclass. Each axis is a choice of a registry of `offline_rec.loss.terms` (its keys are
+the valid values) and the parameters its entries read:
+
+    ratio        ratio_level                       what M, its bounds and W read: rho, s_i or prod_t rho_t
+    clip         clip, eps_*, m2_threshold, ...    M, the tokens whose policy-gradient term is kept
+    bounds       dual_clip_c, mask_low/high        M's bounds, whatever the clip (off by default)
+    weight       weight, temp, sapo_tau_*, weight_min/max, negative_weight      W, and lambda on A < 0
+    regularizer  regularizer, reg_coef             R, on every completion token
+    kl           kl_to_initial, kl_estimator       the KL to the initial policy, on every completion token
+    aggregation  aggregation, max_completion_length
+    advantage    baseline, group_mean, std_normalize, drop, ...               A from the rewards
+
+It is also the `objective` group of train's options (`training.config.TrainConfig`): each field is a YAML key and
+a `--set` key of its own name. The defaults are plain REINFORCE. No torch here.
 """
 
 from __future__ import annotations
@@ -6,7 +21,17 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from offline_rec.loss.terms import AGGREGATORS, BASELINE_RULES, CLIP_MASKS, REGULARIZER_TERMS, TOKEN_WEIGHTS, Term
+from offline_rec.loss.ratios import RATIO_LEVELS
+from offline_rec.loss.terms import (
+    AGGREGATORS,
+    BASELINE_RULES,
+    CLIP_MASKS,
+    KL_ESTIMATORS,
+    REGULARIZER_TERMS,
+    TOKEN_WEIGHTS,
+    Term,
+)
+from offline_rec.options import api_only
 
 CLIPS = tuple(CLIP_MASKS)
 WEIGHTS = tuple(TOKEN_WEIGHTS)
@@ -15,132 +40,116 @@ AGGREGATIONS = ("auto", *AGGREGATORS)
 REGULARIZERS = tuple(REGULARIZER_TERMS)
 DROPS = ("none", "balance")
 BASELINES = tuple(BASELINE_RULES)
-KL_ESTIMATORS = ("k3", "k2")
-"""Per-token estimators `kl_to_initial` takes: k3 (the default) and k2 (Trinity-RFT's kl_loss_fn default)."""
-RATIO_LEVELS = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
-class AlgorithmSpec:
-    """Hyper-parameters of one member of the loss family. The defaults are plain REINFORCE."""
+class Objective:
+    """The loss's hyper-parameters (`offline_rec.loss.policy_loss`); the defaults are plain REINFORCE."""
 
-    name: str = "custom"
-    """Preset this spec came from, for logs; it does not change the math."""
-    clip: str = "none"
-    """Clip mask M: none | one-side | two-side | ring | gspo-one-side | one-side-negatives (one-side's lower half
-    only: positives unclipped) | the peers' masks (see `CLIP_MASKS`)."""
-    weight: str = "none"
-    """Per-token weight W: none | is (rho) | tis (clamped rho) | gspo-is (s_i) | seq-is (prod_t rho_t) | advantage
-    (exp(A/temp)) | the peers' weights (see `token_weights`)."""
-    regularizer: str = "none"
-    """Regularizer R: none | k2 (c*(logp-blogp)^2) | forward-kl (-c*logp) | k3 (c*(rho-1-log rho))."""
-    reg_coef: float = 0.0
-    """c, the regularizer coefficient."""
-    eps_low: float = 0.2
-    """Clip band lower side: 1 - eps_low."""
-    eps_high: float = 0.2
-    """Clip band upper side: 1 + eps_high."""
-    eps_low_prime: float = 0.6
-    """Ring: gradient restored for A >= 0 when rho <= 1 - eps_low_prime; tis: lower clamp bound."""
-    eps_high_prime: float = 2.0
-    """Ring: gradient restored for A <= 0 when rho >= 1 + eps_high_prime; tis: upper clamp bound."""
-    temp: float = 1.0
-    """RED-Weight temperature: W = exp(A / temp)."""
-    std_normalize: bool = False
-    """Divide group-centred rewards by the unbiased group std + 1e-6 (GRPO)."""
-    population_std: bool = False
-    """With std_normalize, divide by the POPULATION std of the group (ddof 0, Trinity-RFT's REC advantage)
-    instead of the unbiased sample std (ddof 1, GRPO, verl, Trinity-RFT's grpo); the step and dataset
-    baselines' std too."""
-    drop: str = "none"
-    """Data shaping: none | balance (RED-Drop: drop surplus negatives in each group)."""
-    baseline: str = "group"
-    """b of rows whose group cannot centre itself (see `group_advantages`): group (none: A = 0) | step
-    (leave-one-out mean of the step's rewards) | dataset (mean reward of the training data) | constant."""
-    baseline_value: float = 0.0
-    """b for baseline=constant (e.g. 0.5 for 0/1 thumbs); any finite number."""
-    group_mean: bool = True
-    """Groups of >= 2 kept rows are centred on their own mean and `baseline` serves the singletons; False:
-    every row uses `baseline` (TOPR: its reward threshold, never the group mean)."""
-    group_mean_scale: float = 1.0
-    """kappa in [0, 1]: a group's rows are centred on kappa * mean_g(r) (1: the group mean; 0: A = r, reward-
-    weighted fine-tuning). Below 1 an all-correct group keeps a positive advantage (1 - kappa with 0/1 rewards),
-    so what a strong logger got right still teaches, and the positives outweigh the negatives."""
-    aggregation: str = "auto"
-    """How per-token terms become the loss (see `aggregate`): auto (seq-mean-token-mean for gspo-one-side,
-    token-mean otherwise) | token-mean | seq-mean-token-mean | seq-mean-token-sum | dr-grpo."""
-    max_completion_length: int = 0
-    """dr-grpo's constant L: loss = sum / (num_sequences * L); must be > 0 with aggregation=dr-grpo."""
-    dual_clip_c: float = 3.0
-    """dual-clip: for A < 0 the PPO loss is capped at -c * A, so tokens with rho > c lose their gradient; c > 1."""
-    mask_low: float = 0.5
-    """icepop / icepop-seq: lower bound a of the kept ratio band [a, b] (absolute, not 1 - eps)."""
-    mask_high: float = 5.0
-    """icepop / icepop-seq: upper bound b of the kept ratio band [a, b]; b >= a."""
-    m2_threshold: float = 0.04
-    """m2po: tau, the bound on the mean of (log rho)^2 over the kept tokens."""
-    opsm_delta: float = 0.1
-    """opsm: sequences with A < 0 and mean_t(blogp - logp) > delta are dropped."""
-    sapo_tau_pos: float = 1.0
-    """sapo: gate temperature for A > 0."""
-    sapo_tau_neg: float = 1.05
-    """sapo: gate temperature for A <= 0."""
-    # Caps that bound the importance weights of any preset (the -is ones above all); each is off by default,
-    # and off leaves M, W and so the gradient exactly what the preset computes (see `cap_mask`).
-    is_cap: float = 0.0
-    """Truncated IS: W = min(W, is_cap) when > 0 (0: off)."""
-    dual_clip_negatives: bool = False
-    """Dual-clip on negatives: tokens with A < 0 and rho > dual_clip_c lose their gradient, on top of the clip."""
-    icepop_mask: bool = False
-    """IcePop-style masking: tokens whose rho is outside [mask_low, mask_high] lose their gradient, on top of
-    the clip."""
-    ratio_level: str = "token"
-    """token | sequence: each token's rho replaced, in M and W, by its row's geometric-mean ratio
-    s_i = exp(mean_t log rho) (GSPO's sequence ratio); needs weight none, is or tis."""
-    negative_weight: float = 1.0
-    """lambda: the policy-gradient term of rows with A < 0 is multiplied by it (1: unchanged; < 1 down-weights
-    the negatives against the positives, whose total weight the group mean otherwise makes equal)."""
+    # -- ratio
+    ratio_level: str = api_only(
+        "token", help="the ratio M, its bounds and W read: token (rho) | sequence (the row's geometric mean s_i) | "
+                      "row (the row's product prod_t rho_t); sequence and row need a token clip and weight")
+    # -- clip
+    clip: str = api_only(
+        "none", help="clip mask M: " + " | ".join(CLIPS) + " (formulas: offline_rec/loss/terms.py)")
+    eps_low: float = api_only(0.2, help="clip band's lower side: 1 - eps_low")
+    eps_high: float = api_only(0.2, help="clip band's upper side: 1 + eps_high")
+    eps_low_prime: float = api_only(
+        0.6, help="ring: gradient restored for A >= 0 where the ratio <= 1 - eps_low_prime")
+    eps_high_prime: float = api_only(
+        2.0, help="ring: gradient restored for A <= 0 where the ratio >= 1 + eps_high_prime")
+    m2_threshold: float = api_only(0.04, help="m2po: bound on the mean (log rho)^2 of the kept trust-region tokens")
+    opsm_delta: float = api_only(0.1, help="opsm: rows with A < 0 and mean_t(blogp - logp) > opsm_delta dropped")
+    # -- bounds on M, whatever the clip
+    dual_clip_c: float = api_only(
+        math.inf, help="tokens with A < 0 and a ratio > c lose their gradient (dual-clip PPO's cap at -c*A); c > 1; "
+                       "inf: off")
+    mask_low: float = api_only(0.0, help="tokens whose ratio is below it lose their gradient (IcePop's band); 0: off")
+    mask_high: float = api_only(
+        math.inf, help="tokens whose ratio is above it lose their gradient (IcePop's band); inf: off")
+    # -- weight
+    weight: str = api_only(
+        "none", help="per-token weight W: " + " | ".join(WEIGHTS) + " (formulas: offline_rec/loss/terms.py)")
+    weight_min: float = api_only(
+        0.0, help="W clamped from below (CISPO's and TIS's lower bound on W = rho); 0: off")
+    weight_max: float = api_only(
+        math.inf, help="W clamped from above (truncated IS: CISPO's 1 + eps, TIS, a cap on any weight); inf: off")
+    temp: float = api_only(1.0, help="advantage weight (RED-Weight): W = exp(A / temp)")
+    sapo_tau_pos: float = api_only(1.0, help="sapo: the gate's temperature for A > 0")
+    sapo_tau_neg: float = api_only(1.05, help="sapo: the gate's temperature for A <= 0")
+    negative_weight: float = api_only(
+        1.0, help="lambda: the policy-gradient term of rows with A < 0 multiplied by it (< 1 weighs the negatives "
+                  "less than the positives)")
+    # -- regularizer
+    regularizer: str = api_only(
+        "none", help="regularizer R on every completion token: " + " | ".join(REGULARIZERS))
+    reg_coef: float = api_only(0.0, help="c, the regularizer's coefficient")
+    # -- kl to the initial policy
+    kl_to_initial: float = api_only(
+        0.0, help="coefficient of the KL penalty to the initial policy on every completion token (0 = off)")
+    kl_estimator: str = api_only(
+        "k3", help="its per-token estimator: " + " | ".join(KL_ESTIMATORS) + " (k2: (logp - ref)^2 / 2, Trinity-RFT's)")
+    # -- aggregation
+    aggregation: str = api_only(
+        "auto", help="per-token terms to the loss: " + " | ".join(AGGREGATIONS)
+        + " (auto: seq-mean-token-mean under gspo-one-side, token-mean otherwise)")
+    max_completion_length: int = api_only(
+        0, help="dr-grpo's constant L: loss = sum / (sequences * L); > 0 with aggregation dr-grpo")
+    # -- advantage
+    baseline: str = api_only(
+        "group", help="baseline of rows no group centres: group (none: A = 0) | step (the step's other rows' mean) | "
+                      "dataset (the training rewards' mean) | constant (baseline_value)")
+    baseline_value: float = api_only(0.0, help="b of baseline constant (e.g. 0.5 for 0/1 thumbs)")
+    group_mean: bool = api_only(
+        True, help="groups of >= 2 rows are centred on their own mean (false: every row uses `baseline`)")
+    group_mean_scale: float = api_only(
+        1.0, help="kappa in [0, 1]: rows centred on kappa * their group's mean (below 1 an all-correct group keeps a "
+                  "positive advantage)")
+    std_normalize: bool = api_only(False, help="divide centred rewards by the group std + 1e-6 (GRPO)")
+    population_std: bool = api_only(
+        False, help="with std_normalize, the population std (ddof 0, Trinity-RFT's REC) instead of the sample std")
+    drop: str = api_only("none", help="data shaping: none | balance (RED-Drop: surplus negatives of a group dropped)")
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type in ("float", float):
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"{field.name} must be a number, got {value!r}")
+                object.__setattr__(self, field.name, float(value))
+            elif field.type in ("bool", bool) and not isinstance(value, bool):
+                raise ValueError(f"{field.name} must be a bool, got {value!r}")
         for field, valid in _CHOICES.items():
             value = getattr(self, field)
             if value not in valid:
                 raise ValueError(f"unknown {field} {value!r}; valid: {', '.join(valid)}")
-        for field in _FLOAT_FIELDS:
+        for field in _NON_NEGATIVE:
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"{field} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{field} must be finite and >= 0, got {value!r}")
-            object.__setattr__(self, field, float(value))
+            unbounded = field in _UNBOUNDED
+            if not value >= 0 or (not unbounded and not math.isfinite(value)):
+                raise ValueError(f"{field} must be {'' if unbounded else 'finite and '}>= 0, got {value!r}")
+        if not math.isfinite(self.baseline_value):
+            raise ValueError(f"baseline_value must be a finite number, got {self.baseline_value!r}")
         if self.temp == 0:
             raise ValueError("temp must be > 0")
         if self.group_mean_scale > 1:
             raise ValueError(f"group_mean_scale must be in [0, 1], got {self.group_mean_scale}")
-        self._check_objective_fields()
-        for field in ("std_normalize", "population_std", "group_mean", "dual_clip_negatives", "icepop_mask"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
-        value = self.baseline_value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"baseline_value must be a finite number, got {value!r}")
-        object.__setattr__(self, "baseline_value", float(value))
+        self._check_advantage()
+        self._check_clip_and_weight()
+
+    def _check_advantage(self):
         if self.baseline == "group" and not self.group_mean:
             raise ValueError("group_mean=false needs a baseline other than group (step, dataset or constant)")
         if self.baseline == "constant" and self.std_normalize:
             raise ValueError("std_normalize divides by the std of the baseline's population; baseline=constant has "
                              "none: use baseline step or dataset")
-        if self.clip == "ring" and (
-            self.eps_low_prime < self.eps_low or self.eps_high_prime < self.eps_high
-        ):
+
+    def _check_clip_and_weight(self):
+        if self.clip == "ring" and (self.eps_low_prime < self.eps_low or self.eps_high_prime < self.eps_high):
             raise ValueError(
                 "ring clip needs eps_low_prime >= eps_low and eps_high_prime >= eps_high, got "
-                f"{self.eps_low_prime}/{self.eps_high_prime} vs {self.eps_low}/{self.eps_high}"
-            )
-
-
-    def _check_objective_fields(self):
-        """The fields of the peers' objectives (aggregation, dual-clip, icepop, m2po, opsm, sapo)."""
+                f"{self.eps_low_prime}/{self.eps_high_prime} vs {self.eps_low}/{self.eps_high}")
         length = self.max_completion_length
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
             raise ValueError(f"max_completion_length must be an integer >= 0, got {length!r}")
@@ -148,29 +157,63 @@ class AlgorithmSpec:
             raise ValueError("aggregation dr-grpo needs max_completion_length > 0 (its constant denominator)")
         if self.mask_high < self.mask_low:
             raise ValueError(f"mask_high must be >= mask_low, got {self.mask_low} / {self.mask_high}")
+        if self.weight_max < self.weight_min:
+            raise ValueError(f"weight_max must be >= weight_min, got {self.weight_min} / {self.weight_max}")
         if self.sapo_tau_pos == 0 or self.sapo_tau_neg == 0:
             raise ValueError("sapo_tau_pos and sapo_tau_neg must be > 0")
-        if (self.dual_clip_negatives or self.clip == "dual-clip") and self.dual_clip_c <= 1:
+        if self.dual_clip_c <= 1:
             raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
-        if self.ratio_level == "sequence" and (self.weight not in _SEQUENCE_LEVEL_WEIGHTS
-                                               or self.clip not in _SEQUENCE_LEVEL_CLIPS):
-            raise ValueError(f"ratio_level sequence needs a weight among {', '.join(_SEQUENCE_LEVEL_WEIGHTS)} and a "
-                             f"clip among {', '.join(_SEQUENCE_LEVEL_CLIPS)}; got {self.weight} / {self.clip}")
+        if self.ratio_level != "token" and (self.weight not in _LEVEL_WEIGHTS or self.clip not in _LEVEL_CLIPS):
+            raise ValueError(f"ratio_level {self.ratio_level} needs a weight among {', '.join(_LEVEL_WEIGHTS)} and a "
+                             f"clip among {', '.join(_LEVEL_CLIPS)}; got {self.weight} / {self.clip}")
+
+    @property
+    def weighs_by_ratio(self) -> bool:
+        """W is a function of rho = pi / mu (an importance weight: the -is presets and most peers')."""
+        return TOKEN_WEIGHTS[self.weight].by_ratio
+
+    @property
+    def bounded(self) -> bool:
+        """Some bound on M is on (`terms.ratio_bounds`: dual_clip_c, mask_low, mask_high)."""
+        return math.isfinite(self.dual_clip_c) or self.mask_low > 0 or math.isfinite(self.mask_high)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """M may drop tokens: a clip, or a bound on it."""
+        return self.clip != "none" or self.bounded
+
+    @property
+    def gives_zero_advantage_rows_a_gradient(self) -> bool:
+        """A row of advantage 0 still gets a gradient (a regularizer, the KL to the initial policy)."""
+        return self.regularizer != "none" or self.kl_to_initial > 0
 
 
-_CHOICES = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "drop": DROPS, "baseline": BASELINES,
-            "aggregation": AGGREGATIONS, "ratio_level": RATIO_LEVELS}
-_FLOAT_FIELDS = ("reg_coef", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "temp", "dual_clip_c",
-                 "mask_low", "mask_high", "m2_threshold", "opsm_delta", "sapo_tau_pos", "sapo_tau_neg", "is_cap",
-                 "negative_weight", "group_mean_scale")
-# ratio_level sequence: the clips and weights that read nothing but each token's own ratio (the others read the
-# row's product or mean already, or A alone).
-_SEQUENCE_LEVEL_CLIPS = tuple(name for name, term in CLIP_MASKS.items() if term.token_ratio)
-_SEQUENCE_LEVEL_WEIGHTS = tuple(name for name, term in TOKEN_WEIGHTS.items() if term.token_ratio)
+_CHOICES = {"ratio_level": RATIO_LEVELS, "clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS,
+            "kl_estimator": tuple(KL_ESTIMATORS), "aggregation": AGGREGATIONS, "baseline": BASELINES, "drop": DROPS}
+_NON_NEGATIVE = ("eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "m2_threshold", "opsm_delta",
+                 "dual_clip_c", "mask_low", "mask_high", "weight_min", "weight_max", "temp", "sapo_tau_pos",
+                 "sapo_tau_neg", "negative_weight", "reg_coef", "kl_to_initial", "group_mean_scale")
+_UNBOUNDED = ("dual_clip_c", "mask_high", "weight_max")
+"""Bounds whose off value is inf."""
+# ratio_level sequence or row: the clips and weights that read nothing but each token's own ratio.
+_LEVEL_CLIPS = tuple(name for name, term in CLIP_MASKS.items() if term.token_ratio)
+_LEVEL_WEIGHTS = tuple(name for name, term in TOKEN_WEIGHTS.items() if term.token_ratio)
 
+AXES: dict[str, tuple[str, ...]] = {
+    "ratio": ("ratio_level",),
+    "clip": ("clip", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "m2_threshold", "opsm_delta"),
+    "bounds": ("dual_clip_c", "mask_low", "mask_high"),
+    "weight": ("weight", "weight_min", "weight_max", "temp", "sapo_tau_pos", "sapo_tau_neg", "negative_weight"),
+    "regularizer": ("regularizer", "reg_coef"),
+    "kl": ("kl_to_initial", "kl_estimator"),
+    "aggregation": ("aggregation", "max_completion_length"),
+    "advantage": ("baseline", "baseline_value", "group_mean", "group_mean_scale", "std_normalize", "population_std",
+                  "drop"),
+}
+"""Every field of `Objective` by the axis it belongs to (train's --list-options groups them so)."""
 
 REGISTRIES: dict[str, dict[str, Term]] = {
-    "clip": CLIP_MASKS, "weight": TOKEN_WEIGHTS, "regularizer": REGULARIZER_TERMS, "aggregation": AGGREGATORS,
-    "baseline": BASELINE_RULES,
+    "clip": CLIP_MASKS, "weight": TOKEN_WEIGHTS, "regularizer": REGULARIZER_TERMS, "kl_estimator": KL_ESTIMATORS,
+    "aggregation": AGGREGATORS, "baseline": BASELINE_RULES,
 }
-"""Every objective axis: the `AlgorithmSpec` field it is chosen by, and its registry."""
+"""Every registry of an axis, by the `Objective` field that chooses its entry."""

@@ -35,6 +35,10 @@ with no tokens; combined by max). `ratio_stats` reads them: the loss's metrics a
 NO_TOKEN_RATIO_METRICS = dict(ratio_min=1.0, ratio_max=1.0, ratio_mean=1.0, ratio_sq_mean=1.0, ess=1.0, chi2=0.0)
 """What `Ratios.metrics` reads for a batch with no completion tokens (the ratios of an empty batch are 1)."""
 
+RATIO_LEVELS = ("token", "sequence", "row")
+"""What the clip mask, its bounds and the weight read (`Ratios.level`): each token's rho, or its row's s_i or
+prod_t rho_t."""
+
 
 # ---------------------------------------------------------------------------------------------
 # The ratios of a batch.
@@ -58,15 +62,18 @@ class Ratios:
     """count, at least 1: what `mean` divides by."""
 
     def level(self, ratio_level: str) -> torch.Tensor:
-        """The [B, T] ratio the clip mask and weight read: rho (token), or each row's s_i on each of its
-        completion tokens and 1 elsewhere (sequence)."""
+        """The [B, T] ratio the clip mask, its bounds and the weight read: rho (token), or on each completion token
+        of a row, and 1 elsewhere, the row's geometric-mean ratio s_i (sequence) or its product prod_t rho_t
+        (row, `row_ratio`)."""
         import torch
 
         if ratio_level == "token":
             return self.rho
         if ratio_level == "sequence":
             return torch.where(self.mask, self.seq_ratio.expand_as(self.rho), 1.0)
-        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
+        if ratio_level == "row":
+            return torch.where(self.mask, row_ratio(self.rho).expand_as(self.rho), 1.0)
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: {', '.join(RATIO_LEVELS)}")
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """The mean of values [B, T] over the completion tokens (0 with none)."""

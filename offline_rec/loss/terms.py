@@ -1,10 +1,20 @@
-"""The objective's per-token terms as registries: every clip mask M, weight W and regularizer R as one registered
-function (`Term`) whose docstring gives its formula.
+"""The objective's axes as registries: every clip mask M, weight W, regularizer R, KL estimator, aggregation and
+baseline as one registered function (`Term`) whose docstring gives its formula; the bounds on M and W.
 
-An entry takes the axis's tensors positionally and ITS OWN parameters as keyword-only arguments named like the
-`AlgorithmSpec` fields they read (`Term.parameters`); `Term(spec, ...)` passes them. What the loss needs to know
-about an entry beyond its formula is a property of the entry, never a test of a preset's name. torch is imported
-inside the functions.
+`policy_loss` is -M * W * A * logp + R (+ the KL to the initial policy), aggregated; each choice is one entry of a
+flat dict below (`CLIP_MASKS`, `TOKEN_WEIGHTS`, `REGULARIZER_TERMS`, `KL_ESTIMATORS`, `AGGREGATORS`,
+`BASELINE_RULES`), keyed by the value the `Objective` field takes. In three points:
+
+1. An entry is a `Term`: a function whose docstring opens with its value and gives its formula, taking the axis's
+   tensors positionally and ITS OWN parameters as keyword-only arguments named like the `Objective` fields they
+   read (`Term.parameters`); `Term(objective, ...)` passes them. What the loss needs to know about an entry beyond
+   its formula is a property of the entry, never a test of a preset's name.
+2. A bound is said one way: the ratio band and dual-clip's cap on negatives bound M whatever the clip
+   (`ratio_bounds`), the weight bounds clamp W whatever the weight (`bounded_weight`); each is off by default.
+3. The registries' keys are the valid values, checked when an `Objective` is made: an unknown value never reaches
+   a loss.
+
+torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from collections.abc import Callable
 if typing.TYPE_CHECKING:
     import torch
 
-from offline_rec.loss.ratios import EXPONENT_LIMIT, row_ratio
+from offline_rec.loss.ratios import EXPONENT_LIMIT
 
 STD_EPS = 1e-6
 """Added to the group std before dividing (std_normalize, and the step and dataset baselines)."""
@@ -33,35 +43,36 @@ class Term:
     """One value of an objective axis: `function` and what the loss needs to know about it.
 
     `function` takes the axis's tensors positionally and its own parameters as keyword-only arguments, each
-    named like the `AlgorithmSpec` field it reads; calling the term with a spec passes them.
+    named like the `Objective` field it reads; calling the term with an objective passes them.
     """
 
     function: Callable
     aggregation: str = "token-mean"
     """Clips: what aggregation auto means under this clip."""
-    filters_one_side: bool = False
-    """Clips: M is the one-side mask minus a filter (policy_loss's filter_fraction measures the filter)."""
+    filters: str | None = None
+    """Clips: the clip whose mask this one filters (opsm: one-side); policy_loss's filter_fraction measures what the
+    filter (and the bounds) remove from it."""
     token_ratio: bool = False
-    """Clips and weights: reads nothing but each token's own ratio, so ratio_level sequence may replace it."""
+    """Clips and weights: reads nothing but each token's own ratio, so ratio_level sequence or row may replace it."""
     by_ratio: bool = False
     """Weights: W is a function of rho = pi / mu (an importance weight)."""
     parameters: tuple[str, ...] = dataclasses.field(init=False)
-    """The spec fields `function` reads: its keyword-only parameters."""
+    """The objective fields `function` reads: its keyword-only parameters."""
 
     def __post_init__(self):
         signature = inspect.signature(self.function)
         object.__setattr__(self, "parameters", tuple(
             name for name, parameter in signature.parameters.items() if parameter.kind is parameter.KEYWORD_ONLY))
 
-    def __call__(self, spec, *tensors):
-        """`function(*tensors, **its parameters read from spec)`."""
-        return self.function(*tensors, **{name: getattr(spec, name) for name in self.parameters})
+    def __call__(self, objective, *tensors):
+        """`function(*tensors, **its parameters read from objective)`."""
+        return self.function(*tensors, **{name: getattr(objective, name) for name in self.parameters})
 
 
 # ---------------------------------------------------------------------------------------------
 # Clip masks M: (rho [B, T], seq_ratio [B, 1], advantages [B, 1], mask [B, T]) -> bool [B, T], the tokens whose
 # policy-gradient term is kept. rho: the token ratios (1 off the completion mask), or s_i per token under
-# ratio_level sequence.
+# ratio_level sequence or row.
 
 
 def no_clip(rho, seq_ratio, advantages, mask):
@@ -111,22 +122,6 @@ def ring(rho, seq_ratio, advantages, mask, *, eps_low, eps_high, eps_low_prime, 
 def gspo_one_side(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
     """gspo-one-side: M = one-side with s_i in place of rho (whole sequences kept or masked)."""
     return _one_side(seq_ratio, advantages, eps_low, eps_high).expand_as(rho)
-
-
-def dual_clip(rho, seq_ratio, advantages, mask, *, eps_low, eps_high, dual_clip_c):
-    """dual-clip: M = one-side and not (A < 0 and rho > c)   (dual-clip PPO's cap at -c*A; c = dual_clip_c)."""
-    return _one_side(rho, advantages, eps_low, eps_high) & ~((advantages < 0) & (rho > dual_clip_c))
-
-
-def icepop(rho, seq_ratio, advantages, mask, *, mask_low, mask_high):
-    """icepop: M = a <= rho <= b   (a, b = mask_low, mask_high)."""
-    return (rho >= mask_low) & (rho <= mask_high)
-
-
-def icepop_seq(rho, seq_ratio, advantages, mask, *, mask_low, mask_high):
-    """icepop-seq: M = a <= prod_t rho_t <= b   (whole rows; `row_ratio`)."""
-    product = row_ratio(rho)  # [B, 1]
-    return ((product >= mask_low) & (product <= mask_high)).expand_as(rho)
 
 
 def m2po(rho, seq_ratio, advantages, mask, *, m2_threshold):
@@ -185,14 +180,24 @@ CLIP_MASKS: dict[str, Term] = {
     "two-side": Term(two_side, token_ratio=True),
     "ring": Term(ring, token_ratio=True),
     "gspo-one-side": Term(gspo_one_side, aggregation="seq-mean-token-mean"),
-    "dual-clip": Term(dual_clip, filters_one_side=True, token_ratio=True),
-    "icepop": Term(icepop, token_ratio=True),
-    "icepop-seq": Term(icepop_seq),
     "m2po": Term(m2po),
-    "opsm": Term(opsm, filters_one_side=True),
+    "opsm": Term(opsm, filters="one-side"),
     "one-side-negatives": Term(one_side_negatives, token_ratio=True),
 }
-"""The clip masks M by `AlgorithmSpec.clip` value."""
+"""The clip masks M by `Objective.clip` value."""
+
+
+def ratio_bounds(ratio, advantages, *, dual_clip_c, mask_low, mask_high):
+    """bounds: M_b = not (A < 0 and ratio > dual_clip_c) and mask_low <= ratio <= mask_high   (dual-clip PPO's cap
+    at -c*A on the negatives; IcePop's band), on the ratio the clip reads; None when every bound is off (c = inf,
+    band [0, inf]). M is the clip's mask AND M_b."""
+    keep = None
+    if math.isfinite(dual_clip_c):
+        keep = ~((advantages < 0) & (ratio > dual_clip_c))
+    if mask_low > 0 or math.isfinite(mask_high):
+        band = (ratio >= mask_low) & (ratio <= mask_high)
+        keep = band if keep is None else keep & band
+    return keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,11 +215,6 @@ def no_weight(rho, seq_ratio, advantages, mask):
 def importance(rho, seq_ratio, advantages, mask):
     """is: W = rho   (importance sampling)."""
     return rho
-
-
-def truncated_importance(rho, seq_ratio, advantages, mask, *, eps_low_prime, eps_high_prime):
-    """tis: W = clamp(rho, 1-eps_low', 1+eps_high')   (truncated IS)."""
-    return rho.clamp(1 - eps_low_prime, 1 + eps_high_prime)
 
 
 def gspo_importance(rho, seq_ratio, advantages, mask):
@@ -245,11 +245,6 @@ def topr_seq(rho, seq_ratio, advantages, mask):
     # rho is 1 off the completion mask, so the row's log-ratio sum is over its own tokens only
     sequence = rho.log().sum(dim=1, keepdim=True).clamp(max=0.0).exp()  # [B, 1], <= 1
     return torch.where(advantages >= 0, 1.0, sequence).expand_as(rho)
-
-
-def cispo(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
-    """cispo: W = clamp(rho, 1-eps_low, 1+eps_high)   (CISPO: the clip band clamps W, masks nothing)."""
-    return rho.clamp(1 - eps_low, 1 + eps_high)
 
 
 def _sapo_gate(rho, advantages, tau_pos: float, tau_neg: float):
@@ -289,26 +284,27 @@ def gmpo(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
     return (clipped.sum(dim=1, keepdim=True) / lengths.clamp(min=1)).exp().expand_as(rho)
 
 
-def sequence_importance(rho, seq_ratio, advantages, mask):
-    """seq-is: W = prod_t rho_t = `row_ratio`   (sequence-level IS: the row's ratio on each of its tokens)."""
-    return row_ratio(rho).expand_as(rho)
-
-
 TOKEN_WEIGHTS: dict[str, Term] = {
     "none": Term(no_weight, token_ratio=True),
     "is": Term(importance, token_ratio=True, by_ratio=True),
-    "tis": Term(truncated_importance, token_ratio=True, by_ratio=True),
     "gspo-is": Term(gspo_importance, by_ratio=True),
     "advantage": Term(red_weight),
     "topr": Term(topr, by_ratio=True),
     "topr-seq": Term(topr_seq, by_ratio=True),
-    "cispo": Term(cispo, by_ratio=True),
     "sapo": Term(sapo, by_ratio=True),
     "gmpo": Term(gmpo, by_ratio=True),
-    "seq-is": Term(sequence_importance, by_ratio=True),
     "sapo-gate": Term(sapo_gate, by_ratio=True),
 }
-"""The weights W by `AlgorithmSpec.weight` value."""
+"""The weights W by `Objective.weight` value."""
+
+
+def bounded_weight(weight, *, weight_min, weight_max):
+    """weight bounds: W = clamp(W, weight_min, weight_max)   (truncated IS when W = rho: CISPO's clamp(rho, 1-eps_low,
+    1+eps_high), TIS's band, a cap on any weight); W itself where both are off (0 and inf)."""
+    if weight_min > 0 or math.isfinite(weight_max):
+        return weight.clamp(min=weight_min if weight_min > 0 else None,
+                            max=weight_max if math.isfinite(weight_max) else None)
+    return weight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,7 +347,30 @@ REGULARIZER_TERMS: dict[str, Term] = {
     "forward-kl": Term(forward_kl),
     "k3": Term(k3),
 }
-"""The regularizers R by `AlgorithmSpec.regularizer` value."""
+"""The regularizers R by `Objective.regularizer` value."""
+
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators of the penalty to the initial policy: delta [B, T] = initial_logp - logp on the completion tokens
+# (0 elsewhere; gradient through logp) -> the per-token estimate k [B, T]. The loss adds
+# kl_to_initial * sum(k * m) / num_tokens.
+
+
+def kl_k3(delta):
+    """k3: K = exp(delta) - delta - 1, delta = initial_logp - logp   (>= 0, 0 where logp == initial_logp)."""
+    return delta.exp() - delta - 1
+
+
+def kl_k2(delta):
+    """k2: K = delta^2 / 2, delta = initial_logp - logp   (Trinity-RFT's kl_loss_fn default)."""
+    return delta**2 / 2
+
+
+KL_ESTIMATORS: dict[str, Term] = {
+    "k3": Term(kl_k3),
+    "k2": Term(kl_k2),
+}
+"""The estimators of the KL to the initial policy by `Objective.kl_estimator` value."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,7 +421,7 @@ AGGREGATORS: dict[str, Term] = {
     "seq-mean-token-sum": Term(seq_mean_token_sum),
     "dr-grpo": Term(dr_grpo),
 }
-"""The aggregations by `AlgorithmSpec.aggregation` value; auto, the field's default, is the clip's own
+"""The aggregations by `Objective.aggregation` value; auto, the field's default, is the clip's own
 (`Term.aggregation`)."""
 
 
@@ -463,4 +482,4 @@ BASELINE_RULES: dict[str, Term] = {
     "dataset": Term(dataset_baseline),
     "constant": Term(constant_baseline),
 }
-"""The baselines of the rows not centred on their group, by `AlgorithmSpec.baseline` value."""
+"""The baselines of the rows not centred on their group, by `Objective.baseline` value."""

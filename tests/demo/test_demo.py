@@ -405,23 +405,51 @@ def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline
 
 def test_the_default_recipe_trains_steps_of_rows_and_the_others_whole_groups():
     from offline_rec.demo.estimate import step_rows
-    from offline_rec.demo.pipeline import DEMO_TRAIN, LOGGED, OWN_MODEL, DemoSettings
+    from offline_rec.demo.pipeline import LOGGED, OWN_MODEL, DemoSettings
 
-    default = DemoSettings()
-    assert dict(default.train_overrides) == {"batching": "rows", "skip_zero_advantage": True, "rows_per_step": 128}
-    assert default.train_overrides == DEMO_TRAIN and (default.lr, default.epochs, default.lr_schedule) == (
-        6e-4, 2, "cosine")
+    default = DemoSettings()  # rec-logged: its recipe brings the steps of rows and the skip, the demo adds nothing
+    assert default.algorithm == "rec-logged" and default.train_overrides == ()
+    assert (default.lr, default.epochs, default.lr_schedule) == (6e-4, 2, "cosine")
     # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes ~414)
     assert step_rows(default) == (512, 128)
-    # --logged and --model keep whole-group steps: 4096 / 128 x 8 epochs; 32 / 8 x 1 epoch, 8 groups of 4 rows
+    # --logged and --model train rec-oneside-nois, whose recipe is whole-group steps: 4096 / 128 x 8 epochs;
+    # 32 / 8 x 1 epoch, 8 groups of 4 rows
     assert DemoSettings(**LOGGED).train_overrides == () and step_rows(DemoSettings(**LOGGED)) == (256, 128)
     assert DemoSettings(**OWN_MODEL).train_overrides == () and step_rows(DemoSettings(**OWN_MODEL)) == (4, 32)
 
 
-def test_a_preset_with_a_regularizer_trains_on_the_zero_advantage_rows_too():
-    from offline_rec.demo.pipeline import DemoSettings, keep_zero_advantage_for_regularizer
+def test_a_preset_with_a_regularizer_trains_its_own_recipe(tmp_path):
+    # opmd's recipe has whole-group steps and no skip (its regularizer gives rows of advantage 0 a gradient)
+    from offline_rec.demo.estimate import step_rows
+    from offline_rec.demo.pipeline import DemoSettings
+    from offline_rec.training.config import TrainConfig
 
-    kept = keep_zero_advantage_for_regularizer(DemoSettings(algorithm="opmd"), "k2")
-    assert dict(kept.train_overrides) == {"batching": "rows", "skip_zero_advantage": False, "rows_per_step": 128}
-    default = DemoSettings()
-    assert keep_zero_advantage_for_regularizer(default, "none") is default
+    assert step_rows(DemoSettings(algorithm="opmd")) == (256, 32 * 8)
+    config = TrainConfig(data=["d"], model=str(tmp_path), algorithm="opmd", out="r")
+    assert (config.batching, config.skip_zero_advantage) == ("groups", False)
+
+
+@pytest.mark.slow  # a demo of 64 prompts (~4 steps of 128 rows) and the same training through the CLI
+def test_train_with_the_demos_preset_on_its_data_reproduces_its_training(tmp_path, tiny_policy, capsys):
+    """`offline-rec train --algorithm rec-logged` on the demo's own data trains what the demo trained: the same steps,
+    rows and loss curve (the demo trains the preset's whole recipe: rows shuffled across prompts, the skip, its
+    measured lr, schedule and epochs)."""
+    from offline_rec.demo.pipeline import run_demo
+
+    summary = run_demo(tmp_path / "demo", model=tiny_policy, progress=False, num_prompts=64, num_samples=4,
+                       eval_prompts=8, validation_prompts=8, batch_size=64)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "train", "--data", summary["paths"]["dataset"], "--model", tiny_policy,
+                             "--algorithm", "rec-logged", "--out", tmp_path / "train", "--set", "progress=false",
+                             "--set", "report_to=[]")
+    assert code == 0, err
+    # the recipe first, nothing moved away from it
+    assert out.startswith("recipe rec-logged: clip one-side-negatives") and " moves " not in out
+
+    def curve(run):
+        lines = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["rows"], m["num_tokens"], m["loss"], m["lr"]) for m in lines]
+
+    demo, cli = curve(summary["paths"]["run"]), curve(tmp_path / "train")
+    assert len(demo) >= 3 and max(rows for _, rows, *_ in demo) == 128  # steps of 128 rows (an epoch's last: the rest)
+    assert cli == demo
