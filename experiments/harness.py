@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from offline_rec.demo.config import DemoSettings, heldout_evaluation
@@ -170,9 +170,22 @@ def train(policy: str, data: str, run_dir: Path, **fields) -> dict:
     from offline_rec.training.loop import train as train_run
 
     config = build_config(options={"data": [data], "model": policy, "out": str(run_dir), "keep_last": 0,
-                                   "report_to": [], "progress": False, **fields})
+                                   "report_to": [], "progress": False, **arm_defaults(fields["algorithm"]), **fields})
     with open(log_path(run_dir), "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return train_run(config)
+
+
+def arm_defaults(algorithm: str) -> dict:
+    """Train's generic defaults of the options `algorithm`'s recipe sets beside its objective (its steps, its
+    measured optimizer settings): an arm trains its preset's OBJECTIVE with the steps and settings the arm states,
+    as every arm of experiments/results was measured (before a preset carried its steps), never a recipe's."""
+    from offline_rec.loss.objective import Objective
+    from offline_rec.loss.presets import get_preset
+    from offline_rec.training.config import option_help
+
+    objective = {option.name for option in fields(Objective)}
+    generic = {key: default for key, _, default, _ in option_help()}
+    return {key: generic[key] for key in get_preset(algorithm).settings() if key not in objective}
 
 
 def log_path(run_dir: Path) -> Path:
@@ -220,7 +233,7 @@ def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: 
         train_peer(arm.peer, data, policy, run_dir, lr, steps, steps, batch, seed)
         return run_dir / f"checkpoint-{steps}"
     rows = scale.positives_per_step if name == FILTERED_SFT else scale.rows_per_step
-    train(policy, data, run_dir, **RECIPE_BASE, algorithm=arm.preset, algorithm_overrides=dict(arm.overrides), lr=lr,
+    train(policy, data, run_dir, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides), lr=lr,
           epochs=scale.epochs, prompts_per_step=scale.groups_per_step, seed=seed, save_every=0,
           **{**arm.train, **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})})
     return ckpt.latest_checkpoint(run_dir)

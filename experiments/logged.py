@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from experiments import harness
-from offline_rec.algorithms import WIDE_CLIP
+from offline_rec.loss.presets import WIDE_CLIP
 
 RESULTS_FILE, TABLE_FILE, CURVES_FILE = "results.jsonl", "table.md", "curves.png"
 
@@ -104,7 +104,7 @@ def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scal
              if arm == "group-k8" else dict(data=paths["singletons"], prompts_per_step=scale.rows_per_step,
                                             epochs=scale.epochs))
     harness.train(policy, run_dir=run_dir, **shape, **harness.RECIPE_BASE, algorithm=preset,
-                  algorithm_overrides=dict(overrides), lr=lr, seed=0, save_every=scale.eval_every)
+                  **dict(overrides), lr=lr, seed=0, save_every=scale.eval_every)
     return ckpt.list_checkpoints(run_dir)
 
 

@@ -22,9 +22,9 @@ prompts):
   nois            rec-oneside-nois, wide clip, 128 rows a step shuffled across prompts, zero-advantage rows
                   skipped (peers.py `rows-skip`), lr 6e-4
   is              the same with rec-oneside-is: importance weights pi/mu, no cap
-  is-cap2, is-cap10, is-dual   `is` with truncated IS at 2 / 10 (`is_cap`), or dual-clip on the negatives
-                  (`dual_clip_negatives`, c = 3)
-  is-tis          `is` with the weight clamped on both sides (`weight: tis`): W = clamp(rho, 0.5, 2)
+  is-cap2, is-cap10, is-dual   `is` with truncated IS at 2 / 10 (`weight_max`), or dual-clip on the negatives
+                  (`dual_clip_c` 3)
+  is-tis          `is` with the weight clamped on both sides (`weight_min` 0.5, `weight_max` 2): W = clamp(rho, 0.5, 2)
   k0.5, k0.25     `nois` with group_mean_scale 0.5 / 0.25: A = r - kappa * mean_g(r), so an all-correct group
                   (what B got right) keeps A = 1 - kappa
   rec-logged      the demo's default preset (issue 35: the clip on the negatives only, negatives weighted 0.25),
@@ -45,8 +45,8 @@ from pathlib import Path
 
 from experiments import harness
 from experiments.harness import SKIP, Arm, Scale
-from offline_rec.algorithms import WIDE_CLIP
 from offline_rec.demo.config import DEMO_REWARD, DEMO_TASK
+from offline_rec.loss.presets import WIDE_CLIP
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "greedy_vs_share.png"
 A_BEHAVIOR, B_BEHAVIOR = "demo-policy", "logger-b"  # A's is the name the demo's collect gives
@@ -61,11 +61,11 @@ ARMS: dict[str, Arm] = {
     "sft-positives": Arm(peer="sft"),
     "nois": Arm("rec-oneside-nois", dict(WIDE_CLIP), SKIP),
     "is": Arm("rec-oneside-is", dict(WIDE_CLIP), SKIP),
-    "is-cap2": Arm("rec-oneside-is", {**WIDE_CLIP, "is_cap": 2.0}, SKIP),
-    "is-cap10": Arm("rec-oneside-is", {**WIDE_CLIP, "is_cap": 10.0}, SKIP),
-    "is-dual": Arm("rec-oneside-is", {**WIDE_CLIP, "dual_clip_negatives": True}, SKIP),
+    "is-cap2": Arm("rec-oneside-is", {**WIDE_CLIP, "weight_max": 2.0}, SKIP),
+    "is-cap10": Arm("rec-oneside-is", {**WIDE_CLIP, "weight_max": 10.0}, SKIP),
+    "is-dual": Arm("rec-oneside-is", {**WIDE_CLIP, "dual_clip_c": 3.0}, SKIP),
     # the weight clamped on both sides: W = clamp(rho, 0.5, 2) (a positive B liked more than A keeps half its weight)
-    "is-tis": Arm("rec-oneside-is", {**WIDE_CLIP, "weight": "tis", "eps_low_prime": 0.5, "eps_high_prime": 1.0},
+    "is-tis": Arm("rec-oneside-is", {**WIDE_CLIP, "weight_min": 0.5, "weight_max": 2.0},
                   SKIP),
     "k0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, SKIP),
     "k0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.25}, SKIP),

@@ -54,8 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from experiments import harness
-from offline_rec.algorithms import ALGORITHMS, WIDE_CLIP
 from offline_rec.demo.config import DEMO_CHAT_TEMPLATE, DEMO_REWARD
+from offline_rec.loss.presets import PRESETS, WIDE_CLIP
 
 TASK = "arith"  # with the demo's reward and prompts (strict sum, no chat template), as the demo policy learnt
 MAX_NEW_TOKENS = 8
@@ -65,10 +65,10 @@ CURVES_FILE = "curves.png"
 
 WIDE = "rec-oneside-nois-wide"
 # A variant is a preset plus overrides; the wide clip is the paper's recommended REC-OneSide setting.
-VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in ALGORITHMS}
+VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in PRESETS}
 VARIANTS[WIDE] = ("rec-oneside-nois", dict(WIDE_CLIP))
 DEFAULT_VARIANTS = ("reinforce", "grpo", "rec-oneside-nois", WIDE, "opmd")
-# The peers' objectives (offline_rec.algorithms), with two controls of the default grid (rec-oneside-nois, grpo):
+# The peers' objectives (offline_rec.loss.presets), with two controls of the default grid (rec-oneside-nois, grpo):
 # a grid run into the default grid's --out reuses their finished runs.
 PEER_VARIANTS = ("rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop", "icepop-seq", "opsm", "sapo",
                  "gmpo", "dapo", "dr-grpo")
@@ -206,7 +206,7 @@ def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, s
     """A `train` of `steps` steps from `model`, or continuing the run `init_from`; returns the run folder. The
     trainer's settings table and lines go to OUT.log: once per segment they would drown the grid's log."""
     preset, overrides = VARIANTS[variant]
-    harness.train(model, str(data), out, algorithm=preset, algorithm_overrides=overrides,
+    harness.train(model, str(data), out, algorithm=preset, **overrides,
                   prompts_per_step=scale.prompts_per_step, max_steps=steps, lr=scale.lr, weight_decay=0.0,
                   max_grad_norm=scale.max_grad_norm, seed=seed, save_every=save_every,
                   init_from=None if init_from is None else str(init_from))

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from experiments import harness
 from experiments.harness import OPEN_CLIP, QUICK, ROWS, SKIP, Arm, Scale
-from offline_rec.algorithms import WIDE_CLIP
+from offline_rec.loss.presets import WIDE_CLIP
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "arms.png"
 

@@ -14,7 +14,7 @@ from support.paths import REPO
 PACKAGE = REPO / "offline_rec"
 LAYERS = [
     {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.progress",
-     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.objectives", "offline_rec.algorithms",
+     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.loss",
      "offline_rec.options",
      "offline_rec.ray_cluster", "offline_rec.devices", "offline_rec.workers"},
     {"offline_rec.dataset"},  # the format, below everything that reads or writes it
@@ -326,3 +326,34 @@ def test_test_helpers_live_in_the_support_package():
                    if not path.name.startswith("test_") and path.name != "conftest.py")
     assert not loose, loose
     assert (REPO / "tests" / "support" / "__init__.py").is_file()
+
+
+STEP_PATH = ["loss/ratios.py", "loss/objective.py", "loss/presets.py", "loss/advantages.py", "loss/policy_loss.py",
+             "loss/totals.py", "training/config.py", "training/recipes.py", "training/legacy_keys.py",
+             "training/step_source.py", "training/micro_batching.py", "training/trainer.py", "training/loop.py",
+             "training/metrics.py", "training/checks.py", "training/checkpoint.py"]
+"""The modules a training step reads from the command line down to the loss (docs/architecture.md, "The training
+path, in one picture"). loss/terms.py is left out: a registered term's keyword-only parameters are the objective
+fields it reads, its formula's own symbols."""
+
+
+def parameter_counts(source: str) -> list[tuple[int, str]]:
+    """(parameters, name) of every function in `source`, self and cls left out."""
+    counts = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            named = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+            extra = int(arguments.vararg is not None) + int(arguments.kwarg is not None)
+            counts.append((len([n for n in named if n not in ("self", "cls")]) + extra, node.name))
+    return counts
+
+
+def test_parameter_counts_leave_self_out():
+    assert parameter_counts("class C:\n    def m(self, a, b=1, *c, d, **e):\n        pass\n") == [(5, "m")]
+
+
+def test_no_function_of_the_step_path_takes_more_than_six_parameters():
+    wide = [f"{module}:{name} ({count})" for module in STEP_PATH
+            for count, name in parameter_counts((PACKAGE / module).read_text(encoding="utf-8")) if count > 6]
+    assert not wide, wide

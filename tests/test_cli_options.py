@@ -84,8 +84,8 @@ def test_each_field_is_one_parameter_with_the_fields_default(name):
     assert len(seen) == len(set(seen)), f"{name}: a field name serves two parameters"
 
 
-# What a built command may declare besides its config fields and the shared Output flags: train's own flags.
-HANDLER_OWN = {"train": {"config_file", "set_", "list_options"}}
+# What a built command may declare besides its config fields and the shared Output flags (none do now).
+HANDLER_OWN: dict[str, set[str]] = {}
 
 
 def fields_of(target) -> list[str]:

@@ -46,10 +46,10 @@ class DemoSettings:
     recipe: str = "shipped.yaml"
     """The training recipe: a file of offline_rec/demo/recipes/ (`train --config` keys, see `training_recipe`)."""
     algorithm: str | None = None
-    """Another loss preset instead of the recipe's, with its own hyper-parameters (the recipe's
-    algorithm_overrides were chosen for the recipe's preset and are left out); None: the recipe's."""
+    """Another loss preset instead of the recipe's: its own whole recipe (objective and steps; the recipe file's,
+    chosen for the file's preset, are left out), the recipe file's optimizer settings; None: the recipe's."""
     wide_clip: bool | None = None
-    """True: the paper's wide clip eps_low 0.6, eps_high 2.0 (`algorithms.WIDE_CLIP`) over the recipe's;
+    """True: the paper's wide clip eps_low 0.6, eps_high 2.0 (`loss.presets.WIDE_CLIP`) over the recipe's;
     False: the preset's own clip (the recipe's eps_low and eps_high left out); None: the recipe's."""
     epochs: int | None = None
     """Passes over the fixed dataset; None: the recipe's."""
@@ -178,30 +178,25 @@ def prompt_format(model: str, settings: DemoSettings) -> DemoSettings:
 def training_recipe(settings: DemoSettings) -> dict:
     """The demo's training recipe as `train --config` keys: the recipe file, then the settings' changes.
 
-    Another preset (`settings.algorithm`) replaces the recipe's with its own hyper-parameters; `wide_clip` puts the
-    wide clip over them (True) or leaves the preset's own clip (False); `epochs` and `train_changes` replace the
-    recipe's values. A preset with a regularizer trains on every row: a row of advantage 0 still gets the
-    regularizer's gradient, so skipping it would change the objective (TrainConfig refuses the pair). The result is
-    checked as a TrainConfig (an unknown preset, key or value is one line) before the demo does any work.
+    Another preset (`settings.algorithm`) brings its own whole recipe (`loss.presets`: its objective and its steps):
+    the file's objective and step keys, chosen for the file's preset, are left out and its optimizer settings kept.
+    `wide_clip` puts the wide clip over the objective (True) or leaves the preset's own clip (False); `epochs` and
+    `train_changes` replace the recipe's values. The result is checked as a TrainConfig (an unknown preset, key or
+    value is one line) before the demo does any work.
     """
-    from offline_rec.algorithms import WIDE_CLIP, get_algorithm
+    from offline_rec.loss.presets import WIDE_CLIP, preset_keys
     from offline_rec.training.config import build_config, load_yaml
 
     recipe = load_yaml(RECIPES_DIR / settings.recipe)
     if settings.algorithm is not None and settings.algorithm != recipe.get("algorithm"):
-        recipe = {key: value for key, value in recipe.items() if key != "algorithm_overrides"}
+        recipe = {key: value for key, value in recipe.items() if key not in preset_keys()}
         recipe["algorithm"] = settings.algorithm
-    overrides = dict(recipe.pop("algorithm_overrides", None) or {})
     if settings.wide_clip is not None:
-        overrides = {key: value for key, value in overrides.items() if key not in WIDE_CLIP}
-        overrides.update(WIDE_CLIP if settings.wide_clip else {})
-    if overrides:
-        recipe["algorithm_overrides"] = overrides
+        recipe = {key: value for key, value in recipe.items() if key not in WIDE_CLIP}
+        recipe.update(WIDE_CLIP if settings.wide_clip else {})
     if settings.epochs is not None:
         recipe["epochs"] = settings.epochs
     recipe.update(dict(settings.train_changes))
-    if recipe.get("skip_zero_advantage") and get_algorithm(recipe["algorithm"], **overrides).regularizer != "none":
-        recipe["skip_zero_advantage"] = False
     build_config(options={**recipe, "data": ["data"], "model": "model", "out": "run"})  # checked whole, before any work
     return recipe
 
@@ -216,13 +211,21 @@ def train_config(recipe: dict, settings: DemoSettings, policy: str, dataset: str
                                  "report_to": [], "progress": progress})
 
 
-def algorithm_label(recipe: dict) -> str:
-    """The preset and its changes in words, e.g. "rec-oneside-nois (wide clip 0.6/2.0)"."""
-    from offline_rec.algorithms import WIDE_CLIP
+def objective_changes(recipe: dict) -> dict:
+    """The recipe's values of objective fields that differ from its preset's own (e.g. the wide clip)."""
+    from offline_rec.loss.presets import get_objective
 
-    overrides = dict(recipe.get("algorithm_overrides") or {})
-    wide = all(overrides.get(key) == value for key, value in WIDE_CLIP.items())
-    extra = [f"{key} {value}" for key, value in overrides.items() if not (wide and key in WIDE_CLIP)]
+    own = get_objective(recipe["algorithm"])
+    return {key: value for key, value in recipe.items() if hasattr(own, key) and getattr(own, key) != value}
+
+
+def algorithm_label(recipe: dict) -> str:
+    """The preset and the recipe's changes to its objective in words, e.g. "rec-oneside-nois (wide clip 0.6/2.0)"."""
+    from offline_rec.loss.presets import WIDE_CLIP
+
+    changed = objective_changes(recipe)
+    wide = bool(set(changed) & set(WIDE_CLIP)) and all(recipe.get(key) == value for key, value in WIDE_CLIP.items())
+    extra = [f"{key} {value}" for key, value in changed.items() if not (wide and key in WIDE_CLIP)]
     return (recipe["algorithm"] + (" (wide clip 0.6/2.0)" if wide else "")
             + (f", {', '.join(extra)}" if extra else ""))
 

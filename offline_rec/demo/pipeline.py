@@ -41,6 +41,7 @@ from offline_rec.demo.config import (
     demo_settings,
     heldout_evaluation,
     is_own_model,
+    objective_changes,
     train_config,
     training_recipe,
 )
@@ -107,7 +108,7 @@ def run_demo(out_dir, settings: DemoSettings | None = None, *, model: str | None
         "before": headline(before, settings.num_samples),
         "after": headline(after, settings.num_samples),
         "algorithm": recipe["algorithm"],
-        "algorithm_overrides": recipe.get("algorithm_overrides", {}),
+        "algorithm_overrides": objective_changes(recipe),
         "seed": settings.seed,
         "checkpoint": checkpoint,
         "seconds": round(time.monotonic() - started, 1),

@@ -226,7 +226,7 @@ def test_demo_command_is_listed():
 @pytest.mark.slow
 def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline(tmp_path, tiny_policy, capsys):
     from offline_rec.dataset.inspect import describe_dataset
-    from offline_rec.demo.config import demo_settings, training_recipe
+    from offline_rec.demo.config import demo_settings, objective_changes, training_recipe
 
     logged = training_recipe(demo_settings(logged=True))
     out = tmp_path / "logged"
@@ -237,14 +237,14 @@ def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["logged"] is True
     assert summary["algorithm"] == logged["algorithm"] == "rec-oneside-nois"
-    assert summary["algorithm_overrides"] == logged["algorithm_overrides"]
+    assert summary["algorithm_overrides"] == objective_changes(logged) == {"baseline": "dataset", "eps_high": 2.0}
     stats = describe_dataset(out / "data")
     assert stats["group_size_histogram"] == {1: 16}
     assert "pass@4" in summary["after"] and summary["steps"] >= 1
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["singleton_groups"] == m["groups"] and m["grad_norm"] > 0 for m in metrics)
     baseline = json.loads((out / "run" / "baseline.json").read_text())
-    assert baseline["baseline"] == logged["algorithm_overrides"]["baseline"] == "dataset"
+    assert baseline["baseline"] == logged["baseline"] == "dataset"
     # another preset keeps its own spec: topr's threshold (the data's mean), not the logged recipe's clip
     code, output = run_demo_cli(capsys, "demo", "--out", str(tmp_path / "topr"), "--model", tiny_policy, "--quick",
                                 "--logged", "--algorithm", "topr", "--num-prompts", "16", "--epochs", "1",
@@ -263,47 +263,53 @@ def test_the_default_recipe_trains_steps_of_rows_and_the_others_whole_groups():
     def train(settings):
         return train_config(training_recipe(settings), settings, "policy", "data", Path("run"), False)
 
-    default = train(DemoSettings())
-    assert (default.algorithm, default.algorithm_overrides) == ("rec-logged", {})
+    default = train(DemoSettings())  # rec-logged's whole recipe: its steps of rows and the skip come with the preset
+    assert (default.algorithm, default.clip, default.eps_low, default.negative_weight) == (
+        "rec-logged", "one-side-negatives", 0.6, 0.25)
     assert (default.batching, default.skip_zero_advantage, default.rows_per_step) == ("rows", True, 128)
     assert (default.lr, default.epochs, default.lr_schedule, default.min_lr_ratio) == (6e-4, 2, "cosine", 0.0)
     assert (default.weight_decay, default.max_grad_norm, default.save_every, default.keep_last) == (0.0, 1.0, 52, 0)
+    assert not any(" moves " in line for line in default.recipe_lines())  # the file writes out the preset's recipe
     # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes fewer)
     assert step_rows(DemoSettings(), default) == (512, 128)
-    # --logged and --model keep whole-group steps: 4096 / 128 x 8 epochs; 32 / 8 x 1 epoch, 8 groups of 4 rows
+    # --logged and --model train rec-oneside-nois, whose recipe is whole-group steps: 4096 / 128 x 8 epochs;
+    # 32 / 8 x 1 epoch, 8 groups of 4 rows
     logged = demo_settings(logged=True)
     assert train(logged).batching == "groups" and step_rows(logged, train(logged)) == (256, 128)
     own = DemoSettings(**OWN_MODEL)
     assert train(own).batching == "groups" and step_rows(own, train(own)) == (4, 32)
-    assert (train(own).lr, train(own).algorithm_overrides) == (1e-5, {"eps_low": 0.6, "eps_high": 2.0})
+    assert (train(own).lr, train(own).eps_low, train(own).eps_high) == (1e-5, 0.6, 2.0)
     # the user's epochs and wide clip go over the recipe's; --default-clip leaves the preset's own clip
     assert train(DemoSettings(epochs=3, wide_clip=True)).epochs == 3
-    assert train(DemoSettings(wide_clip=True)).algorithm_overrides == {"eps_low": 0.6, "eps_high": 2.0}
-    assert train(replace(own, wide_clip=False)).algorithm_overrides == {}
+    assert (train(DemoSettings(wide_clip=True)).eps_low, train(DemoSettings(wide_clip=True)).eps_high) == (0.6, 2.0)
+    assert (train(replace(own, wide_clip=False)).eps_low, train(replace(own, wide_clip=False)).eps_high) == (0.2, 0.2)
 
 
-def test_another_preset_takes_its_own_hyper_parameters_and_the_recipes_schedule():
+def test_another_preset_takes_its_own_recipe_and_the_recipe_files_optimizer_settings():
     from offline_rec.demo.config import algorithm_label, demo_settings, training_recipe
+    from offline_rec.loss.presets import preset_keys
 
     logged = training_recipe(demo_settings(logged=True))
     topr = training_recipe(demo_settings(logged=True, algorithm="topr"))
-    # the logged recipe's baseline and clip were chosen for rec-oneside-nois: topr keeps its own
-    assert topr["algorithm"] == "topr" and "algorithm_overrides" not in topr
+    # the logged recipe's baseline and clip were chosen for rec-oneside-nois: topr keeps its own objective and steps
+    assert topr["algorithm"] == "topr" and not set(topr) & preset_keys()
     assert {k: v for k, v in topr.items() if k != "algorithm"} == {
-        k: v for k, v in logged.items() if k not in ("algorithm", "algorithm_overrides")}
-    assert algorithm_label(logged) == "rec-oneside-nois, baseline dataset, eps_low 0.2, eps_high 2.0"
+        k: v for k, v in logged.items() if k not in preset_keys() | {"algorithm"}}
+    assert algorithm_label(logged) == "rec-oneside-nois, baseline dataset, eps_high 2.0"
     assert algorithm_label(training_recipe(demo_settings(wide_clip=True))) == "rec-logged (wide clip 0.6/2.0)"
     # the recipe's own preset named again changes nothing
     assert training_recipe(demo_settings(logged=True, algorithm="rec-oneside-nois")) == logged
 
 
-def test_a_preset_with_a_regularizer_trains_on_the_zero_advantage_rows_too():
-    from offline_rec.demo.config import training_recipe
+def test_a_preset_with_a_regularizer_trains_its_own_recipe():
+    # opmd's recipe has whole-group steps and no skip (its regularizer gives rows of advantage 0 a gradient); the
+    # demo's optimizer settings stay
+    from offline_rec.demo.config import train_config, training_recipe
 
-    kept = training_recipe(DemoSettings(algorithm="opmd"))
-    assert {k: kept[k] for k in ("batching", "skip_zero_advantage", "rows_per_step")} == {
-        "batching": "rows", "skip_zero_advantage": False, "rows_per_step": 128}
-    assert training_recipe(DemoSettings())["skip_zero_advantage"] is True
+    settings = DemoSettings(algorithm="opmd")
+    config = train_config(training_recipe(settings), settings, "policy", "data", Path("run"), False)
+    assert (config.algorithm, config.batching, config.skip_zero_advantage) == ("opmd", "groups", False)
+    assert (config.lr, config.lr_schedule, config.epochs) == (6e-4, "cosine", 2)
 
 
 def test_the_variants_replace_fields_in_a_fixed_order(tmp_path):
@@ -324,3 +330,29 @@ def test_the_variants_replace_fields_in_a_fixed_order(tmp_path):
     logged = demo_settings(str(tmp_path / "chat"), quick=True, logged=True)
     assert (logged.recipe, logged.train_changes, logged.num_prompts, logged.max_new_tokens) == (
         "logged.yaml", (), 8, 24)
+
+
+@pytest.mark.slow  # a demo of 64 prompts (~4 steps of 128 rows) and the same training through the CLI
+def test_train_with_the_demos_preset_on_its_data_reproduces_its_training(tmp_path, tiny_policy, capsys):
+    """`offline-rec train --algorithm rec-logged` on the demo's own data trains what the demo trained: the same steps,
+    rows and loss curve (the demo trains the preset's whole recipe: rows shuffled across prompts, the skip, its
+    measured lr, schedule and epochs)."""
+    from offline_rec.demo.pipeline import run_demo
+
+    settings = DemoSettings(num_prompts=64, num_samples=4, eval_prompts=8, validation_prompts=8, batch_size=64)
+    summary = run_demo(tmp_path / "demo", settings, model=tiny_policy, progress=False)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "train", "--data", summary["paths"]["dataset"], "--model", tiny_policy,
+                             "--algorithm", "rec-logged", "--out", tmp_path / "train", "--set", "progress=false",
+                             "--set", "report_to=[]")
+    assert code == 0, err
+    # the recipe first, nothing moved away from it
+    assert out.startswith("recipe rec-logged: clip one-side-negatives") and " moves " not in out
+
+    def curve(run):
+        lines = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["rows"], m["num_tokens"], m["loss"], m["lr"]) for m in lines]
+
+    demo, cli = curve(summary["paths"]["run"]), curve(tmp_path / "train")
+    assert len(demo) >= 3 and max(rows for _, rows, *_ in demo) == 128  # steps of 128 rows (an epoch's last: the rest)
+    assert cli == demo
