@@ -43,6 +43,9 @@ DEMO_THREADS = 1
 class DemoSettings:
     """Every knob of the demo; all of them are recorded in OUT/settings.json and OUT/summary.json."""
 
+    task: str = DEMO_TASK
+    """The built-in task (`tasks.builtin`) whose train split is logged and whose test split (and ood split, where
+    it has one) is held out; the shipped policy is the task's (`demo.behavior_policy.SHIPPED_POLICIES`)."""
     recipe: str = "shipped.yaml"
     """The training recipe: a file of offline_rec/demo/recipes/ (`train --config` keys, see `training_recipe`)."""
     algorithm: str | None = None
@@ -97,7 +100,6 @@ class DemoSettings:
         if self.num_samples < 2:
             raise UserError("demo: num-samples must be >= 2 (the evaluations' pass@K; --logged collects one sample)")
         from offline_rec.eval.selection import SELECTIONS
-        from offline_rec.tasks.builtin import arith_pairs
 
         if self.select not in SELECTIONS:
             raise UserError(f"demo: select must be one of {', '.join(SELECTIONS)}, got {self.select!r}")
@@ -105,10 +107,13 @@ class DemoSettings:
             raise UserError(f"demo: validation-prompts must be >= 0, got {self.validation_prompts}")
         if self.select == "best-validation" and self.validation_prompts == 0:
             raise UserError("demo: select best-validation needs validation prompts (validation-prompts >= 1)")
-        available = len(arith_pairs("train"))
-        if self.num_prompts + self.validation_prompts > available:
-            raise UserError(f"demo: num-prompts + validation-prompts must be <= {available} (the {DEMO_TASK} train "
-                            f"split), got {self.num_prompts} + {self.validation_prompts}")
+        from offline_rec.tasks.builtin import get_prompts, get_task
+
+        try:  # the train split must hold the logged prompts and, apart from them, the validation prompts
+            get_prompts(get_task(self.task), n=self.num_prompts + self.validation_prompts, seed=self.seed)
+        except UserError as exc:
+            raise UserError(f"demo: num-prompts + validation-prompts ({self.num_prompts} + "
+                            f"{self.validation_prompts}) do not fit the {self.task} train split: {exc}") from None
 
     @property
     def collect_samples(self) -> int:
@@ -141,13 +146,23 @@ def demo_settings(model: str | None = None, quick: bool = False, logged: bool = 
     `changes` (DemoSettings fields; None leaves the variant's value). Any other model's prompt format is read from
     its tokenizer (`prompt_format`): a model path that exists nowhere fails here, before anything is written."""
     own = is_own_model(model)
-    settings = DemoSettings(**OWN_MODEL) if own else DemoSettings()
+    settings = DemoSettings(**OWN_MODEL) if own else DemoSettings(**task_variant(changes.get("task") or DEMO_TASK))
     if quick:
         settings = replace(settings, **(OWN_MODEL_QUICK if own else QUICK))
     if logged:
         settings = replace(settings, **LOGGED)
     settings = replace(settings, **{name: value for name, value in changes.items() if value is not None})
     return prompt_format(model, settings) if own else settings
+
+
+def task_variant(task: str) -> dict:
+    """`--task`: the task and how its shipped policy is run (its reward, answer budget, raw prompts); a task
+    without a shipped policy is refused in one line naming those with one."""
+    from offline_rec.demo.behavior_policy import shipped_policy
+
+    policy = shipped_policy(task)
+    return dict(task=task, reward=policy.reward, max_new_tokens=policy.max_new_tokens,
+                chat_template=not policy.raw_prompts)
 
 
 def is_own_model(model: str | None) -> bool:
@@ -230,14 +245,15 @@ def algorithm_label(recipe: dict) -> str:
             + (f", {', '.join(extra)}" if extra else ""))
 
 
-def heldout_evaluation(settings: DemoSettings, model: str, out: Path, num_samples: int, progress: bool):
-    """The demo's `EvalConfig`: `model` on the held-out test prompts, greedy plus `num_samples` samples at T=1
-    (`eval.selection.on_prompts` turns it to the validation prompts)."""
+def heldout_evaluation(settings: DemoSettings, model: str, out: Path, num_samples: int, progress: bool,
+                       split: str = "test"):
+    """The demo's `EvalConfig`: `model` on the held-out test prompts (or `split`'s: ood), greedy plus `num_samples`
+    samples at T=1 (`eval.selection.on_prompts` turns it to the validation prompts)."""
     from offline_rec.eval.config import EvalConfig
 
     return EvalConfig(
-        model=model, task=DEMO_TASK, reward=settings.reward, chat_template=settings.chat_template, out=out,
-        num_samples=num_samples, greedy=True, num_prompts=settings.eval_prompts, split="test",
+        model=model, task=settings.task, reward=settings.reward, chat_template=settings.chat_template, out=out,
+        num_samples=num_samples, greedy=True, num_prompts=settings.eval_prompts, split=split,
         backend=settings.backend, temperature=1.0, max_new_tokens=settings.max_new_tokens, seed=settings.eval_seed,
         batch_size=settings.batch_size, overwrite=True, show_progress=progress,
     )
@@ -253,6 +269,10 @@ class DemoOptions:
     line (None: the variant's value)."""
 
     out: Path = option(Path("runs/demo"), "--out", "-o", help="Folder for every stage's output and summary.json.")
+    task: str = option(
+        DEMO_TASK, "--task",
+        help="Built-in task and its shipped policy: arith (2-digit sums) or add3 (3-digit sums at the edge of the "
+             "policy's competence; also evaluated on its ood split, one carry harder).")
     algorithm: str | None = option(
         None, "--algorithm",
         help="Loss preset to train with (default rec-logged; --logged: rec-oneside-nois with its baseline; --model: "
@@ -296,6 +316,7 @@ class DemoOptions:
 
     def settings(self) -> DemoSettings:
         """The DemoSettings these options ask for (`demo_settings`)."""
-        return demo_settings(self.model, self.quick, self.logged, num_prompts=self.num_prompts, epochs=self.epochs,
+        return demo_settings(self.model, self.quick, self.logged, task=self.task, num_prompts=self.num_prompts,
+                             epochs=self.epochs,
                              eval_prompts=self.eval_prompts, algorithm=self.algorithm, wide_clip=self.wide_clip,
                              backend=self.backend, seed=self.seed, select=self.select)

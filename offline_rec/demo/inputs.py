@@ -8,37 +8,41 @@ import shutil
 import sys
 from pathlib import Path
 
-from offline_rec.demo.config import DEMO_TASK, DemoSettings
+from offline_rec.demo.config import DemoSettings
 from offline_rec.errors import UserError
 from offline_rec.files import cache_root
 
 
-def demo_policy_cache() -> Path:
-    """Where a missing demo policy is built: demo-policy/ in the cache root (`files.cache_root`)."""
-    return cache_root() / "demo-policy"
+def demo_policy_cache(task: str = "arith") -> Path:
+    """Where a missing shipped policy is built: demo-policy/ (arith's) or demo-policy-TASK/ in the cache root
+    (`files.cache_root`)."""
+    return cache_root() / ("demo-policy" if task == "arith" else f"demo-policy-{task}")
 
 
-def ensure_demo_policy(progress: bool = True, **recipe) -> str:
-    """The shipped demo policy folder; if it is missing, the cached build, built now if needed (minutes on a CPU).
+def ensure_demo_policy(progress: bool = True, task: str = "arith", **recipe) -> str:
+    """The shipped policy of `task` (`behavior_policy.SHIPPED_POLICIES`); if it is missing, the cached build, built
+    now if needed (minutes on a CPU).
 
-    `recipe`: `demo_policy.DemoRecipe` fields for a build (tests use tiny ones). The build goes into a
-    temporary sibling folder renamed when complete, so an interrupted build is never used.
+    `recipe`: `demo_policy.DemoRecipe` fields for a build (tests use tiny ones; default: the task's shipped recipe).
+    The build goes into a temporary sibling folder renamed when complete, so an interrupted build is never used.
     """
-    from offline_rec.demo.behavior_policy import build_demo_policy, demo_policy_path
+    from dataclasses import asdict
+
+    from offline_rec.demo.behavior_policy import build_demo_policy, demo_policy_path, shipped_policy
 
     try:
-        return demo_policy_path()
+        return demo_policy_path(task)
     except UserError:
         pass
-    cached = demo_policy_cache()
+    cached = demo_policy_cache(task)
     if (cached / "config.json").is_file():
         return str(cached)
     partial = cached.with_name(cached.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.parent.mkdir(parents=True, exist_ok=True)
     if progress:
-        print(f"the shipped demo policy is missing: building it into {cached} (once, about 2 minutes)", file=sys.stderr)
-    build_demo_policy(partial, progress=progress, **recipe)
+        print(f"the shipped {task} policy is missing: building it into {cached} (once, minutes)", file=sys.stderr)
+    build_demo_policy(partial, progress=progress, **(recipe or asdict(shipped_policy(task).recipe)))
     partial.rename(cached)
     return str(cached)
 
@@ -48,7 +52,7 @@ def collect_dataset(policy: str, out: Path, settings: DemoSettings, progress: bo
     from offline_rec.rollout.collect import CollectConfig, collect
 
     return collect(CollectConfig(
-        model=policy, task=DEMO_TASK, reward=settings.reward, chat_template=settings.chat_template, out=out,
+        model=policy, task=settings.task, reward=settings.reward, chat_template=settings.chat_template, out=out,
         num_samples=settings.collect_samples, num_prompts=settings.num_prompts, split="train",
         backend=settings.backend, temperature=1.0, max_new_tokens=settings.max_new_tokens, seed=settings.seed,
         batch_size=settings.batch_size, behavior="demo-policy", show_progress=progress,
@@ -71,12 +75,14 @@ def check_dataset(path: str):
 def write_validation_prompts(path: Path, settings: DemoSettings) -> Path:
     """`settings.validation_prompts` train-split prompts, none of them among the ones `collect_dataset` samples.
 
-    collect draws `arith_prompts(num_prompts, seed)`; these are drawn from a seeded shuffle of the rest of
-    the train split. Being train split, they share no (a, b) pair with the held-out test prompts either.
+    collect draws the task's first `num_prompts` train prompts for the seed; these are the ones drawn after them
+    with the same seed (a built-in task's draw is prefix-stable), any trained one left out. Being train split, they
+    share no pair with the held-out test (or ood) prompts either.
     """
-    from offline_rec.tasks.builtin import arith_pairs, arith_prompts
+    from offline_rec.tasks.builtin import get_prompts, get_task
     from offline_rec.tasks.prompts import write_prompts
 
-    trained = {item.id for item in arith_prompts(settings.num_prompts, seed=settings.seed, split="train")}
-    shuffled = arith_prompts(len(arith_pairs("train")), seed=settings.seed, split="train")
-    return write_prompts([item for item in shuffled if item.id not in trained][: settings.validation_prompts], path)
+    task = get_task(settings.task)
+    trained = {item.id for item in get_prompts(task, n=settings.num_prompts, seed=settings.seed, split="train")}
+    drawn = get_prompts(task, n=settings.num_prompts + settings.validation_prompts, seed=settings.seed, split="train")
+    return write_prompts([item for item in drawn if item.id not in trained][: settings.validation_prompts], path)

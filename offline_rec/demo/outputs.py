@@ -29,6 +29,9 @@ def start_out(out: Path, overwrite: bool, settings: DemoSettings) -> dict:
     prepare_out(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
     (out / SETTINGS_FILE).write_text(json.dumps({"what": DEMO_MARK, **asdict(settings)}, indent=2) + "\n")
+    from offline_rec.tasks.builtin import get_task
+
+    ood = "ood" in get_task(settings.task).splits  # its held-out prompts one step harder: evaluated before and after
     return {
         "out": str(out),
         "dataset": str(out / "data"),
@@ -36,6 +39,8 @@ def start_out(out: Path, overwrite: bool, settings: DemoSettings) -> dict:
         "validation_prompts": str(out / VALIDATION_FILE),
         "before": str(out / "eval" / "before"),
         "after": str(out / "eval" / "after"),
+        **({"before_ood": str(out / "eval" / "before-ood"), "after_ood": str(out / "eval" / "after-ood")} if ood
+           else {}),
         "report": str(out / "report"),
     }
 
@@ -169,6 +174,10 @@ def print_final_table(console, summary: dict, settings: DemoSettings, label: str
     for name, text in (("greedy_accuracy", "greedy accuracy"), ("accuracy", "accuracy at T=1"), (key, key)):
         b, a = summary["before"][name], summary["after"][name]
         table.add_row(text, f"{100 * b:.1f}%", f"{100 * a:.1f}%", f"{100 * (a - b):+.1f} pts")
+    if "ood" in summary:
+        for name, text in (("greedy_accuracy", "ood greedy accuracy"), ("accuracy", "ood accuracy at T=1")):
+            b, a = summary["ood"]["before"][name], summary["ood"]["after"][name]
+            table.add_row(text, f"{100 * b:.1f}%", f"{100 * a:.1f}%", f"{100 * (a - b):+.1f} pts")
     console.print(table)
     checkpoint = summary["checkpoint"]
     console.print(f"after = step {checkpoint['step']} of {checkpoint['final_step']}: {checkpoint['why']}")

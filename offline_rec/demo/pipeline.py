@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 from offline_rec.demo.config import (
-    DEMO_TASK,
     DEMO_THREADS,
     DemoSettings,
     algorithm_label,
@@ -73,6 +72,7 @@ def run_demo(out_dir, settings: DemoSettings | None = None, *, model: str | None
     from rich.console import Console
 
     from offline_rec.rollout.backends import check_backend_name
+    from offline_rec.tasks.builtin import get_task
     from offline_rec.training.distributed import import_deepspeed_only_when_used
 
     import_deepspeed_only_when_used()  # the demo trains in one process: no DeepSpeed, nor its CPU warning in the log
@@ -93,13 +93,22 @@ def run_demo(out_dir, settings: DemoSettings | None = None, *, model: str | None
         report = check_dataset(paths["dataset"])
         stages.note(f"valid: {report.rows_checked} rows, {report.groups_checked} groups, {report.warnings} warning(s)")
     test = heldout_evaluation(settings, policy, Path(paths["before"]), settings.num_samples, progress)
-    with stages.run("before", f"the behavior policy on {settings.eval_prompts} held-out test prompts"):
+    ood = (heldout_evaluation(settings, policy, Path(paths["before"]), settings.num_samples, progress, split="ood")
+           if "ood" in get_task(settings.task).splits else None)
+    with stages.run("before", f"the behavior policy on {settings.eval_prompts} held-out test prompts"
+                    + (" and as many ood prompts" if ood else "")):
         before = _evaluate(test, policy, paths["before"])
         stages.note(metrics_line(before, settings.num_samples))
+        before_ood = _evaluate(ood, policy, paths["before_ood"]) if ood else None
+        if ood:
+            stages.note("ood: " + metrics_line(before_ood, settings.num_samples))
     steps, curve, checkpoint = _train_stage(stages, train, before, test, settings, label, paths, progress)
     with stages.run("after", f"the chosen model (step {checkpoint['step']}), on the same held-out prompts and seeds"):
         after = _evaluate(test, paths["chosen_model"], paths["after"])
         stages.note(metrics_line(after, settings.num_samples))
+        after_ood = _evaluate(ood, paths["chosen_model"], paths["after_ood"]) if ood else None
+        if ood:
+            stages.note("ood: " + metrics_line(after_ood, settings.num_samples))
     with stages.run("report", "plots and tables"):
         figures = write_report(Path(paths["report"]), paths, curve, settings, label, checkpoint["step"])
         stages.note(", ".join(str(p) for p in figures.values()))
@@ -118,6 +127,8 @@ def run_demo(out_dir, settings: DemoSettings | None = None, *, model: str | None
         "curve": curve,
         "before_all": before,
         "after_all": after,
+        **({"ood": {"before": headline(before_ood, settings.num_samples),
+                    "after": headline(after_ood, settings.num_samples)}} if ood else {}),
         "paths": paths,
         "figures": {name: str(path) for name, path in figures.items()},
         "settings": dataclasses.asdict(settings),
@@ -153,12 +164,12 @@ def _policy_stage(stages: Stages, model: str | None, settings: DemoSettings, rec
     from offline_rec.demo.estimate import estimate_demo
 
     with stages.run("policy", "the behavior policy"):
-        policy = model or ensure_demo_policy(progress=progress)
+        policy = model or ensure_demo_policy(progress=progress, task=settings.task)
         paths["policy"] = str(policy)
         stages.note(f"{policy}" + (f": {'chat template, ' if settings.chat_template else 'raw prompts, '}reward "
                                    f"{settings.reward}" if is_own_model(model) else ""))
         train = train_config(recipe, settings, policy, paths["dataset"], Path(paths["run"]), progress)
-        estimate = estimate_demo(policy, settings, train, DEMO_TASK)
+        estimate = estimate_demo(policy, settings, train, settings.task)
         stages.note(estimate.line())
     return policy, train, estimate
 

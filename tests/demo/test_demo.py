@@ -153,7 +153,9 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
                          (dict(algorithm="ppo"), "ppo"), (dict(select="best-test"), "select must be one of"),
                          (dict(validation_prompts=0), "needs validation prompts"),
                          (dict(validation_prompts=-1, select="final"), "validation-prompts must be >= 0"),
-                         (dict(num_prompts=6500, validation_prompts=51), "must be <= 6550"),
+                         (dict(num_prompts=6500, validation_prompts=51),
+                          r"\(6500 \+ 51\) do not fit the arith train split: .* has 6550"),
+                         (dict(task="add7"), "add7"),
                          (dict(train_changes=(("lr_schedule", "linear"),)), "lr_schedule"),
                          (dict(train_changes=(("lr_shedule", "cosine"),)), "did you mean 'lr_schedule'"),
                          (dict(recipe="no-such.yaml"), "no-such.yaml does not exist")):
@@ -162,12 +164,53 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a toy demo on add3 (~20 s)
+def test_demo_on_add3_runs_its_shipped_policy_and_reports_the_ood_split(tmp_path):
+    from offline_rec import schema as S
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.demo.behavior_policy import demo_policy_path
+    from offline_rec.demo.config import demo_settings
+    from offline_rec.demo.pipeline import run_demo
+    from offline_rec.tasks.builtin import add_split
+    from offline_rec.tasks.prompts import load_prompts
+
+    settings = replace(demo_settings(task="add3"), **{name: getattr(TOY, name) for name in (
+        "num_prompts", "num_samples", "epochs", "eval_prompts", "validation_prompts", "batch_size", "train_changes")})
+    assert (settings.task, settings.chat_template, settings.max_new_tokens) == ("add3", False, 8)
+    summary = run_demo(tmp_path / "out", settings, progress=False)
+    assert summary["paths"]["policy"] == demo_policy_path("add3")
+    dataset = open_dataset(summary["paths"]["dataset"])
+    assert dataset.task["name"] == "add3"
+    rows = dataset.to_table(columns=[S.PROMPT, S.META]).to_pylist()
+    assert all(add_split(json.loads(row[S.META])["a"], json.loads(row[S.META])["b"], 3) == "train" for row in rows)
+    validation = load_prompts(summary["paths"]["validation_prompts"])
+    assert len(validation) == TOY.validation_prompts
+    assert all(add_split(item.fields["a"], item.fields["b"], 3) == "train" for item in validation)
+    assert not {row[S.PROMPT] for row in rows} & {item.prompt for item in validation}
+    # the ood split (every column carries), before and after, evaluated like the test split
+    assert set(summary["ood"]) == {"before", "after"}
+    ood = json.loads((Path(summary["paths"]["after_ood"]) / "summary.json").read_text())
+    assert ood["metrics"]["num_prompts"] == TOY.eval_prompts
+    assert summary["ood"]["after"]["greedy_accuracy"] == ood["metrics"]["greedy_accuracy"]
+
+
+def test_the_validation_prompts_of_arith_are_the_draw_after_the_trained_ones():
+    """write_validation_prompts reads no task's internals: for arith it gives what the demo always gave (the seeded
+    shuffle of the train split with the trained prompts left out), so no measured demo moves."""
+    from offline_rec.tasks.builtin import arith_pairs, arith_prompts, get_prompts, get_task
+
+    trained = {item.id for item in arith_prompts(4096, seed=3)}
+    before = [item.id for item in arith_prompts(len(arith_pairs("train")), seed=3) if item.id not in trained][:512]
+    after = [item.id for item in get_prompts(get_task("arith"), n=4096 + 512, seed=3) if item.id not in trained]
+    assert after == before
+
+
 def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatch):
     import offline_rec.demo.behavior_policy as demo_policy
     from offline_rec.demo.inputs import demo_policy_cache, ensure_demo_policy
 
-    def missing():
-        raise UserError("the demo policy is missing")
+    def missing(task="arith"):
+        raise UserError(f"the {task} demo policy is missing")
 
     monkeypatch.setattr(demo_policy, "demo_policy_path", missing)
     monkeypatch.setenv("OFFLINE_REC_CACHE", str(tmp_path / "cache"))
