@@ -145,19 +145,20 @@ def cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def score(model: Path, run_dir: Path, validation_prompts: str, scale: EdgeScale) -> tuple[dict, dict]:
-    """(the scores of `model`: per split of SPLITS greedy, T=1 and pass@k of `scale.eval_samples` samples, and
-    greedy on the validation prompts; per split each prompt's correct count and greedy reward). One model load."""
+def score(model: Path, run_dir: Path, validation_prompts: str | None, scale: EdgeScale,
+          held_out: bool = True) -> tuple[dict, dict]:
+    """(the scores of `model`: with `held_out`, per split of SPLITS greedy, T=1 and pass@k of `scale.eval_samples`
+    samples, and greedy on the validation prompts where given; per split each prompt's correct count and greedy
+    reward). One model load."""
     from offline_rec.eval.rollouts import evaluate_greedy, load_backend
     from offline_rec.eval.selection import evaluate_policy, on_prompts
 
-    scores, per_prompt, backend, templates = {}, {}, None, {}
-    for split, prefix in SPLITS:
-        template = harness.heldout_template(scale.eval_prompts, str(model), run_dir / f"eval-{split}",
-                                            scale.eval_samples, scale.task, split)
-        templates[split] = template
-        if backend is None:
-            backend, _ = load_backend(template)
+    scores, per_prompt = {}, {}
+    templates = {split: harness.heldout_template(scale.eval_prompts, str(model), run_dir / f"eval-{split}",
+                                                 scale.eval_samples, scale.task, split) for split, _ in SPLITS}
+    backend, _ = load_backend(templates["test"])
+    for split, prefix in SPLITS if held_out else ():
+        template = templates[split]
         metrics = evaluate_policy(template, str(model), template.out, backend)
         scores.update({prefix + "greedy": metrics["greedy_accuracy"], prefix + "t1": metrics["accuracy"],
                        **{prefix + key.replace("@", ""): value for key, value in metrics.items()
@@ -165,13 +166,16 @@ def score(model: Path, run_dir: Path, validation_prompts: str, scale: EdgeScale)
         prompts = [json.loads(line) for line in open(template.out / "per_prompt.jsonl")]
         per_prompt[split] = {"correct": [p["correct"] for p in prompts],
                              "greedy": [p.get("greedy_reward") for p in prompts]}
-    validation = replace(on_prompts(templates["test"], validation_prompts), out=run_dir / "eval-validation")
-    scores["validation"] = evaluate_greedy(validation, backend)["metrics"]["greedy_accuracy"]
+    if validation_prompts is not None:
+        validation = replace(on_prompts(templates["test"], validation_prompts), out=run_dir / "eval-validation")
+        scores["validation"] = evaluate_greedy(validation, backend)["metrics"]["greedy_accuracy"]
     return scores, per_prompt
 
 
-def run_one(name: str, lr: float, seed: int, out: Path, paths: dict, policy: str, scale: EdgeScale) -> dict:
-    """One (arm, lr, seed): trained on seed's logs, its final model kept in OUT/models, scored; the result line."""
+def run_one(name: str, lr: float, seed: int, out: Path, paths: dict, policy: str, scale: EdgeScale,
+            held_out: bool) -> dict:
+    """One (arm, lr, seed): trained on seed's logs, its final model kept in OUT/models, scored (on validation, and
+    with `held_out` on the held-out splits: `score`); the result line."""
     run_dir = out / "runs" / f"{name}-lr{lr:g}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -198,11 +202,21 @@ def run_one(name: str, lr: float, seed: int, out: Path, paths: dict, policy: str
     for file in MODEL_FILES:
         if (model / file).is_file():
             shutil.copy2(model / file, kept / file)
-    scores, per_prompt = score(kept, run_dir, paths["validation"], scale)
+    scores, per_prompt = score(kept, run_dir, paths["validation"], scale, held_out)
     (kept / "scores.json").write_text(json.dumps(per_prompt) + "\n")
     shutil.rmtree(run_dir, ignore_errors=True)
-    return {"arm": name, "lr": lr, "seed": seed, **scores, **timing, "model": str(kept.relative_to(out)),
-            "seconds": round(time.monotonic() - started, 1), "scale": asdict(scale), "arm_spec": asdict(ARMS[name])}
+    return {"arm": name, "lr": lr, "seed": seed, **scores, **timing, "held_out": held_out,
+            "model": str(kept.relative_to(out)), "seconds": round(time.monotonic() - started, 1),
+            "scale": asdict(scale), "arm_spec": asdict(ARMS[name])}
+
+
+def score_held_out(result: dict, out: Path, scale: EdgeScale) -> dict:
+    """A grid run scored on validation alone, now scored on the held-out splits from its kept model."""
+    model = out / result["model"]
+    scores, per_prompt = score(model, out / "runs" / model.name, None, scale)
+    (model / "scores.json").write_text(json.dumps(per_prompt) + "\n")
+    shutil.rmtree(out / "runs" / model.name, ignore_errors=True)
+    return {**result, **scores, "held_out": True}
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,8 +235,9 @@ def lrs_of(arm: str, scale: EdgeScale) -> tuple[float, ...]:
 
 def plan(arms, scale: EdgeScale, done: list[dict], chosen_lr: bool, choice_seeds) -> list[tuple[str, float, int]]:
     """The (arm, lr, seed) left to run: the grid `scale.lrs` x `scale.seeds`, or with `chosen_lr` the seeds at each
-    arm's chosen lr (an arm without grid results is refused)."""
-    finished = {(r["arm"], r["lr"], r["seed"]) for r in done}
+    arm's chosen lr (an arm without grid results is refused), where a grid run scored on validation alone is left
+    to score on the held-out splits."""
+    finished = {(r["arm"], r["lr"], r["seed"]) for r in done if r.get("held_out", True) or not chosen_lr}
     if chosen_lr:
         lrs = chosen_lrs(done, arms, choice_seeds)
         missing = [arm for arm in arms if arm not in lrs]
@@ -244,10 +259,21 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     todo = [] if table_only else plan(arms, scale, done, chosen_lr, choice_seeds)
     log(f"{len(done)} run(s) done, {len(todo)} to go")
     for number, (arm, lr, seed) in enumerate(todo, start=1):
-        paths = seed_data(out, policy, seed, scale, log)
-        result = run_one(arm, lr, seed, out, paths, policy, scale)
-        harness.append_run(results_path, result)
-        done.append(result)
+        grid_run = next((r for r in done if (r["arm"], r["lr"], r["seed"]) == (arm, lr, seed)), None)
+        if grid_run is not None:  # scored on validation alone in the grid: now on the held-out splits
+            result = score_held_out(grid_run, out, scale)
+            done[done.index(grid_run)] = result
+            rewrite(results_path, grid_run, result)
+        else:
+            paths = seed_data(out, policy, seed, scale, log)
+            result = run_one(arm, lr, seed, out, paths, policy, scale, held_out=chosen_lr or arm == BEHAVIOR)
+            harness.append_run(results_path, result)
+            done.append(result)
+        if not result["held_out"]:
+            log(f"[{number}/{len(todo)}] {arm:<18} lr {lr:g} seed {seed}: validation {result['validation']:.3f} "
+                f"({result['train_seconds']:.0f} s training, {result['train_cpu_seconds']:.0f} CPU s, load "
+                f"{result['load'][0]})")
+            continue
         log(f"[{number}/{len(todo)}] {arm:<18} lr {lr:g} seed {seed}: test greedy {result['greedy']:.3f} T=1 "
             f"{result['t1']:.3f} pass@{scale.eval_samples} {result[f'pass{scale.eval_samples}']:.3f}; ood greedy "
             f"{result['ood_greedy']:.3f}; validation {result['validation']:.3f} ({result['train_seconds']:.0f} s "
@@ -260,11 +286,22 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     return {"table": table, "rows": rows, "out": str(out)}
 
 
+def rewrite(results_path: Path, old: dict, new: dict) -> None:
+    """The results file with the line of `old` replaced by `new` (written whole, atomically)."""
+    from offline_rec.files import atomic_write_text
+
+    results = [new if r == old else r for r in harness.read_results(results_path)]
+    atomic_write_text(results_path, "".join(json.dumps(r) + "\n" for r in results))
+
+
 def summarize(results: list[dict], arms, scale: EdgeScale, choice_seeds) -> list[dict]:
     """`harness.summarize` of every score, plus each arm's mean rows, steps and seconds at its chosen lr and the
-    validation score each lr was judged on (`by_lr_validation`: lr -> (mean over the choice seeds, their count))."""
+    validation score each lr was judged on (`by_lr_validation`: lr -> (mean over the choice seeds, their count));
+    `seeds` counts the runs at the chosen lr scored on the held-out splits, the ones the scores are the mean of."""
     rows = harness.summarize(results, arms, score_keys(scale), choice_seeds)
     for row in rows:
+        row["seeds"] = sum(r["arm"] == row["arm"] and r["lr"] == row["lr"] and r.get("held_out", True)
+                           for r in results)
         runs = [r for r in results if r["arm"] == row["arm"]]
         judged: dict[float, list[float]] = {}
         for r in runs:
