@@ -281,8 +281,9 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     rows = summarize([r for r in done if r["arm"] in arms], arms, scale, choice_seeds)
     table = markdown_table(rows, scale, choice_seeds)
     (out / TABLE_FILE).write_text(table)
-    if rows:
-        plot(rows, out / PLOT_FILE, scale)
+    scored = [row for row in rows if row.get("greedy") is not None]  # a grid run alone has validation scores only
+    if scored:
+        plot(scored, out / PLOT_FILE, scale)
     return {"table": table, "rows": rows, "out": str(out)}
 
 
@@ -309,9 +310,8 @@ def summarize(results: list[dict], arms, scale: EdgeScale, choice_seeds) -> list
                 judged.setdefault(r["lr"], []).append(r["validation"])
         row["by_lr_validation"] = {lr: (statistics.mean(v), len(v)) for lr, v in judged.items()}
         chosen = [r for r in runs if r["lr"] == row["lr"]]
-        for key in ("rows", "step_seconds", "train_cpu_seconds", "train_seconds"):
-            values = [r[key] for r in chosen if r.get(key) is not None]
-            row[key] = statistics.mean(values) if values else None
+        row.update((key, harness.mean_of(chosen, key)) for key in ("rows", "step_seconds", "train_cpu_seconds",
+                                                                       "train_seconds"))
         row["load"] = statistics.mean(sum(r["load"]) / 2 for r in chosen)
     return rows
 

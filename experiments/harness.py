@@ -320,7 +320,7 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
         lr = max(judged, key=lambda x: statistics.mean(r["validation"] for r in judged[x]))
         chosen = by_lr[lr]
         row = {"arm": arm, "lr": lr, "seeds": len(chosen),
-               "by_lr": {x: (statistics.mean(r["greedy"] for r in rs), len(rs)) for x, rs in by_lr.items()},
+               "by_lr": {x: (mean_of(rs, "greedy"), len(rs)) for x, rs in by_lr.items()},
                "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
                "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
         for key in scores:
@@ -330,6 +330,12 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
                                 if len(values) > 1 else None)
         rows.append(row)
     return rows
+
+
+def mean_of(runs: list[dict], key: str) -> float | None:
+    """The mean of `key` over the runs that have it (None if none has)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.mean(values) if values else None
 
 
 def cell(row: dict, key: str) -> str:

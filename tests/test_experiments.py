@@ -150,6 +150,7 @@ def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
         edge.plan(["rec-logged", "w-reinforce"], seeds, done, True, (0,))
 
 
+@pytest.mark.slow  # 1-5 min: one collect, 3 trainings, 4 models scored on 3 prompt sets
 def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_path):
     """experiments/edge.py --quick without the TRL arms: seed 0's add3 logs from the shipped add3 policy; the grid
     scores three arms on validation alone and keeps their final models (the untrained policy on everything); the
