@@ -942,12 +942,28 @@ def test_zhu_et_al_arms_by_hand(name, advantages, coefficients):
         assert loss.item() == pytest.approx(zhu_loss.item() / 2)
 
 
+def test_zhu_et_al_dual_clip_by_hand():
+    """verl's dual clip (Zhu et al.'s code): a negative whose ratio passed c = 3 gets no gradient, one at ratio 2 gets
+    W * lambda * A = 2 * -0.5; the positive at ratio 4 is PPO-clipped (> 1.2), the one at 1.1 kept: 1.1 * 0.1 * 0.5.
+    One token per row, logp = -1: loss = sum(coef) / 4."""
+    rho = torch.tensor([[4.0], [2.0], [4.0], [1.1]], dtype=torch.float64)
+    logp = torch.full((4, 1), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([-0.5, -0.5, 0.5, 0.5], dtype=torch.float64)
+    loss, _ = loss_and_metrics(PRESET_OBJECTIVES["w-reinforce"], logp, logp.detach() - rho.log(), adv, torch.ones(4, 1))
+    coefficients = [0.0, -1.0, 0.0, 0.055]
+    assert loss.item() == pytest.approx(sum(coefficients) / 4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, -torch.tensor(coefficients, dtype=torch.float64)[:, None] / 4)
+
+
 def test_zhu_et_al_presets_and_their_steps():
-    """The three presets: one-side 0.2/0.2 with W = rho (PPO's clipped surrogate), a fixed constant baseline with no
-    group mean, W-REINFORCE's lambda 0.1 on the positives; steps of 128 rows with the rows of A = 0 skipped."""
+    """The three presets: one-side 0.2/0.2 with W = rho (PPO's clipped surrogate) and verl's dual clip c = 3, a fixed
+    constant baseline with no group mean, W-REINFORCE's lambda 0.1 on the positives; steps of 128 rows with the rows
+    of A = 0 skipped."""
     for name, baseline_value, positive_weight in (("psr", 0.0, 1.0), ("nsr", 1.0, 1.0), ("w-reinforce", 0.5, 0.1)):
         spec = PRESET_OBJECTIVES[name]
         assert (spec.clip, spec.weight, spec.eps_low, spec.eps_high) == ("one-side", "is", 0.2, 0.2), name
+        assert spec.dual_clip_c == 3.0, name
         assert (spec.baseline, spec.baseline_value, spec.group_mean) == ("constant", baseline_value, False), name
         assert (spec.positive_weight, spec.negative_weight) == (positive_weight, 1.0), name
         steps = PRESETS[name].steps
