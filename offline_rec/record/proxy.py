@@ -1,7 +1,7 @@
 """The recording proxy's app: a starlette app (served by uvicorn) in front of an OpenAI-compatible (vLLM)
 server, which it calls with aiohttp (httpx, measured here, cost ~25x more CPU per request at 64
 concurrent requests: 3.9 ms against 0.15 ms). Here: the one route and what it dispatches to, the
-app's life cycle (upstream session, recorder, periodic work, the logprobs-mode probe) and the
+app's life cycle (upstream session, recorder, periodic work, the model list lookups, the logprobs-mode probe) and the
 shutdown; `run_record`, the `record` command.
 
 POST /v1/chat/completions and /v1/completions (streamed or not) are recorded calls
@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from offline_rec.errors import UserError, one_of, require_extra
 from offline_rec.record import exchange, heads
-from offline_rec.record.forwarding import ClientGone, passthrough, quietly, refresh_models
+from offline_rec.record.forwarding import ClientGone, passthrough, served_model_roots
 from offline_rec.record.logprobs_probe import probe_until_known
 from offline_rec.record.proxy_state import ProxyState, upstream_base
 from offline_rec.record.recorded_call import recorded
@@ -36,6 +36,7 @@ from offline_rec.record.recorder import Recorder, RecordOptions
 from offline_rec.record.request_checks import (
     Refused,
     canonical_path,
+    check_encoding,
     check_headers,
     check_route,
     client_identity,
@@ -68,6 +69,7 @@ async def handle(state: ProxyState, request):
             return _health(request)
         identity = client_identity(state, request.headers)
         check_route(path, request.method)
+        check_encoding(path, request.headers)
         body = await read_body(state, request)
         if path in exchange.ENDPOINTS:
             return await recorded(state, request, path, identity, body)
@@ -125,20 +127,20 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
                                           sock_connect=limits.upstream_connect_timeout,
                                           sock_read=limits.upstream_read_timeout),
             auto_decompress=False,
+            trace_configs=[state.models.trace_config()],  # each new upstream connection: the model list again
         )
         if state.recorder.files is None:  # run_record starts it earlier, to report a bad --out cleanly
             state.recorder.start()
         state.tasks.append(asyncio.ensure_future(_ticker(state, tick_seconds)))
-        state.tasks.append(asyncio.ensure_future(quietly(refresh_models(state))))
+        state.tasks.append(asyncio.ensure_future(state.models.run(lambda: served_model_roots(state), state.warn)))
         if state.probe:
             state.tasks.append(asyncio.ensure_future(probe_until_known(state)))
         try:
             yield
         finally:
-            tasks = state.tasks + ([state.models_task] if state.models_task is not None else [])
-            for task in tasks:
+            for task in state.tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*state.tasks, return_exceptions=True)
             state.recorder.close()
             await state.session.close()
 

@@ -1,6 +1,6 @@
 """What one running proxy holds, shared by the app, the request checks and the forwarding: the upstream's
 address (its credentials taken out of it), the recorder, the settings, the client keys' digests, the
-aiohttp session, the served model list and the background tasks.
+aiohttp session, the served model list (`served_models`) and the background tasks.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from offline_rec.record import exchange
 from offline_rec.record.recorder import Recorder
+from offline_rec.record.served_models import ServedModels
 from offline_rec.record.settings import ProxyOptions
 
 
@@ -46,9 +47,7 @@ class ProxyState:
     probe: bool = True
     warn: Callable[[str], None] = print
     session: object = None  # aiohttp.ClientSession, opened in the lifespan
-    model_roots: dict = field(default_factory=dict)  # served model name -> what it was loaded from
-    models_fetched_at: float = -1e9
-    models_task: object = None
+    models: ServedModels = field(default_factory=ServedModels)  # served name -> what it was loaded from, and when
     tasks: list = field(default_factory=list)
     stopping: bool = False  # a stop signal came: calls cancelled from now on were cut by the shutdown
 

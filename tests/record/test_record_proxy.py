@@ -161,7 +161,11 @@ def test_completions_batch_gives_one_line_per_prompt(fake, proxy, stream):
     assert [line["request"]["prompt"] for line in lines] == ["Bonjour", "Olá"]
     response_id = lines[0]["batch"]["response_id"]
     for k, line in enumerate(lines):
-        assert line["batch"] == {"index": k, "size": 2, "response_id": response_id}
+        usage = None if stream else through.json()["usage"]  # the whole batch's (a stream here carries none)
+        assert line["batch"] == {"index": k, "size": 2, "response_id": response_id, "usage": usage}
+        # its own: its prompt's 2 tokens once, 2 choices of 4 tokens
+        assert line["response"].get("usage") == (None if stream else {"prompt_tokens": 2, "completion_tokens": 8,
+                                                                      "total_tokens": 10})
         assert line["response"]["id"] == f"{response_id}-{k}"
         assert [c["index"] for c in line["response"]["choices"]] == [0, 1]
         for choice in line["response"]["choices"]:
