@@ -20,7 +20,6 @@ import urllib.parse
 from offline_rec.record.open_episodes import END_HEADER, ID_HEADER
 from offline_rec.record.proxy_state import ProxyState
 from offline_rec.record.request_checks import error_response
-from offline_rec.record.served_models import OWN_LOOKUP, CallConnection
 
 HOP_BY_HOP = {
     "host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-authenticate",
@@ -65,9 +64,8 @@ def bad_gateway(state: ProxyState, error: Exception):
 
 async def served_model_roots(state: ProxyState) -> dict[str, str]:
     """The upstream's served names -> what each was loaded from (`root`: the path or hub id the upstream loaded; a
-    LoRA adapter: its own path). Its connection starts no lookup of its own (`served_models.OWN_LOOKUP`)."""
-    async with state.session.get(f"{state.upstream}/v1/models", headers=state.own_headers(),
-                                 trace_request_ctx=OWN_LOOKUP) as response:
+    LoRA adapter: its own path), asked over the proxy's own session (its connections start no lookup)."""
+    async with state.own_session.get(f"{state.upstream}/v1/models", headers=state.own_headers()) as response:
         if response.status != 200:
             raise ValueError(f"/v1/models answered {response.status}")
         listing = json.loads(await response.read())
@@ -88,10 +86,8 @@ def upstream_errors() -> tuple:
     return (aiohttp.ClientError, asyncio.TimeoutError)
 
 
-async def send(state: ProxyState, method: str, url: str, headers: dict, body: bytes | None,
-               connection: CallConnection | None = None):
+async def send(state: ProxyState, method: str, url: str, headers: dict, body: bytes | None):
     """Send a request upstream with exactly `headers` (aiohttp adds none of its own); the response, body unread.
-    `connection` learns when the connection it went over was opened (`served_models`).
 
     Once more if the server closed the connection before answering: a kept-alive connection the
     upstream shut just as it was reused (measured: 4 of 256 calls answered 502 without this, with
@@ -104,8 +100,7 @@ async def send(state: ProxyState, method: str, url: str, headers: dict, body: by
     for attempt in (1, 2):
         try:
             return await state.session.request(method, url, headers=headers, data=body or None,
-                                               skip_auto_headers=skip, allow_redirects=False,
-                                               trace_request_ctx=connection)
+                                               skip_auto_headers=skip, allow_redirects=False)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientConnectionResetError):
             if attempt == 2:
                 raise

@@ -120,15 +120,18 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
         # the longest silence), no decompression (pass-through bytes keep their Content-Encoding;
         # recorded calls ask for none).
         limits = state.settings
+        timeout = aiohttp.ClientTimeout(total=None, connect=limits.upstream_connect_timeout,
+                                        sock_connect=limits.upstream_connect_timeout,
+                                        sock_read=limits.upstream_read_timeout)
         state.session = aiohttp.ClientSession(
-            # idle connections closed after 3 s: before the upstream closes them (uvicorn, vLLM's server: 5 s)
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3),
-            timeout=aiohttp.ClientTimeout(total=None, connect=limits.upstream_connect_timeout,
-                                          sock_connect=limits.upstream_connect_timeout,
-                                          sock_read=limits.upstream_read_timeout),
+            # idle connections closed after 3 s: before the upstream closes them (uvicorn, vLLM's server: 5 s);
+            # each new one: the served model list looked up again
+            connector=state.models.connector(limit=0, keepalive_timeout=3),
+            timeout=timeout,
             auto_decompress=False,
-            trace_configs=[state.models.trace_config()],  # each new upstream connection: the model list again
         )
+        state.own_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3),
+                                                  timeout=timeout)
         if state.recorder.files is None:  # run_record starts it earlier, to report a bad --out cleanly
             state.recorder.start()
         state.tasks.append(asyncio.ensure_future(_ticker(state, tick_seconds)))
@@ -143,6 +146,7 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
             await asyncio.gather(*state.tasks, return_exceptions=True)
             state.recorder.close()
             await state.session.close()
+            await state.own_session.close()
 
     async def every_route(request):
         return await handle(state, request)

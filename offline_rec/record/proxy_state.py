@@ -46,7 +46,8 @@ class ProxyState:
     logprobs_mode: str = exchange.UNKNOWN
     probe: bool = True
     warn: Callable[[str], None] = print
-    session: object = None  # aiohttp.ClientSession, opened in the lifespan
+    session: object = None  # aiohttp.ClientSession of the forwarded calls, opened in the lifespan
+    own_session: object = None  # aiohttp.ClientSession of the proxy's own calls (probe, model lookups)
     models: ServedModels = field(default_factory=ServedModels)  # served name -> what it was loaded from, and when
     tasks: list = field(default_factory=list)
     stopping: bool = False  # a stop signal came: calls cancelled from now on were cut by the shutdown

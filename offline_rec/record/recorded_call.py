@@ -33,7 +33,6 @@ from offline_rec.record.open_episodes import END_HEADER, is_end
 from offline_rec.record.proxy_state import ProxyState
 from offline_rec.record.recorder import call_records
 from offline_rec.record.request_checks import UpstreamRequest, episode_of, recorded_request
-from offline_rec.record.served_models import CallConnection
 
 # What a client whose stream the shutdown cut receives last, so that it learns its stream did not finish.
 STREAM_CUT_EVENT = format_event(exchange.dumps({"error": {
@@ -66,7 +65,7 @@ class RecordedCall:
         self.headers = forward_headers(state, request.headers, True)
         self.headers["content-type"] = "application/json"
         self.upstream = None  # aiohttp's response, once it came
-        self.connection = CallConnection()  # when the connection to the upstream was opened (served_models)
+        self.opened_by = state.models.opened_at  # by when its upstream connection was opened (served_models)
         self.first_byte: float | None = None  # streamed: when the stream's first bytes came
         self.settled = False  # committed or abandoned
         self.committed = False  # handed to the recorder, which wrote it (or counted it unrecordable)
@@ -95,7 +94,7 @@ class RecordedCall:
     async def commit(self, response: dict, first_byte: float | None) -> None:
         """Record a complete response (a warning instead when it cannot be turned into lines)."""
         # the checkpoint, from a model list asked for after this call's connection was opened
-        model = await self.state.models.root(response.get("model"), self.connection)
+        model = await self.state.models.root(response.get("model"), self.opened_by)
         try:
             records = self.records_of(response, first_byte, model)
         except Exception as e:  # an odd response must not cost the client its answer
@@ -125,6 +124,12 @@ class RecordedCall:
                 return None, bad_gateway(self.state, e)
             raise
 
+    async def _send(self):
+        """The upstream's response (its body unread); the connection it came over was opened by `opened_by`."""
+        upstream = await send(self.state, "POST", self.url, self.headers, self.payload)
+        self.opened_by = self.state.models.opened_at
+        return upstream
+
     def _client_headers(self) -> dict:
         return client_headers(self.state, self.upstream.headers, True)
 
@@ -132,7 +137,7 @@ class RecordedCall:
 
     async def _read_whole(self) -> bytes:
         """The upstream's whole body (a non-streamed call, or an error); its response in self.upstream."""
-        self.upstream = await send(self.state, "POST", self.url, self.headers, self.payload, self.connection)
+        self.upstream = await self._send()
         try:
             return await self.upstream.read()
         except BaseException:
@@ -167,8 +172,7 @@ class RecordedCall:
     async def streamed(self):
         from starlette.responses import Response
 
-        self.upstream, failed = await self._unless_failed(send(self.state, "POST", self.url, self.headers,
-                                                               self.payload, self.connection))
+        self.upstream, failed = await self._unless_failed(self._send())
         if failed is not None:
             return failed
         if self.upstream.status != 200:

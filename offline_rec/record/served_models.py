@@ -3,10 +3,11 @@ or hub id it was loaded from), looked up again whenever the proxy opens a new co
 
 A vLLM restarted with other weights under the same `--served-model-name` (the deploy -> log -> train loop) has
 closed every connection of the process it replaced, so a call the new process answers travels on a connection
-opened after the restart. A line is therefore named from a lookup SENT after its call's connection was opened
-(`root`): each new connection starts one (aiohttp's connection trace, `trace_config`), which runs while the
-upstream generates, so a call waits for it only when its answer comes first; calls on kept-alive connections
-wait for nothing. Lookups never overlap: connections opened during one are covered by the next.
+opened after the restart. A line is therefore named from a lookup SENT after the newest connection the proxy had
+opened when its call's answer began (`root`; at least as new as the call's own). Each new connection starts a
+lookup (`connector`), which runs while the upstream generates, so a call waits for it only when its answer comes
+first; calls on kept-alive connections wait for nothing. Lookups never overlap (connections opened during one are
+covered by the next) and go over the proxy's own session, whose connections start none.
 
 A served name missing from the list (an adapter loaded since) is looked up again, at most every
 UNKNOWN_NAME_SECONDS. A lookup that fails or takes longer than LOOKUP_TIMEOUT leaves the roots unknown: lines then
@@ -23,16 +24,6 @@ from collections.abc import Awaitable, Callable
 
 LOOKUP_TIMEOUT = 30.0  # seconds a lookup may take; longer: the roots are unknown until the next one
 UNKNOWN_NAME_SECONDS = 30.0  # a served name not in the list is looked up again after this long
-OWN_LOOKUP = object()  # the trace context of the lookups themselves: their connections start no lookup
-
-
-class CallConnection:
-    """What the connection trace tells of one upstream call: by when its connection had been opened (monotonic)."""
-
-    __slots__ = ("opened_by",)
-
-    def __init__(self):
-        self.opened_by: float | None = None
 
 
 class ServedModels:
@@ -42,34 +33,31 @@ class ServedModels:
         self.clock = clock
         self.roots: dict[str, str] = {}
         self.asked_at = -float("inf")  # when the lookup that gave `roots` was sent
-        self.opened_at = -float("inf")  # when the latest connection of a forwarded request was opened
+        self.opened_at = -float("inf")  # when the proxy last opened a connection to the upstream
         self._wanted = asyncio.Event()
         self._wanted.set()  # the first lookup: at start
         self._answered = asyncio.Condition()
         self._failing = False  # the last lookup failed (said once per run of failures)
 
-    def trace_config(self):
-        """The aiohttp TraceConfig that tells this list of every connection the upstream session opens or reuses."""
+    def connector(self, **options):
+        """An aiohttp TCPConnector (`options` its own) that tells this list of each connection it opens.
+
+        It overrides aiohttp's connection factory, a private method of that name through aiohttp 3.x: a TraceConfig
+        would say the same through the public API, but every request would then pay for all its trace signals
+        (docs/record.md, "Overhead"). If aiohttp renames the method, no lookup follows a new connection and
+        tests/record's upstream-restart test fails."""
         import aiohttp
 
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(self._opened)
-        trace.on_connection_reuseconn.append(self._reused)
-        return trace
+        models = self
 
-    async def _opened(self, session, context, params) -> None:
-        call = context.trace_request_ctx
-        if call is OWN_LOOKUP:
-            return
-        self.opened_at = self.clock()
-        self._wanted.set()
-        if isinstance(call, CallConnection):
-            call.opened_by = self.opened_at
+        class Connector(aiohttp.TCPConnector):
+            async def _create_connection(self, *args, **kwargs):
+                protocol = await super()._create_connection(*args, **kwargs)
+                models.opened_at = models.clock()
+                models._wanted.set()
+                return protocol
 
-    async def _reused(self, session, context, params) -> None:
-        call = context.trace_request_ctx
-        if isinstance(call, CallConnection):  # opened at the latest when the newest connection was
-            call.opened_by = self.opened_at
+        return Connector(**options)
 
     async def run(self, lookup: Callable[[], Awaitable[dict[str, str]]], warn: Callable[[str], None]) -> None:
         """Look the list up each time one is wanted, one lookup at a time (a background task of the proxy)."""
@@ -90,19 +78,18 @@ class ServedModels:
             async with self._answered:
                 self._answered.notify_all()
 
-    async def root(self, served: object, call: CallConnection | None = None) -> str | None:
-        """What `served` was loaded from, per a lookup sent after the call's connection was opened (waited for, at
-        most LOOKUP_TIMEOUT); the served name itself when that is unknown."""
+    async def root(self, served: object, opened_by: float) -> str | None:
+        """What `served` was loaded from, per a lookup sent after `opened_by` (by when the call's connection had been
+        opened; waited for, at most LOOKUP_TIMEOUT); the served name itself when that is unknown."""
         if not isinstance(served, str):
             return None
-        needed = self.opened_at if call is None or call.opened_by is None else call.opened_by
-        if self.asked_at <= needed:
-            await self._lookup_after(needed)
+        if self.asked_at <= opened_by:
+            await self._lookup_after(opened_by)
         elif served not in self.roots and self.clock() - self.asked_at > UNKNOWN_NAME_SECONDS:
             await self._lookup_after(self.clock())
         else:
             return self.roots.get(served, served)
-        return self.roots.get(served, served) if self.asked_at > needed else served
+        return self.roots.get(served, served) if self.asked_at > opened_by else served
 
     async def _lookup_after(self, moment: float) -> None:
         self._wanted.set()
