@@ -30,7 +30,7 @@ from offline_rec.errors import UserError, one_of, require_extra
 from offline_rec.record import exchange, heads
 from offline_rec.record.forwarding import ClientGone, passthrough, served_model_roots
 from offline_rec.record.logprobs_probe import probe_until_known
-from offline_rec.record.proxy_state import ProxyState, upstream_base
+from offline_rec.record.proxy_state import OWN_USER_AGENT, ProxyState, upstream_base
 from offline_rec.record.recorded_call import recorded
 from offline_rec.record.recorder import Recorder, RecordOptions
 from offline_rec.record.request_checks import (
@@ -131,7 +131,7 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
             auto_decompress=False,
         )
         state.own_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3),
-                                                  timeout=timeout)
+                                                  timeout=timeout, headers={"User-Agent": OWN_USER_AGENT})
         if state.recorder.files is None:  # run_record starts it earlier, to report a bad --out cleanly
             state.recorder.start()
         state.tasks.append(asyncio.ensure_future(_ticker(state, tick_seconds)))

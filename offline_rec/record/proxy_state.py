@@ -16,6 +16,8 @@ from offline_rec.record.recorder import Recorder
 from offline_rec.record.served_models import ServedModels
 from offline_rec.record.settings import ProxyOptions
 
+OWN_USER_AGENT = "offline-rec-record"  # the User-Agent of the proxy's own calls: the upstream's logs tell them apart
+
 
 def upstream_base(url: str) -> str:
     """The server's root URL: a trailing /v1 or / is dropped (routes are appended as the client sent them)."""

@@ -15,7 +15,16 @@ import zlib
 import httpx
 import pytest
 from support.ports import free_port
-from support.record_support import MODEL, REPLY, RecordProcess, ServerThread, create_fake, sse_payloads, strict_lines
+from support.record_support import (
+    MODEL,
+    REPLY,
+    RecordProcess,
+    ServerThread,
+    create_fake,
+    forwarded,
+    sse_payloads,
+    strict_lines,
+)
 
 from offline_rec.record import sink
 from offline_rec.record.recorder import Recorder, RecordOptions
@@ -285,7 +294,7 @@ def test_risk_top_logprobs_without_logprobs_gets_the_upstreams_400_and_is_not_re
 
 @pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "gzip, identity"])
 def test_risk_a_compressed_request_body_is_a_415_and_nothing_goes_upstream(fake, proxy, encoding):
-    before, sent = len(strict_lines(proxy.out)), len(fake.requests)
+    before, sent = len(strict_lines(proxy.out)), len(forwarded(fake))
     raw = json.dumps({"model": MODEL, "messages": MESSAGES}).encode()
     body = gzip.compress(raw) if encoding.startswith("gzip") else zlib.compress(raw)
     answer = httpx.post(proxy.url + CHAT, content=body, timeout=30,
@@ -294,7 +303,7 @@ def test_risk_a_compressed_request_body_is_a_415_and_nothing_goes_upstream(fake,
     assert answer.status_code == 415, answer.text
     assert answer.headers["accept-encoding"] == "identity"
     assert "Content-Encoding" in answer.json()["error"]["message"]
-    assert len(fake.requests) == sent and not new_lines(proxy, before)
+    assert len(forwarded(fake)) == sent and not new_lines(proxy, before)
 
 
 def test_risk_an_identity_content_encoding_is_recorded(proxy):

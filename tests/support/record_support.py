@@ -403,6 +403,19 @@ class RecordProcess:
             raise
 
 
+def forwarded(fake) -> list[tuple]:
+    """The (path, headers, body) of each request the fake received, in order, but the proxy's own (its logprobs-mode
+    probe, and the /v1/models lookups it makes whenever it opens a connection to the upstream: at any moment)."""
+    from offline_rec.record.proxy_state import OWN_USER_AGENT
+
+    return [request for request in fake.requests if request[1].get("user-agent") != OWN_USER_AGENT]
+
+
+def sent_to(fake, path: str) -> list[tuple]:
+    """The requests `forwarded` to the fake for `path`, in order."""
+    return [request for request in forwarded(fake) if request[0] == path]
+
+
 def strict_lines(directory) -> list[dict]:
     """Every line of a directory's record files, open or closed, read as strict JSON (RFC 8259: no NaN,
     Infinity); each file ends with a whole line."""
