@@ -115,9 +115,10 @@ def check_route(path: str, method: str) -> None:
 def check_encoding(path: str, headers) -> None:
     """A recorded route's body must come as it is (415 otherwise, naming what is accepted): the proxy reads it to
     record it. vLLM's server inflates no request body either (it answers a compressed one 400)."""
-    if path not in exchange.ENDPOINTS:
+    given = headers.getlist("content-encoding") if path in exchange.ENDPOINTS else None
+    if not given:
         return
-    codings = [c.strip().lower() for c in ",".join(headers.getlist("content-encoding")).split(",") if c.strip()]
+    codings = [c.strip().lower() for c in ",".join(given).split(",") if c.strip()]
     if any(coding != "identity" for coding in codings):
         raise Refused(415, f"a request body with Content-Encoding {', '.join(codings)} cannot be recorded: send it "
                            "uncompressed", "UnsupportedMediaType", headers={"Accept-Encoding": "identity"})
@@ -209,8 +210,8 @@ def header_text(scope, name: str) -> str | None:
     """A request header's value as text: UTF-8 (what curl, aiohttp, Node and most clients send), else ISO-8859-1
     (what Python's http.client and requests send for a str). The ASGI server hands over bytes; starlette would
     read them as ISO-8859-1 alone, and a UTF-8 "é" would become "Ã©"."""
-    key = name.lower().encode()
-    raw = next((value for header, value in scope.get("headers", []) if header.lower() == key), None)
+    key = name.lower().encode()  # ASGI servers hand header names over in lower case
+    raw = next((value for header, value in scope.get("headers", []) if header == key), None)
     if raw is None:
         return None
     try:
