@@ -112,6 +112,7 @@ def check_route(path: str, method: str) -> None:
     if path in exchange.ENDPOINTS and method != "POST":
         raise Refused(405, f"{path} takes POST", "MethodNotAllowed")
 
+
 def check_encoding(path: str, headers) -> None:
     """A recorded route's body must come as it is (415 otherwise, naming what is accepted): the proxy reads it to
     record it. vLLM's server inflates no request body either (it answers a compressed one 400)."""
