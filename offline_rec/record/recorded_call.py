@@ -65,7 +65,7 @@ class RecordedCall:
         self.headers = forward_headers(state, request.headers, True)
         self.headers["content-type"] = "application/json"
         self.upstream = None  # aiohttp's response, once it came
-        self.opened_by = state.models.opened_at  # by when its upstream connection was opened (served_models)
+        self.opened_by = state.models.opened_at  # when its upstream connection was opened (served_models)
         self.first_byte: float | None = None  # streamed: when the stream's first bytes came
         self.settled = False  # committed or abandoned
         self.committed = False  # handed to the recorder, which wrote it (or counted it unrecordable)
@@ -125,9 +125,9 @@ class RecordedCall:
             raise
 
     async def _send(self):
-        """The upstream's response (its body unread); the connection it came over was opened by `opened_by`."""
+        """The upstream's response (its body unread); the connection it came over was opened at `opened_by`."""
         upstream = await send(self.state, "POST", self.url, self.headers, self.payload)
-        self.opened_by = self.state.models.opened_at
+        self.opened_by = self.state.models.opened_by()
         return upstream
 
     def _client_headers(self) -> dict:

@@ -3,11 +3,11 @@ or hub id it was loaded from), looked up again whenever the proxy opens a new co
 
 A vLLM restarted with other weights under the same `--served-model-name` (the deploy -> log -> train loop) has
 closed every connection of the process it replaced, so a call the new process answers travels on a connection
-opened after the restart. A line is therefore named from a lookup SENT after the newest connection the proxy had
-opened when its call's answer began (`root`; at least as new as the call's own). Each new connection starts a
-lookup (`connector`), which runs while the upstream generates, so a call waits for it only when its answer comes
-first; calls on kept-alive connections wait for nothing. Lookups never overlap (connections opened during one are
-covered by the next) and go over the proxy's own session, whose connections start none.
+opened after the restart. A line is therefore named from a lookup SENT after its call's connection was opened
+(`root`). Each new connection starts a lookup (`connector`), which runs while the upstream generates, so a call
+waits for it only when its answer comes first; calls on kept-alive connections wait for nothing. Lookups never
+overlap (connections opened during one are covered by the next) and go over the proxy's own session, whose
+connections start none.
 
 A served name missing from the list (an adapter loaded since) is looked up again, at most every
 UNKNOWN_NAME_SECONDS. A lookup that fails or takes longer than LOOKUP_TIMEOUT leaves the roots unknown: lines then
@@ -19,11 +19,15 @@ servers behind one address whose balancer keeps its own connections open.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 
 LOOKUP_TIMEOUT = 30.0  # seconds a lookup may take; longer: the roots are unknown until the next one
 UNKNOWN_NAME_SECONDS = 30.0  # a served name not in the list is looked up again after this long
+# when the connection last handed out in this task (to one forwarded request) was opened
+_HANDED_OUT = contextvars.ContextVar("offline_rec_upstream_connection_opened", default=None)
 
 
 class ServedModels:
@@ -34,30 +38,43 @@ class ServedModels:
         self.roots: dict[str, str] = {}
         self.asked_at = -float("inf")  # when the lookup that gave `roots` was sent
         self.opened_at = -float("inf")  # when the proxy last opened a connection to the upstream
+        self._opened_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> when opened
         self._wanted = asyncio.Event()
         self._wanted.set()  # the first lookup: at start
         self._answered = asyncio.Condition()
         self._failing = False  # the last lookup failed (said once per run of failures)
 
     def connector(self, **options):
-        """An aiohttp TCPConnector (`options` its own) that tells this list of each connection it opens.
+        """An aiohttp TCPConnector (`options` its own) that tells this list of each connection it opens, and each
+        request (`opened_by`) when the connection it got was opened.
 
-        It overrides aiohttp's connection factory, a private method of that name through aiohttp 3.x: a TraceConfig
-        would say the same through the public API, but every request would then pay for all its trace signals
-        (docs/record.md, "Overhead"). If aiohttp renames the method, no lookup follows a new connection and
-        tests/record's upstream-restart test fails."""
+        aiohttp's `connect` hands each request a connection, kept alive or new: one not handed out before is new.
+        An aiohttp TraceConfig would say the same, but every request would then pay for all its trace signals
+        (docs/record.md, "Overhead")."""
         import aiohttp
 
         models = self
 
         class Connector(aiohttp.TCPConnector):
-            async def _create_connection(self, *args, **kwargs):
-                protocol = await super()._create_connection(*args, **kwargs)
-                models.opened_at = models.clock()
-                models._wanted.set()
-                return protocol
+            async def connect(self, *args, **kwargs):
+                connection = await super().connect(*args, **kwargs)
+                models._handed_out(connection.protocol)
+                return connection
 
         return Connector(**options)
+
+    def _handed_out(self, connection) -> None:
+        opened = self._opened_at.get(connection) if connection is not None else self.opened_at
+        if opened is None:  # opened for this request
+            opened = self._opened_at[connection] = self.opened_at = self.clock()
+            self._wanted.set()
+        _HANDED_OUT.set(opened)
+
+    def opened_by(self) -> float:
+        """When the connection of the request this task last sent upstream was opened (a kept-alive connection: when
+        it was first opened); the newest connection's when the connector did not say."""
+        opened = _HANDED_OUT.get()
+        return self.opened_at if opened is None else opened
 
     async def run(self, lookup: Callable[[], Awaitable[dict[str, str]]], warn: Callable[[str], None]) -> None:
         """Look the list up each time one is wanted, one lookup at a time (a background task of the proxy)."""
@@ -79,8 +96,8 @@ class ServedModels:
                 self._answered.notify_all()
 
     async def root(self, served: object, opened_by: float) -> str | None:
-        """What `served` was loaded from, per a lookup sent after `opened_by` (by when the call's connection had been
-        opened; waited for, at most LOOKUP_TIMEOUT); the served name itself when that is unknown."""
+        """What `served` was loaded from, per a lookup sent after `opened_by` (when the call's connection was opened;
+        waited for, at most LOOKUP_TIMEOUT); the served name itself when that is unknown."""
         if not isinstance(served, str):
             return None
         if self.asked_at <= opened_by:

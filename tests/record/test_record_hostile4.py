@@ -28,6 +28,7 @@ from support.record_support import (
 
 from offline_rec.record import sink
 from offline_rec.record.recorder import Recorder, RecordOptions
+from offline_rec.record.served_models import ServedModels
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -114,6 +115,28 @@ def test_2_a_line_names_the_checkpoint_that_answered_it_after_the_upstream_resta
         assert process.stop() == 0, process.stderr()
     # before the fix: step-100 on every line, for as long as the proxy ran
     assert [line["upstream_model"] for line in lines] == ["/models/policy-step-100"] + ["/models/policy-step-200"] * 2
+
+
+def test_2_only_a_call_on_a_connection_newer_than_the_last_lookup_waits_for_the_next():
+    async def run():
+        models = ServedModels()
+        models.roots, models.asked_at = {MODEL: "/models/step-1"}, 10.0
+        models.opened_at = 20.0  # a connection opened since, its lookup not answered yet
+        # a call on a kept-alive connection (opened at 5) does not wait for it
+        assert await asyncio.wait_for(models.root(MODEL, 5.0), 0.5) == "/models/step-1"
+        waiting = asyncio.ensure_future(models.root(MODEL, 20.0))  # a call on the new connection
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+
+        async def lookup():
+            return {MODEL: "/models/step-2"}
+
+        worker = asyncio.ensure_future(models.run(lookup, print))
+        assert await asyncio.wait_for(waiting, 5) == "/models/step-2"
+        assert await models.root("other-model", 5.0) == "other-model"  # not listed: the served name
+        worker.cancel()
+
+    asyncio.run(run())
 
 
 def test_2_a_model_list_the_proxy_cannot_read_names_the_served_model_and_holds_no_call_up(tmp_path):
