@@ -139,7 +139,8 @@ class StepOptions:
 class OptimizerOptions:
     """AdamW and its learning-rate schedule."""
 
-    lr: float = option(1e-6, "--lr", help="AdamW learning rate (peak, after warmup)", flag_help="AdamW learning rate.")
+    lr: float = option(recipes.GENERIC_LR, "--lr", help="AdamW learning rate (peak, after warmup)",
+                       flag_help="AdamW learning rate.")
     weight_decay: float = api_only(0.01, help="AdamW decoupled weight decay")
     betas: list[float] = api_only([0.9, 0.999], help="AdamW betas")
     adam_eps: float = api_only(1e-8, help="AdamW epsilon")

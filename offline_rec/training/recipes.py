@@ -19,6 +19,8 @@ from offline_rec.loss.objective import Objective
 from offline_rec.loss.presets import Recipe
 from offline_rec.loss.terms import CLIP_MASKS
 
+GENERIC_LR = 1e-6
+"""train's learning rate where no recipe's measured lr applies (a pretrained model's scale)."""
 MEASURED_SCALE = 10.0
 """A recipe's measured lr is the default for models of up to this many times the parameters it was measured on."""
 
@@ -59,8 +61,9 @@ def defaults(recipe: Recipe, model: str) -> dict:
 
 
 def lr_note(recipe: Recipe, model: str, lr: float) -> str | None:
-    """Why the recipe's measured lr is not the default here, or None."""
-    if recipe.measured is None or measured_lr_applies(recipe, model):
+    """Why the recipe's measured lr is not the default here, or None (also when an lr was given: then the lr
+    that moves the recipe away from its measured one is said like any other option)."""
+    if recipe.measured is None or measured_lr_applies(recipe, model) or lr != GENERIC_LR:
         return None
     count = parameter_count(model)
     size = f"~{_size(count)} parameters" if count is not None else "a size not read from a local config.json"

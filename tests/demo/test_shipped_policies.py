@@ -114,10 +114,11 @@ def test_the_add3_policy_records_the_recipe_that_rebuilds_it_and_sits_at_the_edg
 
 @pytest.mark.slow  # ~20 s: collect and eval of the tiny policy with transformers
 def test_the_readme_lines_of_the_add3_policy_collect_and_eval(tmp_path, capsys, monkeypatch):
-    """The README's two add3 lines as written, on fewer prompts and samples, with transformers."""
+    """The README's add3 collect and eval lines as written, on fewer prompts and samples, with transformers."""
     from offline_rec.demo.behavior_policy import SHIPPED_POLICIES
 
-    collect, evaluate = (shlex.split(line)[1:] for line in readme_bash_lines("A task with headroom ships too"))
+    collect, evaluate, demo = (shlex.split(line)[1:] for line in readme_bash_lines("A task with headroom ships too"))
+    assert demo[:3] == ["demo", "--task", "add3"], demo  # the demo on add3 runs in tests/demo/test_demo.py
     assert collect[:5] == ["collect", "--model", "offline_rec/demo/add3_policy", "--task", "add3"], collect
     assert evaluate[:5] == ["eval", "--model", "offline_rec/demo/add3_policy", "--task", "add3"], evaluate
     assert collect[collect.index("--max-new-tokens") + 1] == str(SHIPPED_POLICIES["add3"].max_new_tokens)

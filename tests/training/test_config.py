@@ -108,8 +108,11 @@ def test_a_measured_lr_is_the_default_only_near_the_size_it_was_measured_on(tmp_
     # a Hub id or a GGUF file: the size is not read, the lr not taken
     hub = TrainConfig(data=["d"], model="Qwen/Qwen2.5-1.5B-Instruct", algorithm="rec-logged", out="r")
     assert hub.lr == 1e-6 and any("a size not read" in line for line in hub.recipe_lines())
-    # an lr given wins, whatever the size
-    assert TrainConfig(data=["d"], model=big, algorithm="rec-logged", out="r", lr=3e-6).lr == 3e-6
+    # an lr given wins, whatever the size, and is said as a move away from the measured one (no "give --lr")
+    given = TrainConfig(data=["d"], model=big, algorithm="rec-logged", out="r", lr=3e-6)
+    assert given.lr == 3e-6
+    assert [line for line in given.recipe_lines() if line.startswith("note")] == [
+        "note: lr 3e-06 moves rec-logged away from its measured setting (0.0006)"]
 
 
 def test_layers_yaml_then_options_then_sets(tmp_path):
