@@ -2,7 +2,7 @@
 
     python -m experiments.edge --arms rft-trl,rec-logged --lrs 3e-4,1e-3,2e-3 --seeds 0,1   # the lr grid
     python -m experiments.edge --arms rft-trl,rec-logged --chosen-lr --seeds 0,1,2,3,4     # seeds at the choice
-    python -m experiments.edge --table-only                                                # table.md, edge.png
+    python -m experiments.edge --table-only                                       # table.md, grid.md, edge.png
     python -m experiments.edge --quick --no-peers                                          # toy sizes (a minute)
 
 A SEED is the whole pipeline: seed s collects its own logs (`harness.demo_data`: the shipped add3 policy,
@@ -24,7 +24,8 @@ prompts, 128 a step; `skip` = rows of advantage 0 left out):
   filtered-sft       offline-rec's form of it: reinforce, A = r (baseline 0, no group mean), rows + skip: the
                      positives alone, 32 a step
   psr                Zhu et al.'s PSR off-policy: A = r, PPO's clip one-side 0.2/0.2 with W = rho (a positive
-                     stops once the policy gives it 1.2x the logger's probability), the positives, 32 a step
+                     stops once the policy gives it 1.2x the logger's probability) and verl's dual clip c = 3 (as
+                     nsr and w-reinforce), the positives, 32 a step
   nsr                Zhu et al.'s NSR: A = r - 1 (the negatives alone), one-side 0.2 with W = rho, rows + skip
   w-reinforce        Zhu et al.'s W-REINFORCE: A = r - 0.5 with the positives' term x 0.1 (their +0.1 / -1 at
                      half the scale), one-side 0.2 with W = rho, rows
@@ -64,7 +65,7 @@ from experiments import harness
 from experiments.harness import SKIP, Arm
 from offline_rec.loss.presets import WIDE_CLIP
 
-RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "edge.png"
+RESULTS_FILE, TABLE_FILE, GRID_FILE, PLOT_FILE = "results.jsonl", "table.md", "grid.md", "edge.png"
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
 """What of a final model folder is kept (no optimizer state)."""
@@ -281,6 +282,7 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     rows = summarize([r for r in done if r["arm"] in arms], arms, scale, choice_seeds)
     table = markdown_table(rows, scale, choice_seeds)
     (out / TABLE_FILE).write_text(table)
+    (out / GRID_FILE).write_text(grid_table(rows))
     scored = [row for row in rows if row.get("greedy") is not None]  # a grid run alone has validation scores only
     if scored:
         plot(scored, out / PLOT_FILE, scale)
@@ -338,6 +340,22 @@ def markdown_table(rows: list[dict], scale: EdgeScale, choice_seeds) -> str:
             f"{cell(r, 't1')} | {cell(r, 'pass8')} | {cell(r, f'pass{k}')} | {cell(r, 'ood_greedy')} | "
             f"{cell(r, 'ood_t1')} | {cell(r, f'ood_pass{k}')} | {r['rows'] or ''} | {number(r['step_seconds'])} | "
             f"{number(r['train_cpu_seconds'])} | {per_lr} |")
+    return "\n".join(lines) + "\n"
+
+
+def grid_table(rows: list[dict]) -> str:
+    """The lr grid: per arm its validation score (%) at every lr it ran (mean over the choice seeds, their count in
+    brackets where more than one), the chosen lr in bold; the untrained behavior has no grid and no row."""
+    rows = [r for r in rows if r["arm"] != BEHAVIOR]
+    lrs = sorted({lr for r in rows for lr in r["by_lr_validation"]})
+    lines = ["| arm | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---:|" * len(lrs)]
+    for r in rows:
+        cells = []
+        for lr in lrs:
+            value, count = r["by_lr_validation"].get(lr, (None, 0))
+            text = "" if value is None else f"{100 * value:.1f}" + (f" ({count})" if count > 1 else "")
+            cells.append(f"**{text}**" if text and lr == r["lr"] else text)
+        lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

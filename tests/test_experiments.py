@@ -150,6 +150,17 @@ def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
         edge.plan(["rec-logged", "w-reinforce"], seeds, done, True, (0,))
 
 
+def test_edge_grid_table_by_hand():
+    """The lr grid as a table: every lr any arm ran as a column, the chosen lr's cell in bold, the count of choice
+    seeds where more than one, an lr an arm did not run left empty; the untrained behavior left out."""
+    rows = [{"arm": "rft-trl", "lr": 6e-4, "by_lr_validation": {3e-4: (0.5975, 1), 6e-4: (0.609375, 1)}},
+            {"arm": "nsr", "lr": 1e-3, "by_lr_validation": {6e-4: (0.0, 2), 1e-3: (0.125, 2)}},
+            {"arm": "behavior", "lr": 0.0, "by_lr_validation": {0.0: (0.43, 1)}}]
+    assert edge.grid_table(rows).splitlines() == [
+        "| arm | lr 0.0003 | lr 0.0006 | lr 0.001 |", "|---|---:|---:|---:|",
+        "| rft-trl | 59.8 | **60.9** |  |", "| nsr |  | 0.0 (2) | **12.5 (2)** |"]
+
+
 @pytest.mark.slow  # 1-5 min: one collect, 3 trainings, 4 models scored on 3 prompt sets
 def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_path):
     """experiments/edge.py --quick without the TRL arms: seed 0's add3 logs from the shipped add3 policy; the grid
@@ -184,7 +195,7 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
         assert sum(counts["test"]["correct"]) / 64 == pytest.approx(result["t1"])
         assert result["train_cpu_seconds"] >= 0 and len(result["load"]) == 2
     assert [row["arm"] for row in outcome["rows"]] == arms and "| nsr | 0.0006 | 1 |" in outcome["table"]
-    assert (tmp_path / edge.PLOT_FILE).stat().st_size > 0
+    assert (tmp_path / edge.PLOT_FILE).stat().st_size > 0 and "| nsr |" in (tmp_path / edge.GRID_FILE).read_text()
     for chosen_lr in (False, True):  # nothing left to run
         edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None, chosen_lr=chosen_lr)
     assert harness.read_results(tmp_path / edge.RESULTS_FILE) == results
