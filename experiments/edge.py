@@ -451,11 +451,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fill-entropy", action="store_true",
                         help="add the mean token entropy of every kept model to --results (needs eval --entropy)")
     args = parser.parse_args(argv)
-    scale = QUICK if args.quick else EdgeScale()
-    if args.lrs:
-        scale = replace(scale, lrs=harness.numbers(args.lrs))
-    if args.seeds:
-        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
+    scale = harness.with_grid_options(QUICK if args.quick else EdgeScale(), args)
     results = Path(args.results) if args.results else None
     if args.fill_entropy:
         return {"filled": fill_entropy(Path(args.out), results)}

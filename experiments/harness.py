@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from offline_rec.demo.config import DemoSettings, heldout_evaluation
@@ -392,6 +392,16 @@ def chosen_arms(args: argparse.Namespace, arms, is_peer) -> list[str]:
 def numbers(text: str, kind=float) -> tuple:
     """A comma-separated option's values: "1e-4,3e-4" -> (0.0001, 0.0003)."""
     return tuple(kind(value) for value in text.split(","))
+
+
+def with_grid_options(scale, args: argparse.Namespace):
+    """`scale` (a dataclass with `lrs` and `seeds`) with the --lrs and --seeds given (those not given, or absent from
+    the parser, left as they are)."""
+    if getattr(args, "lrs", None):
+        scale = replace(scale, lrs=numbers(args.lrs))
+    if getattr(args, "seeds", None):
+        scale = replace(scale, seeds=numbers(args.seeds, int))
+    return scale
 
 
 def cli(*args, log_path: Path) -> None:

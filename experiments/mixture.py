@@ -293,9 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mixtures", help=f"comma-separated, from: {', '.join(MIXTURES)}")
     parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
     args = parser.parse_args(argv)
-    scale = QUICK if args.quick else replace(Scale(), lrs=(), seeds=(0,))
-    if args.seeds:
-        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
+    scale = harness.with_grid_options(QUICK if args.quick else replace(Scale(), lrs=(), seeds=(0,)), args)
     mixtures = args.mixtures.split(",") if args.mixtures else list(MIXTURES)
     arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
     return harness.run_and_print(run, Path(args.out), mixtures, arms, scale, args.model, table_only=args.table_only)

@@ -7,6 +7,7 @@ that each experiment's protocol runs end to end, chooses on validation only and 
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -148,6 +149,15 @@ def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
     assert edge.plan(["rec-logged"], seeds, done, True, (0,)) == [("rec-logged", 1e-3, 1), ("rec-logged", 1e-3, 2)]
     with pytest.raises(SystemExit, match="no grid results yet for w-reinforce"):
         edge.plan(["rec-logged", "w-reinforce"], seeds, done, True, (0,))
+
+
+def test_grid_options_replace_only_what_was_given():
+    """--lrs and --seeds replace the scale's; an option not given, or not in the parser (mixture has no --lrs), keeps
+    the scale's value."""
+    given = harness.with_grid_options(edge.EdgeScale(), argparse.Namespace(lrs="3e-4,6e-4", seeds="0,2"))
+    assert (given.lrs, given.seeds) == ((3e-4, 6e-4), (0, 2))
+    kept = harness.with_grid_options(edge.EdgeScale(), argparse.Namespace(seeds=None))
+    assert kept == edge.EdgeScale()
 
 
 def test_edge_grid_table_by_hand():
