@@ -862,39 +862,28 @@ def test_bandit_reinforce_collapses_to_arm_2_while_regularized_keep_arm_3():
     assert opmd[2] > 0.15
 
 
-@pytest.mark.parametrize("negative_weight, expected", [
-    # per_token = -lambda_i * A_i * logp: row 0 (A = 1): 1 + 2 = 3; row 1 (A = -2): lambda * -2 * (0.5 + 1.5)
-    (1.0, (3 - 4) / 4),
-    (0.5, (3 - 2) / 4),
-    (0.0, (3 - 0) / 4),  # the negatives' term gone: fine-tuning on the positive alone
+@pytest.mark.parametrize("knob, value, expected", [
+    # per_token = -lambda_i * A_i * logp: row 0 (A = 1): lambda+ * (1 + 2); row 1 (A = -2): lambda- * -2 * (0.5 + 1.5)
+    ("negative_weight", 1.0, (3 - 4) / 4),
+    ("negative_weight", 0.5, (3 - 2) / 4),
+    ("negative_weight", 0.0, (3 - 0) / 4),  # the negatives' term gone: fine-tuning on the positive alone
+    ("positive_weight", 0.1, (0.3 - 4) / 4),
+    ("positive_weight", 0.0, (0 - 4) / 4),  # the positives' term gone: the negatives alone
 ])
-def test_negative_weight_scales_the_negative_rows_term_by_hand(negative_weight, expected):
-    spec = dataclasses.replace(PRESET_OBJECTIVES["reinforce"], negative_weight=negative_weight)
+def test_signed_weights_scale_their_rows_term_by_hand(knob, value, expected):
+    """negative_weight multiplies the term of the rows with A < 0, positive_weight of those with A > 0."""
+    spec = dataclasses.replace(PRESET_OBJECTIVES["reinforce"], **{knob: value})
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
     loss, _ = loss_and_metrics(spec, logp, logp.detach(), torch.tensor([1.0, -2.0]), torch.ones(2, 2))
     assert loss.item() == pytest.approx(expected)
     (grad,) = torch.autograd.grad(loss, logp)  # d loss / d logp = -lambda_i * A_i / N
-    torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0], [2 * negative_weight] * 2]) / 4)
+    positive, negative = (value, 1.0) if knob == "positive_weight" else (1.0, value)
+    torch.testing.assert_close(grad, torch.tensor([[-positive] * 2, [2 * negative] * 2]) / 4)
 
 
 def test_negative_weight_must_be_a_finite_non_negative_number():
     with pytest.raises(errors.UserError, match="negative_weight must be finite and >= 0"):
         get_objective("reinforce", negative_weight=-0.5)
-
-
-@pytest.mark.parametrize("positive_weight, expected", [
-    # per_token = -lambda_i * A_i * logp: row 0 (A = 1): lambda+ * (1 + 2); row 1 (A = -2): -2 * (0.5 + 1.5) = -4
-    (1.0, (3 - 4) / 4),
-    (0.1, (0.3 - 4) / 4),
-    (0.0, (0 - 4) / 4),  # the positives' term gone: the negatives alone
-])
-def test_positive_weight_scales_the_positive_rows_term_by_hand(positive_weight, expected):
-    spec = dataclasses.replace(PRESET_OBJECTIVES["reinforce"], positive_weight=positive_weight)
-    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
-    loss, _ = loss_and_metrics(spec, logp, logp.detach(), torch.tensor([1.0, -2.0]), torch.ones(2, 2))
-    assert loss.item() == pytest.approx(expected)
-    (grad,) = torch.autograd.grad(loss, logp)  # d loss / d logp = -lambda_i * A_i / N
-    torch.testing.assert_close(grad, torch.tensor([[-positive_weight] * 2, [2.0, 2.0]]) / 4)
 
 
 def test_positive_weight_must_be_a_finite_non_negative_number():
