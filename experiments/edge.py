@@ -2,7 +2,7 @@
 
     python -m experiments.edge --arms rft-trl,rec-logged --lrs 3e-4,1e-3,2e-3 --seeds 0,1   # the lr grid
     python -m experiments.edge --arms rft-trl,rec-logged --chosen-lr --seeds 0,1,2,3,4     # seeds at the choice
-    python -m experiments.edge --table-only                                       # table.md, grid.md, edge.png
+    python -m experiments.edge --table-only                            # table.md, grid.md, paired.md, edge.png
     python -m experiments.edge --quick --no-peers                                          # toy sizes (a minute)
 
 A SEED is the whole pipeline: seed s collects its own logs (`harness.demo_data`: the shipped add3 policy,
@@ -65,7 +65,11 @@ from experiments import harness
 from experiments.harness import SKIP, Arm
 from offline_rec.loss.presets import WIDE_CLIP
 
-RESULTS_FILE, TABLE_FILE, GRID_FILE, PLOT_FILE = "results.jsonl", "table.md", "grid.md", "edge.png"
+RESULTS_FILE, TABLE_FILE, GRID_FILE, PAIRED_FILE, PLOT_FILE = ("results.jsonl", "table.md", "grid.md", "paired.md",
+                                                             "edge.png")
+PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"))
+"""The arms compared seed by seed (`paired_table`): the recipe against both forms of RFT, and those two."""
+PAIRED_KEYS = ("greedy", "t1", "pass8", "pass64", "ood_greedy", "ood_t1", "ood_pass64")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
 """What of a final model folder is kept (no optimizer state)."""
@@ -283,6 +287,7 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     table = markdown_table(rows, scale, choice_seeds)
     (out / TABLE_FILE).write_text(table)
     (out / GRID_FILE).write_text(grid_table(rows))
+    (out / PAIRED_FILE).write_text(paired_table(done, rows))
     scored = [row for row in rows if row.get("greedy") is not None]  # a grid run alone has validation scores only
     if scored:
         plot(scored, out / PLOT_FILE, scale)
@@ -356,6 +361,28 @@ def grid_table(rows: list[dict]) -> str:
             text = "" if value is None else f"{100 * value:.1f}" + (f" ({count})" if count > 1 else "")
             cells.append(f"**{text}**" if text and lr == r["lr"] else text)
         lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_table(results: list[dict], rows: list[dict], pairs=PAIRS, keys=PAIRED_KEYS) -> str:
+    """Per pair (a, b) of PAIRS whose arms both have rows: the difference a - b of each score (points) seed by seed,
+    each arm at its chosen lr, over the seeds both scored on the held-out splits: its mean ± 95% interval. Both arms
+    of a seed trained on the same logs, so the difference is paired (the seed-to-seed spread of the logs cancels)."""
+    chosen = {row["arm"]: row["lr"] for row in rows}
+    lines = ["| a - b | seeds | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
+    for a, b in pairs:
+        if a not in chosen or b not in chosen:
+            continue
+        by_seed = {arm: {r["seed"]: r for r in results if r["arm"] == arm and r["lr"] == chosen[arm]
+                         and r.get("held_out", True)} for arm in (a, b)}
+        seeds = sorted(by_seed[a].keys() & by_seed[b].keys())
+        if not seeds:
+            continue
+        cells = []
+        for key in keys:
+            mean, half = harness.mean_interval([100 * (by_seed[a][s][key] - by_seed[b][s][key]) for s in seeds])
+            cells.append(f"{mean:+.1f}" + (f" ± {half:.1f}" if half is not None else ""))
+        lines.append(f"| {a} - {b} | {len(seeds)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -324,12 +324,18 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
                "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
                "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
         for key in scores:
-            values = [100 * r[key] for r in chosen if r.get(key) is not None]
-            row[key] = statistics.mean(values) if values else None
-            row[key + "_ci"] = (T95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5
-                                if len(values) > 1 else None)
+            row[key], row[key + "_ci"] = mean_interval([100 * r[key] for r in chosen if r.get(key) is not None])
         rows.append(row)
     return rows
+
+
+def mean_interval(values: list[float]) -> tuple[float | None, float | None]:
+    """(the mean of `values`, the half-width of its 95% interval: t quantile x standard error), None where there
+    are no values / fewer than two."""
+    if not values:
+        return None, None
+    half = T95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+    return statistics.mean(values), half
 
 
 def mean_of(runs: list[dict], key: str) -> float | None:

@@ -160,6 +160,22 @@ def test_grid_options_replace_only_what_was_given():
     assert kept == edge.EdgeScale()
 
 
+def test_edge_paired_table_by_hand():
+    """The paired differences: per seed a - b at each arm's chosen lr (another lr's runs and a grid run without
+    held-out scores ignored), over the seeds both have; mean ± t(4 seeds: 3.18) x sd / 2; a pair with an arm that
+    has no row left out."""
+    def run(arm, lr, seed, greedy, held_out=True):
+        return {"arm": arm, "lr": lr, "seed": seed, "held_out": held_out, "greedy": greedy}
+
+    results = [run("rec-logged", 3e-4, s, g) for s, g in enumerate((0.60, 0.62, 0.61, 0.63))]
+    results += [run("rft-trl", 6e-4, s, g) for s, g in enumerate((0.59, 0.60, 0.61, 0.60, 0.70))]
+    results += [run("rft-trl", 1e-3, 0, 0.99), run("rec-logged", 3e-4, 7, 0.5, held_out=False)]
+    rows = [{"arm": "rec-logged", "lr": 3e-4}, {"arm": "rft-trl", "lr": 6e-4}]
+    table = edge.paired_table(results, rows, keys=("greedy",)).splitlines()
+    # differences 1, 2, 0, 3 points: mean 1.5, sd 1.291, half-width 3.18 * 1.291 / 2 = 2.05
+    assert table == ["| a - b | seeds | greedy |", "|---|---:|---:|", "| rec-logged - rft-trl | 4 | +1.5 ± 2.1 |"]
+
+
 def test_edge_grid_table_by_hand():
     """The lr grid as a table: every lr any arm ran as a column, the chosen lr's cell in bold, the count of choice
     seeds where more than one, an lr an arm did not run left empty; the untrained behavior left out."""
@@ -206,6 +222,7 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
         assert result["train_cpu_seconds"] >= 0 and len(result["load"]) == 2
     assert [row["arm"] for row in outcome["rows"]] == arms and "| nsr | 0.0006 | 1 |" in outcome["table"]
     assert (tmp_path / edge.PLOT_FILE).stat().st_size > 0 and "| nsr |" in (tmp_path / edge.GRID_FILE).read_text()
+    assert "| filtered-sft - rft-trl |" not in (tmp_path / edge.PAIRED_FILE).read_text()  # no rft-trl without peers
     for chosen_lr in (False, True):  # nothing left to run
         edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None, chosen_lr=chosen_lr)
     assert harness.read_results(tmp_path / edge.RESULTS_FILE) == results
