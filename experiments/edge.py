@@ -343,8 +343,8 @@ def markdown_table(rows: list[dict], scale: EdgeScale, choice_seeds) -> str:
         lines.append(
             f"| {r['arm']} | {r['lr']:g} | {r['seeds']} | {cell(r, 'validation')} | {cell(r, 'greedy')} | "
             f"{cell(r, 't1')} | {cell(r, 'pass8')} | {cell(r, f'pass{k}')} | {cell(r, 'ood_greedy')} | "
-            f"{cell(r, 'ood_t1')} | {cell(r, f'ood_pass{k}')} | {r['rows'] or ''} | {number(r['step_seconds'])} | "
-            f"{number(r['train_cpu_seconds'])} | {per_lr} |")
+            f"{cell(r, 'ood_t1')} | {cell(r, f'ood_pass{k}')} | {number(r['rows'] or None)} | "
+            f"{number(r['step_seconds'])} | {number(r['train_cpu_seconds'])} | {per_lr} |")
     return "\n".join(lines) + "\n"
 
 
