@@ -55,6 +55,10 @@ PromptSource = Callable[[int, int, str], "list[PromptItem]"]
 
 GENERIC = "generic"
 SPLITS = ("train", "test")
+"""The splits every task with built-in prompts has."""
+OOD_SPLIT = "ood"
+"""A held-out split one step beyond the training distribution, for the tasks that list it in `Task.splits`
+(`eval --split ood`; `rounds` evaluates it every round)."""
 REWARD_TIMEOUT_S = 10.0
 
 
@@ -78,6 +82,8 @@ class Task:
     warm_up: Callable[[], object] | None = None
     """Run once, untimed, before scoring: imports that a timeout must not cut in half."""
     description: str = ""
+    splits: tuple[str, ...] = SPLITS
+    """The splits its built-in prompts come in (a source that has `OOD_SPLIT` lists it here)."""
 
 
 def function_name(fn: Callable) -> str:
@@ -403,6 +409,12 @@ TASKS: dict[str, Task] = {
         description="MATH-style {problem, answer | solution} file (--prompts); the stated answer must match",
     ),
 }
+
+
+def task_splits(name: str) -> tuple[str, ...]:
+    """The splits of task `name`'s built-in prompts (SPLITS for a task that has none: its file is its split)."""
+    task = TASKS.get(name)
+    return task.splits if task is not None and task.prompts is not None else SPLITS
 
 
 def get_task(name: str, reward: str | None = None) -> Task:

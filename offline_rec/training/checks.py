@@ -9,7 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from offline_rec import schema as S
-from offline_rec.algorithms import TOKEN_WEIGHTS, AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
+from offline_rec.algorithms import (
+    TOKEN_WEIGHTS,
+    AlgorithmSpec,
+    RewardMoments,
+    advantage_stats,
+    get_algorithm,
+    group_advantages,
+)
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.locations import is_hub_path
 from offline_rec.errors import UserError, require_extra
@@ -229,3 +236,25 @@ def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, sc
                     f"{stats['singleton_groups']} groups of one response and {stats['zero_variance_groups']} "
                     "groups whose rewards are all equal; for the singletons, "
                     + SINGLETON_FIX.removeprefix("give them "))
+
+
+def learning_signal(config: TrainConfig, dataset: str | Path) -> dict:
+    """What `config`'s loss would learn from `dataset` alone, read from its rewards (no row store, no model):
+    rows, groups, reward_mean, all_equal_groups (groups of >= 2 rows whose rewards are all equal) and signal_rows
+    (rows of advantage != 0 under config's algorithm, the data taken as one step, as `check_learning_signal`
+    counts them). `offline-rec rounds` skips a round whose data has no signal_rows instead of training on it."""
+    import torch
+
+    spec = dataclasses.replace(get_algorithm(config.algorithm, **config.algorithm_overrides), drop="none")
+    rewards, keys = [], []
+    for number, group in enumerate(open_dataset(dataset).iter_groups([S.REWARD])):
+        rewards += [row[S.REWARD] for row in group]
+        keys += [number] * len(group)
+    if not rewards or any(reward is None for reward in rewards):
+        raise UserError(f"{dataset}: {'no rows' if not rewards else 'rows without a reward'}: nothing to learn "
+                        "from; reward it first (offline-rec reward)")
+    values = torch.tensor(rewards, dtype=torch.float64)  # [N]
+    advantages, _ = group_advantages(spec, values, keys, dataset_moments=RewardMoments.of(rewards))
+    stats = advantage_stats(values, keys)
+    return {"rows": len(rewards), "groups": stats["num_groups"], "reward_mean": float(values.mean()),
+            "all_equal_groups": stats["zero_variance_groups"], "signal_rows": int((advantages != 0).sum())}
