@@ -73,6 +73,9 @@ TRAINING_EVAL_MAX_NEW_TOKENS = 128
 TRAINING_EVAL_TEMPERATURE = 1.0
 TRAINING_EVAL_BATCH_SIZE = 32
 TRAINING_EVAL_GPU_SHARE = 0.3  # vLLM's share of the GPU: the trainer holds the rest (CUDA only)
+ENTROPY_LOGITS = 1 << 25
+"""The entropy pass's batches: at most this many logits (128 MiB in float32) and ENTROPY_MAX_ROWS rows."""
+ENTROPY_MAX_ROWS = 512
 CHILD_OUTPUT_LINES = 20
 """Lines of a failed child evaluation's output repeated in the warning."""
 
@@ -261,7 +264,10 @@ def rollout_entropies(groups: list[dict], model: str, dtype: str, sampling) -> l
     policy = load_model(model, dtype=dtype, device="cuda" if cuda_available() else None)
     prompts = [group["prompt_ids"] for group in groups for _ in group["completion_ids"]]
     completions = [ids for group in groups for ids in group["completion_ids"]]
-    per_row = iter(teacher_forced_entropies(policy, load_tokenizer(model), prompts, completions,
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    vocabulary = policy.get_output_embeddings().weight.shape[0]
+    rows = max(1, min(ENTROPY_MAX_ROWS, ENTROPY_LOGITS // (longest * vocabulary)))  # a batch's logits in budget
+    per_row = iter(teacher_forced_entropies(policy, load_tokenizer(model), prompts, completions, batch_size=rows,
                                             temperature=sampling.temperature, top_k=sampling.top_k,
                                             top_p=sampling.top_p))
     return [[h for _ in group["completion_ids"] for h in next(per_row)] for group in groups]

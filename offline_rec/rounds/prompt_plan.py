@@ -40,7 +40,9 @@ def validation_prompts(config: RoundsConfig) -> Path:
     """RUN/validation-prompts.jsonl: the first `validation_prompts` prompts of the source (written once)."""
     path = config.out / VALIDATION_FILE
     if not path.is_file():
-        write_prompts(_source(config, config.validation_prompts), path, prompt_column(config))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_prompts(_enough(_source(config, config.validation_prompts), config.validation_prompts,
+                              "--validation-prompts", config), path, prompt_column(config))
     return path
 
 
@@ -73,22 +75,26 @@ def _pool(config: RoundsConfig) -> list[PromptItem]:
     if not path.is_file():
         validation = {_key(item) for item in _read(validation_prompts(config), config)}
         drawn = _source(config, config.validation_prompts + config.prompt_pool)
-        write_prompts([item for item in drawn if _key(item) not in validation][:config.prompt_pool], path,
-                      prompt_column(config))
+        pool = [item for item in drawn if _key(item) not in validation][:config.prompt_pool]
+        write_prompts(_enough(pool, config.prompt_pool, "--prompt-pool", config), path, prompt_column(config))
     return _read(path, config)
 
 
 def _source(config: RoundsConfig, n: int) -> list[PromptItem]:
-    """The first `n` prompts of the train-side source, raw (see the module docstring)."""
+    """The first `n` prompts of the train-side source (a file: fewer where it holds fewer), raw (see the module
+    docstring)."""
     task = get_task(config.task, config.reward)
     if config.prompts is None:
         if task.prompts is None:
             raise UserError(f"task {task.name!r} has no built-in prompts: pass --prompts FILE")
         return task.prompts(n, config.seed, "train")
-    items = load_prompts(config.prompts, prompt_column(config))
+    return load_prompts(config.prompts, prompt_column(config))[:n]
+
+
+def _enough(items: list[PromptItem], n: int, flag: str, config: RoundsConfig) -> list[PromptItem]:
     if len(items) < n:
-        raise UserError(f"{config.prompts} holds {len(items)} prompts; this run needs {n} (validation and rounds)")
-    return items[:n]
+        raise UserError(f"{config.prompts}: {flag} {n} asks more prompts than the {len(items)} it has to give")
+    return items
 
 
 def _read(path: Path, config: RoundsConfig) -> list[PromptItem]:

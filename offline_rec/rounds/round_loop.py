@@ -74,16 +74,17 @@ def run_rounds(config: RoundsConfig, say=None) -> dict:
     _check_before_writing(config)
     start_or_continue(config.out, config.identity())
     deployment = Deployment(config)
-    previous = _start(config, deployment, say)
     stopped = None
-    for number in range(1, config.rounds + 1):
-        line = read_json(round_dir(config.out, number) / RECORD_FILE) or _round(config, number, previous,
-                                                                                   deployment, say)
-        if line is None:
-            stopped = f"round {number}'s data {logs_dir(config.logs, number)} has not arrived; rerun when it has"
-            say(f"round {number}: {stopped}")
-            break
-        previous = line
+    with contextlib.redirect_stdout(sys.stderr):  # what the stages print (train's settings) is progress, not output
+        previous = _start(config, deployment, say)
+        for number in range(1, config.rounds + 1):
+            line = read_json(round_dir(config.out, number) / RECORD_FILE) or _round(config, number, previous,
+                                                                                       deployment, say)
+            if line is None:
+                stopped = f"round {number}'s data {logs_dir(config.logs, number)} has not arrived; rerun when it has"
+                say(f"round {number}: {stopped}")
+                break
+            previous = line
     summary = records.write_summary(config.out, stopped)
     summary["report"] = {name: str(path) for name, path in report_runs([config.out], config.out / REPORT_DIR).items()}
     return summary
