@@ -181,8 +181,8 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print) -> 
         if arm not in ARMS:
             raise SystemExit(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
     policy = policy or ensure_demo_policy(progress=False)
-    for arm in arms:
-        for seed in scale.seeds:
+    for seed in scale.seeds:  # seed by seed: every arm has a first seed early
+        for arm in arms:
             summary = run_rounds(rounds_config(arm, seed, run_dir(out, arm, seed), scale, policy),
                                  say=lambda line, arm=arm, seed=seed: log(f"[{arm} seed {seed}] {line}"))
             last = summary["last"]

@@ -24,8 +24,9 @@ import json
 import statistics
 from pathlib import Path
 
+from offline_rec.eval.report import ROUNDS_FILE
 from offline_rec.files import atomic_write_json, atomic_write_text
-from offline_rec.rounds.run_folder import RECORD_FILE, ROUNDS_FILE, SECONDS_FILE, SUMMARY_FILE, read_json, round_dir
+from offline_rec.rounds.run_folder import RECORD_FILE, SECONDS_FILE, SUMMARY_FILE, read_json, round_dir
 
 EVAL_KEYS = ("greedy_accuracy", "accuracy", "pass@", "entropy_mean", "length_mean", "truncation_rate")
 STAGES = ("collect", "train", "choose", "eval")

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.preemption import Preempted
 from offline_rec.rounds import records
 from offline_rec.rounds.config import RoundsConfig
 from offline_rec.rounds.deployment import Deployment
@@ -75,16 +76,21 @@ def run_rounds(config: RoundsConfig, say=None) -> dict:
     start_or_continue(config.out, config.identity())
     deployment = Deployment(config)
     stopped = None
-    with contextlib.redirect_stdout(sys.stderr):  # what the stages print (train's settings) is progress, not output
-        previous = _start(config, deployment, say)
-        for number in range(1, config.rounds + 1):
-            line = read_json(round_dir(config.out, number) / RECORD_FILE) or _round(config, number, previous,
-                                                                                       deployment, say)
-            if line is None:
-                stopped = f"round {number}'s data {logs_dir(config.logs, number)} has not arrived; rerun when it has"
-                say(f"round {number}: {stopped}")
-                break
-            previous = line
+    number = 0
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # what the stages print (train's settings) is progress
+            previous = _start(config, deployment, say)
+            for number in range(1, config.rounds + 1):
+                line = read_json(round_dir(config.out, number) / RECORD_FILE) or _round(config, number, previous,
+                                                                                           deployment, say)
+                if line is None:
+                    stopped = f"round {number}'s data {logs_dir(config.logs, number)} has not arrived; rerun then"
+                    say(f"round {number}: {stopped}")
+                    break
+                previous = line
+    except Preempted as stop:
+        raise Preempted(f"round {number} stopped ({stop.message.split(':')[0]}); what finished is kept: run the "
+                        "same command again to continue") from None
     summary = records.write_summary(config.out, stopped)
     summary["report"] = {name: str(path) for name, path in report_runs([config.out], config.out / REPORT_DIR).items()}
     return summary
@@ -122,7 +128,7 @@ def _start(config: RoundsConfig, deployment: Deployment, say) -> dict:
 
 def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deployment, say) -> dict | None:
     """Round `number` from its first unfinished stage to its record; None when its --logs data has not arrived."""
-    from offline_rec.training.checks import learning_signal
+    from offline_rec.training.checks import SINGLETON_FIX, learning_signal
 
     folder = round_dir(config.out, number)
     folder.mkdir(parents=True, exist_ok=True)
@@ -141,6 +147,9 @@ def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deploy
     if not signal["signal_rows"]:
         why = (f"no learning signal: all {signal['groups']} groups alike (every advantage 0 under "
                f"{train_config.algorithm})")
+        if signal["singleton_groups"] == signal["groups"]:
+            why = (f"no learning signal: all {signal['groups']} groups hold one response, whose advantage is 0 under "
+                   f"the group mean; {SINGLETON_FIX}")
         say(f"{head}: {why}; skipped, the policy stays")
         return records.write_round(config.out, number, {**line, **records.untrained_fields(why),
                                                         **records.policy_fields(policy), **_kept(previous),

@@ -13,7 +13,7 @@
         eval/, eval-ood/     the chosen policy on the held-out test (and OOD) prompts
         seconds.json         wall time of each finished stage
         record.json          the round's line of rounds.jsonl
-      rounds.jsonl, summary.json, report/
+      rounds.jsonl (its name is `eval.report.ROUNDS_FILE`: report reads it), summary.json, report/
 
 Every file is written atomically (offline_rec/files.py) and every stage's output says whether it finished: a
 dataset's complete manifest, a run's final/, an evaluation's summary.json, choice.json, record.json. A rerun reads
@@ -33,7 +33,6 @@ CONFIG_FILE = "rounds-config.json"
 VALIDATION_FILE = "validation-prompts.jsonl"
 POOL_FILE = "prompt-pool.jsonl"
 START_DIR = "start"
-ROUNDS_FILE = "rounds.jsonl"
 SUMMARY_FILE = "summary.json"
 REPORT_DIR = "report"
 RECORD_FILE = "record.json"

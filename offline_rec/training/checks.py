@@ -240,7 +240,8 @@ def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, sc
 
 def learning_signal(config: TrainConfig, dataset: str | Path) -> dict:
     """What `config`'s loss would learn from `dataset` alone, read from its rewards (no row store, no model):
-    rows, groups, reward_mean, all_equal_groups (groups of >= 2 rows whose rewards are all equal) and signal_rows
+    rows, groups, reward_mean, all_equal_groups (groups of >= 2 rows whose rewards are all equal), singleton_groups
+    and signal_rows
     (rows of advantage != 0 under config's algorithm, the data taken as one step, as `check_learning_signal`
     counts them). `offline-rec rounds` skips a round whose data has no signal_rows instead of training on it."""
     import torch
@@ -257,4 +258,5 @@ def learning_signal(config: TrainConfig, dataset: str | Path) -> dict:
     advantages, _ = group_advantages(spec, values, keys, dataset_moments=RewardMoments.of(rewards))
     stats = advantage_stats(values, keys)
     return {"rows": len(rewards), "groups": stats["num_groups"], "reward_mean": float(values.mean()),
-            "all_equal_groups": stats["zero_variance_groups"], "signal_rows": int((advantages != 0).sum())}
+            "all_equal_groups": stats["zero_variance_groups"], "singleton_groups": stats["singleton_groups"],
+            "signal_rows": int((advantages != 0).sum())}

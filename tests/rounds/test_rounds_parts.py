@@ -122,6 +122,9 @@ def test_the_learning_signal_of_a_rounds_data_follows_the_recipe(tmp_path):
     assert learning_signal(sft, data)["signal_rows"] == 4  # A = r: the positives, all-equal groups included
     flat = write_dataset(tmp_path / "flat", make_rows([2, 2], rewards=[[1, 1], [0, 0]]))
     assert learning_signal(logged, flat)["signal_rows"] == 0 and learning_signal(sft, flat)["signal_rows"] == 2
+    singles = write_dataset(tmp_path / "singles", make_rows([1, 1, 1], rewards=[[1], [0], [1]]))
+    assert (learning_signal(logged, singles)["signal_rows"], learning_signal(logged, singles)["singleton_groups"]) == (
+        0, 3)
 
 
 def test_report_draws_rounds_runs_side_by_side(tmp_path):
@@ -144,3 +147,19 @@ def test_report_draws_rounds_runs_side_by_side(tmp_path):
     assert rows[0].startswith("| round | greedy | T=1 | pass@4 | entropy | logs reward | steps |")
     assert rows[1].startswith("| 0 | 0.4000 | 0.2000 | 0.9000 | 0.5000 | - | 0 |")
     assert rows[3].startswith("| 2 (skipped) | 0.6000 |")  # the line cut by a crash (round 9) is not read
+
+
+def test_a_stopped_stage_stops_the_run_saying_how_to_go_on(tmp_path, monkeypatch):
+    """A stop signal in a stage (collect, train, eval raise Preempted, exit 75) ends the run with a line that says
+    the rerun continues (not the stage's own --resume)."""
+    from offline_rec.preemption import Preempted
+    from offline_rec.rounds import round_loop
+
+    def stopped(*args):
+        raise Preempted("SIGTERM during collect: the groups of 3 of 8 prompts are committed in X; run the same "
+                        "command with --resume")
+
+    monkeypatch.setattr(round_loop, "_start", stopped)
+    with pytest.raises(Preempted, match=r"^round 0 stopped \(SIGTERM during collect\); what finished is kept: run "
+                                        r"the same command again to continue$"):
+        round_loop.run_rounds(config(tmp_path, prompts_per_round=8), say=lambda line: None)
