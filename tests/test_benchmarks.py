@@ -346,3 +346,33 @@ def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_pa
     if keep == 0.0:
         assert groups == [[0, 0], [0, 0]] and counts["positives"] == 0
     assert validate_dataset(tmp_path / f"out-{keep}").ok  # sample_index numbered 0..n-1 again
+
+
+@pytest.mark.slow
+def test_rounds_benchmark_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path):
+    """benchmarks/rounds.py --quick: rec-logged and iterated filtered-SFT, 2 rounds each on the same prompts and
+    samples budget; the table's means are the runs' own lines; a rerun has nothing left to do."""
+    from benchmarks import rounds
+
+    outcome = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], rounds.QUICK, log=lambda message: None)
+    lines = {arm: [json.loads(line) for line in (rounds.run_dir(tmp_path, arm, 0) / "rounds.jsonl").open()]
+             for arm in ("rec-logged", "filtered-sft")}
+    for arm, arm_lines in lines.items():
+        assert [line["collect_samples_total"] for line in arm_lines] == [0, 64, 128]  # 16 prompts x 4, twice
+        table_rows = [row for row in outcome["rows"] if row["arm"] == arm]
+        assert [row["greedy"] for row in table_rows] == [100 * line["greedy_accuracy"] for line in arm_lines]
+    prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-2" / "prompts.jsonl").read_text() for arm in lines]
+    assert prompts[0] == prompts[1]  # the same prompts for every arm
+    sft = yaml_load(rounds.run_dir(tmp_path, "filtered-sft", 0) / "round-1" / "run" / "config.yaml")
+    assert (sft["algorithm"], sft["algorithm_overrides"]["baseline"], sft["lr"]) == ("reinforce", "constant", 1e-3)
+    assert (tmp_path / "arms.png").stat().st_size > 0 and "| filtered-sft | 2 | 1 | 128 |" in outcome["table"]
+    watched = rounds.run_dir(tmp_path, "rec-logged", 0) / "rounds.jsonl"
+    before = watched.stat().st_mtime_ns
+    rounds.run(tmp_path, ["rec-logged"], rounds.QUICK, log=lambda message: None)
+    assert watched.stat().st_mtime_ns == before  # every round finished: nothing run again
+
+
+def yaml_load(path):
+    import yaml
+
+    return yaml.safe_load(path.read_text())

@@ -34,15 +34,12 @@ def teacher_forced_logprobs(
     temperature: float = 1.0,
 ) -> list[list[float]]:
     """log p(completion[t] | prompt, completion[:t]) for every completion token of every row."""
-    results: list[list[float] | None] = [None] * len(prompt_ids_list)
-    with torch.inference_mode():
-        for rows, input_ids, attention_mask, positions_mask in _padded_batches(
-                model, tokenizer, prompt_ids_list, completion_ids_list, batch_size):
-            logprobs = token_logprobs_from_model(model, input_ids, attention_mask, positions_mask=positions_mask,
-                                                 temperature=temperature).float().cpu()  # [B, L-1]
-            for b, i in enumerate(rows):
-                results[i] = _completion_slice(logprobs[b], prompt_ids_list[i], completion_ids_list[i])
-    return results  # type: ignore[return-value]
+
+    def logprobs(input_ids, attention_mask, positions_mask):
+        return token_logprobs_from_model(model, input_ids, attention_mask, positions_mask=positions_mask,
+                                         temperature=temperature)  # [B, L-1]
+
+    return _per_token(model, tokenizer, prompt_ids_list, completion_ids_list, batch_size, logprobs)
 
 
 def teacher_forced_entropies(
@@ -57,18 +54,31 @@ def teacher_forced_entropies(
 ) -> list[list[float]]:
     """At every completion token of every row, the entropy (nats) of the distribution it was sampled from:
     `sampled_distribution_entropy` of the model's float32 logits at that position."""
+
+    def entropies(input_ids, attention_mask, positions_mask):
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       use_cache=False).logits[:, :-1]  # [B, L-1, V]
+        values = torch.zeros(positions_mask.shape, device=logits.device)  # [B, L-1]
+        values[positions_mask] = sampled_distribution_entropy(logits[positions_mask], temperature, top_k,
+                                                              top_p).float()
+        return values
+
+    return _per_token(model, tokenizer, prompt_ids_list, completion_ids_list, batch_size, entropies)
+
+
+def _per_token(model, tokenizer, prompt_ids_list, completion_ids_list, batch_size: int, score) -> list[list[float]]:
+    """`score(input_ids, attention_mask, positions_mask) -> [B, L-1]` over right-padded batches, in inference
+    mode; one list per row of its values at its completion tokens (token j is scored at P + j - 1), in input
+    order."""
     results: list[list[float] | None] = [None] * len(prompt_ids_list)
     with torch.inference_mode():
         for rows, input_ids, attention_mask, positions_mask in _padded_batches(
                 model, tokenizer, prompt_ids_list, completion_ids_list, batch_size):
-            position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                           use_cache=False).logits[:, :-1]  # [B, L-1, V]
-            entropies = torch.zeros(positions_mask.shape)  # [B, L-1]
-            entropies[positions_mask.cpu()] = sampled_distribution_entropy(
-                logits[positions_mask], temperature, top_k, top_p).float().cpu()
+            values = score(input_ids, attention_mask, positions_mask).float().cpu()  # [B, L-1]
             for b, i in enumerate(rows):
-                results[i] = _completion_slice(entropies[b], prompt_ids_list[i], completion_ids_list[i])
+                start = len(prompt_ids_list[i]) - 1
+                results[i] = values[b, start:start + len(completion_ids_list[i])].tolist()
     return results  # type: ignore[return-value]
 
 
@@ -100,7 +110,7 @@ def sampled_distribution_entropy(logits: torch.Tensor, temperature: float = 1.0,
 def _padded_batches(model, tokenizer, prompt_ids_list, completion_ids_list,
                     batch_size: int) -> Iterator[tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(row numbers, input_ids [B, L], attention_mask [B, L], completion positions [B, L-1] bool) on the model's
-    device, rows sorted by length (the caller holds inference mode)."""
+    device, rows sorted by length."""
     if len(prompt_ids_list) != len(completion_ids_list):
         raise ValueError(f"{len(prompt_ids_list)} prompts but {len(completion_ids_list)} completions")
     if batch_size < 1:
@@ -117,9 +127,3 @@ def _padded_batches(model, tokenizer, prompt_ids_list, completion_ids_list,
             [prompt_ids_list[i] for i in rows], [completion_ids_list[i] for i in rows], pad_id)
         yield (rows, torch.from_numpy(input_ids).to(device), torch.from_numpy(attention_mask).to(device),
                torch.from_numpy(positions_mask[:, :input_ids.shape[1] - 1]).to(device))
-
-
-def _completion_slice(values: torch.Tensor, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-    """A row's values at its completion tokens' positions (token j is scored at P + j - 1)."""
-    start = len(prompt_ids) - 1
-    return values[start:start + len(completion_ids)].tolist()

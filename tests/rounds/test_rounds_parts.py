@@ -163,3 +163,11 @@ def test_a_stopped_stage_stops_the_run_saying_how_to_go_on(tmp_path, monkeypatch
     with pytest.raises(Preempted, match=r"^round 0 stopped \(SIGTERM during collect\); what finished is kept: run "
                                         r"the same command again to continue$"):
         round_loop.run_rounds(config(tmp_path, prompts_per_round=8), say=lambda line: None)
+
+
+def test_lora_is_refused_before_anything_is_written(tmp_path):
+    from offline_rec.rounds.round_loop import run_rounds
+
+    with pytest.raises(UserError, match="rounds trains and deploys full weights: lora_r > 0 is not supported yet"):
+        run_rounds(config(tmp_path, prompts_per_round=8, sets=["lora_r=8"]), say=lambda line: None)
+    assert not (tmp_path / "run").exists()
