@@ -128,6 +128,7 @@ def _start(config: RoundsConfig, deployment: Deployment, say) -> dict:
 
 def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deployment, say) -> dict | None:
     """Round `number` from its first unfinished stage to its record; None when its --logs data has not arrived."""
+    from offline_rec.models.loading import load_tokenizer
     from offline_rec.training.checks import SINGLETON_FIX, learning_signal
 
     folder = round_dir(config.out, number)
@@ -136,7 +137,7 @@ def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deploy
     head = f"round {number}/{config.rounds}"
     with _stage(folder, "collect", say, f"{head}: data from policy version {policy['policy_version']}"):
         if config.logs is not None:
-            data = arrived_logs(config, number, lambda: deployment.serve(policy["model"]).tokenizer, say)
+            data = arrived_logs(config, number, lambda: load_tokenizer(policy["model"]), say)
             if data is None:
                 return None
         else:

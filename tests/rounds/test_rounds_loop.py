@@ -139,10 +139,28 @@ def test_a_replay_window_trains_on_the_last_w_rounds_each_row_with_its_own_behav
         assert line["staleness_max"] == max(s["staleness_max"] for s in steps)
 
 
-def test_a_round_without_learning_signal_is_said_and_skipped(tmp_path, demo_policy):
+@pytest.fixture
+def arith_with_an_ood_split(monkeypatch):
+    """arith as a task family with an OOD split would list it (here: its test pairs again, for the plumbing)."""
+    import dataclasses
+
+    from offline_rec.tasks import builtin
+
+    def prompts(n, seed, split):
+        return builtin.arith_prompts(n, seed, "test" if split == builtin.OOD_SPLIT else split)
+
+    task = dataclasses.replace(builtin.TASKS["arith"], prompts=prompts, splits=(*builtin.SPLITS, builtin.OOD_SPLIT))
+    monkeypatch.setitem(builtin.TASKS, "arith", task)
+
+
+def test_a_round_without_learning_signal_is_said_and_skipped(tmp_path, demo_policy, arith_with_an_ood_split):
     said = []
     options = tiny_options(demo_policy, tmp_path / "flat", rounds=2, reward="support.rounds_support:zero_reward")
     summary = run_rounds(RoundsConfig(**options), say=said.append)
+    start = summary["rounds"][0]  # the task has an OOD split: every evaluation covers it too
+    assert start["ood_greedy_accuracy"] == 0.0 and start["ood_accuracy"] == 0.0 and "ood_pass@8" in start
+    ood = json.loads((tmp_path / "flat" / "start" / "eval-ood" / "summary.json").read_text())
+    assert ood["prompts"] == "builtin:arith/ood" and ood["metrics"]["num_prompts"] == 8
     for line in summary["rounds"][1:]:
         assert (line["trained"], line["train_steps"], line["data_reward_mean"], line["data_all_equal_share"]) == (
             False, 0, 0.0, 1.0)

@@ -171,3 +171,17 @@ def test_lora_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(UserError, match="rounds trains and deploys full weights: lora_r > 0 is not supported yet"):
         run_rounds(config(tmp_path, prompts_per_round=8, sets=["lora_r=8"]), say=lambda line: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_ood_split_is_a_split_only_of_the_tasks_that_list_it(tmp_path, monkeypatch):
+    import dataclasses
+
+    from offline_rec.rollout.config import CollectConfig
+    from offline_rec.tasks import builtin
+
+    with pytest.raises(UserError, match="unknown split 'ood'"):
+        CollectConfig(model="m", task="arith", out=tmp_path / "d", split="ood")
+    monkeypatch.setitem(builtin.TASKS, "arith", dataclasses.replace(builtin.TASKS["arith"],
+                                                                    splits=(*builtin.SPLITS, builtin.OOD_SPLIT)))
+    assert CollectConfig(model="m", task="arith", out=tmp_path / "d", split="ood").split == "ood"
+    assert builtin.task_splits("gsm8k") == builtin.SPLITS  # a file is its own split

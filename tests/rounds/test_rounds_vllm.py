@@ -33,12 +33,12 @@ def test_rounds_with_a_replay_window_on_one_engine_loading_each_policy(tmp_path,
     from offline_rec.models.loading import load_model, load_tokenizer
     from offline_rec.models.teacher_forced import teacher_forced_logprobs
 
-    options = tiny_options(vllm_tiny_model, tmp_path / "vllm", backend="vllm", chat_template=True, replay=2, rounds=2,
+    options = tiny_options(vllm_tiny_model, tmp_path / "vllm", backend="vllm", chat_template=True, replay=2,
                            reward="support.rounds_support:short_answer_reward", max_new_tokens=16, eval_samples=4)
     summary = run_rounds(RoundsConfig(**options), say=lambda line: None)
     lines = summary["rounds"]
     assert len(session_engine_restored) == 1  # one engine for the start policy, every checkpoint, every evaluation
-    assert [line["train_rounds"] for line in lines[1:]] == [[1], [1, 2]]
+    assert [line["train_rounds"] for line in lines[1:]] == [[1], [1, 2], [2, 3]]
     assert all(line["trained"] for line in lines[1:]) and lines[-1]["entropy_mean"] > 0
     moved = [(before, line) for before, line in zip(lines[1:], lines[2:]) if before["policy_checkpoint"]]
     assert moved, "no round deployed a trained checkpoint"
