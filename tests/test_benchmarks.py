@@ -350,25 +350,29 @@ def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_pa
 
 @pytest.mark.slow
 def test_rounds_benchmark_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path):
-    """benchmarks/rounds.py --quick: rec-logged and iterated filtered-SFT, 2 rounds each on the same prompts and
-    samples budget; the table's means are the runs' own lines; a rerun has nothing left to do."""
+    """benchmarks/rounds.py --quick (cut to one round here: the loop itself is tests/rounds/'s): rec-logged and
+    filtered-SFT on the same prompts and samples budget; the table's means are the runs' own lines; a rerun has
+    nothing left to do."""
+    from dataclasses import replace
+
     from benchmarks import rounds
 
-    outcome = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], rounds.QUICK, log=lambda message: None)
+    scale = replace(rounds.QUICK, rounds=1)
+    outcome = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], scale, log=lambda message: None)
     lines = {arm: [json.loads(line) for line in (rounds.run_dir(tmp_path, arm, 0) / "rounds.jsonl").open()]
              for arm in ("rec-logged", "filtered-sft")}
     for arm, arm_lines in lines.items():
-        assert [line["collect_samples_total"] for line in arm_lines] == [0, 64, 128]  # 16 prompts x 4, twice
+        assert [line["collect_samples_total"] for line in arm_lines] == [0, 64]  # 16 prompts x 4
         table_rows = [row for row in outcome["rows"] if row["arm"] == arm]
         assert [row["greedy"] for row in table_rows] == [100 * line["greedy_accuracy"] for line in arm_lines]
-    prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-2" / "prompts.jsonl").read_text() for arm in lines]
+    prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-1" / "prompts.jsonl").read_text() for arm in lines]
     assert prompts[0] == prompts[1]  # the same prompts for every arm
     sft = yaml_load(rounds.run_dir(tmp_path, "filtered-sft", 0) / "round-1" / "run" / "config.yaml")
     assert (sft["algorithm"], sft["algorithm_overrides"]["baseline"], sft["lr"]) == ("reinforce", "constant", 1e-3)
-    assert (tmp_path / "arms.png").stat().st_size > 0 and "| filtered-sft | 2 | 1 | 128 |" in outcome["table"]
+    assert (tmp_path / "arms.png").stat().st_size > 0 and "| filtered-sft | 1 | 1 | 64 |" in outcome["table"]
     watched = rounds.run_dir(tmp_path, "rec-logged", 0) / "rounds.jsonl"
     before = watched.stat().st_mtime_ns
-    rounds.run(tmp_path, ["rec-logged"], rounds.QUICK, log=lambda message: None)
+    rounds.run(tmp_path, ["rec-logged"], scale, log=lambda message: None)
     assert watched.stat().st_mtime_ns == before  # every round finished: nothing run again
 
 
