@@ -27,7 +27,8 @@ class Deployment:
         """The backend, sampling from `model` (a folder: the start model or a training checkpoint)."""
         model = str(model)
         if self.backend is None:
-            self.backend = make_backend(self.config.backend, model, dtype=self.config.dtype, seed=self.config.seed)
+            self.backend = make_backend(self.config.backend, model, dtype=self.config.dtype, seed=self.config.seed,
+                                        **self._engine_options())
             self.tokenizer_hash = tokenizer_hash(self.backend.tokenizer)
         elif self.backend.model_name != model:
             if tokenizer_hash(load_tokenizer(model)) != self.tokenizer_hash:
@@ -35,3 +36,13 @@ class Deployment:
                                 "round's policy must keep the first one's")
             self.backend.load_weights(model)
         return self.backend
+
+    def _engine_options(self) -> dict:
+        """On a GPU, a vLLM engine takes the share of the memory an evaluation during training takes: the trainer,
+        in this same process, needs the rest (untested on GPUs here)."""
+        from offline_rec.eval.rollouts import TRAINING_EVAL_GPU_SHARE, cuda_available
+        from offline_rec.rollout.backends import BACKENDS, check_backend_name
+
+        if BACKENDS[check_backend_name(self.config.backend)].takes_gpu_memory_share and cuda_available():
+            return {"gpu_memory_utilization": TRAINING_EVAL_GPU_SHARE}
+        return {}
