@@ -135,12 +135,12 @@ def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deploy
     folder.mkdir(parents=True, exist_ok=True)
     policy = records.policy_of(previous)
     head = f"round {number}/{config.rounds}"
-    with _stage(folder, "collect", say, f"{head}: data from policy version {policy['policy_version']}"):
-        if config.logs is not None:
-            data = arrived_logs(config, number, lambda: load_tokenizer(policy["model"]), say)
-            if data is None:
-                return None
-        else:
+    if config.logs is not None:
+        data = arrived_logs(config, number, lambda: load_tokenizer(policy["model"]), say)
+        if data is None:
+            return None
+    else:
+        with _stage(folder, "collect", say, f"{head}: collect from policy version {policy['policy_version']}"):
             data = collect_round(config, number, policy, deployment)
     train_config = round_train_config(config, number, policy)
     signal = learning_signal(train_config, data)
