@@ -1,6 +1,7 @@
 """Rounds of the demo's task (issue 46; the arms of issue 47): `offline-rec rounds` for each recipe, equal samples.
 
     python benchmarks/rounds.py --arms rec-logged,filtered-sft --seeds 0,1,2     # ~20 min a run on 2 cores
+    python benchmarks/rounds.py --rounds 1 --prompts-per-round 4096 --out runs/one-round   # the same samples at once
     python benchmarks/rounds.py --quick --out runs/rounds-quick                  # toy sizes (a minute or two)
 
 Every arm starts from the shipped demo policy (raw "What is a+b? " prompts, the strict arith reward, answers of at
@@ -203,11 +204,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--arms", default="rec-logged,filtered-sft", help=f"comma-separated, from: {', '.join(ARMS)}")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (prompts, sampling, training)")
     parser.add_argument("--model", help="start policy folder (default: the demo policy)")
+    parser.add_argument("--rounds", type=int, help="rounds (default 4; 1 with --prompts-per-round 4096: one big round "
+                                                   "of the same samples)")
+    parser.add_argument("--prompts-per-round", type=int, help="prompts a round (default 1024)")
     args = parser.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)
     scale = replace(QUICK if args.quick else Scale(), seeds=tuple(int(s) for s in args.seeds.split(",")))
+    for name in ("rounds", "prompts_per_round"):
+        if getattr(args, name) is not None:
+            scale = replace(scale, **{name: getattr(args, name)})
     result = run(Path(args.out), args.arms.split(","), scale, args.model)
     print(result["table"])
     return result
