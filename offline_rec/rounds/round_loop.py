@@ -97,9 +97,12 @@ def run_rounds(config: RoundsConfig, say=None) -> dict:
 
 
 def _check_before_writing(config: RoundsConfig) -> None:
-    """What a user can get wrong, refused before RUN is touched: the task and its prompt sources, the recipe."""
+    """What a user can get wrong, refused before RUN is touched: the backend, the task and its prompt sources, the
+    recipe."""
+    from offline_rec.rollout.backends import check_backend_name
     from offline_rec.tasks.builtin import get_task
 
+    check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here
     task = get_task(config.task, config.reward)
     if task.prompts is None and config.test_prompts is None:
         raise UserError(f"task {task.name!r} has no built-in test prompts: pass --test-prompts FILE")
