@@ -15,7 +15,7 @@ chose (round 1: --model, whose evaluation is the line of round 0, RUN/start):
             P_N's weights and AdamW moments (`train --init-from` P_N's checkpoint; round 1 starts from --model with
             a fresh AdamW); the lr schedule and the data order start afresh each round. Every checkpoint is kept.
 4. choose   P_N and every checkpoint of the run, decoded greedily on the validation prompts (train-side prompts no
-            round asks), the best one (`selection.choose_next_policy`) is P_{N+1}. Test prompts are never read.
+            round asks), the best one (`eval.selection.choose_checkpoint`) is P_{N+1}. Test prompts are never read.
 5. eval     P_{N+1} on the held-out test prompts: greedy, --eval-samples samples at T=1 (accuracy, pass@k for k =
             1, 2, 4, ..., --eval-samples), mean token entropy at T=1; the OOD split too where the task has one. An
             unchanged policy (step 0 chosen, or a round skipped) keeps its evaluation (`evaluated_in`).
@@ -162,7 +162,7 @@ def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deploy
     with _stage(folder, "train", say, f"{head}: train on rounds {first}..{number}"):
         train_round(train_config)
     with _stage(folder, "choose", say, f"{head}: choose the next policy on the validation prompts"):
-        chosen = choose_policy(config, number, policy, folder / RUN_DIR, deployment)
+        chosen = choose_policy(config, number, policy, train_config, deployment)
     if chosen["step"] == 0:
         evaluation = _kept(previous)
     else:
@@ -177,11 +177,11 @@ def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deploy
 
 def _evaluation(config: RoundsConfig, model: str, folder: Path, deployment: Deployment, number: int) -> dict:
     """`model` on the test prompts (and the OOD split where the task has one), as line fields."""
-    from offline_rec.tasks.builtin import OOD_SPLIT, task_splits
+    from offline_rec.tasks.builtin import get_task
 
     fields = records.eval_fields(evaluate_policy(config, model, folder / EVAL_DIR, deployment))
-    if OOD_SPLIT in task_splits(config.task) and config.test_prompts is None:
-        ood = evaluate_policy(config, model, folder / OOD_EVAL_DIR, deployment, split=OOD_SPLIT)
+    if "ood" in get_task(config.task, config.reward).splits and config.test_prompts is None:
+        ood = evaluate_policy(config, model, folder / OOD_EVAL_DIR, deployment, split="ood")
         fields.update(records.eval_fields(ood, prefix="ood_"))
     return {"evaluated_in": number, **fields}
 

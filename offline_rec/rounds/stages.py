@@ -19,7 +19,6 @@ from offline_rec.rounds.config import DEFAULT_RECIPE, RoundsConfig
 from offline_rec.rounds.deployment import Deployment
 from offline_rec.rounds.prompt_plan import prompt_column, round_prompts, validation_prompts
 from offline_rec.rounds.run_folder import CHOICE_FILE, logs_dir, read_json, round_dir
-from offline_rec.rounds.selection import choose_next_policy
 from offline_rec.training.config import TrainConfig, build_config
 
 DATA_DIR = "data"
@@ -121,9 +120,12 @@ def train_round(train_config: TrainConfig) -> dict:
     return train(train_config, training_hooks(train_config))
 
 
-def choose_policy(config: RoundsConfig, number: int, policy: dict, run_dir: Path, deployment: Deployment) -> dict:
-    """Stage 4: `policy` (step 0) and every checkpoint of `run_dir` decoded greedily on the validation prompts
-    (RUN/round-N/validation/step-S, each kept), the best one chosen (`choose_next_policy`) into choice.json."""
+def choose_policy(config: RoundsConfig, number: int, policy: dict, train_config: TrainConfig,
+                  deployment: Deployment) -> dict:
+    """Stage 4: `policy` (step 0) and every checkpoint of `train_config`'s run decoded greedily on the validation
+    prompts (RUN/round-N/validation/step-S, each kept), the best one chosen into choice.json by the rule the demo
+    and the experiments use (`eval.selection.choose_checkpoint`, best-validation: the later step on a tie)."""
+    from offline_rec.eval.selection import choose_checkpoint
     from offline_rec.models.versions import model_policy_version
     from offline_rec.training import checkpoint as ckpt
 
@@ -132,18 +134,18 @@ def choose_policy(config: RoundsConfig, number: int, policy: dict, run_dir: Path
     if chosen is not None:
         return chosen
     candidates = [{**policy, "step": 0}]
-    for step, path in ckpt.list_checkpoints(run_dir):
+    for step, path in ckpt.list_checkpoints(Path(train_config.out)):
         if not ckpt.has_model_weights(path) or (path / "adapter_config.json").is_file():
             raise DataError(f"{path} holds no full model weights to sample from (a sharded or LoRA checkpoint)")
         accuracy = validation_accuracy(config, str(path), folder / VALIDATION_DIR / ckpt.checkpoint_name(step),
                                        deployment)
         candidates.append({"model": str(path), "checkpoint": str(path), "policy_version": model_policy_version(path),
                            "step": step, "validation_greedy_accuracy": accuracy})
-    chosen = choose_next_policy(candidates)
+    choice = choose_checkpoint(candidates, "best-validation", candidates[-1]["model"], config.validation_prompts,
+                               train_config.save_every)
+    chosen = next(candidate for candidate in candidates if candidate["step"] == choice["step"])
     chosen = {**chosen, "candidates": {c["step"]: c["validation_greedy_accuracy"] for c in candidates},
-              "why": f"highest greedy accuracy on {config.validation_prompts} validation prompts among the round's "
-                     f"{len(candidates) - 1} checkpoints and the policy it started from (step 0); a tie goes to the "
-                     "later step; the test prompts played no part"}
+              "why": choice["why"]}
     atomic_write_json(folder / CHOICE_FILE, chosen)
     return chosen
 

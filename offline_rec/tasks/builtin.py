@@ -5,6 +5,8 @@ where ``fields`` are the prompt row's task fields (e.g. ``{"answer": "72"}``). B
 the flat registry `TASKS`:
 
 - ``arith``: synthetic "What is a+b? " prompts (a, b in 10..99) with a fixed train/test split.
+- ``add3`` .. ``add6``: the same question with d-digit a and b (the family's difficulty knob), and a third split,
+  ``ood``: the sums whose carry runs through every column, a step harder than any train or test prompt.
 - ``gsm8k``: grade-school word problems from a file (--prompts); reward = final number is right.
 - ``math``: competition problems from a file; reward = the final answer is right.
 
@@ -54,11 +56,10 @@ RewardFn = Callable[[str, str, dict], "float | None"]
 PromptSource = Callable[[int, int, str], "list[PromptItem]"]
 
 GENERIC = "generic"
-SPLITS = ("train", "test")
-"""The splits every task with built-in prompts has."""
-OOD_SPLIT = "ood"
-"""A held-out split one step beyond the training distribution, for the tasks that list it in `Task.splits`
-(`eval --split ood`; `rounds` evaluates it every round)."""
+TASK_SPLITS = ("train", "test")
+"""A built-in task's splits unless it says otherwise (`Task.splits`)."""
+SPLITS = (*TASK_SPLITS, "ood")
+"""Every split a built-in task may have: train, test (held out), ood (held out and a step harder: add3 .. add6)."""
 REWARD_TIMEOUT_S = 10.0
 
 
@@ -73,6 +74,8 @@ class Task:
     """``module:function`` of the reward, recorded in the dataset manifest."""
     prompts: PromptSource | None = None
     """Built-in prompts ``(n, seed, split) -> list[PromptItem]``; None when --prompts FILE is required."""
+    splits: tuple[str, ...] = TASK_SPLITS
+    """The splits of its built-in prompts."""
     prompt_column: str = "prompt"
     """The column of a prompts file that holds the prompt; the other columns are task fields."""
     instruction: str = ""
@@ -82,8 +85,6 @@ class Task:
     warm_up: Callable[[], object] | None = None
     """Run once, untimed, before scoring: imports that a timeout must not cut in half."""
     description: str = ""
-    splits: tuple[str, ...] = SPLITS
-    """The splits its built-in prompts come in (a source that has `OOD_SPLIT` lists it here)."""
 
 
 def function_name(fn: Callable) -> str:
@@ -104,8 +105,8 @@ def arith_split(a: int, b: int) -> str:
 @cache
 def arith_pairs(split: str) -> tuple[tuple[int, int], ...]:
     """All (a, b) with a, b in 10..99 in `split`, in (a, b) order. train has 6550 pairs, test 1550."""
-    if split not in SPLITS:
-        raise one_of("arith split", split, SPLITS)
+    if split not in TASK_SPLITS:
+        raise one_of("arith split", split, TASK_SPLITS)
     return tuple((a, b) for a in range(10, 100) for b in range(10, 100) if arith_split(a, b) == split)
 
 
@@ -380,6 +381,76 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 
 
 # ---------------------------------------------------------------------------------------------
+# add3 .. add6: the long-addition family, a task with headroom (issue 47)
+#
+# The knob is the number of digits d of both operands. Splits, fixed by the pair alone (no seed): "ood" holds the
+# sums whose carry runs through every column (d carries, e.g. 456+567=1023 for d = 3), a step harder than any
+# train or test prompt (at most d - 1 carries); of the others, a hash puts about 20% in "test", the rest in
+# "train". The pair space is too large to list (810,000 pairs for d = 3), so prompts are drawn from a seeded
+# generator and kept when they fall in the split. docs/paper.md, "A task with headroom", has the calibration.
+
+ADD_DIGITS = (3, 4, 5, 6)
+"""The family's levels: task add{d} for each d."""
+ADD_MAX_PROMPTS = 100_000
+"""Most prompts one call draws: below the smallest split (add3's ood, 131,175 pairs), so a draw always ends."""
+
+
+def column_carries(operands: Sequence[int]) -> int:
+    """How many columns of the written sum carry into the next (the top column's carry into a new digit included):
+    456+567 -> 3 (6+7, 5+6+1, 4+5+1 all carry), 123+456 -> 0."""
+    carries = carry = 0
+    for place in range(max(len(str(operand)) for operand in operands)):
+        carry = (sum(operand // 10 ** place % 10 for operand in operands) + carry) // 10
+        carries += carry > 0
+    return carries
+
+
+def add_split(a: int, b: int, digits: int) -> str:
+    """"ood" when every one of the `digits` columns of a+b carries, else "test" for about 20% of the pairs (a hash
+    of the pair, like `arith_split`), else "train"."""
+    if column_carries((a, b)) == digits:
+        return "ood"
+    return arith_split(a, b)
+
+
+def add_prompts(n: int, seed: int = 0, split: str = "train", digits: int = 3) -> list[PromptItem]:
+    """`n` distinct "What is a+b? " prompts with `digits`-digit a and b from `split`, the same ones for the same
+    seed: pairs drawn uniformly from a generator seeded with `seed`, kept when `add_split` says `split`."""
+    if split not in SPLITS:
+        raise one_of(f"add{digits} split", split, SPLITS)
+    if not 0 <= n <= ADD_MAX_PROMPTS:
+        raise UserError(f"add{digits}: asked for {n} prompts; one call draws at most {ADD_MAX_PROMPTS}")
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1), 10 ** digits - 1
+    chosen: dict[tuple[int, int], None] = {}  # insertion-ordered: the draw order
+    while len(chosen) < n:
+        pair = (rng.randint(low, high), rng.randint(low, high))
+        if pair not in chosen and add_split(*pair, digits) == split:
+            chosen[pair] = None
+    return [
+        PromptItem(prompt=f"What is {a}+{b}? ",
+                   fields={"a": a, "b": b, "answer": a + b, "carries": column_carries((a, b))},
+                   id=f"add{digits}-{split}-{a}+{b}")
+        for a, b in chosen
+    ]
+
+
+ADD_TASKS = {
+    f"add{digits}": Task(
+        name=f"add{digits}",
+        reward_fn=arith_answer_reward,
+        reward_name=function_name(arith_answer_reward),
+        prompts=functools.partial(add_prompts, digits=digits),
+        splits=SPLITS,
+        chat_instruction=ARITH_CHAT_INSTRUCTION,
+        description=f"synthetic 'What is a+b? ' with {digits}-digit a, b; split ood: every column carries; the "
+                    "answer the completion states is the sum",
+    )
+    for digits in ADD_DIGITS
+}
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 
 TASKS: dict[str, Task] = {
@@ -408,13 +479,8 @@ TASKS: dict[str, Task] = {
         warm_up=_math_verify,
         description="MATH-style {problem, answer | solution} file (--prompts); the stated answer must match",
     ),
+    **ADD_TASKS,
 }
-
-
-def task_splits(name: str) -> tuple[str, ...]:
-    """The splits of task `name`'s built-in prompts (SPLITS for a task that has none: its file is its split)."""
-    task = TASKS.get(name)
-    return task.splits if task is not None and task.prompts is not None else SPLITS
 
 
 def get_task(name: str, reward: str | None = None) -> Task:
@@ -511,6 +577,8 @@ def _task_prompts(task: Task, n: int | None, seed: int, split: str, prompts_file
             )
         if n is None:
             raise UserError(f"task {task.name!r}: say how many built-in prompts to use")
+        if split not in task.splits:
+            raise one_of(f"{task.name} split", split, task.splits)
         return task.prompts(n, seed, split)
     items = load_prompts(prompts_file, prompt_column or task.prompt_column)
     if n is not None:

@@ -1,4 +1,4 @@
-"""The parts of `offline-rec rounds` on their own: the choice of the next policy, the options and their checks, the
+"""The parts of `offline-rec rounds` on their own: the options and their checks, the
 run folder's saved options, which prompts each round asks, what a round's data can teach, the report of rounds."""
 
 from __future__ import annotations
@@ -12,19 +12,7 @@ from offline_rec.errors import UserError
 from offline_rec.rounds.config import RoundsConfig
 from offline_rec.rounds.prompt_plan import round_prompts, validation_prompts
 from offline_rec.rounds.run_folder import start_or_continue
-from offline_rec.rounds.selection import choose_next_policy
 from offline_rec.tasks.prompts import load_prompts
-
-
-def test_the_next_policy_is_the_best_on_validation_the_later_step_on_a_tie():
-    candidates = [{"step": 0, "validation_greedy_accuracy": 0.5}, {"step": 4, "validation_greedy_accuracy": 0.75},
-                  {"step": 8, "validation_greedy_accuracy": 0.75}, {"step": 12, "validation_greedy_accuracy": 0.25}]
-    assert choose_next_policy(candidates)["step"] == 8
-    assert choose_next_policy(candidates[:1] + candidates[3:])["step"] == 0  # training made it worse: keep the old
-    assert choose_next_policy([{"step": 0, "validation_greedy_accuracy": 0.5},
-                               {"step": 3, "validation_greedy_accuracy": 0.5}])["step"] == 3
-    with pytest.raises(ValueError):
-        choose_next_policy([])
 
 
 def config(tmp_path, **options) -> RoundsConfig:
@@ -171,17 +159,3 @@ def test_lora_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(UserError, match="rounds trains and deploys full weights: lora_r > 0 is not supported yet"):
         run_rounds(config(tmp_path, prompts_per_round=8, sets=["lora_r=8"]), say=lambda line: None)
     assert not (tmp_path / "run").exists()
-
-
-def test_the_ood_split_is_a_split_only_of_the_tasks_that_list_it(tmp_path, monkeypatch):
-    import dataclasses
-
-    from offline_rec.rollout.config import CollectConfig
-    from offline_rec.tasks import builtin
-
-    with pytest.raises(UserError, match="unknown split 'ood'"):
-        CollectConfig(model="m", task="arith", out=tmp_path / "d", split="ood")
-    monkeypatch.setitem(builtin.TASKS, "arith", dataclasses.replace(builtin.TASKS["arith"],
-                                                                    splits=(*builtin.SPLITS, builtin.OOD_SPLIT)))
-    assert CollectConfig(model="m", task="arith", out=tmp_path / "d", split="ood").split == "ood"
-    assert builtin.task_splits("gsm8k") == builtin.SPLITS  # a file is its own split
