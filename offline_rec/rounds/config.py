@@ -50,7 +50,7 @@ class RoundsConfig:
              "skipped).")
     algorithm: str | None = option(None, "--algorithm", help="Loss preset, over the recipe's.")
     sets: list[str] = option(
-        [], "--set", help="Train option over the recipe: key=value or algorithm.key=value (repeatable).")
+        [], "--set", help="Train option over the recipe: key=value, as `train --set` (repeatable).")
     logs: Path | None = option(
         None, "--logs",
         help="Take round r's data from DIR/round-r (import, record + import, another system) instead of collecting.")

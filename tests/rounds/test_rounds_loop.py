@@ -139,33 +139,24 @@ def test_a_replay_window_trains_on_the_last_w_rounds_each_row_with_its_own_behav
         assert line["staleness_max"] == max(s["staleness_max"] for s in steps)
 
 
-@pytest.fixture
-def arith_with_an_ood_split(monkeypatch):
-    """arith as a task family with an OOD split would list it (here: its test pairs again, for the plumbing)."""
-    import dataclasses
+def test_a_round_without_learning_signal_is_said_and_skipped(tmp_path):
+    """add3 (the shipped add3 policy, the task with an OOD split) under a reward that scores every answer 0: each
+    round is said and skipped, and every evaluation covers the OOD split too."""
+    from offline_rec.demo.behavior_policy import demo_policy_path
 
-    from offline_rec.tasks import builtin
-
-    def prompts(n, seed, split):
-        return builtin.arith_prompts(n, seed, "test" if split == "ood" else split)
-
-    task = dataclasses.replace(builtin.TASKS["arith"], prompts=prompts, splits=builtin.SPLITS)
-    monkeypatch.setitem(builtin.TASKS, "arith", task)
-
-
-def test_a_round_without_learning_signal_is_said_and_skipped(tmp_path, demo_policy, arith_with_an_ood_split):
-    said = []
-    options = tiny_options(demo_policy, tmp_path / "flat", rounds=2, reward="support.rounds_support:zero_reward")
+    said, policy = [], demo_policy_path("add3")
+    options = tiny_options(policy, tmp_path / "flat", task="add3", rounds=2,
+                           reward="support.rounds_support:zero_reward")
     summary = run_rounds(RoundsConfig(**options), say=said.append)
-    start = summary["rounds"][0]  # the task has an OOD split: every evaluation covers it too
+    start = summary["rounds"][0]
     assert start["ood_greedy_accuracy"] == 0.0 and start["ood_accuracy"] == 0.0 and "ood_pass@8" in start
     ood = json.loads((tmp_path / "flat" / "start" / "eval-ood" / "summary.json").read_text())
-    assert ood["prompts"] == "builtin:arith/ood" and ood["metrics"]["num_prompts"] == 8
+    assert ood["prompts"] == "builtin:add3/ood" and ood["metrics"]["num_prompts"] == 8
     for line in summary["rounds"][1:]:
         assert (line["trained"], line["train_steps"], line["data_reward_mean"], line["data_all_equal_share"]) == (
             False, 0, 0.0, 1.0)
         assert line["skipped"].startswith("no learning signal: all 8 groups alike")
-        assert line["policy"] == demo_policy and line["evaluated_in"] == 0 and line["eval_samples"] == 0
+        assert line["policy"] == policy and line["evaluated_in"] == 0 and line["eval_samples"] == 0
         assert not (tmp_path / "flat" / f"round-{line['round']}" / "run").exists()
     assert sum("skipped, the policy stays" in line for line in said) == 2
 

@@ -94,7 +94,7 @@ RUNNER = textwrap.dedent('''
         after(DatasetWriter, "commit", lambda self, *a, **k: Path(self.path).parent.name == "round-1")
     elif point == "train":
         import offline_rec.training.checkpoint as checkpoint
-        after(checkpoint, "save_checkpoint", lambda *a, **k: "round-1" in str(a[3]))
+        after(checkpoint, "save_checkpoint", lambda trainer, *a, **k: Path(trainer.config.out).parent.name == "round-1")
     elif point == "choose":
         import offline_rec.eval.rollouts as rollouts
         after(rollouts, "evaluate_greedy", lambda config, *a: config.out.parent.parent.name == "round-1")
