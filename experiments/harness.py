@@ -306,11 +306,11 @@ def summarize(results: list[dict], arms) -> list[dict]:
     return rows
 
 
-def cell(row: dict, key: str) -> str:
+def cell(row: dict, key: str, digits: int = 1) -> str:
     """A table cell: the mean, and its 95% interval where several seeds ran."""
     if row.get(key) is None:
         return ""
-    return f"{row[key]:.1f}" + (f" ± {row[key + '_ci']:.1f}" if row.get(key + "_ci") else "")
+    return f"{row[key]:.{digits}f}" + (f" ± {row[key + '_ci']:.{digits}f}" if row.get(key + "_ci") else "")
 
 
 # --------------------------------------------------------------------------------------------

@@ -146,9 +146,6 @@ def summarize(results: list[dict], arms) -> list[dict]:
 
 
 def markdown_table(rows: list[dict], scale: Scale) -> str:
-    def cell(row, key, digits=1):
-        return f"{row[key]:.{digits}f}" + (f" ± {row[key + '_ci']:.{digits}f}" if row[key + "_ci"] else "")
-
     lines = [f"{scale.rounds} rounds of {scale.prompts_per_round} fresh prompts x {scale.num_samples} samples "
              f"(collected samples equal for every arm); held-out: {scale.eval_prompts} test prompts, greedy and "
              f"{scale.eval_samples} samples at T=1; the policy of each round chosen on {scale.validation_prompts} "
@@ -156,8 +153,9 @@ def markdown_table(rows: list[dict], scale: Scale) -> str:
              "| arm | round | seeds | samples collected | test greedy | T=1 accuracy | pass@k | entropy (nats) | "
              "rows trained | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['round']} | {r['seeds']} | {r['collect_samples']} | {cell(r, 'greedy')} | "
-                     f"{cell(r, 't1')} | {r['pass_key']} {cell(r, 'pass')} | {cell(r, 'entropy', 3)} | "
+        cells = [harness.cell(r, "greedy"), harness.cell(r, "t1"), f"{r['pass_key']} {harness.cell(r, 'pass')}",
+                 harness.cell(r, "entropy", 3)]
+        lines.append(f"| {r['arm']} | {r['round']} | {r['seeds']} | {r['collect_samples']} | {' | '.join(cells)} | "
                      f"{r['train_rows']:.0f} | {r['train_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
