@@ -22,7 +22,7 @@ from support.readme_blocks import readme_bash_lines
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 HEADING = "The production loop:"
 PROMPTS = ["Name a colour.", "Say hello.", "Count to three.", "Name a fruit.", "Pick a number.", "Say yes or no."]
