@@ -306,11 +306,11 @@ def summarize(results: list[dict], arms) -> list[dict]:
     return rows
 
 
-def cell(row: dict, key: str) -> str:
+def cell(row: dict, key: str, digits: int = 1) -> str:
     """A table cell: the mean, and its 95% interval where several seeds ran."""
     if row.get(key) is None:
         return ""
-    return f"{row[key]:.1f}" + (f" ± {row[key + '_ci']:.1f}" if row.get(key + "_ci") else "")
+    return f"{row[key]:.{digits}f}" + (f" ± {row[key + '_ci']:.{digits}f}" if row.get(key + "_ci") else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,8 +320,8 @@ def cell(row: dict, key: str) -> str:
 def finished_runs(results_path: Path, scale: dict, varying: tuple[str, ...] = ("lrs",)) -> list[dict]:
     """The runs in `results_path` (JSON Lines, one per finished run) made at `scale`'s sizes: its `varying`
     fields (learning rates, seeds) may differ, since runs of other values at the same sizes share a table."""
-    def sizes(values: dict) -> dict:
-        return {k: v for k, v in values.items() if k not in varying}
+    def sizes(values: dict) -> dict:  # as a results line holds them: JSON (a tuple reads back as a list)
+        return {k: v for k, v in json.loads(json.dumps(values)).items() if k not in varying}
 
     done = read_results(results_path)
     return [r for r in done if sizes(r["scale"]) == sizes(scale)]

@@ -7,6 +7,7 @@ that each experiment's protocol runs end to end, chooses on validation only and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from support.datagen import make_rows, write_dataset
 from support.paths import REPO
 
-from experiments import harness, logged, mixture, paper, peers
+from experiments import harness, logged, mixture, paper, peers, rounds
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def test_an_experiment_runs_as_a_module_from_the_repository_root():
     assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper"])
+@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper", "rounds"])
 def test_every_experiment_parses_its_options(name, capsys):
     """Each experiment's `main` (what `python -m experiments.NAME` calls) parses its options; here, in this process."""
     import importlib
@@ -300,3 +301,32 @@ def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_po
     restart = paper.Scale(**{**paper.asdict(scale), "optimizer": "restart"})
     assert paper.read_results(tmp_path / "paper", restart) == []  # results of one choice never stand for the other
     assert len(paper.read_results(tmp_path / "paper", scale)) == 1
+
+
+@pytest.mark.slow
+def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path):
+    """experiments/rounds.py --quick (cut to one round here: the loop itself is tests/rounds/'s): rec-logged and
+    filtered-SFT on the same prompts and samples; the table's means are the runs' own lines; a rerun has nothing
+    left to do."""
+    import yaml
+
+    scale = dataclasses.replace(rounds.QUICK, rounds=1)
+    outcome = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], scale, log=lambda message: None)
+    lines = {arm: [json.loads(line) for line in (rounds.run_dir(tmp_path, arm, 0) / "rounds.jsonl").open()]
+             for arm in ("rec-logged", "filtered-sft")}
+    results = harness.read_results(tmp_path / rounds.RESULTS_FILE)
+    assert [(r["arm"], r["seed"]) for r in results] == [("rec-logged", 0), ("filtered-sft", 0)]
+    for arm, arm_lines in lines.items():
+        assert [line["collect_samples_total"] for line in arm_lines] == [0, 64]  # 16 prompts x 4
+        table_rows = [row for row in outcome["rows"] if row["arm"] == arm]
+        assert [row["greedy"] for row in table_rows] == [100 * line["greedy_accuracy"] for line in arm_lines]
+    prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-1" / "prompts.jsonl").read_text() for arm in lines]
+    assert prompts[0] == prompts[1]  # the same prompts for every arm
+    sft = yaml.safe_load((rounds.run_dir(tmp_path, "filtered-sft", 0) / "round-1" / "run" / "config.yaml").read_text())
+    assert (sft["algorithm"], sft["baseline"], sft["group_mean"], sft["lr"]) == ("reinforce", "constant", False, 1e-3)
+    assert (tmp_path / rounds.PLOT_FILE).stat().st_size > 0 and "| filtered-sft | 1 | 1 | 64 |" in outcome["table"]
+    watched = rounds.run_dir(tmp_path, "rec-logged", 0) / "rounds.jsonl"
+    before = watched.stat().st_mtime_ns
+    again = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], scale, log=lambda message: None)
+    assert watched.stat().st_mtime_ns == before and again["table"] == outcome["table"]  # nothing run again
+    assert len(harness.read_results(tmp_path / rounds.RESULTS_FILE)) == 2
