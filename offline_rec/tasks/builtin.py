@@ -374,6 +374,27 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 
 
 # ---------------------------------------------------------------------------------------------
+# sums: a real small instruct model's edge
+
+
+def sum_operands(fields: dict) -> list[int]:
+    """The operands of a sum prompt: its `operands` field, else its `a` and `b` (arith's fields)."""
+    return [int(x) for x in fields["operands"]] if "operands" in fields else [int(fields["a"]), int(fields["b"])]
+
+
+def stated_sum_reward(prompt: str, completion: str, fields: dict) -> float:
+    """1.0 iff the completion writes the sum and no other result: the sum is among its numbers and every
+    number it writes is the sum or an operand. "17 + 25 = 42." and "42" score 1; "42 or 43", "40, 41, 42",
+    "17 + 25 = 42, 42 + 1 = 43" and a bare "17 + 25" score 0. Numbers in words are not read. With operands
+    of at least 1 (as every built-in prompt has), the sum is never an operand, so echoing the question
+    cannot score."""
+    operands = sum_operands(fields)
+    total = int(fields["answer"]) if "answer" in fields else sum(operands)
+    numbers = parse_numbers(completion)
+    return 1.0 if total in numbers and all(n == total or n in operands for n in numbers) else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 
 TASKS: dict[str, Task] = {

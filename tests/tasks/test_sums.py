@@ -1,0 +1,67 @@
+"""The sums tasks calibrated to SmolLM2-135M-Instruct's edge: the reward on the model's own words (completions
+it sampled at T=1 through its chat template, kept verbatim), malformed answers, and answers that list several
+numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from offline_rec.tasks.builtin import stated_sum_reward, sum_operands
+
+
+@pytest.mark.parametrize(
+    "operands, completion, reward",
+    [
+        # right, in the model's own words
+        ((4, 5), "4 + 5 = 9", 1.0),
+        ((1, 4), "1 + 4 equals 5.", 1.0),
+        ((9, 4), "Let's calculate the sum of 9 + 4. \n\n9 + 4 = 13\n\nThe answer is 13.\n\n", 1.0),
+        ((12, 6), "12 added to 6 is 18.", 1.0),
+        ((5, 1), "5 plus 1 is 6.", 1.0),
+        ((2, 1), "The answer is 3", 1.0),
+        ((15, 1), "15+1 is not just any number, but 15 + 1, denoted as 16.", 1.0),
+        ((14, 4), 'The answer for the "Regular Numbers" is 18', 1.0),
+        ((8, 6), "This is about Roman numerals. In Roman numeral system, 8 + 6 equals 14, but we can easily add them "
+                 "just in Num", 1.0),
+        ((3, 4), "Here's an example solution:\n\n3 + 4 = 7 If you need another answer, you can multiply the number "
+                 "by 3.", 1.0),  # 3 is an operand: no other result is stated
+        ((4, 9), "4 + 9 = 13 \u2605 \U0001f376, that's the answer I get.", 1.0),
+        # wrong, in the model's own words
+        ((2, 5), "2 + 5 = 8.", 0.0),
+        ((9, 8), "The sum of 9 and 8 is 76.", 0.0),
+        ((16, 7), '"6 + 7 equals 13 in this scenario.', 0.0),  # 6 is not an operand
+        ((15, 12), "15 + 12 = 26, not 2+6. The result of 15 + 12 is actually 17", 0.0),
+        ((15, 13), "15 + 13 = 20\nbut that's already 15 + 11 = 16 is possible though 16", 0.0),
+        ((1, 8), "1 + 8 equals 9.\n\n1 + 9 represents a simple arithmetic operation involving subtraction", 1.0),
+        ((9, 1), "The sum of the first 9 numbers in a Numbequary is 9 + 9 = 18.", 0.0),
+        ((9, 9), "Ah, a number, dear! So, here is the answer: 9-9 \u2261 1. On the first 9 digits had a perfect", 0.0),
+        ((6, 4), "Unknown.", 0.0),
+        ((3, 9), "\u2b50Challimadensi. \u2b50\n\nThe sum of three and nine is approximately 37", 0.0),
+        # several numbers: a list or an alternative never scores, even with the sum among them
+        ((17, 25), "42 or 43", 0.0),
+        ((17, 25), "40, 41, 42", 0.0),
+        ((17, 25), "17 + 25 = 42, 42 + 1 = 43", 0.0),
+        ((17, 25), "1. 42", 0.0),  # a list marker is a number too
+        # malformed
+        ((17, 25), "", 0.0),
+        ((17, 25), "17 + 25", 0.0),  # the question echoed
+        ((17, 25), "forty-two", 0.0),  # words are not read
+        ((17, 25), "-42", 0.0),
+        ((17, 25), "42.5", 0.0),
+        ((17, 25), "17 + 25 = 42.0", 1.0),  # the same number
+        ((17, 25), "$42", 1.0),
+        ((17, 25), "17+25=42", 1.0),
+        ((17, 25), "4 2", 0.0),
+    ],
+)
+def test_stated_sum_reward_on_the_models_own_words(operands, completion, reward):
+    fields = {"operands": list(operands), "answer": sum(operands)}
+    assert stated_sum_reward("", completion, fields) == reward
+
+
+def test_three_operands_and_arith_fields():
+    assert stated_sum_reward("", "3 + 4 + 5 = 12", {"operands": [3, 4, 5], "answer": 12}) == 1.0
+    assert stated_sum_reward("", "3 + 4 = 7, 7 + 5 = 12", {"operands": [3, 4, 5], "answer": 12}) == 0.0  # 7
+    assert sum_operands({"a": 37, "b": 48, "answer": 85}) == [37, 48]
+    assert stated_sum_reward("", "37 + 48 = 85.", {"a": 37, "b": 48, "answer": 85}) == 1.0
+    assert stated_sum_reward("", "85", {"a": 37, "b": 48}) == 1.0  # no answer field: the operands' sum
