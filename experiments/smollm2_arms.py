@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "experiments" / "results" / "smollm2_arms.jsonl"
-TASK, OOD_TASK = "sums", "sums-ood"
+TASK, OOD_TASK = "sums9", "sums19"  # a, b in 1..9; one step harder: in 1..19, one of them two-digit
 FILTERED_SFT = ("--algorithm", "reinforce", "--set", "algorithm.baseline=constant", "--set",
                 "algorithm.baseline_value=0.0", "--set", "algorithm.group_mean=false", "--set", "batching=rows",
                 "--set", "skip_zero_advantage=true")
@@ -103,36 +103,34 @@ def collect_data(out: Path, scale: Scale, model: str, seed: int) -> dict:
         seconds = cli("collect", *sampling(scale, model, scale.k), "--task", TASK, "--num-prompts", scale.num_prompts,
                       "--split", "train", "--seed", seed, "--out", data, "-q", *resume, log=out / "collect.log")
         (out / "collect_seconds.txt").write_text(f"{seconds:.1f}\n")
-    task = get_task(TASK)
     trained = {group[0]["group_id"] for group in open_dataset(data).iter_groups(["group_id"])}
-    pool = get_prompts(task, n=_split_size(task, "train"), seed=seed + 1, split="train", chat=True)
-    validation = [item for item in pool if not any(gid.startswith(item.id) for gid in trained)]
+    pool = get_prompts(get_task(TASK), n=split_size(TASK, "train"), seed=seed + 1, split="train", chat=True)
+    validation = [item for item in pool if item.id not in trained]
     path = write_prompts(validation[:scale.validation_prompts], out / "validation-prompts.jsonl")
     rows = [row for group in open_dataset(data).iter_groups(["reward", "completion_ids"]) for row in group]
     return {"validation": str(path), "rows": len(rows), "positives": sum(row["reward"] > 0 for row in rows),
             "completion_tokens_mean": sum(len(row["completion_ids"]) for row in rows) / len(rows)}
 
 
-def _split_size(task, split: str) -> int:
-    from offline_rec.errors import UserError
+def split_size(task: str, split: str) -> int:
+    """The distinct prompts of a sums task's split: every pair in every wording."""
+    from offline_rec.tasks.builtin import SUM_WORDINGS, sum_pairs
 
-    try:
-        task.prompts(10**9, 0, split)
-    except UserError as error:  # "asked for N prompts but the S split has M distinct ones"
-        return int(str(error).rsplit(" has ", 1)[1].split()[0])
-    raise AssertionError("unreachable")
+    return len(sum_pairs(int(task.removeprefix("sums")), split)) * len(SUM_WORDINGS)
 
 
 def score(model: str, out: Path, scale: Scale, where: str, validation: str, seed: int) -> dict:
     """Greedy, T=1 accuracy and pass@k of `model` on the validation prompts, the test split or the OOD task."""
     eval_dir = out / f"eval-{where}"
     shutil.rmtree(eval_dir, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     if where == "validation":
         prompts = ["--task", TASK, "--prompts", validation]
         k = scale.validation_samples
     else:
-        prompts = ["--task", TASK if where == "test" else OOD_TASK, "--split", "test", "--num-prompts",
-                   scale.test_prompts]
+        task = TASK if where == "test" else OOD_TASK
+        prompts = ["--task", task, "--split", "test", "--num-prompts",
+                   min(scale.test_prompts, split_size(task, "test"))]
         k = scale.test_samples
     cli("eval", *sampling(scale, model, k), *prompts, "--seed", seed, "--out", eval_dir, "-q",
         log=out / f"eval-{where}.log")

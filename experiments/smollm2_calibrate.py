@@ -42,6 +42,9 @@ class Candidate:
     """Draw the operands in random order (a 2-digit operand first or second)."""
     story: bool = False
     """A word problem: the template also names a person and a kind of thing ({name}, {things}, {a}, {b})."""
+    task: str = ""
+    """A built-in task instead (its own prompts, wordings and reward), evaluated on `split`."""
+    split: str = "train"
 
 
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Leo", "Emma")
@@ -61,6 +64,9 @@ CANDIDATES: dict[str, Candidate] = {
                                     shuffle_operands=True),
     "story-one-digit": Candidate(((1, 9), (1, 9)), template=STORY, story=True),
     "story-teens": Candidate(((1, 19), (1, 19)), template=STORY, story=True),
+    "sums9": Candidate((), task="sums9"),  # the chosen task: the built-in one, 12 wordings
+    "sums9-test": Candidate((), task="sums9", split="test"),
+    "sums19-test": Candidate((), task="sums19", split="test"),  # its OOD split
 }
 
 
@@ -107,11 +113,13 @@ def measure(name: str, candidate: Candidate, args) -> dict:
 
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    prompts = out / "prompts.jsonl"
-    rows = candidate_prompts(candidate, args.num_prompts, args.seed)
-    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    command = [sys.executable, "-m", "offline_rec", "eval", "--model", args.model,
-               "--task", "offline_rec.tasks.builtin:stated_sum_reward", "--prompts", str(prompts),
+    if candidate.task:
+        prompts = ["--task", candidate.task, "--split", candidate.split, "--num-prompts", str(args.num_prompts)]
+    else:
+        rows = candidate_prompts(candidate, args.num_prompts, args.seed)
+        (out / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        prompts = ["--task", "offline_rec.tasks.builtin:stated_sum_reward", "--prompts", str(out / "prompts.jsonl")]
+    command = [sys.executable, "-m", "offline_rec", "eval", "--model", args.model, *prompts,
                "--num-samples", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
                "--temperature", "1.0", "--seed", str(args.seed), "--backend", args.backend,
                "--out", str(out / "eval"), "--overwrite", "--quiet", "--json"]
@@ -128,7 +136,7 @@ def measure(name: str, candidate: Candidate, args) -> dict:
         stated.append([row["reward"] for row in group])
         last_number.append([arith_answer_reward("", row["completion"], fields) for row in group])
     mean = sum(map(sum, stated)) / sum(map(len, stated))
-    return {"candidate": name, **asdict(candidate), "prompts": len(rows), "k": args.k,
+    return {"candidate": name, **asdict(candidate), "prompts": len(stated), "k": args.k,
             "max_new_tokens": args.max_new_tokens, "seed": args.seed, "backend": args.backend,
             "t1_accuracy": mean, "greedy_accuracy": summary.get("greedy_accuracy"),
             **{key: value for key, value in summary.items() if key.startswith("pass@")},
@@ -143,7 +151,9 @@ def measured(results: Path, name: str, args) -> bool:
     """Whether `results` holds this candidate at these sizes (read again before each: workers may share it)."""
     if not results.is_file():
         return False
-    prompts = min(args.num_prompts, len(candidate_prompts(CANDIDATES[name], 10**9, 0)))
+    candidate = CANDIDATES[name]
+    prompts = args.num_prompts if candidate.task else min(args.num_prompts,
+                                                          len(candidate_prompts(candidate, 10**9, 0)))
     return any((r["candidate"], r["model"], r["prompts"], r["k"]) == (name, args.model, prompts, args.k)
                for r in map(json.loads, results.open()))
 

@@ -5,6 +5,8 @@ where ``fields`` are the prompt row's task fields (e.g. ``{"answer": "72"}``). B
 the flat registry `TASKS`:
 
 - ``arith``: synthetic "What is a+b? " prompts (a, b in 10..99) with a fixed train/test split.
+- ``sums9``, ``sums19``: small sums (a, b in 1..9; in 1..19 with a two-digit one) in twelve wordings, the
+  edge of a small instruct model; reward = the completion states the sum and no other result.
 - ``gsm8k``: grade-school word problems from a file (--prompts); reward = final number is right.
 - ``math``: competition problems from a file; reward = the final answer is right.
 
@@ -374,7 +376,47 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 
 
 # ---------------------------------------------------------------------------------------------
-# sums: a real small instruct model's edge
+# sums9, sums19: small sums at a small instruct model's edge (SmolLM2-135M-Instruct; issue 47)
+#
+# The knob is the largest operand: sums9 asks a+b with a, b in 1..9; sums19, one step harder, a, b in 1..19 with
+# at least one of them two-digit. Each pair is asked in every one of SUM_WORDINGS, so that a split holds many
+# distinct prompts; a hash of the pair alone (`arith_split`) puts about 20% of the pairs in "test", and no wording
+# of a test pair is ever in "train". Operands start at 1, so the sum is never an operand (`stated_sum_reward`).
+# docs/paper.md, "A real model: SmolLM2-135M-Instruct", has the calibration.
+
+SUM_LARGEST = (9, 19)
+"""The family's levels: task sums{n} for each largest operand n."""
+SUM_WORDINGS = (
+    "What is {a}+{b}? ", "What is {a} + {b}? ", "What is {a} plus {b}? ", "What is the sum of {a} and {b}? ",
+    "What do you get when you add {a} and {b}? ", "Add {a} and {b}. ", "Add {b} to {a}. ", "Calculate {a} + {b}. ",
+    "Compute {a}+{b}. ", "How much is {a} plus {b}? ", "Find the sum of {a} and {b}. ", "{a} + {b} = ? ",
+)
+
+
+@cache
+def sum_pairs(largest: int, split: str) -> tuple[tuple[int, int], ...]:
+    """The (a, b) of task sums{largest} in `split`, in (a, b) order: a, b in 1..largest, and when largest > 9 at
+    least one of them > 9 (the pairs of the level below are not asked again). sums9: 63 train, 18 test pairs;
+    sums19: 235 train, 45 test."""
+    if split not in SPLITS:
+        raise one_of(f"sums{largest} split", split, SPLITS)
+    smallest_top = 1 if largest <= 9 else 10
+    return tuple((a, b) for a in range(1, largest + 1) for b in range(1, largest + 1)
+                 if max(a, b) >= smallest_top and arith_split(a, b) == split)
+
+
+def sum_prompts(n: int, seed: int = 0, split: str = "train", largest: int = 9) -> list[PromptItem]:
+    """`n` distinct prompts of task sums{largest} from `split` (every pair in every wording), the same ones for the
+    same seed."""
+    pool = [(a, b, wording) for a, b in sum_pairs(largest, split) for wording in range(len(SUM_WORDINGS))]
+    if not 0 <= n <= len(pool):
+        raise UserError(f"sums{largest}: asked for {n} prompts but the {split} split has {len(pool)} distinct ones")
+    return [
+        PromptItem(prompt=SUM_WORDINGS[wording].format(a=a, b=b),
+                   fields={"operands": [a, b], "answer": a + b, "wording": wording},
+                   id=f"sums{largest}-{split}-{a}+{b}-w{wording}")
+        for a, b, wording in random.Random(seed).sample(pool, n)
+    ]
 
 
 def sum_operands(fields: dict) -> list[int]:
@@ -423,6 +465,19 @@ TASKS: dict[str, Task] = {
         warm_up=_math_verify,
         description="MATH-style {problem, answer | solution} file (--prompts); the stated answer must match",
     ),
+    **{
+        f"sums{largest}": Task(
+            name=f"sums{largest}",
+            reward_fn=stated_sum_reward,
+            reward_name=function_name(stated_sum_reward),
+            prompts=functools.partial(sum_prompts, largest=largest),
+            chat_instruction=ARITH_CHAT_INSTRUCTION,
+            description=f"synthetic a+b in {len(SUM_WORDINGS)} wordings, a, b in 1..{largest}"
+                        + (" (one of them two-digit)" if largest > 9 else "")
+                        + "; the completion states the sum and no other result",
+        )
+        for largest in SUM_LARGEST
+    },
 }
 
 

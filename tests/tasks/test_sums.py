@@ -6,7 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from offline_rec.tasks.builtin import stated_sum_reward, sum_operands
+from offline_rec.errors import UserError
+from offline_rec.tasks.builtin import (
+    SUM_WORDINGS,
+    TASKS,
+    get_prompts,
+    get_task,
+    stated_sum_reward,
+    sum_operands,
+    sum_pairs,
+    sum_prompts,
+)
 
 
 @pytest.mark.parametrize(
@@ -65,3 +75,43 @@ def test_three_operands_and_arith_fields():
     assert sum_operands({"a": 37, "b": 48, "answer": 85}) == [37, 48]
     assert stated_sum_reward("", "37 + 48 = 85.", {"a": 37, "b": 48, "answer": 85}) == 1.0
     assert stated_sum_reward("", "85", {"a": 37, "b": 48}) == 1.0  # no answer field: the operands' sum
+
+
+@pytest.mark.parametrize("largest, train, test", [(9, 63, 18), (19, 235, 45)])
+def test_sum_splits_partition_the_pairs_by_pair(largest, train, test):
+    train_pairs, test_pairs = set(sum_pairs(largest, "train")), set(sum_pairs(largest, "test"))
+    assert (len(train_pairs), len(test_pairs)) == (train, test) and not train_pairs & test_pairs
+    everything = {(a, b) for a in range(1, largest + 1) for b in range(1, largest + 1)}
+    if largest == 19:  # the level below is not asked again: one operand has two digits
+        everything -= set(sum_pairs(9, "train")) | set(sum_pairs(9, "test"))
+        assert all(max(pair) >= 10 for pair in everything)
+    assert train_pairs | test_pairs == everything
+    # every wording of a test pair is held out: a split's prompts are all its pairs in all wordings
+    items = sum_prompts(test * len(SUM_WORDINGS), seed=0, split="test", largest=largest)
+    assert {tuple(item.fields["operands"]) for item in items} == test_pairs
+    assert len({item.prompt for item in items}) == test * len(SUM_WORDINGS)
+
+
+def test_sum_prompts_are_seeded_distinct_and_scored_by_their_reward():
+    first = sum_prompts(100, seed=3)
+    assert first == sum_prompts(100, seed=3) and first != sum_prompts(100, seed=4)
+    assert len({item.id for item in first}) == 100
+    for item in first:
+        a, b = item.fields["operands"]
+        assert item.fields["answer"] == a + b and 1 <= min(a, b) and max(a, b) <= 9
+        assert item.prompt == SUM_WORDINGS[item.fields["wording"]].format(a=a, b=b)
+        assert item.id == f"sums9-train-{a}+{b}-w{item.fields['wording']}"
+        assert stated_sum_reward(item.prompt, f"{a} + {b} = {a + b}.", item.fields) == 1.0
+        assert stated_sum_reward(item.prompt, f"{a} + {b} = {a + b + 1}.", item.fields) == 0.0
+    with pytest.raises(UserError, match="sums9: asked for 757 prompts but the train split has 756 distinct ones"):
+        sum_prompts(757)
+
+
+def test_sum_tasks_are_registered_and_ask_a_chat_model_for_a_number():
+    assert TASKS["sums9"].reward_fn is stated_sum_reward and TASKS["sums19"].reward_fn is stated_sum_reward
+    chat = get_prompts(get_task("sums19"), n=2, seed=0, split="test", chat=True)
+    for item in chat:
+        a, b = item.fields["operands"]
+        assert max(a, b) >= 10
+        question = SUM_WORDINGS[item.fields["wording"]].format(a=a, b=b).rstrip()
+        assert item.prompt == [{"role": "user", "content": f"{question} Give the sum as a number."}]
