@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
-import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -66,24 +64,12 @@ QUICK = Scale(num_prompts=8, k=4, max_new_tokens=8, validation_prompts=4, valida
               test_samples=4, backend="hf", rows_per_step={"rft": 4, "rec-logged": 8})
 
 
-def cli(*argv, log: Path) -> float:
-    """Run `offline-rec ARGV` in a child process (vLLM once per process), its output into `log`; seconds."""
-    started = time.monotonic()
-    with open(log, "a") as out:
-        subprocess.run([sys.executable, "-m", "offline_rec", *map(str, argv)], check=True, cwd=ROOT, stdout=out,
-                       stderr=subprocess.STDOUT)
-    return time.monotonic() - started
+def cli(*argv, log: Path) -> tuple[float, int]:
+    """Run `offline-rec ARGV` in a child process (vLLM once per process), its output into `log`: its seconds and
+    peak resident memory in MiB."""
+    from experiments.smollm2_cost import timed_cli
 
-
-def peak_rss_cli(*argv, log: Path) -> tuple[float, int]:
-    """`cli`, and the child's peak resident memory in MiB (its own and its children's)."""
-    wrapper = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
-               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-    started = time.monotonic()
-    with open(log, "a") as out:
-        done = subprocess.run([sys.executable, "-c", wrapper, sys.executable, "-m", "offline_rec", *map(str, argv)],
-                              check=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True)
-    return time.monotonic() - started, int(done.stdout.strip().splitlines()[-1]) // 1024
+    return timed_cli(list(argv), log)
 
 
 def sampling(scale: Scale, model: str, k: int) -> list[str]:
@@ -100,8 +86,9 @@ def collect_data(out: Path, scale: Scale, model: str, seed: int) -> dict:
     data = out / "data"
     if not (data / "manifest.json").is_file() or not json.loads((data / "manifest.json").read_text())["complete"]:
         resume = ["--resume"] if data.exists() else []
-        seconds = cli("collect", *sampling(scale, model, scale.k), "--task", TASK, "--num-prompts", scale.num_prompts,
-                      "--split", "train", "--seed", seed, "--out", data, "-q", *resume, log=out / "collect.log")
+        seconds, _ = cli("collect", *sampling(scale, model, scale.k), "--task", TASK, "--num-prompts",
+                         scale.num_prompts, "--split", "train", "--seed", seed, "--out", data, "-q", *resume,
+                         log=out / "collect.log")
         (out / "collect_seconds.txt").write_text(f"{seconds:.1f}\n")
     trained = {group[0]["group_id"] for group in open_dataset(data).iter_groups(["group_id"])}
     pool = get_prompts(get_task(TASK), n=split_size(TASK, "train"), seed=seed + 1, split="train", chat=True)
@@ -144,7 +131,7 @@ def train_run(arm: str, lr: float, seed: int, out: Path, data: Path, model: str,
     shutil.rmtree(run, ignore_errors=True)
     run.parent.mkdir(parents=True, exist_ok=True)
     rows = scale.rows_per_step.get(arm.removesuffix("-lora"))
-    seconds, peak_mib = peak_rss_cli("train", "--data", data, "--model", model, *ARMS[arm], *COMMON_TRAIN,
+    seconds, peak_mib = cli("train", "--data", data, "--model", model, *ARMS[arm], *COMMON_TRAIN,
                                      "--lr", lr, "--seed", seed, "--out", run,
                                      *(["--set", f"rows_per_step={rows}"] if rows else []),
                                      log=run.with_name(run.name + ".log"))

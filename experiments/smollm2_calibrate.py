@@ -9,7 +9,7 @@ other result) and, for comparison, with arith's own reward (the last number). On
 
     python experiments/smollm2_calibrate.py --out runs/smol-cal                 # every candidate, 128 x 8
     python experiments/smollm2_calibrate.py --out runs/smol-cal --candidates one-digit,teens
-    python experiments/smollm2_calibrate.py --quick --model TINY --out DIR      # seconds: 4 prompts x 2
+    python experiments/smollm2_calibrate.py --quick --model TINY --out DIR      # seconds: 4 prompts x 4
 """
 
 from __future__ import annotations
@@ -101,10 +101,11 @@ def candidate_prompts(candidate: Candidate, n: int, seed: int) -> list[dict]:
     return rows
 
 
-def spread(groups: list[list[float]], k: int) -> float:
-    """The share of prompts whose first `k` samples all score the same (no learning signal in that group)."""
+def spread(groups: list[list[float]], k: int) -> float | None:
+    """The share of prompts whose first `k` samples all score the same (no learning signal in that group); None
+    when no prompt has k samples."""
     firsts = [g[:k] for g in groups if len(g) >= k]
-    return sum(len(set(g)) == 1 for g in firsts) / len(firsts)
+    return sum(len(set(g)) == 1 for g in firsts) / len(firsts) if firsts else None
 
 
 def measure(name: str, candidate: Candidate, args) -> dict:
@@ -181,10 +182,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="vllm")
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="4 prompts x 2 samples, 8 tokens, hf")
+    parser.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 8 tokens, hf")
     args = parser.parse_args(argv)
     if args.quick:
-        args.num_prompts, args.k, args.max_new_tokens, args.backend = 4, 2, 8, "hf"
+        args.num_prompts, args.k, args.max_new_tokens, args.backend = 4, 4, 8, "hf"
     if args.model is None:
         import importlib.util
 

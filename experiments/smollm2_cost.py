@@ -25,15 +25,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "smollm2_cost.jsonl"
-# One process's peak RSS: the wrapper's only child is the command.
-PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+# One process's peak RSS: the wrapper's only child is the command (its output goes to the wrapper's stderr, the log).
+PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=sys.stderr); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 TRAIN_KINDS = {"full": (), "lora-r8": ("--set", "lora_r=8"), "lora-r16": ("--set", "lora_r=16")}
 BACKENDS = ("vllm", "hf")
 
 
 def timed_cli(argv: list, log: Path) -> tuple[float, int]:
-    """Run `offline-rec ARGV` in a child process; its wall seconds and peak RSS in MiB."""
+    """Run `offline-rec ARGV` in a child process, its output appended to `log`; its wall seconds and peak RSS in
+    MiB."""
     started = time.monotonic()
     with open(log, "a") as out:
         done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "offline_rec", *map(str, argv)],
