@@ -148,6 +148,32 @@ def measure(name: str, candidate: Candidate, args) -> dict:
             "eval_seconds": round(seconds, 1), "model": args.model}
 
 
+def describe(line: dict) -> str:
+    """A candidate's prompts in words, for the table."""
+    if line.get("task"):
+        return f"built-in `{line['task']}`, {line['split']} split (12 wordings)"
+    ranges = " + ".join(f"{lo}..{hi}" for lo, hi in line["ranges"])
+    expression = "+".join("abc"[:len(line["ranges"])])
+    wording = "word problem" if line.get("story") else line["template"].replace("{expr}", expression)
+    return f"{ranges}{', no carry' if line['no_carry'] else ''}: \"{wording}\""
+
+
+def markdown_table(results: list[dict]) -> str:
+    """The calibration table: one row per candidate, in the order measured."""
+    def pct(value):
+        return "" if value is None else f"{100 * value:.1f}"
+
+    rows = ["| candidate | prompts | prompts x K | T=1 accuracy | greedy | pass@8 | all-equal K=4 | all-equal K=8 "
+            "| T=1, last-number reward | tokens | truncated |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        rows.append(f"| {r['candidate']} | {describe(r)} | {r['prompts']} x {r['k']} | {pct(r['t1_accuracy'])} | "
+                    f"{pct(r['greedy_accuracy'])} | {pct(r.get('pass@8'))} | {pct(r['all_equal_k4'])} | "
+                    f"{pct(r['all_equal_k8'])} | {pct(r['t1_accuracy_last_number'])} | {r['length_mean']:.1f} | "
+                    f"{pct(r['truncation_rate'])} |")
+    return "\n".join(rows)
+
+
 def measured(results: Path, name: str, args) -> bool:
     """Whether `results` holds this candidate at these sizes (read again before each: workers may share it)."""
     if not results.is_file():
@@ -183,7 +209,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--backend", default="vllm")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 8 tokens, hf")
+    parser.add_argument("--table", action="store_true", help="print the markdown table of --results and stop")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table([json.loads(line) for line in args.results.open()]))
+        return []
     if args.quick:
         args.num_prompts, args.k, args.max_new_tokens, args.backend = 4, 4, 8, "hf"
     if args.model is None:
