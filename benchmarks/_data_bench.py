@@ -1,7 +1,8 @@
 """Data-side benchmarks: padding of the trainer's micro-batches, its shard reader against raw pyarrow, validate/inspect.
 
 padding_efficiency. Over one epoch of a dataset with prompts of 10-100 and completions of
-10-500 tokens (uniform), the trainer plans every step (`step_plan.plan_step`: seeded group
+10-500 tokens (uniform), the trainer plans every step (`micro_batching.plan_step` of the step source's rows:
+seeded group
 order, `prompts_per_step` whole groups, one process) at its default token budget and collates
 every micro-batch; real prompt + completion tokens / the size of the input_ids tensors, summed
 over the epoch. Three layouts: padding-free in packed rows no longer than the longest sequence
@@ -67,22 +68,20 @@ LAYOUTS = {  # key suffix: plan_step's (padding_free, one_row)
 def padding_efficiency(data: str, prompts_per_step: int = TRAINER_PROMPTS_PER_STEP,
                        micro_batch_tokens: int = TRAINER_MICRO_BATCH_TOKENS, seed: int = 0) -> dict:
     """Real tokens / input_ids sizes over one epoch of the trainer's collated micro-batches, per layout."""
-    import torch
-
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
-    from offline_rec.training import group_index, scheduling, step_plan
+    from offline_rec.loss.presets import PRESETS
+    from offline_rec.training import group_index, scheduling
+    from offline_rec.training.micro_batching import Packing, plan_step
+    from offline_rec.training.step_source import Advantages, GroupSteps
 
     index = group_index.index_datasets([open_dataset(data)], TRAINER_MAX_LENGTH, truncate=False)
     schedule = scheduling.Schedule.of(index, 0.0, prompts_per_step, 1, None, seed, True)
-    spec = get_algorithm("rec-oneside-nois")
+    source = GroupSteps(index, schedule, Advantages(PRESETS["rec-oneside-nois"].objective))
     result = {}
     for suffix, (padding_free, one_row) in LAYOUTS.items():
         real = run = micro_batches = 0
         for step in range(schedule.total_steps):
-            drops = torch.Generator().manual_seed(scheduling.epoch_seed(seed, -1 - step))
-            plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, micro_batch_tokens,
-                                      padding_free, one_row)
+            plan = plan_step(index, source.step(step), Packing(0, 1, micro_batch_tokens, padding_free, one_row))
             real += sum(row.length for row in plan.rows_here)
             run += sum(plan.collate(i, 0)["input_ids"].numel() for i in range(len(plan.micro_batches)))
             micro_batches += len(plan.micro_batches)

@@ -31,10 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import write_synthetic_dataset  # noqa: E402
-from benchmarks._gpu_bench import PEAK_TFLOPS, SIZES, build_model  # noqa: E402
+from benchmarks._common import write_synthetic_dataset
+from benchmarks._gpu_bench import PEAK_TFLOPS, SIZES, build_model
 
 REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("ddp", "fsdp2", "zero2", "zero3")

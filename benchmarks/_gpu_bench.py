@@ -48,9 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._common import random_words, run_child, write_synthetic_dataset  # noqa: E402
+from benchmarks._common import random_words, run_child, write_synthetic_dataset
 
 PEAK_TFLOPS = 989.0  # dense bf16, H100/H200 SXM
 SIZES = {

@@ -18,12 +18,12 @@ baseline's) / the baseline's step seconds, i.e. the step ratio minus 1 that the 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
 from benchmarks._common import median, set_threads
 from benchmarks._train_bench import ALGORITHM, step_batches, time_bare, trainer_config
+from offline_rec.loss.presets import PRESETS as PRESETS_BY_NAME
 
 LOSS_ROUNDS = 20
 
@@ -42,7 +42,8 @@ def objectives_child(model: str, data: str, workdir: str, prompts_per_step: int,
         for name in PRESETS if repeat % 2 == 0 else reversed(PRESETS):
             pair = {}
             for algorithm in (ALGORITHM, name):
-                timed = time_bare(dataclasses.replace(config, algorithm=algorithm), batches, warmup, chunked=True)
+                objective = PRESETS_BY_NAME[algorithm].objective
+                timed = time_bare(config, batches, warmup, chunked=True, objective=objective)
                 pair[algorithm] = sum(s["seconds"] for s in timed)
             ratios[name].append(pair[name] / pair[ALGORITHM])
     base_step = median(sum(s["seconds"] for s in time_bare(config, batches, warmup, chunked=True)) / steps
@@ -61,9 +62,9 @@ def time_losses(steps: list[dict], names) -> dict[str, float]:
     """Median seconds per step of `policy_loss` forward + backward alone, per preset (rounds interleaved)."""
     import torch
 
-    from offline_rec.algorithms import get_algorithm, policy_loss
+    from offline_rec.loss.policy_loss import TokenBatch, policy_loss
 
-    specs = {name: get_algorithm(name) for name in names}
+    specs = {name: PRESETS_BY_NAME[name].objective for name in names}
     inputs = []
     for step in steps:
         for batch in step["batches"]:
@@ -74,8 +75,8 @@ def time_losses(steps: list[dict], names) -> dict[str, float]:
         for name, spec in specs.items():
             started = time.perf_counter()
             for logprobs, batch, step in inputs:
-                loss, _ = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"],
-                                      batch["loss_mask"], num_tokens=max(step["num_tokens"], 1),
+                tokens = TokenBatch(logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"])
+                loss, _ = policy_loss(spec, tokens, num_tokens=max(step["num_tokens"], 1),
                                       num_sequences=max(step["num_sequences"], 1))
                 loss.backward()
             seconds[name].append((time.perf_counter() - started) / len(steps))

@@ -3,10 +3,10 @@
 Each measurement runs `startup` in a fresh process (`run_child`): what `train` does with the data
 before its first step and then for `steps` steps, without the model: open the dataset (manifest),
 `group_index.index_datasets(validate=True)` (validate and build the row store, or reuse it),
-`scheduling.Schedule.of` (holdout split, shuffle), and per step `step_plan.plan_step` (advantages,
-the rank's rows read from the store, micro-batches) plus `micro_batching.collate`. Its data start-up
-seconds are timed inside the process (the interpreter and torch imports are the same for every
-start and are reported apart, as the process's wall seconds).
+`scheduling.Schedule.of` (holdout split, shuffle), and per step `micro_batching.plan_step` of a
+`step_source.GroupSteps` step (advantages, the rank's rows read from the store, micro-batches) plus
+`micro_batching.collate`. Its data start-up seconds are timed inside the process (the interpreter and torch
+imports are the same for every start and are reported apart, as the process's wall seconds).
 
 startup_resume_vs_first: data start-up of a second process on the same data (the store exists:
 nothing is validated or built) / that of the first (validate + build), on the big dataset.
@@ -37,11 +37,11 @@ def _resident_anonymous_mb() -> float:
 def startup(data: str, cache: str, steps: int = STEPS) -> dict:
     """In a fresh process: the trainer's data start-up (timed), then `steps` steps of its data path."""
     started = time.perf_counter()
-    import torch
-
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
-    from offline_rec.training import group_index, scheduling, step_plan
+    from offline_rec.loss.presets import PRESETS
+    from offline_rec.training import group_index, scheduling
+    from offline_rec.training.micro_batching import Packing, plan_step
+    from offline_rec.training.step_source import Advantages, GroupSteps
 
     imports = time.perf_counter() - started
     notes: list[str] = []
@@ -51,12 +51,11 @@ def startup(data: str, cache: str, steps: int = STEPS) -> dict:
     schedule = scheduling.Schedule.of(index, 0.0, PROMPTS_PER_STEP, 1, None, 0, True)
     startup_seconds = time.perf_counter() - started
     anonymous = [_resident_anonymous_mb()]
-    spec = get_algorithm("rec-oneside-nois")
+    source = GroupSteps(index, schedule, Advantages(PRESETS["rec-oneside-nois"].objective))
     started = time.perf_counter()
     rows = 0
     for step in range(steps):
-        drops = torch.Generator().manual_seed(scheduling.epoch_seed(0, -1 - step))
-        plan = step_plan.plan_step(index, schedule.groups_of(step), spec, drops, 0, 1, MICRO_BATCH_TOKENS)
+        plan = plan_step(index, source.step(step), Packing(0, 1, MICRO_BATCH_TOKENS))
         for micro in range(len(plan.micro_batches)):
             plan.collate(micro, 0)
         rows += len(plan.rows_here)

@@ -12,7 +12,7 @@ turn:
            checkpoint.
   bare     the same model freshly loaded, the same micro-batch tensors (built beforehand with the
            trainer's own batching functions, for the same steps), the same loss
-           (`offline_rec.algorithms.policy_loss`) and AdamW settings; per micro-batch only
+           (`offline_rec.loss.policy_loss.policy_loss`) and AdamW settings; per micro-batch only
            forward + loss + backward, then AdamW. Log-probs the obvious way: the model's full
            logits [B, L-1, V], float32 log_softmax, gather.
   bare_chunked  the same bare loop with the trainer's log-prob path (`token_logprobs_from_model`,
@@ -80,39 +80,38 @@ def time_trainer(config) -> list[dict]:
 
 def step_batches(config, num_steps: int) -> list[dict]:
     """The micro-batch tensors of the trainer's first `num_steps` steps (one process), built by its own functions."""
-    import torch
-
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
     from offline_rec.models.loading import load_tokenizer
-    from offline_rec.training import group_index, scheduling, step_plan
+    from offline_rec.training import group_index, scheduling
+    from offline_rec.training.micro_batching import Packing, plan_step
+    from offline_rec.training.step_source import Advantages, GroupSteps
 
-    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
     datasets = [open_dataset(path) for path in config.data]
     pad_id = load_tokenizer(config.model).pad_token_id
     index = group_index.index_datasets(datasets, config.max_length, config.truncate)
     schedule = scheduling.Schedule.of(index, config.holdout, config.prompts_per_step, config.epochs, None, config.seed,
                                     config.shuffle)
+    source = GroupSteps(index, schedule, Advantages(config.objective))
+    packing = Packing(0, 1, config.micro_batch_tokens)
     steps = []
     for step in range(num_steps):
-        generator = torch.Generator().manual_seed(scheduling.epoch_seed(config.seed, -1 - step))
-        plan = step_plan.plan_step(index, schedule.groups_of(step), spec, generator, 0, 1, config.micro_batch_tokens)
+        plan = plan_step(index, source.step(step), packing)
         batches = [plan.collate(i, pad_id) for i in range(len(plan.micro_batches))]
         steps.append({"batches": batches, "num_tokens": plan.trainable_tokens, "num_sequences": len(plan.rows_here),
                       "tokens": sum(r.length for r in plan.rows_here)})
     return steps
 
 
-def time_bare(config, steps: list[dict], warmup: int, chunked: bool) -> list[dict]:
+def time_bare(config, steps: list[dict], warmup: int, chunked: bool, objective=None) -> list[dict]:
     """Forward + loss + backward per micro-batch, then AdamW, on precomputed tensors; per timed step: seconds,
-    tokens."""
+    tokens. `objective`: the loss's (default: config's)."""
     import torch
 
-    from offline_rec.algorithms import get_algorithm, policy_loss
+    from offline_rec.loss.policy_loss import TokenBatch, policy_loss
     from offline_rec.models.loading import load_model
     from offline_rec.models.logprobs import naive_token_logprobs, token_logprobs_from_model
 
-    spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
+    spec = objective or config.objective
     model = load_model(config.model, dtype=config.model_dtype)
     model.config.use_cache = False
     model.train()
@@ -129,8 +128,9 @@ def time_bare(config, steps: list[dict], warmup: int, chunked: bool) -> list[dic
             else:
                 logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
                 logprobs = naive_token_logprobs(logits, batch["input_ids"][:, 1:])  # [B, L-1]
-            loss, _ = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"],
-                                  num_tokens=max(step["num_tokens"], 1), num_sequences=max(step["num_sequences"], 1))
+            tokens = TokenBatch(logprobs, batch["behavior_logprobs"], batch["advantages"], batch["loss_mask"])
+            loss, _ = policy_loss(spec, tokens, num_tokens=max(step["num_tokens"], 1),
+                                  num_sequences=max(step["num_sequences"], 1))
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,7 +1,7 @@
 """FSDP2 gradient reduction per micro-batch vs once per step (`no_sync`): step time and gradient memory.
 
 Run under the FSDP2 config (CPU processes over gloo, or GPUs):
-    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 benchmarks/fsdp_grad_sync.py
+    accelerate launch --config_file configs/accelerate/fsdp2.yaml --num_processes 2 -m benchmarks.fsdp_grad_sync
         [--hidden 256 --layers 4 --vocab 4000 --micro-batches 4 --tokens 512 --steps 3]
 
 A Llama of the given size, wrapped by accelerate exactly as the trainer wraps its PolicyScorer,
@@ -26,9 +26,6 @@ import contextlib
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def held_gradient_bytes(model) -> int:

@@ -31,5 +31,5 @@ if [[ " $* " == *" --only "* ]]; then exit 0; fi
 N=${GPUS:-$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")}
 if [[ " $* " != *" --dry-run "* ]] && (( N >= 2 )); then
   "$PYTHON" -m accelerate.commands.launch --config_file configs/accelerate/fsdp2.yaml --num_processes "$N" \
-    benchmarks/fsdp_grad_sync.py --hidden 2048 --layers 8 --vocab 32000 --micro-batches 8 --tokens 16384 --steps 5
+    -m benchmarks.fsdp_grad_sync --hidden 2048 --layers 8 --vocab 32000 --micro-batches 8 --tokens 16384 --steps 5
 fi

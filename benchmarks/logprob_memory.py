@@ -64,10 +64,10 @@ def run(quick: bool) -> dict:
 
 
 def _measure_in_fresh_process(path: str, sizes: dict) -> dict:
-    """Run this file as a child measuring one path; return the JSON it prints last."""
+    """Run this module as a child measuring one path; return the JSON it prints last."""
     python_path = os.pathsep.join(filter(None, [str(_REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=python_path, MALLOC_MMAP_THRESHOLD_=str(_MMAP_THRESHOLD_BYTES))
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", path, "--sizes", json.dumps(sizes)]
+    command = [sys.executable, "-m", "benchmarks.logprob_memory", "--child", path, "--sizes", json.dumps(sizes)]
     completed = subprocess.run(command, cwd=_REPO_ROOT, env=env, capture_output=True, text=True)
     if completed.returncode != 0:
         raise RuntimeError(f"{path} child failed (exit {completed.returncode}):\n{completed.stderr}")
@@ -162,8 +162,7 @@ def _print_report(result: dict) -> None:
     print(f"{'path':<10}{'peak MB':>12}{'vs naive':>10}")
     print(f"{'naive':<10}{result['naive_peak_mb']:>12.1f}{1.0:>10.3f}")
     print(f"{'chunked':<10}{result['chunked_peak_mb']:>12.1f}{result['logprob_peak_memory_ratio']:>10.3f}")
-    keys = ("logprob_peak_memory_ratio", "naive_peak_mb", "chunked_peak_mb")
-    print(json.dumps({key: result[key] for key in keys}))
+    print(json.dumps(result))
 
 
 def main() -> None:

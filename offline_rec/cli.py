@@ -10,23 +10,24 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
 from offline_rec import __version__
 from offline_rec.dataset.config import DatasetToDataset, FilterConfig, InspectConfig, MergeConfig, ValidateConfig
-from offline_rec.demo.pipeline import DemoOptions
+from offline_rec.demo.config import DemoOptions
 from offline_rec.errors import UserError, disk_full
 from offline_rec.eval.config import EvalConfig, ReportConfig
 from offline_rec.hub.config import PullConfig, PushConfig
 from offline_rec.importers.config import ImportConfig
-from offline_rec.options import Output, command, overrides, shared
+from offline_rec.options import Output, app_options, command, option, overrides, shared
 from offline_rec.preemption import Preempted
 from offline_rec.record.settings import ProxyOptions, RecordConfig
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
 from offline_rec.rollout.config import CollectConfig
-from offline_rec.training.config import CacheClearConfig, RowCacheConfig, TrainConfig
+from offline_rec.training.config import CacheClearConfig, RowCacheConfig, TrainConfig, TrainLayers
 from offline_rec.view.config import ViewConfig
 
 app = typer.Typer(
@@ -40,8 +41,8 @@ app = typer.Typer(
 
 
 # Every option of every command is a field of the command's config dataclass (offline_rec/options.py says how);
-# --quiet and --json are the fields of options.Output. Only the root's --version and train's --config, --set and
-# --list-options are declared here.
+# --quiet and --json are the fields of options.Output, --version a field of ProgramOptions: no option is declared
+# here by hand.
 
 
 def _echo(lines: list[str]) -> None:
@@ -55,12 +56,15 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
+@dataclass(frozen=True)
+class ProgramOptions:
+    """The options of `offline-rec` itself, given before a command."""
+
+    version: bool = option(False, "--version", help="Print the version and exit.", eager=_version)
+
+
+@app_options(app, options=ProgramOptions)
+def _root(options: ProgramOptions) -> None:
     """Offline RL for LLMs from logged trajectories."""
 
 
@@ -185,37 +189,29 @@ def reward_(paths: DatasetToDataset, config: RewardConfig, judge: JudgeOptions, 
 # train  (owned by the training loop: offline_rec/training/loop.py, config.py)
 
 
-def _list_train_options(value: bool) -> None:
-    if value:
-        from offline_rec.training.config import option_help
+def _list_train_options() -> None:
+    from offline_rec.training.config import option_groups
 
-        for key, kind, default, help_text in option_help():
+    for title, rows in option_groups():
+        typer.echo(f"# {title}")
+        for key, kind, default, help_text in rows:
             typer.echo(f"{key:<24} {kind:<12} {default!r:<16} {help_text}")
-        raise typer.Exit()
 
 
 # The named flags override the YAML file and are overridden by --set (offline_rec/training/config.py).
-@command(app, options=overrides(TrainConfig),
-         order=("data", "model", "algorithm", "out", "config_file", "set_", "resume", "init_from", "epochs",
+@command(app, options=overrides(TrainConfig), layers=TrainLayers,
+         order=("data", "model", "algorithm", "out", "config_file", "sets", "resume", "init_from", "epochs",
                 "max_steps", "prompts_per_step", "micro_batch_tokens", "lr", "seed", "holdout"))
-def train(
-    options: dict,
-    config_file: Path | None = typer.Option(None, "--config", help="YAML file of options (see --list-options)."),
-    set_: list[str] | None = typer.Option(
-        None, "--set", help="Override an option: key=value, or algorithm.eps_high=2.0 (repeatable)."
-    ),
-    list_options: bool = typer.Option(
-        False, "--list-options", callback=_list_train_options, is_eager=True,
-        help="List every option (YAML key / --set key) with its default and exit.",
-    ),
-) -> None:
+def train(options: dict, layers: TrainLayers) -> None:
     """Train a policy offline on logged groups (runs under `accelerate launch -m offline_rec train` too)."""
+    if layers.list_options:
+        return _list_train_options()
     from offline_rec.eval.hooks import training_hooks
     from offline_rec.summaries import train_line
     from offline_rec.training.config import build_config
     from offline_rec.training.loop import train as run_training
 
-    resolved = build_config(config_file, options, set_ or ())
+    resolved = build_config(layers.config_file, options, layers.sets)
     summary = run_training(resolved, training_hooks(resolved))
     if summary.get("already_finished"):
         return
@@ -382,13 +378,16 @@ def report(config: ReportConfig) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# demo  (owned by offline_rec/demo/pipeline.py)
+# demo  (owned by offline_rec/demo/: its options in config.py, its stages in pipeline.py)
 
 
 @command(app, options=DemoOptions)
 def demo(options: DemoOptions) -> None:
     """Collect, validate, train offline, evaluate and report on a tiny arith policy: the whole pipeline on a CPU."""
-    summary = options.run()
+    from offline_rec.demo.pipeline import run_demo
+
+    summary = run_demo(options.out, options.settings(), model=options.model, overwrite=options.overwrite,
+                       threads=options.threads)
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
 
 

@@ -32,6 +32,7 @@ import functools
 import inspect
 import operator
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ __all__ = [
 
 
 def option(default: Any = MISSING, *flags: str, help: str, envvar: str | None = None, cli_type: Any = None,
-           flag_help: str | None = None) -> Any:
+           flag_help: str | None = None, eager: Callable[[Any], None] | None = None) -> Any:
     """A config field that is also a command-line option.
 
     default: the field's default (a list or dict is copied per instance); MISSING makes the option required.
@@ -54,6 +55,8 @@ def option(default: Any = MISSING, *flags: str, help: str, envvar: str | None = 
     envvar: an environment variable that sets the option (not shown in --help, e.g. a secret).
     cli_type: the type the command line parses, where it differs from the field's (the config converts).
     flag_help: --help's line where it differs from `help` (train: `help` documents the YAML key).
+    eager: a function of the option's value, called as soon as the option is parsed, before the other options
+        are checked and before any command runs; it may end the program (`offline-rec --version`).
     """
     metadata = {"flags": flags, "help": help}
     if envvar:
@@ -62,6 +65,8 @@ def option(default: Any = MISSING, *flags: str, help: str, envvar: str | None = 
         metadata["cli_type"] = cli_type
     if flag_help is not None:
         metadata["flag_help"] = flag_help
+    if eager is not None:
+        metadata["eager"] = eager
     return _field(default, metadata)
 
 
@@ -246,11 +251,24 @@ def _parameter(field: dataclasses.Field, annotation: Any, as_override: bool = Fa
         info = typer.Argument(help=help, **({"metavar": meta["metavar"]} if "metavar" in meta else {}))
     else:
         extra = {"envvar": meta["envvar"], "show_envvar": False} if "envvar" in meta else {}
+        if "eager" in meta:
+            extra.update(callback=_eager_callback(meta["eager"]), is_eager=True)
         info = typer.Option(*flags_of(field), help=help, **extra)
     return inspect.Parameter(
         field.name, inspect.Parameter.KEYWORD_ONLY, annotation=typing.Annotated[annotation, info],
         default=inspect.Parameter.empty if default is MISSING else default,
     )
+
+
+def _eager_callback(act: Callable[[Any], None]) -> Callable[[Any], Any]:
+    """The callback typer runs for an `eager` option: `act`, then the value as given (click keeps what a
+    callback returns as the option's value)."""
+
+    def callback(value):
+        act(value)
+        return value
+
+    return callback
 
 
 def _from_output(cls: type) -> list[dataclasses.Field]:
@@ -269,60 +287,79 @@ def command(app: typer.Typer, name: str | None = None, order: tuple[str, ...] = 
     """
 
     def decorate(handler):
-        handler_signature = inspect.signature(handler, eval_str=True)
-        parameters: list[inspect.Parameter] = []
-        built: dict[str, tuple[type | Overrides | Shared, list[str]]] = {}
-        for parameter in handler_signature.parameters.values():
-            target = configs.get(parameter.name)
-            if isinstance(target, Shared):
-                own_help = dict(target.help)
-                parameters += [_parameter(OUTPUT_FIELDS[n], bool, help=own_help.get(n)) for n in target.names]
-                built[parameter.name] = (target, list(target.names))
-            elif target is not None:
-                cls = target.cls if isinstance(target, Overrides) else target
-                hints = option_hints(cls)
-                fields = cli_fields(cls)
-                parameters += [_parameter(f, hints[f.name], isinstance(target, Overrides)) for f in fields]
-                built[parameter.name] = (target, [f.name for f in fields])
-            else:
-                parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
-        unknown = sorted(set(order) - {p.name for p in parameters})
-        if unknown:  # a typo here would silently leave --help in field order
-            raise TypeError(f"{handler.__name__}: order names no parameter of the command: {unknown}")
-        rank = {name: i for i, name in enumerate(order)}
-        parameters.sort(key=lambda p: rank.get(p.name, len(rank)))  # stable: the others keep their order
-        names = [p.name for p in parameters]
-        if len(names) != len(set(names)):
-            raise TypeError(f"{handler.__name__}: an option name is declared twice: {names}")
-        output_name = next((name for name, (target, _) in built.items() if isinstance(target, Shared)), None)
-        takes_quiet = output_name is not None and "quiet" in built[output_name][1]
-        for target, _ in built.values():
-            if isinstance(target, type) and _from_output(target) and not takes_quiet:
-                raise TypeError(f"{handler.__name__}: {target.__name__} shows progress: the command must take "
-                                f"shared('quiet')")
-
-        def call(**values):
-            output = Output()
-            if output_name is not None:
-                output = Output(**{name: values.pop(name) for name in built[output_name][1]})
-                values[output_name] = output
-            for parameter_name, (target, field_names) in built.items():
-                if isinstance(target, Shared):
-                    continue
-                given = {name: values.pop(name) for name in field_names}
-                if isinstance(target, Overrides):  # a list option not given may arrive empty
-                    values[parameter_name] = {k: v for k, v in given.items() if v is not None and v != []}
-                else:
-                    given.update({f.name: getattr(output, f.metadata["from_output"]) for f in _from_output(target)})
-                    values[parameter_name] = target(**given)
-            return handler(**values)
-
-        call.__name__, call.__qualname__, call.__doc__ = handler.__name__, handler.__qualname__, handler.__doc__
-        call.__module__ = handler.__module__
-        call.__signature__ = inspect.Signature(parameters)
-        call.__annotations__ = {p.name: p.annotation for p in parameters}
-        call.options_from = dict(configs)  # for tests/test_cli_options.py
+        call = _from_configs(handler, order, configs)
         app.command(name)(call)
         return call
 
     return decorate
+
+
+def app_options(app: typer.Typer, **configs: type):
+    """Register `handler` as `app`'s callback: the options given before any command (`offline-rec --version`),
+    built from the config classes as `command` builds a command's (configs: handler parameter name -> config
+    class)."""
+
+    def decorate(handler):
+        call = _from_configs(handler, (), configs)
+        app.callback()(call)
+        return call
+
+    return decorate
+
+
+def _from_configs(handler, order: tuple[str, ...], configs: dict[str, type | Overrides | Shared]):
+    """The function typer registers for `handler`: its parameters are the configs' options (see `command`)."""
+    handler_signature = inspect.signature(handler, eval_str=True)
+    parameters: list[inspect.Parameter] = []
+    built: dict[str, tuple[type | Overrides | Shared, list[str]]] = {}
+    for parameter in handler_signature.parameters.values():
+        target = configs.get(parameter.name)
+        if isinstance(target, Shared):
+            own_help = dict(target.help)
+            parameters += [_parameter(OUTPUT_FIELDS[n], bool, help=own_help.get(n)) for n in target.names]
+            built[parameter.name] = (target, list(target.names))
+        elif target is not None:
+            cls = target.cls if isinstance(target, Overrides) else target
+            hints = option_hints(cls)
+            fields = cli_fields(cls)
+            parameters += [_parameter(f, hints[f.name], isinstance(target, Overrides)) for f in fields]
+            built[parameter.name] = (target, [f.name for f in fields])
+        else:
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    unknown = sorted(set(order) - {p.name for p in parameters})
+    if unknown:  # a typo here would silently leave --help in field order
+        raise TypeError(f"{handler.__name__}: order names no parameter of the command: {unknown}")
+    rank = {name: i for i, name in enumerate(order)}
+    parameters.sort(key=lambda p: rank.get(p.name, len(rank)))  # stable: the others keep their order
+    names = [p.name for p in parameters]
+    if len(names) != len(set(names)):
+        raise TypeError(f"{handler.__name__}: an option name is declared twice: {names}")
+    output_name = next((name for name, (target, _) in built.items() if isinstance(target, Shared)), None)
+    takes_quiet = output_name is not None and "quiet" in built[output_name][1]
+    for target, _ in built.values():
+        if isinstance(target, type) and _from_output(target) and not takes_quiet:
+            raise TypeError(f"{handler.__name__}: {target.__name__} shows progress: the command must take "
+                            f"shared('quiet')")
+
+    def call(**values):
+        output = Output()
+        if output_name is not None:
+            output = Output(**{name: values.pop(name) for name in built[output_name][1]})
+            values[output_name] = output
+        for parameter_name, (target, field_names) in built.items():
+            if isinstance(target, Shared):
+                continue
+            given = {name: values.pop(name) for name in field_names}
+            if isinstance(target, Overrides):  # a list option not given may arrive empty
+                values[parameter_name] = {k: v for k, v in given.items() if v is not None and v != []}
+            else:
+                given.update({f.name: getattr(output, f.metadata["from_output"]) for f in _from_output(target)})
+                values[parameter_name] = target(**given)
+        return handler(**values)
+
+    call.__name__, call.__qualname__, call.__doc__ = handler.__name__, handler.__qualname__, handler.__doc__
+    call.__module__ = handler.__module__
+    call.__signature__ = inspect.Signature(parameters)
+    call.__annotations__ = {p.name: p.annotation for p in parameters}
+    call.options_from = dict(configs)  # for tests/test_cli_options.py
+    return call

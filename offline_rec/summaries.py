@@ -94,9 +94,10 @@ def merge_line(summary: dict) -> str:
 
 
 def record_line(stats: dict, out) -> str:
-    recovered = stats.get("recovered_episodes", 0)
+    recovered, incomplete = stats.get("recovered_episodes", 0), stats.get("recovered_incomplete", 0)
     return (f"recorded {stats['lines']} lines ({stats['calls']} calls, {stats['episodes']} episodes"
-            + (f"; {recovered} recovered from a stopped proxy" if recovered else "") + f") into {out}; "
+            + (f"; {recovered} recovered from a stopped proxy" if recovered else "")
+            + (f", {incomplete} of them missing calls" if incomplete else "") + f") into {out}; "
             f"{stats['failed_calls']} calls not recorded (errors), {stats['write_errors']} write errors")
 
 

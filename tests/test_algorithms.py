@@ -8,52 +8,44 @@ import math
 
 import pytest
 import torch
+from support.losses import PRESET_OBJECTIVES, kl_penalty, loss_and_metrics
 
 from offline_rec import errors
-from offline_rec.algorithms import (
-    ALGORITHMS,
-    METRIC_KEYS,
-    WIDE_CLIP,
-    AlgorithmSpec,
-    RewardMoments,
-    advantage_stats,
-    clip_mask,
-    get_algorithm,
-    group_advantages,
-    kl_to_initial,
-    policy_loss,
-    token_weights,
-)
-from offline_rec.objectives import CLIP_MASKS
+from offline_rec.loss.advantages import RewardMoments, advantage_stats, group_advantages
+from offline_rec.loss.objective import Objective
+from offline_rec.loss.presets import PRESETS, WIDE_CLIP, get_objective
+from offline_rec.loss.terms import CLIP_MASKS, TOKEN_WEIGHTS
+from offline_rec.loss.totals import METRICS
 
 torch.set_num_threads(1)
 
 # A few specs beyond the presets so every clip/weight/regularizer choice meets the naive reference.
 EXTRA_SPECS = {
-    "tis": AlgorithmSpec("tis", clip="one-side", weight="tis"),
-    "twoside-k2": AlgorithmSpec("twoside-k2", clip="two-side", weight="is", regularizer="k2", reg_coef=0.3),
-    "gspo-forward-kl": AlgorithmSpec(
-        "gspo-forward-kl", clip="gspo-one-side", weight="gspo-is", regularizer="forward-kl", reg_coef=0.2,
+    "tis": Objective(clip="one-side", weight="is", weight_min=0.4, weight_max=3.0),
+    "twoside-k2": Objective(clip="two-side", weight="is", regularizer="k2", reg_coef=0.3),
+    "gspo-forward-kl": Objective(clip="gspo-one-side", weight="gspo-is", regularizer="forward-kl", reg_coef=0.2,
         eps_low=3e-4, eps_high=4e-4,
     ),
-    "red-weight-temp2-oneside": AlgorithmSpec("rw2", clip="one-side", weight="advantage", temp=2.0),
-    "topr-oneside-k2": AlgorithmSpec("topr-k2", clip="one-side", weight="topr", regularizer="k2", reg_coef=0.2),
-    "seq-sum-k2": AlgorithmSpec("seq-sum-k2", clip="one-side", weight="is", regularizer="k2", reg_coef=0.3,
+    "red-weight-temp2-oneside": Objective(clip="one-side", weight="advantage", temp=2.0),
+    "topr-oneside-k2": Objective(clip="one-side", weight="topr", regularizer="k2", reg_coef=0.2),
+    "seq-sum-k2": Objective(clip="one-side", weight="is", regularizer="k2", reg_coef=0.3,
                                 aggregation="seq-mean-token-sum"),
-    "dr-grpo-forward-kl": AlgorithmSpec("drf", clip="two-side", weight="cispo", regularizer="forward-kl",
-                                        reg_coef=0.2, aggregation="dr-grpo", max_completion_length=7),
-    "sapo-token-mean-dual": AlgorithmSpec("sapo-dual", clip="dual-clip", weight="sapo", dual_clip_c=1.5),
-    "gmpo-opsm": AlgorithmSpec("gmpo-opsm", clip="opsm", weight="gmpo", opsm_delta=0.01,
+    "dr-grpo-forward-kl": Objective(clip="two-side", weight="is", weight_min=0.8, weight_max=1.2,
+                                    regularizer="forward-kl", reg_coef=0.2, aggregation="dr-grpo",
+                                    max_completion_length=7),
+    "sapo-token-mean-dual": Objective(clip="one-side", weight="sapo", dual_clip_c=1.5),
+    "gmpo-opsm": Objective(clip="opsm", weight="gmpo", opsm_delta=0.01,
                                aggregation="seq-mean-token-mean"),
-    "sapo-gate": AlgorithmSpec("sapo-gate", weight="sapo-gate", aggregation="token-mean"),
-    "seq-is-oneside": AlgorithmSpec("seq-is-oneside", clip="one-side", weight="seq-is"),
+    "sapo-gate": Objective(weight="sapo-gate", aggregation="token-mean"),
+    "row-is-oneside": Objective(ratio_level="row", clip="one-side", weight="is"),
+    "band-capped-two-side": Objective(clip="two-side", weight="is", mask_low=0.3, mask_high=1.15, weight_max=1.1),
     # rec-logged's eps_low 0.6 keeps every negative of the random batch: this one drops some (rho < 0.8)
-    "negatives-clip-is": AlgorithmSpec("negatives-clip-is", clip="one-side-negatives", weight="is", eps_low=0.2,
+    "negatives-clip-is": Objective(clip="one-side-negatives", weight="is", eps_low=0.2,
                                        negative_weight=0.5),
 }
 # Presets whose band the random batch (ratios 0.18 to 5.6, few negatives far down) does not cross.
 KEEPS_EVERY_TOKEN_OF_THE_RANDOM_BATCH = {"rec-logged"}
-ALL_SPECS = {**ALGORITHMS, **EXTRA_SPECS}
+ALL_SPECS = {**PRESET_OBJECTIVES, **EXTRA_SPECS}
 
 
 def batch_with_ratios(rhos_by_row, logp_by_row, advantages):
@@ -88,7 +80,7 @@ def random_batch(seed=0, dtype=torch.float64):
 def grad_of(spec, logp, blogp, advantages, mask, **kwargs):
     if logp.grad is not None:
         logp.grad = None
-    loss, metrics = policy_loss(spec, logp, blogp, advantages, mask, **kwargs)
+    loss, metrics = loss_and_metrics(spec, logp, blogp, advantages, mask, **kwargs)
     loss.backward()
     return loss.detach(), logp.grad.clone(), metrics
 
@@ -131,7 +123,7 @@ def naive_loss(spec, logp, blogp, advantages, mask):
         geometric = math.exp(sum(g) / max(len(tokens), 1))
         row = 0.0
         for t in tokens:
-            rho = math.exp(log_ratio[i][t])
+            rho = {"token": math.exp(log_ratio[i][t]), "sequence": s, "row": product}[spec.ratio_level]
             one_side = (A >= 0 and rho <= hi) or (A <= 0 and rho >= lo)
             band = lo <= rho <= hi
             tau = spec.sapo_tau_pos if A > 0 else spec.sapo_tau_neg
@@ -142,28 +134,23 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "two-side": band,
                 "ring": band or (A >= 0 and rho <= lo2) or (A <= 0 and rho >= hi2),
                 "gspo-one-side": (A >= 0 and s <= hi) or (A <= 0 and s >= lo),
-                "dual-clip": one_side and not (A < 0 and rho > spec.dual_clip_c),
-                "icepop": spec.mask_low <= rho <= spec.mask_high,
-                "icepop-seq": spec.mask_low <= product <= spec.mask_high,
                 "m2po": (i, t) in m2po_keep,
                 "opsm": one_side and not (A < 0 and mean_kl > spec.opsm_delta),
                 "one-side-negatives": A >= 0 or rho >= lo,
-            }[spec.clip]
+            }[spec.clip] and not (A < 0 and rho > spec.dual_clip_c) and spec.mask_low <= rho <= spec.mask_high
             W = {
                 "none": 1.0,
                 "is": rho,
-                "tis": min(max(rho, lo2), hi2),
                 "gspo-is": s,
                 "advantage": math.exp(A / spec.temp),
                 "topr": 1.0 if A >= 0 else min(rho, 1.0),
                 # the whole response's ratio prod_t rho_t, truncated at 1
                 "topr-seq": 1.0 if A >= 0 else min(math.exp(sum(log_ratio[i][u] for u in tokens)), 1.0),
-                "cispo": min(max(rho, lo), hi),
                 "sapo": 4 * gate * (1 - gate) * rho,  # d/dlogp of (4/tau) sigmoid(tau (rho - 1)), over A
                 "sapo-gate": 4 / tau * gate,  # the gate's value (Trinity-RFT)
-                "seq-is": product,  # the row's ratio on each of its tokens
                 "gmpo": geometric,
             }[spec.weight]
+            W = min(max(W, spec.weight_min), spec.weight_max)
             R = {
                 "none": 0.0,
                 "k2": spec.reg_coef * (logp[i, t] - float(blogp[i, t])) ** 2,
@@ -223,13 +210,13 @@ def test_presets_match_the_notes_table():
         "topr": ("none", "topr", "none", 0.0, False, "none", 0.2, 0.2),
         "topr-seq": ("none", "topr-seq", "none", 0.0, False, "none", 0.2, 0.2),
     }
-    assert set(expected) <= set(ALGORITHMS)  # the peers' presets: tests/test_objectives.py
+    assert set(expected) <= set(PRESET_OBJECTIVES)  # the peers' presets: tests/test_objectives.py
     for name, (clip, weight, reg, coef, std, drop, lo, hi) in expected.items():
-        spec = ALGORITHMS[name]
+        spec = PRESET_OBJECTIVES[name]
         got = (spec.clip, spec.weight, spec.regularizer, spec.reg_coef, spec.std_normalize, spec.drop,
                spec.eps_low, spec.eps_high)
         assert got == (clip, weight, reg, coef, std, drop, lo, hi), name
-        assert spec.name == name
+        assert PRESETS[name].name == name
         assert (spec.eps_low_prime, spec.eps_high_prime, spec.temp) == (0.6, 2.0, 1.0)
         # TOPR splits by its reward threshold (the training rewards' mean), never by the group mean
         topr = name.startswith("topr")
@@ -239,30 +226,30 @@ def test_presets_match_the_notes_table():
 
 
 def test_get_algorithm_applies_and_coerces_overrides():
-    spec = get_algorithm("rec-oneside-nois", eps_low="0.6", eps_high=2, std_normalize="true", clip="one-side")
-    assert spec == dataclasses.replace(ALGORITHMS["rec-oneside-nois"], **WIDE_CLIP, std_normalize=True)
+    spec = get_objective("rec-oneside-nois", eps_low="0.6", eps_high=2, std_normalize="true", clip="one-side")
+    assert spec == dataclasses.replace(PRESET_OBJECTIVES["rec-oneside-nois"], **WIDE_CLIP, std_normalize=True)
     assert isinstance(spec.eps_high, float)
-    assert get_algorithm("grpo", std_normalize="no").std_normalize is False
-    assert get_algorithm("opmd") == ALGORITHMS["opmd"]
+    assert get_objective("grpo", std_normalize="no").std_normalize is False
+    assert get_objective("opmd") == PRESET_OBJECTIVES["opmd"]
 
 
 def test_unknown_algorithm_lists_valid_names():
     valid = r"valid: asymre, cispo, dapo, dr-grpo, dual-clip, gmpo, grpo, icepop, icepop-seq, m2po, opmd, opsm"
     with pytest.raises(errors.UserError, match=r"unknown algorithm 'ppo'; " + valid):
-        get_algorithm("ppo")
+        get_objective("ppo")
 
 
 def test_unknown_field_lists_valid_fields():
-    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, dual_clip_negatives, eps_high"
-    with pytest.raises(errors.UserError, match=r"unknown algorithm field 'epsilon'; " + valid):
-        get_algorithm("grpo", epsilon=0.3)
+    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, eps_high"
+    with pytest.raises(errors.UserError, match=r"unknown objective field 'epsilon'; " + valid):
+        get_objective("grpo", epsilon=0.3)
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
         (dict(clip="three-side"), r"unknown clip 'three-side'; valid: none, one-side, two-side, ring, gspo"),
-        (dict(weight="vtrace"), r"unknown weight 'vtrace'; valid: none, is, tis, gspo-is, advantage"),
+        (dict(weight="vtrace"), r"unknown weight 'vtrace'; valid: none, is, gspo-is, advantage"),
         (dict(regularizer="l2"), r"unknown regularizer 'l2'; valid: none, k2, forward-kl"),
         (dict(drop="all"), r"unknown drop 'all'; valid: none, balance"),
         (dict(eps_low=-0.1), r"eps_low must be finite and >= 0"),
@@ -275,30 +262,30 @@ def test_unknown_field_lists_valid_fields():
 )
 def test_invalid_overrides_raise_user_error(overrides, message):
     with pytest.raises(errors.UserError, match=message):
-        get_algorithm("rec-oneside-is", **overrides)
+        get_objective("rec-oneside-is", **overrides)
 
 
 def test_spec_constructor_validates_with_value_error():
     with pytest.raises(ValueError, match=r"unknown clip 'dual'; valid: none, one-side"):
-        AlgorithmSpec(clip="dual")
+        Objective(clip="dual")
     with pytest.raises(ValueError, match="eps_high must be finite"):
-        AlgorithmSpec(eps_high=float("inf"))
+        Objective(eps_high=float("inf"))
     with pytest.raises(ValueError, match="ring clip needs eps_low_prime >= eps_low"):
-        AlgorithmSpec(clip="ring", eps_low=0.7)
+        Objective(clip="ring", eps_low=0.7)
     with pytest.raises(ValueError, match="std_normalize must be a bool"):
-        AlgorithmSpec(std_normalize=1)
+        Objective(std_normalize=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        ALGORITHMS["grpo"].eps_low = 0.5
+        PRESET_OBJECTIVES["grpo"].eps_low = 0.5
 
 
 def test_policy_loss_rejects_mismatched_shapes():
     logp = torch.zeros(2, 3, requires_grad=True)
     with pytest.raises(ValueError, match="mask shape"):
-        policy_loss(ALGORITHMS["reinforce"], logp, torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 4))
+        loss_and_metrics(PRESET_OBJECTIVES["reinforce"], logp, torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 4))
     with pytest.raises(ValueError, match="advantages must be"):
-        policy_loss(ALGORITHMS["reinforce"], logp, torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
+        loss_and_metrics(PRESET_OBJECTIVES["reinforce"], logp, torch.zeros(2, 3), torch.zeros(3), torch.ones(2, 3))
     with pytest.raises(ValueError, match="num_tokens must be > 0"):
-        policy_loss(ALGORITHMS["reinforce"], logp, torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3),
+        loss_and_metrics(PRESET_OBJECTIVES["reinforce"], logp, torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3),
                     num_tokens=0)
 
 
@@ -331,10 +318,10 @@ EXPECTED_CLIP_LOSS = {
 
 @pytest.mark.parametrize("clip", EXPECTED_MASKS)
 def test_clip_mask_and_loss_by_hand(clip):
-    spec = AlgorithmSpec(clip=clip)
+    spec = Objective(clip=clip)
     logp, blogp, adv, mask = batch_with_ratios(CLIP_RHOS, [[-1.0], [-2.0]], CLIP_ADV)
     rho = torch.tensor(CLIP_RHOS, dtype=torch.float64)
-    got = clip_mask(spec, rho, torch.ones(2, 1, dtype=torch.float64), adv[:, None])
+    got = CLIP_MASKS[clip](spec, rho, torch.ones(2, 1, dtype=torch.float64), adv[:, None], None)
     assert got.tolist() == [[bool(x) for x in row] for row in EXPECTED_MASKS[clip]]
 
     loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
@@ -349,7 +336,7 @@ def test_clip_mask_and_loss_by_hand(clip):
 def test_one_side_is_exactly_where_ppo_clip_passes_gradient():
     # PPO-clip with rho carrying gradient: d/dlogp of -min(rho*A, clip(rho)*A) is -rho*A where the
     # unclipped term is the min and 0 elsewhere; its support must be the one-side mask.
-    spec = AlgorithmSpec(clip="one-side", eps_low=0.2, eps_high=0.2)
+    spec = Objective(clip="one-side", eps_low=0.2, eps_high=0.2)
     logp, blogp, adv, mask = batch_with_ratios(CLIP_RHOS, [[-1.0], [-2.0]], CLIP_ADV)
     ppo_clip_loss(spec, logp, blogp, adv, mask).backward()
     assert (logp.grad != 0).int().tolist() == EXPECTED_MASKS["one-side"]
@@ -360,8 +347,8 @@ def test_one_side_negatives_is_one_side_with_no_upper_bound():
     torch.manual_seed(0)
     rho = torch.exp(torch.randn(64, 8) * 3)  # ratios from ~1e-4 to ~1e4
     adv = torch.randn(64, 1)
-    negatives_only = AlgorithmSpec(clip="one-side-negatives", eps_low=0.6)
-    wide_open = AlgorithmSpec(clip="one-side", eps_low=0.6, eps_high=1e9)
+    negatives_only = Objective(clip="one-side-negatives", eps_low=0.6)
+    wide_open = Objective(clip="one-side", eps_low=0.6, eps_high=1e9)
     mask = torch.ones(64, 8, dtype=torch.bool)
     assert torch.equal(CLIP_MASKS["one-side-negatives"](negatives_only, rho, None, adv, mask),
                        CLIP_MASKS["one-side"](wide_open, rho, None, adv, mask))
@@ -369,7 +356,7 @@ def test_one_side_negatives_is_one_side_with_no_upper_bound():
 
 def test_gspo_one_side_by_hand():
     # eps 3e-4 / 4e-4: sequence band [0.9997, 1.0004].
-    spec = ALGORITHMS["rec-gspo-nois"]
+    spec = PRESET_OBJECTIVES["rec-gspo-nois"]
     log_ratio = torch.tensor([[0.1, 0.3, 0.0], [-0.1, 0.1, 0.0], [-0.3, -0.1, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]], dtype=torch.float64)
     logp = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -2.0, -3.0], [-1.0, -1.0, 0.0]], dtype=torch.float64)
@@ -392,7 +379,10 @@ def test_gspo_one_side_by_hand():
 # Hand-computed values: every weight (clip "none", A = +2, logp = -1, so per_token = 2 * W).
 
 WEIGHT_RHOS = [[0.3, 1.0, 4.0]]
-# tis clamps to [1 - 0.6, 1 + 2.0] = [0.4, 3.0]; gspo-is: s = (0.3 * 1 * 4)^(1/3) = 1.2^(1/3).
+# tis: is within the weight bounds [0.4, 3.0]; gspo-is: s = (0.3 * 1 * 4)^(1/3) = 1.2^(1/3); seq-is: is at ratio_level
+# row.
+WEIGHT_OBJECTIVES = {"tis": dict(weight="is", weight_min=0.4, weight_max=3.0),
+                     "seq-is": dict(weight="is", ratio_level="row")}
 EXPECTED_WEIGHTS = {
     "none": [1.0, 1.0, 1.0],  # loss 2
     "is": [0.3, 1.0, 4.0],  # loss 2 * 5.3 / 3 = 3.5333
@@ -407,12 +397,13 @@ EXPECTED_WEIGHTS = {
 
 @pytest.mark.parametrize("weight", EXPECTED_WEIGHTS)
 def test_token_weights_and_loss_by_hand(weight):
-    spec = AlgorithmSpec(weight=weight)
+    spec = Objective(**WEIGHT_OBJECTIVES.get(weight, dict(weight=weight)))
     logp, blogp, adv, mask = batch_with_ratios(WEIGHT_RHOS, [[-1.0]], [2.0])
     rho = torch.tensor(WEIGHT_RHOS, dtype=torch.float64)
     seq_ratio = torch.tensor([[1.2 ** (1 / 3)]], dtype=torch.float64)
     expected = torch.tensor([EXPECTED_WEIGHTS[weight]], dtype=torch.float64)
-    torch.testing.assert_close(token_weights(spec, rho, seq_ratio, adv[:, None]), expected)
+    if weight not in WEIGHT_OBJECTIVES:  # the registry's own entry
+        torch.testing.assert_close(TOKEN_WEIGHTS[weight](spec, rho, seq_ratio, adv[:, None], None), expected)
 
     loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
     assert loss.item() == pytest.approx(2 * sum(EXPECTED_WEIGHTS[weight]) / 3)
@@ -422,7 +413,7 @@ def test_token_weights_and_loss_by_hand(weight):
 
 def test_red_weight_temperature():
     # temp 2, A = 2: W = e^{2/2} = e; loss = 2 * e.
-    spec = AlgorithmSpec(weight="advantage", temp=2.0)
+    spec = Objective(weight="advantage", temp=2.0)
     logp, blogp, adv, mask = batch_with_ratios(WEIGHT_RHOS, [[-1.0]], [2.0])
     loss, _, _ = grad_of(spec, logp, blogp, adv, mask)
     assert loss.item() == pytest.approx(2 * math.e)
@@ -437,7 +428,7 @@ def test_k2_regularizer_by_hand_applies_to_clipped_tokens():
     # log rho = [ln 2, -ln 2]; logp = -1.
     # pg per token: [0, -1 * 1 * (-1)] = [0, 1]; R = 0.5 * (ln 2)^2 on BOTH tokens.
     # loss = (0 + 1 + 2 * 0.5 * 0.480453) / 2 = 0.740227
-    spec = AlgorithmSpec(clip="one-side", regularizer="k2", reg_coef=0.5)
+    spec = Objective(clip="one-side", regularizer="k2", reg_coef=0.5)
     logp, blogp, adv, mask = batch_with_ratios([[2.0, 0.5]], [[-1.0]], [1.0])
     loss, grad, metrics = grad_of(spec, logp, blogp, adv, mask)
     ln2 = math.log(2)
@@ -451,7 +442,7 @@ def test_k2_regularizer_by_hand_applies_to_clipped_tokens():
 def test_forward_kl_regularizer_by_hand():
     # A = 0 so only R = -c * logp counts: logp = [-1, -3], c = 0.1 -> R = [0.1, 0.3], loss = 0.2;
     # grad = -c / N = -0.05 on each token.
-    spec = ALGORITHMS["asymre"]
+    spec = PRESET_OBJECTIVES["asymre"]
     logp = torch.tensor([[-1.0, -3.0]], dtype=torch.float64, requires_grad=True)
     loss, grad, _ = grad_of(spec, logp, torch.tensor([[-2.0, -2.0]]), torch.zeros(1), torch.ones(1, 2))
     assert loss.item() == pytest.approx(0.2)
@@ -463,7 +454,7 @@ def test_k3_regularizer_by_hand():
     # R = 0.1 * [1 - ln 2, ln 2 - 0.5] = [0.030685, 0.019315], loss = mean = 0.025; it equals c * kl_behavior.
     # grad = c * (rho - 1) / N = 0.1 * [1, -0.5] / 2 = [0.05, -0.025]: the raised token is pulled harder.
     logp, blogp, adv, mask = batch_with_ratios([[2.0, 0.5]], [[-1.0]], [0.0])
-    loss, grad, metrics = grad_of(ALGORITHMS["reinforce-k3"], logp, blogp, adv, mask)
+    loss, grad, metrics = grad_of(PRESET_OBJECTIVES["reinforce-k3"], logp, blogp, adv, mask)
     ln2 = math.log(2)
     assert loss.item() == pytest.approx(0.1 * ((1 - ln2) + (ln2 - 0.5)) / 2)
     assert loss.item() == pytest.approx(0.1 * metrics["kl_behavior"])
@@ -473,7 +464,7 @@ def test_k3_regularizer_by_hand():
 def test_k3_regularizer_past_the_exponent_limit_is_finite_and_keeps_its_sign():
     # log rho = 100 in float32: exp would overflow; the tangent at 20 keeps R finite and the pull downward.
     logp = torch.tensor([[0.0]], requires_grad=True)
-    loss, _ = policy_loss(ALGORITHMS["reinforce-k3"], logp, torch.tensor([[-100.0]]), torch.zeros(1),
+    loss, _ = loss_and_metrics(PRESET_OBJECTIVES["reinforce-k3"], logp, torch.tensor([[-100.0]]), torch.zeros(1),
                           torch.ones(1, 1))
     loss.backward()
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(0.1 * (math.exp(20) * 81 - 101), rel=1e-5)
@@ -486,12 +477,12 @@ def test_k3_regularizer_past_the_exponent_limit_is_finite_and_keeps_its_sign():
 
 def test_grpo_gradient_equals_rec_oneside_is_and_ppo_clip():
     logp, blogp, adv, mask = random_batch(seed=1)
-    _, grad_grpo, _ = grad_of(ALGORITHMS["grpo"], logp, blogp, adv, mask)
-    _, grad_rec, _ = grad_of(ALGORITHMS["rec-oneside-is"], logp, blogp, adv, mask)
+    _, grad_grpo, _ = grad_of(PRESET_OBJECTIVES["grpo"], logp, blogp, adv, mask)
+    _, grad_rec, _ = grad_of(PRESET_OBJECTIVES["rec-oneside-is"], logp, blogp, adv, mask)
     torch.testing.assert_close(grad_grpo, grad_rec, rtol=0, atol=0)
     logp.grad = None
     clean_logp = torch.where(mask, logp, 0.0)
-    ppo_clip_loss(ALGORITHMS["grpo"], clean_logp, torch.where(mask, blogp, 0.0), adv, mask).backward()
+    ppo_clip_loss(PRESET_OBJECTIVES["grpo"], clean_logp, torch.where(mask, blogp, 0.0), adv, mask).backward()
     torch.testing.assert_close(logp.grad, grad_rec)
     assert (grad_rec[mask] != 0).any() and (grad_rec[mask & (adv[:, None] != 0)] == 0).any()  # some clipping
 
@@ -499,8 +490,8 @@ def test_grpo_gradient_equals_rec_oneside_is_and_ppo_clip():
 def test_asymre_equals_reinforce_with_shifted_advantages():
     # -c * logp  ==  -(A + c) * logp - (-A * logp): the baseline shifted down by c.
     logp, blogp, adv, mask = random_batch(seed=2)
-    loss_a, grad_a, _ = grad_of(ALGORITHMS["asymre"], logp, blogp, adv, mask)
-    loss_r, grad_r, _ = grad_of(ALGORITHMS["reinforce"], logp, blogp, adv + 0.1, mask)
+    loss_a, grad_a, _ = grad_of(PRESET_OBJECTIVES["asymre"], logp, blogp, adv, mask)
+    loss_r, grad_r, _ = grad_of(PRESET_OBJECTIVES["reinforce"], logp, blogp, adv + 0.1, mask)
     torch.testing.assert_close(grad_a, grad_r)
     torch.testing.assert_close(loss_a, loss_r)
 
@@ -508,8 +499,8 @@ def test_asymre_equals_reinforce_with_shifted_advantages():
 def test_opmd_equals_reinforce_plus_k2_gradient():
     # d/dlogp of c * (logp - blogp)^2 / N = 2c (logp - blogp) / N on completion tokens.
     logp, blogp, adv, mask = random_batch(seed=3)
-    _, grad_o, _ = grad_of(ALGORITHMS["opmd"], logp, blogp, adv, mask)
-    _, grad_r, _ = grad_of(ALGORITHMS["reinforce"], logp, blogp, adv, mask)
+    _, grad_o, _ = grad_of(PRESET_OBJECTIVES["opmd"], logp, blogp, adv, mask)
+    _, grad_r, _ = grad_of(PRESET_OBJECTIVES["reinforce"], logp, blogp, adv, mask)
     n = mask.sum()
     extra = torch.where(mask, 2 * 0.1 * (logp.detach() - blogp), 0.0) / n
     torch.testing.assert_close(grad_o, grad_r + extra)
@@ -535,33 +526,33 @@ def test_matches_naive_per_token_loop(name):
         assert 0 < clip_fraction < 1  # the data exercises both sides of every mask
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
+@pytest.mark.parametrize("name", PRESET_OBJECTIVES)
 def test_every_preset_honours_the_contract(name):
-    spec = ALGORITHMS[name]
+    spec = PRESET_OBJECTIVES[name]
     logp, blogp, adv, mask = random_batch(seed=5, dtype=torch.float32)
-    loss, metrics = policy_loss(spec, logp, blogp, adv, mask.float())
+    loss, metrics = loss_and_metrics(spec, logp, blogp, adv, mask.float())
     assert loss.dim() == 0 and torch.isfinite(loss) and loss.dtype == torch.float32
     loss.backward()
     assert logp.grad.shape == logp.shape
     assert torch.isfinite(logp.grad).all()
     assert (logp.grad[~mask] == 0).all()
-    assert tuple(metrics) == METRIC_KEYS
+    assert tuple(metrics) == tuple(metric.name for metric in METRICS)
     assert all(type(value) is float and math.isfinite(value) for value in metrics.values())
     assert metrics["num_tokens"] == 20 and metrics["num_sequences"] == 6
     assert metrics["loss"] == pytest.approx(metrics["pg_loss"] + metrics["reg_loss"], abs=1e-6)
     assert metrics["kl_behavior"] >= 0
     assert metrics["ratio_min"] <= metrics["ratio_mean"] <= metrics["ratio_max"]
     # bool and float masks give the same loss
-    loss_bool, _ = policy_loss(spec, logp.detach(), blogp, adv, mask)
+    loss_bool, _ = loss_and_metrics(spec, logp.detach(), blogp, adv, mask)
     assert loss_bool.item() == loss.item()
 
 
 def test_metrics_by_hand():
     # rho = [0.5, 2.0], A = +1, one-side: token 1 clipped. k3 = rho - 1 - ln rho:
     # 0.5 - 1 + ln 2 = 0.193147, 2 - 1 - ln 2 = 0.306853; mean = 0.25.
-    spec = ALGORITHMS["rec-oneside-is"]
+    spec = PRESET_OBJECTIVES["rec-oneside-is"]
     logp, blogp, adv, mask = batch_with_ratios([[0.5, 2.0]], [[-1.0]], [1.0])
-    _, metrics = policy_loss(spec, logp, blogp, adv, mask)
+    _, metrics = loss_and_metrics(spec, logp, blogp, adv, mask)
     assert metrics["clip_fraction"] == pytest.approx(0.5)
     assert metrics["ratio_mean"] == pytest.approx(1.25)
     assert (metrics["ratio_min"], metrics["ratio_max"]) == pytest.approx((0.5, 2.0))
@@ -576,7 +567,7 @@ def test_kl_to_initial_by_hand():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
     initial = torch.tensor([[-1.0, -1.0, 1000.0]], requires_grad=True)
     mask = torch.tensor([[True, True, False]])
-    penalty, kl = kl_to_initial(logp, initial, mask, 0.5, 4)
+    penalty, kl = kl_penalty(logp, initial, mask, 0.5, 4)
     assert kl.item() == pytest.approx((math.e - 2) / 4)
     assert penalty.item() == pytest.approx(0.5 * (math.e - 2) / 4)
     assert not kl.requires_grad
@@ -588,14 +579,15 @@ def test_kl_to_initial_by_hand():
 def test_kl_to_initial_is_zero_at_the_initial_policy_and_positive_elsewhere():
     logp = torch.log_softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(0)), dim=-1)  # [B, T]
     mask = torch.ones(3, 5, dtype=torch.bool)
-    assert kl_to_initial(logp, logp.clone(), mask, 1.0, 15)[1].item() == 0.0
+    assert kl_penalty(logp, logp.clone(), mask, 1.0, 15)[1].item() == 0.0
     for shift in (-0.3, 0.3):
-        assert kl_to_initial(logp, logp + shift, mask, 1.0, 15)[1].item() > 0
+        assert kl_penalty(logp, logp + shift, mask, 1.0, 15)[1].item() > 0
 
 
 def test_empty_batch_gives_zero_loss():
     logp = torch.full((2, 3), float("nan"), requires_grad=True)
-    loss, metrics = policy_loss(ALGORITHMS["grpo"], logp, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3))
+    loss, metrics = loss_and_metrics(PRESET_OBJECTIVES["grpo"], logp, torch.zeros(2, 3), torch.ones(2),
+                                     torch.zeros(2, 3))
     loss.backward()
     assert loss.item() == 0 and (logp.grad == 0).all()
     assert metrics["num_tokens"] == 0 and metrics["ratio_mean"] == 1.0
@@ -612,7 +604,7 @@ def test_micro_batch_invariance(name):  # m2po selects per micro-batch: tests/te
         total = 0.0
         for start in range(0, len(adv), size):
             rows = slice(start, start + size)
-            loss, _ = policy_loss(spec, logp[rows], blogp[rows], adv[rows], mask[rows],
+            loss, _ = loss_and_metrics(spec, logp[rows], blogp[rows], adv[rows], mask[rows],
                                   num_tokens=num_tokens, num_sequences=num_sequences)
             total = total + loss
         total.backward()
@@ -621,10 +613,10 @@ def test_micro_batch_invariance(name):  # m2po selects per micro-batch: tests/te
 
 def test_token_mean_depends_on_global_normalizer():
     # Without the global count each micro-batch is its own token-mean: the objective changes.
-    spec = ALGORITHMS["reinforce"]
+    spec = PRESET_OBJECTIVES["reinforce"]
     logp, blogp, adv, mask = random_batch(seed=7)
-    full, _ = policy_loss(spec, logp, blogp, adv, mask)
-    local = sum(policy_loss(spec, logp[i : i + 2], blogp[i : i + 2], adv[i : i + 2], mask[i : i + 2])[0]
+    full, _ = loss_and_metrics(spec, logp, blogp, adv, mask)
+    local = sum(loss_and_metrics(spec, logp[i : i + 2], blogp[i : i + 2], adv[i : i + 2], mask[i : i + 2])[0]
                 for i in range(0, 6, 2))
     assert not torch.isclose(full, local / 3)
 
@@ -636,7 +628,7 @@ def test_token_mean_depends_on_global_normalizer():
 def test_mean_baseline_by_hand():
     # group a: [0, 1, 1, 0] mean 0.5 -> [-0.5, 0.5, 0.5, -0.5]; group b: [0.2, 0.8] mean 0.5.
     rewards = torch.tensor([0.0, 1.0, 0.2, 1.0, 0.0, 0.8])
-    adv, keep = group_advantages(ALGORITHMS["reinforce"], rewards, ["a", "a", "b", "a", "a", "b"])
+    adv, keep = group_advantages(PRESET_OBJECTIVES["reinforce"], rewards, ["a", "a", "b", "a", "a", "b"])
     torch.testing.assert_close(adv, torch.tensor([-0.5, 0.5, -0.3, 0.5, -0.5, 0.3]))
     assert keep.all() and adv.dtype == torch.float32
 
@@ -645,14 +637,14 @@ def test_std_normalize_uses_unbiased_std():
     # [0, 0, 1]: mean 1/3; unbiased var = (1/9 + 1/9 + 4/9) / 2 = 1/3 -> std = 0.57735
     # A = [-1/3, -1/3, 2/3] / (0.57735 + 1e-6) = [-0.57735, -0.57735, 1.15470]
     # (population std sqrt(2/9) = 0.4714 would give -0.7071.)
-    adv, _ = group_advantages(ALGORITHMS["grpo"], torch.tensor([0.0, 0.0, 1.0]), [7, 7, 7])
+    adv, _ = group_advantages(PRESET_OBJECTIVES["grpo"], torch.tensor([0.0, 0.0, 1.0]), [7, 7, 7])
     std = math.sqrt(1 / 3)
     torch.testing.assert_close(adv, torch.tensor([-1 / 3, -1 / 3, 2 / 3]) / (std + 1e-6))
 
 
 @pytest.mark.parametrize("std_normalize", [False, True])
 def test_singleton_and_constant_groups_get_zero(std_normalize):
-    spec = AlgorithmSpec(std_normalize=std_normalize)
+    spec = Objective(std_normalize=std_normalize)
     rewards = torch.tensor([3.0, 0.1, 0.1, 0.1, 1.0, 0.0])
     adv, keep = group_advantages(spec, rewards, [0, 1, 1, 1, 2, 2])
     assert adv[:4].tolist() == [0.0, 0.0, 0.0, 0.0]  # exactly 0, no nan
@@ -665,13 +657,13 @@ def test_step_baseline_is_leave_one_out_for_singletons():
     # Step of 5 rows: group a = [1, 0] (centred on its mean 0.5), singletons b=1, c=0, d=1.
     # Sum of the step 3. Leave-one-out for the singletons: b: (3-1)/4 = 0.5 -> A = 0.5;
     # c: (3-0)/4 = 0.75 -> A = -0.75; d: like b, 0.5.
-    spec = AlgorithmSpec(baseline="step")
+    spec = Objective(baseline="step")
     rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0])
     adv, keep = group_advantages(spec, rewards, ["a", "a", "b", "c", "d"])
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.5, -0.75, 0.5]))
     assert keep.all()
     # Without group_mean every row uses the step: a's rows become 1 - 2/4 = 0.5 and 0 - 3/4 = -0.75.
-    spec_all = AlgorithmSpec(baseline="step", group_mean=False)
+    spec_all = Objective(baseline="step", group_mean=False)
     adv_all, _ = group_advantages(spec_all, rewards, ["a", "a", "b", "c", "d"])
     torch.testing.assert_close(adv_all, torch.tensor([0.5, -0.75, 0.5, -0.75, 0.5]))
     # A step of one row has no other row: A = 0 (no baseline), never a nan.
@@ -681,7 +673,7 @@ def test_step_baseline_is_leave_one_out_for_singletons():
 def test_step_baseline_std_uses_the_same_population():
     # Singletons [0, 1, 1, 0]. Row 0: others [1, 1, 0]: mean 2/3, unbiased var = (1/9+1/9+4/9)/2 = 1/3,
     # A = (0 - 2/3) / sqrt(1/3) = -1.1547; row 1: others [0, 1, 0]: mean 1/3, var 1/3, A = (2/3)/sqrt(1/3).
-    spec = AlgorithmSpec(baseline="step", std_normalize=True)
+    spec = Objective(baseline="step", std_normalize=True)
     adv, _ = group_advantages(spec, torch.tensor([0.0, 1.0, 1.0, 0.0]), [0, 1, 2, 3])
     s = math.sqrt(1 / 3) + 1e-6
     torch.testing.assert_close(adv, torch.tensor([-2 / 3 / s, 2 / 3 / s, 2 / 3 / s, -2 / 3 / s]))
@@ -694,42 +686,42 @@ def test_dataset_and_constant_baselines_by_hand():
     groups = ["a", "b", "c", "c"]  # two singletons, one group of two
     moments = RewardMoments.of([1.0, 0.0, 0.0, 0.0])  # mean 0.25, unbiased std 0.5
     assert (moments.mean, moments.std, moments.count) == (0.25, 0.5, 4)
-    adv, _ = group_advantages(AlgorithmSpec(baseline="dataset"), rewards, groups, dataset_moments=moments)
+    adv, _ = group_advantages(Objective(baseline="dataset"), rewards, groups, dataset_moments=moments)
     torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.5, 0.5]))  # c: its own mean 0.5
-    adv, _ = group_advantages(AlgorithmSpec(baseline="dataset", std_normalize=True), rewards, groups,
+    adv, _ = group_advantages(Objective(baseline="dataset", std_normalize=True), rewards, groups,
                               dataset_moments=moments)
     # singletons: (1 - 0.25) / 0.5 = 1.5, -0.5; group c: (+-0.5) / (unbiased std 0.7071)
     c = 0.5 / (math.sqrt(0.5) + 1e-6)
     torch.testing.assert_close(adv, torch.tensor([0.75 / (0.5 + 1e-6), -0.25 / (0.5 + 1e-6), -c, c]))
-    adv, _ = group_advantages(AlgorithmSpec(baseline="constant", baseline_value=0.5), rewards, groups)
+    adv, _ = group_advantages(Objective(baseline="constant", baseline_value=0.5), rewards, groups)
     torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, -0.5, 0.5]))
-    adv, _ = group_advantages(ALGORITHMS["topr"], torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "b", "c", "c"],
+    adv, _ = group_advantages(PRESET_OBJECTIVES["topr"], torch.tensor([1.0, 0.0, 1.0, 1.0]), ["a", "b", "c", "c"],
                               dataset_moments=moments)
     torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, 0.75, 0.75]))  # r - 0.25, never the group mean
     with pytest.raises(ValueError, match="dataset_moments"):
-        group_advantages(AlgorithmSpec(baseline="dataset"), rewards, groups)
+        group_advantages(Objective(baseline="dataset"), rewards, groups)
 
 
 def test_baseline_choices_are_validated():
     with pytest.raises(ValueError, match="unknown baseline 'batch'; valid: group, step, dataset, constant"):
-        AlgorithmSpec(baseline="batch")
+        Objective(baseline="batch")
     with pytest.raises(ValueError, match="group_mean=false needs a baseline"):
-        AlgorithmSpec(group_mean=False)
+        Objective(group_mean=False)
     with pytest.raises(ValueError, match="baseline=constant has none"):
-        AlgorithmSpec(baseline="constant", std_normalize=True)
+        Objective(baseline="constant", std_normalize=True)
     with pytest.raises(ValueError, match="baseline_value must be a finite number"):
-        AlgorithmSpec(baseline="constant", baseline_value=float("nan"))
-    spec = get_algorithm("rec-oneside-nois", baseline="constant", baseline_value="-1")
+        Objective(baseline="constant", baseline_value=float("nan"))
+    spec = get_objective("rec-oneside-nois", baseline="constant", baseline_value="-1")
     assert (spec.baseline, spec.baseline_value) == ("constant", -1.0)
     with pytest.raises(errors.UserError, match="algorithm 'grpo': std_normalize"):
-        get_algorithm("grpo", baseline="constant")
+        get_objective("grpo", baseline="constant")
 
 
 def test_step_baseline_does_not_depend_on_how_the_step_is_split():
     # The trainer computes advantages once per step from all of its rows (every rank the same);
     # the micro-batch losses with the step's N then sum to the one-batch loss (see the invariance
     # tests above): here, the advantages of a step equal those of any permutation of its rows.
-    spec = AlgorithmSpec(baseline="step", clip="one-side")
+    spec = Objective(baseline="step", clip="one-side")
     rewards = torch.tensor([0.3, 1.0, 0.0, 0.7, 0.2, 0.9])
     groups = [0, 1, 2, 2, 3, 4]
     adv, _ = group_advantages(spec, rewards, groups)
@@ -743,14 +735,14 @@ def test_topr_weights_by_hand():
     # topr-seq: row 1's whole ratio 0.5 * 2 * 1.5 = 1.5 -> 1; row 2 (A = -1): 0.5 * 0.8 * 1 = 0.4.
     rho = torch.tensor([[2.0, 0.5, 1.0], [0.5, 2.0, 1.5], [0.5, 0.8, 1.0]], dtype=torch.float64)
     adv = torch.tensor([[1.0], [-1.0], [-1.0]], dtype=torch.float64)
-    w = token_weights(ALGORITHMS["topr"], rho, None, adv)
+    w = TOKEN_WEIGHTS["topr"](PRESET_OBJECTIVES["topr"], rho, None, adv, None)
     torch.testing.assert_close(w, torch.tensor([[1.0, 1, 1], [0.5, 1, 1], [0.5, 0.8, 1]], dtype=torch.float64))
-    w_seq = token_weights(ALGORITHMS["topr-seq"], rho, None, adv)
+    w_seq = TOKEN_WEIGHTS["topr-seq"](PRESET_OBJECTIVES["topr-seq"], rho, None, adv, None)
     torch.testing.assert_close(w_seq, torch.tensor([[1.0] * 3, [1.0] * 3, [0.4] * 3], dtype=torch.float64))
     # The loss: -(W * A * logp) token-mean; logp = -1 everywhere -> row 0: +1 * 3 tokens -> -(-3) ... by hand:
     # per token -W*A*logp = W*A; sum = 3*1 + (-0.5 - 1 - 1) + (-0.5 - 0.8 - 1) = 3 - 2.5 - 2.3 = -1.8; / 9.
     logp = torch.full((3, 3), -1.0, dtype=torch.float64, requires_grad=True)
-    loss, _ = policy_loss(ALGORITHMS["topr"], logp, logp.detach() - rho.log(), adv[:, 0], torch.ones(3, 3))
+    loss, _ = loss_and_metrics(PRESET_OBJECTIVES["topr"], logp, logp.detach() - rho.log(), adv[:, 0], torch.ones(3, 3))
     assert loss.item() == pytest.approx(-1.8 / 9)
     loss.backward()
     torch.testing.assert_close(logp.grad, -(w * adv) / 9)  # dL/dlogp = -W*A/N
@@ -763,15 +755,15 @@ def test_advantage_stats_counts_groups():
 
 
 def test_group_ids_may_be_a_tensor():
-    adv, _ = group_advantages(ALGORITHMS["reinforce"], torch.tensor([0.0, 1.0]), torch.tensor([4, 4]))
+    adv, _ = group_advantages(PRESET_OBJECTIVES["reinforce"], torch.tensor([0.0, 1.0]), torch.tensor([4, 4]))
     assert adv.tolist() == [-0.5, 0.5]
 
 
 def test_group_advantages_rejects_bad_input():
     with pytest.raises(ValueError, match="2 group ids for 3 rewards"):
-        group_advantages(ALGORITHMS["reinforce"], torch.zeros(3), [0, 0])
+        group_advantages(PRESET_OBJECTIVES["reinforce"], torch.zeros(3), [0, 0])
     with pytest.raises(ValueError, match="rewards must be finite"):
-        group_advantages(ALGORITHMS["reinforce"], torch.tensor([0.0, float("nan")]), [0, 0])
+        group_advantages(PRESET_OBJECTIVES["reinforce"], torch.tensor([0.0, float("nan")]), [0, 0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -779,7 +771,7 @@ def test_group_advantages_rejects_bad_input():
 
 
 def test_red_drop_balances_and_recomputes_baseline_over_kept():
-    spec = ALGORITHMS["red-drop"]
+    spec = PRESET_OBJECTIVES["red-drop"]
     # group a: [0, 0, 0, 1]: mean 0.25, 3 negatives vs 1 positive -> drop 2 negatives;
     #   kept [0, 1], baseline 0.5 -> A = -0.5 (kept negative), +0.5; dropped A = 0.
     # group b: [0, 1, 1, 1]: 1 negative vs 3 positives -> nothing dropped; mean 0.75.
@@ -799,7 +791,7 @@ def test_red_drop_balances_and_recomputes_baseline_over_kept():
 
 
 def test_red_drop_choice_follows_the_generator():
-    spec = ALGORITHMS["red-drop"]
+    spec = PRESET_OBJECTIVES["red-drop"]
     rewards = torch.tensor([0.0] * 7 + [1.0])  # 7 negatives, 1 positive -> keep 1 + 1
     choices = set()
     for seed in range(20):
@@ -815,18 +807,18 @@ def test_red_drop_choice_follows_the_generator():
 def test_red_drop_leaves_loss_and_normalizer():
     # The trainer masks dropped rows out (mask & keep): the loss then equals the loss on the kept
     # rows alone, normalized by THEIR token count.
-    spec = ALGORITHMS["red-drop"]
+    spec = PRESET_OBJECTIVES["red-drop"]
     logp, blogp, _, mask = random_batch(seed=8)
     rewards = torch.tensor([0.0, 0.0, 0.0, 1.0, 0.0, 1.0])
     generator = torch.Generator().manual_seed(0)
     adv, keep = group_advantages(spec, rewards, [0, 0, 0, 0, 1, 1], generator=generator)
     assert keep.sum() == 4  # group 0 drops 2 of its 3 negatives
-    loss_dropped, metrics = policy_loss(spec, logp, blogp, adv.double(), mask & keep[:, None])
-    loss_kept, metrics_kept = policy_loss(spec, logp[keep], blogp[keep], adv.double()[keep], mask[keep])
+    loss_dropped, metrics = loss_and_metrics(spec, logp, blogp, adv.double(), mask & keep[:, None])
+    loss_kept, metrics_kept = loss_and_metrics(spec, logp[keep], blogp[keep], adv.double()[keep], mask[keep])
     torch.testing.assert_close(loss_dropped, loss_kept)
     assert metrics["num_tokens"] == metrics_kept["num_tokens"] == mask[keep].sum().item()
     # Leaving the dropped rows in the normalizer (their A is 0) would shrink the loss.
-    loss_wrong, _ = policy_loss(spec, logp, blogp, adv.double(), mask)
+    loss_wrong, _ = loss_and_metrics(spec, logp, blogp, adv.double(), mask)
     assert mask[~keep].sum() > 0 and not torch.isclose(loss_wrong, loss_kept)
 
 
@@ -847,7 +839,7 @@ def train_bandit(spec, steps=300, lr=1.0):
     theta = behavior.log().clone().requires_grad_()
     for _ in range(steps):
         logp = torch.log_softmax(theta, 0)[arms][:, None]  # [N, 1]
-        loss, _ = policy_loss(spec, logp, blogp, adv, mask)
+        loss, _ = loss_and_metrics(spec, logp, blogp, adv, mask)
         (grad,) = torch.autograd.grad(loss, theta)
         with torch.no_grad():
             theta -= lr * grad
@@ -857,12 +849,12 @@ def train_bandit(spec, steps=300, lr=1.0):
 def test_bandit_reinforce_collapses_to_arm_2_while_regularized_keep_arm_3():
     # Expected gradient of plain REINFORCE on this data is constant: theta moves along
     # c_a = mu_a * E[A | a] ~ (0.3 * -0.58, 0.6 * 0.22, 0.1 * 0.42) -> arm 2 wins, arm 3 -> 0.
-    reinforce = train_bandit(ALGORITHMS["reinforce"])
+    reinforce = train_bandit(PRESET_OBJECTIVES["reinforce"])
     assert reinforce[1] > 0.99 and reinforce[2] < 0.005
     # One-side clipping stops pushing once pi/mu leaves the band: arm 3 keeps ~0.12 (> 0.1).
-    oneside = train_bandit(ALGORITHMS["rec-oneside-nois"])
+    oneside = train_bandit(PRESET_OBJECTIVES["rec-oneside-nois"])
     # The k2 penalty balances the pull: arm 3 ends near 0.2.
-    opmd = train_bandit(ALGORITHMS["opmd"])
+    opmd = train_bandit(PRESET_OBJECTIVES["opmd"])
     for regularized in (oneside, opmd):
         assert regularized[2] > 0.1 > reinforce[2]
     assert opmd[2] > 0.15
@@ -875,9 +867,9 @@ def test_bandit_reinforce_collapses_to_arm_2_while_regularized_keep_arm_3():
     (0.0, (3 - 0) / 4),  # the negatives' term gone: fine-tuning on the positive alone
 ])
 def test_negative_weight_scales_the_negative_rows_term_by_hand(negative_weight, expected):
-    spec = dataclasses.replace(ALGORITHMS["reinforce"], negative_weight=negative_weight)
+    spec = dataclasses.replace(PRESET_OBJECTIVES["reinforce"], negative_weight=negative_weight)
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
-    loss, _ = policy_loss(spec, logp, logp.detach(), torch.tensor([1.0, -2.0]), torch.ones(2, 2))
+    loss, _ = loss_and_metrics(spec, logp, logp.detach(), torch.tensor([1.0, -2.0]), torch.ones(2, 2))
     assert loss.item() == pytest.approx(expected)
     (grad,) = torch.autograd.grad(loss, logp)  # d loss / d logp = -lambda_i * A_i / N
     torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0], [2 * negative_weight] * 2]) / 4)
@@ -885,7 +877,7 @@ def test_negative_weight_scales_the_negative_rows_term_by_hand(negative_weight, 
 
 def test_negative_weight_must_be_a_finite_non_negative_number():
     with pytest.raises(errors.UserError, match="negative_weight must be finite and >= 0"):
-        get_algorithm("reinforce", negative_weight=-0.5)
+        get_objective("reinforce", negative_weight=-0.5)
 
 
 @pytest.mark.parametrize("scale, expected", [
@@ -895,7 +887,7 @@ def test_negative_weight_must_be_a_finite_non_negative_number():
     (0.0, [1, 0, 0, 0, 1, 1, 1, 1, 0, 0]),  # A = r: reward-weighted fine-tuning
 ])
 def test_group_mean_scale_centres_on_a_fraction_of_the_group_mean_by_hand(scale, expected):
-    spec = dataclasses.replace(ALGORITHMS["rec-oneside-nois"], group_mean_scale=scale)
+    spec = dataclasses.replace(PRESET_OBJECTIVES["rec-oneside-nois"], group_mean_scale=scale)
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0])
     advantages, keep = group_advantages(spec, rewards, [0] * 4 + [1] * 4 + [2] * 2)
     torch.testing.assert_close(advantages, torch.tensor(expected, dtype=torch.float32))
@@ -905,4 +897,4 @@ def test_group_mean_scale_centres_on_a_fraction_of_the_group_mean_by_hand(scale,
 @pytest.mark.parametrize("scale", [-0.1, 1.5, float("nan")])
 def test_group_mean_scale_outside_zero_one_is_refused(scale):
     with pytest.raises(errors.UserError, match="group_mean_scale must be"):
-        get_algorithm("rec-oneside-nois", group_mean_scale=scale)
+        get_objective("rec-oneside-nois", group_mean_scale=scale)

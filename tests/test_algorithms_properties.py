@@ -8,8 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.losses import PRESET_OBJECTIVES, loss_and_metrics
 
-from offline_rec.algorithms import ALGORITHMS, TIE_TOLERANCE, AlgorithmSpec, group_advantages, policy_loss
+from offline_rec.loss.advantages import TIE_TOLERANCE, group_advantages
+from offline_rec.loss.objective import Objective
 
 torch.set_num_threads(1)
 
@@ -38,22 +40,22 @@ def batches(draw):
 
 def run(spec, logp, blogp, advantages, mask):
     leaf = logp.clone().requires_grad_()
-    loss, metrics = policy_loss(spec, leaf, blogp, advantages, mask)
+    loss, metrics = loss_and_metrics(spec, leaf, blogp, advantages, mask)
     loss.backward()
     return loss.detach(), leaf.grad, metrics
 
 
 @PROPERTY_SETTINGS
-@given(name=st.sampled_from(sorted(ALGORITHMS)), batch=batches())
+@given(name=st.sampled_from(sorted(PRESET_OBJECTIVES)), batch=batches())
 def test_finite_inputs_give_finite_outputs(name, batch):
-    loss, grad, metrics = run(ALGORITHMS[name], *batch)
+    loss, grad, metrics = run(PRESET_OBJECTIVES[name], *batch)
     assert torch.isfinite(loss)
     assert torch.isfinite(grad).all()
     assert all(math.isfinite(value) for value in metrics.values())
 
 
 @PROPERTY_SETTINGS
-@given(name=st.sampled_from(sorted(ALGORITHMS)), batch=batches(), data=st.data())
+@given(name=st.sampled_from(sorted(PRESET_OBJECTIVES)), batch=batches(), data=st.data())
 def test_padding_content_does_not_matter(name, batch, data):
     logp, blogp, advantages, mask = batch
     B, T = logp.shape
@@ -63,8 +65,8 @@ def test_padding_content_does_not_matter(name, batch, data):
 
     dirty_logp = torch.where(mask, logp, fill())
     dirty_blogp = torch.where(mask, blogp, fill())
-    clean = run(ALGORITHMS[name], logp, blogp, advantages, mask)
-    dirty = run(ALGORITHMS[name], dirty_logp, dirty_blogp, advantages, mask)
+    clean = run(PRESET_OBJECTIVES[name], logp, blogp, advantages, mask)
+    dirty = run(PRESET_OBJECTIVES[name], dirty_logp, dirty_blogp, advantages, mask)
     assert torch.equal(clean[0], dirty[0])
     assert torch.equal(clean[1], dirty[1])
     assert (dirty[1][~mask] == 0).all()
@@ -84,7 +86,7 @@ def grouped_rewards(draw):
 
 
 @PROPERTY_SETTINGS
-@pytest.mark.parametrize("spec", [AlgorithmSpec(), AlgorithmSpec(std_normalize=True)], ids=["mean", "std"])
+@pytest.mark.parametrize("spec", [Objective(), Objective(std_normalize=True)], ids=["mean", "std"])
 @given(data=grouped_rewards(), order=st.randoms(use_true_random=False))
 def test_group_advantages_follow_a_permutation(spec, data, order):
     rewards, group_ids = data
@@ -100,7 +102,7 @@ def test_group_advantages_follow_a_permutation(spec, data, order):
 @given(data=grouped_rewards(), seed=st.integers(0, 2**16))
 def test_red_drop_balances_every_group(data, seed):
     rewards, group_ids = data
-    adv, keep = group_advantages(ALGORITHMS["red-drop"], rewards, group_ids,
+    adv, keep = group_advantages(PRESET_OBJECTIVES["red-drop"], rewards, group_ids,
                                  generator=torch.Generator().manual_seed(seed))
     assert (adv[~keep] == 0).all()
     for group in set(group_ids):

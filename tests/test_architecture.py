@@ -14,10 +14,10 @@ from support.paths import REPO
 PACKAGE = REPO / "offline_rec"
 LAYERS = [
     {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.progress",
-     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.objectives", "offline_rec.algorithms",
+     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.loss",
      "offline_rec.options",
      "offline_rec.ray_cluster", "offline_rec.devices", "offline_rec.workers"},
-    {"offline_rec.dataset", "offline_rec.data"},  # the format, below everything that reads or writes it
+    {"offline_rec.dataset"},  # the format, below everything that reads or writes it
     {"offline_rec.models"},
     {"offline_rec.tasks"},
     {"offline_rec.rewards", "offline_rec.importers"},  # scoring and importing load models and run task rewards
@@ -28,10 +28,6 @@ LAYERS = [
     {"offline_rec.demo"},
     {"offline_rec.cli", "offline_rec.display", "offline_rec.summaries", "offline_rec.__main__"},
 ]
-
-
-OLD_PATH_SHIMS = {"offline_rec.data", "offline_rec.data.dataset", "offline_rec.data.card", "offline_rec.data.validate"}
-"""Old import paths kept as re-exports for one release (docs/architecture.md lists them); no module uses them."""
 
 
 def module_name(path: Path) -> str:
@@ -125,11 +121,64 @@ def shared_file_names(paths: list[Path]) -> dict[str, list[str]]:
     return {name: found for name, found in where.items() if len(found) > 1}
 
 
-def test_no_two_modules_of_the_package_share_a_file_name():
-    """A file name says its job: `reward_model.py` in two rooms left a reader guessing which one a traceback meant."""
-    modules = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py"))
-               if module_name(path) not in OLD_PATH_SHIMS]
+BESIDE_THE_PACKAGE = ("experiments", "benchmarks")
+"""The research experiments and the performance benchmarks: they use the package, the package never uses them."""
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says its job: `reward_model.py` in two rooms left a reader guessing which one a traceback meant.
+    The package, the experiments and the benchmarks together."""
+    modules = [path.relative_to(REPO) for path in sorted(PACKAGE.rglob("*.py"))]
+    modules += [path.relative_to(REPO) for folder in BESIDE_THE_PACKAGE
+                for path in sorted((REPO / folder).rglob("*.py"))]
     assert not shared_file_names(modules), shared_file_names(modules)
+
+
+def imported_roots(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports (function-level imports included)."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def test_the_package_never_imports_the_experiments_or_the_benchmarks():
+    users = [f"{path.relative_to(REPO)} imports {root}" for path in sorted(PACKAGE.rglob("*.py"))
+             for root in sorted(imported_roots(path) & set(BESIDE_THE_PACKAGE))]
+    assert not users, users
+
+
+def test_the_import_check_finds_every_form_of_import(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import os.path\nfrom experiments import harness\ndef f():\n    import benchmarks.run as r\n"
+                      "from . import sibling\n")
+    assert imported_roots(source) == {"os", "experiments", "benchmarks"}
+
+
+def declared_benchmark_keys(paths) -> list[str]:
+    """The names of every `Key("name", ...)` of `paths`: each key of the benchmark is declared so, once."""
+    names = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Key"
+                    and node.args and isinstance(node.args[0], ast.Constant)):
+                names.append(node.args[0].value)
+    return names
+
+
+def test_no_benchmark_key_is_declared_twice():
+    names = declared_benchmark_keys(sorted((REPO / "benchmarks").rglob("*.py")))
+    assert len(names) > 100 and {"train_vs_bare", "record_throughput_vs_direct", "judge_vs_bare_client"} <= set(names)
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+    from benchmarks.parts import PARTS
+    from benchmarks.run import RUN_KEYS
+
+    # every key the runner knows is one of those declarations
+    known = [key.name for part in PARTS for key in part.keys] + [key.name for key in RUN_KEYS]
+    assert sorted(known) == sorted(names)
 
 
 def test_the_shared_file_name_check_finds_a_repeat():
@@ -138,44 +187,28 @@ def test_the_shared_file_name_check_finds_a_repeat():
     assert shared_file_names(paths) == {"policy.py": ["p/a/policy.py", "p/b/policy.py"]}
 
 
-def test_no_package_module_imports_an_old_path(graph):
-    assert OLD_PATH_SHIMS <= set(graph)
-    users = [f"{source} imports {target}" for source, targets in graph.items() if source not in OLD_PATH_SHIMS
-             for target in targets & OLD_PATH_SHIMS]
-    assert not users, users
-
-
-def test_the_old_paths_still_import_what_the_readme_named_and_warn():
-    import importlib
-    import sys
-
-    from offline_rec.dataset import card, validate
-    from offline_rec.dataset import format as dataset_format
-
-    for old, new, name in (("offline_rec.data.dataset", dataset_format, "DatasetWriter"),
-                           ("offline_rec.data.card", card, "refresh_dataset_card"),
-                           ("offline_rec.data.validate", validate, "check_dataset_for_use")):
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=old.replace(".", r"\.") + " moved to " + new.__name__):
-            module = importlib.import_module(old)
-        assert getattr(module, name) is getattr(new, name)
+def test_the_old_data_paths_are_gone():
+    """The re-exports `offline_rec.data.dataset`, `.card` and `.validate`, kept one release after the data layer's
+    split, are removed (CHANGELOG.md; docs/architecture.md maps each old path to its new one): the package has no
+    data/ module left. (Not an import attempt: an editable install of another checkout would answer for it.)"""
+    assert not list((PACKAGE / "data").glob("**/*.py"))  # a checkout may keep an ignored __pycache__ there
 
 
 # --------------------------------------------------------------------------------------------
 # backends: what a backend can do is read from its class in rollout/backends/, never from its name
 
 
+def compared_constants(node: ast.Compare) -> set:
+    """The constants a comparison compares with, alone or in a literal collection (`x in ("a", "b")`)."""
+    operands = [node.left, *node.comparators]
+    literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
+    return {e.value for e in literals if isinstance(e, ast.Constant)}
+
+
 def backend_name_comparisons(source: str, names: set[str]) -> list[int]:
     """Lines of `source` that compare a value with one of `names` (==, !=, in / not in a literal collection)."""
-    lines = []
-    for node in ast.walk(ast.parse(source)):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        literals = [e for o in operands for e in (o.elts if isinstance(o, (ast.Tuple, ast.List, ast.Set)) else [o])]
-        if any(isinstance(e, ast.Constant) and e.value in names for e in literals):
-            lines.append(node.lineno)
-    return lines
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and compared_constants(node) & names]
 
 
 def test_backend_names_are_compared_only_inside_rollout_backends():
@@ -208,6 +241,39 @@ def test_every_backend_declares_its_capabilities():
         assert backend.name == key
         assert all(hasattr(backend, attribute) for attribute in declared), (key, declared)
         assert callable(backend.load)
+
+
+# --------------------------------------------------------------------------------------------
+# import formats: what a format does is asked of its IMPORT_FORMATS entry or done in its own module, never
+# decided by a test of its name
+
+
+def format_name_comparisons(source: str, names: set[str]) -> list[int]:
+    """Lines of `source` that compare an import format's name (an attribute `.format`, or a variable `fmt`) with
+    one of `names`."""
+    def names_a_format(operand: ast.expr) -> bool:
+        return (isinstance(operand, ast.Attribute) and operand.attr == "format") or (
+            isinstance(operand, ast.Name) and operand.id == "fmt")
+
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Compare) and compared_constants(node) & names
+            and any(names_a_format(operand) for operand in [node.left, *node.comparators])]
+
+
+def test_import_format_names_are_never_compared():
+    from offline_rec.importers import IMPORT_FORMATS
+
+    found = [f"{path.relative_to(REPO)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
+             for line in format_name_comparisons(path.read_text(encoding="utf-8"), set(IMPORT_FORMATS))]
+    assert not found, ("give the format a hook or an ImportFormat field (importers/__init__.py) instead of "
+                       "testing its name: " + ", ".join(found))
+
+
+def test_the_format_name_check_finds_every_form_of_comparison():
+    names = {"text", "openai", "trl"}
+    source = ('a = fmt == "text"\nb = config.format in ("text", "trl")\nc = "openai" != fmt\n'
+              'd = fmt not in ["trl"]\ne = evidence.kind == "text"\nf = fmt == "other"\n')
+    assert format_name_comparisons(source, names) == [1, 2, 3, 4]
 
 
 # --------------------------------------------------------------------------------------------
@@ -260,3 +326,34 @@ def test_test_helpers_live_in_the_support_package():
                    if not path.name.startswith("test_") and path.name != "conftest.py")
     assert not loose, loose
     assert (REPO / "tests" / "support" / "__init__.py").is_file()
+
+
+STEP_PATH = ["loss/ratios.py", "loss/objective.py", "loss/presets.py", "loss/advantages.py", "loss/policy_loss.py",
+             "loss/totals.py", "training/config.py", "training/recipes.py", "training/legacy_keys.py",
+             "training/step_source.py", "training/micro_batching.py", "training/trainer.py", "training/loop.py",
+             "training/metrics.py", "training/checks.py", "training/checkpoint.py"]
+"""The modules a training step reads from the command line down to the loss (docs/architecture.md, "The training
+path, in one picture"). loss/terms.py is left out: a registered term's keyword-only parameters are the objective
+fields it reads, its formula's own symbols."""
+
+
+def parameter_counts(source: str) -> list[tuple[int, str]]:
+    """(parameters, name) of every function in `source`, self and cls left out."""
+    counts = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            arguments = node.args
+            named = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+            extra = int(arguments.vararg is not None) + int(arguments.kwarg is not None)
+            counts.append((len([n for n in named if n not in ("self", "cls")]) + extra, node.name))
+    return counts
+
+
+def test_parameter_counts_leave_self_out():
+    assert parameter_counts("class C:\n    def m(self, a, b=1, *c, d, **e):\n        pass\n") == [(5, "m")]
+
+
+def test_no_function_of_the_step_path_takes_more_than_six_parameters():
+    wide = [f"{module}:{name} ({count})" for module in STEP_PATH
+            for count, name in parameter_counts((PACKAGE / module).read_text(encoding="utf-8")) if count > 6]
+    assert not wide, wide

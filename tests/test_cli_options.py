@@ -15,11 +15,12 @@ import typer
 import typer.main
 from typer.testing import CliRunner
 
-from offline_rec.cli import app
+from offline_rec.cli import ProgramOptions, app
 from offline_rec.options import (
     Output,
     Overrides,
     Shared,
+    app_options,
     argument,
     cli_fields,
     command,
@@ -83,8 +84,8 @@ def test_each_field_is_one_parameter_with_the_fields_default(name):
     assert len(seen) == len(set(seen)), f"{name}: a field name serves two parameters"
 
 
-# What a built command may declare besides its config fields and the shared Output flags: train's own flags.
-HANDLER_OWN = {"train": {"config_file", "set_", "list_options"}}
+# What a built command may declare besides its config fields and the shared Output flags (none do now).
+HANDLER_OWN: dict[str, set[str]] = {}
 
 
 def fields_of(target) -> list[str]:
@@ -101,6 +102,13 @@ def test_a_built_command_declares_nothing_by_hand_but_its_own_flags(name):
     assert by_hand == HANDLER_OWN.get(name, set())
     flags = [opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)]
     assert len(flags) == len(set(flags)), f"{name}: a flag declared twice"
+
+
+def test_the_programs_own_options_are_built_from_their_config():
+    """`offline-rec --version` too: the app's callback is built from ProgramOptions, and declares nothing else."""
+    group = typer.main.get_command(app)
+    assert group.callback.options_from == {"options": ProgramOptions}
+    assert [p.name for p in group.params] == [f.name for f in cli_fields(ProgramOptions)] == ["version"]
 
 
 # -------------------------------------------------------------------------------------------
@@ -151,6 +159,31 @@ def test_command_builds_the_config_and_passes_the_shared_and_plain_parameters(mo
         "--extra")  # `order` first, then the fields, then the handler's own parameters
     assert "--hidden" not in help_text and "TOY_SECRET" not in help_text
     assert CliRunner().invoke(toy, ["go", "in"]).exit_code == 2  # --out is required
+
+
+def test_an_eager_option_acts_before_the_other_options_are_checked_and_app_options_build_the_callback():
+    def show_and_exit(value: bool) -> None:
+        if value:
+            typer.echo("shown")
+            raise typer.Exit()
+
+    @dataclasses.dataclass
+    class Eager:
+        show: bool = option(False, "--show", help="Show and exit.", eager=show_and_exit)
+        level: int = option(1, "--level", help="A level.")
+
+    toy, got = toy_app(config=Toy)
+
+    @app_options(toy, options=Eager)
+    def root(options) -> None:
+        got["root"] = options
+
+    result = CliRunner().invoke(toy, ["--show", "go"])  # go's required SRC and --out are never asked for
+    assert (result.exit_code, result.output, got) == (0, "shown\n", {})
+    result = CliRunner().invoke(toy, ["--level", "3", "go", "in", "-o", "x"])
+    assert result.exit_code == 0, result.output
+    assert got["root"] == Eager(level=3) and got["config"].out == Path("x")
+    assert "Show and exit." in CliRunner().invoke(toy, ["--help"]).output
 
 
 def test_overrides_pass_only_the_flags_given():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.paths import REPO
+from support.readme_blocks import readme_bash_lines
 from support.traffic_support import write_logged
 
 from offline_rec import schema as S
@@ -20,11 +21,7 @@ HEADING = "### From logged traffic to training"
 
 
 def readme_commands() -> list[str]:
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text[text.index(HEADING):]
-    block = section[section.index("```bash\n") + len("```bash\n"):]
-    block = block[:block.index("```")]
-    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+    return readme_bash_lines(HEADING)
 
 
 @pytest.mark.timeout(900)

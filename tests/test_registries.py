@@ -1,4 +1,4 @@
-"""The objective axes as registries (offline_rec.objectives): every entry documented with its formula and its
+"""The objective axes as registries (offline_rec.loss): every entry documented with its formula and its
 own parameters, every unknown value refused when a spec is made, and `ratios` computed by hand."""
 
 from __future__ import annotations
@@ -8,25 +8,26 @@ import math
 
 import pytest
 import torch
+from support.losses import loss_and_metrics
 
 from offline_rec import errors
-from offline_rec.algorithms import (
+from offline_rec.loss.objective import (
     AGGREGATIONS,
+    AXES,
     BASELINES,
     CLIPS,
     DROPS,
-    RATIO_LEVELS,
+    REGISTRIES,
     REGULARIZERS,
     WEIGHTS,
-    AlgorithmSpec,
-    get_algorithm,
-    policy_loss,
+    Objective,
 )
-from offline_rec.objectives import (
+from offline_rec.loss.presets import get_objective
+from offline_rec.loss.ratios import (
     EXPONENT_LIMIT,
     NO_TOKEN_RATIO_METRICS,
+    RATIO_LEVELS,
     RATIO_TOTALS,
-    REGISTRIES,
     add_totals,
     ratio_stats,
     ratios,
@@ -35,7 +36,8 @@ from offline_rec.objectives import (
 torch.set_num_threads(1)
 
 # What each axis's docstrings must define: its symbol in the loss -M * W * A * logp + R, aggregated.
-FORMULA = {"clip": "M =", "weight": "W =", "regularizer": "R =", "aggregation": "loss =", "baseline": "A_i ="}
+FORMULA = {"clip": "M =", "weight": "W =", "regularizer": "R =", "kl_estimator": "K =", "aggregation": "loss =",
+           "baseline": "A_i ="}
 ENTRIES = [(axis, name) for axis, registry in REGISTRIES.items() for name in registry]
 
 
@@ -46,6 +48,9 @@ def test_the_choice_tuples_are_the_registries_keys():
     assert BASELINES == tuple(REGISTRIES["baseline"])
     assert AGGREGATIONS == ("auto", *REGISTRIES["aggregation"])
     assert set(FORMULA) == set(REGISTRIES)
+    # every field of the objective belongs to exactly one axis (train's --list-options groups them so)
+    listed = [name for names in AXES.values() for name in names]
+    assert sorted(listed) == sorted(field.name for field in dataclasses.fields(Objective))
 
 
 @pytest.mark.parametrize(("axis", "name"), ENTRIES)
@@ -55,35 +60,37 @@ def test_every_entry_has_its_formula_and_its_own_parameters(axis, name):
     # the docstring opens with the value it is registered under, then gives the formula
     assert doc.startswith(f"{name}: "), doc
     assert FORMULA[axis] in doc, doc
-    fields = {field.name for field in dataclasses.fields(AlgorithmSpec)}
-    assert set(term.parameters) <= fields, f"{axis} {name} reads {term.parameters}, not all AlgorithmSpec fields"
+    fields = {field.name for field in dataclasses.fields(Objective)}
+    assert set(term.parameters) <= fields, f"{axis} {name} reads {term.parameters}, not all Objective fields"
 
 
 def test_a_term_passes_its_own_parameters_from_the_spec():
     one_side = REGISTRIES["clip"]["one-side"]
     assert one_side.parameters == ("eps_low", "eps_high")
     rho = torch.tensor([[0.5, 1.1, 1.3]])
-    wide = one_side(AlgorithmSpec(eps_low=0.6, eps_high=0.2), rho, None, torch.tensor([[-1.0]]), None)
-    narrow = one_side(AlgorithmSpec(eps_low=0.4, eps_high=0.2), rho, None, torch.tensor([[-1.0]]), None)
+    wide = one_side(Objective(eps_low=0.6, eps_high=0.2), rho, None, torch.tensor([[-1.0]]), None)
+    narrow = one_side(Objective(eps_low=0.4, eps_high=0.2), rho, None, torch.tensor([[-1.0]]), None)
     assert wide.tolist() == [[True, True, True]]  # A < 0: kept where rho >= 1 - eps_low
     assert narrow.tolist() == [[False, True, True]]
     assert REGISTRIES["regularizer"]["k2"].parameters == ("reg_coef",)
     assert REGISTRIES["aggregation"]["dr-grpo"].parameters == ("max_completion_length",)
 
 
-@pytest.mark.parametrize("field", ["clip", "weight", "regularizer", "aggregation", "baseline", "drop", "ratio_level"])
+@pytest.mark.parametrize("field", ["clip", "weight", "regularizer", "kl_estimator", "aggregation", "baseline", "drop",
+                                   "ratio_level"])
 def test_an_unknown_value_is_refused_on_every_axis(field):
     valid = {"clip": CLIPS, "weight": WEIGHTS, "regularizer": REGULARIZERS, "aggregation": AGGREGATIONS,
-             "baseline": BASELINES, "drop": DROPS, "ratio_level": RATIO_LEVELS}[field]
+             "baseline": BASELINES, "drop": DROPS, "ratio_level": RATIO_LEVELS,
+             "kl_estimator": tuple(REGISTRIES["kl_estimator"])}[field]
     with pytest.raises(ValueError, match=f"unknown {field} 'bogus'; valid: {', '.join(valid)}$"):
-        AlgorithmSpec(**{field: "bogus"})
+        Objective(**{field: "bogus"})
     with pytest.raises(errors.UserError, match=f"algorithm 'grpo': unknown {field} 'bogus'"):
-        get_algorithm("grpo", **{field: "bogus"})
+        get_objective("grpo", **{field: "bogus"})
 
 
 def test_properties_replace_preset_names():
     clips, weights = REGISTRIES["clip"], REGISTRIES["weight"]
-    assert [name for name, term in clips.items() if term.filters_one_side] == ["dual-clip", "opsm"]
+    assert {name: term.filters for name, term in clips.items() if term.filters} == {"opsm": "one-side"}
     assert {name: term.aggregation for name, term in clips.items() if term.aggregation != "token-mean"} == {
         "gspo-one-side": "seq-mean-token-mean"}
     assert [name for name, term in weights.items() if not term.by_ratio] == ["none", "advantage"]
@@ -103,8 +110,10 @@ def test_ratios_by_hand():
     sequence = r.level("sequence")
     torch.testing.assert_close(sequence[0], torch.tensor([math.exp(0.5)] * 2 + [1.0], dtype=torch.float64))
     assert r.level("token") is r.rho
+    # row: each row's product prod_t rho_t on its tokens: e^1 = e on row 0, e^19 on row 1
+    torch.testing.assert_close(r.level("row")[1], torch.tensor([math.exp(19)] * 2 + [1.0], dtype=torch.float64))
     with pytest.raises(ValueError, match="unknown ratio_level"):
-        r.level("row")
+        r.level("rows")
     metrics = r.metrics()
     rho = [math.e, 1.0, 1 / math.e, math.exp(20)]
     assert metrics["ratio_mean"].item() == pytest.approx(sum(rho) / 4)
@@ -142,8 +151,8 @@ def test_policy_loss_logs_the_ratios_metrics():
     torch.manual_seed(0)
     logp, blogp = -torch.rand(3, 4, dtype=torch.float64), -torch.rand(3, 4, dtype=torch.float64)
     mask = torch.rand(3, 4) > 0.3
-    _, metrics = policy_loss(AlgorithmSpec(clip="one-side", weight="is"), logp, blogp, torch.ones(3), mask)
+    _, metrics = loss_and_metrics(Objective(clip="one-side", weight="is"), logp, blogp, torch.ones(3), mask)
     for key, value in ratios(logp, blogp, mask).metrics().items():
         assert metrics[key] == value.item(), key
-    _, empty = policy_loss(AlgorithmSpec(), logp, blogp, torch.ones(3), torch.zeros(3, 4, dtype=torch.bool))
+    _, empty = loss_and_metrics(Objective(), logp, blogp, torch.ones(3), torch.zeros(3, 4, dtype=torch.bool))
     assert {key: empty[key] for key in NO_TOKEN_RATIO_METRICS} == NO_TOKEN_RATIO_METRICS

@@ -50,7 +50,7 @@ def _reward_histogram(lf, lo: float | None, hi: float | None, bins: int = REWARD
 
 
 def _learning_signal(groups, reward_mean: float | None, rows: int) -> dict:
-    """Which baselines give this data a learning signal (`offline_rec.algorithms.AlgorithmSpec.baseline`).
+    """Which baselines give this data a learning signal (`offline_rec.loss.objective.Objective.baseline`).
 
     Per baseline, the rows whose advantage is not 0 when the whole dataset is one step: `group`, the
     rows of groups of >= 2 responses whose rewards differ; `step` and `dataset` (the data's mean for
@@ -70,7 +70,7 @@ def _learning_signal(groups, reward_mean: float | None, rows: int) -> dict:
         advice = "no baseline gives this data a learning signal: its rewards are all equal or missing"
     elif singleton_groups and by_baseline["group"] < by_baseline["step"]:
         advice = (f"{singleton_groups} groups hold one response, with no signal under the group baseline: train with "
-                  "--set algorithm.baseline=step (or dataset, or constant with algorithm.baseline_value) or "
+                  "--set baseline=step (or dataset, or constant with baseline_value) or "
                   "--algorithm topr")
     else:
         advice = "the group baseline (the default) has signal"

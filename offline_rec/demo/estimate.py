@@ -86,37 +86,36 @@ def duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
-def step_rows(config) -> tuple[int, int]:
-    """(optimizer steps, rows a step) of a demo with `config`. Steps of rows (`batching: rows`) count every
-    collected row: the rows of advantage 0 that skip_zero_advantage leaves out are known only after collect, so
-    the count is an upper bound (512 for the demo, which makes ~414)."""
-    from offline_rec.training.config import TrainConfig
+def step_rows(settings, train) -> tuple[int, int]:
+    """(optimizer steps, rows a step) of a demo with `settings` (a DemoSettings) training with `train` (its
+    TrainConfig). Steps of rows (`batching: rows`) count every collected row: the rows of advantage 0 that
+    skip_zero_advantage leaves out are known only after collect, so the count is an upper bound."""
     from offline_rec.training.scheduling import steps_per_epoch
 
-    train = dict(config.train_overrides)
-    if train.get("batching") == "rows":
-        rows = train.get("rows_per_step", TrainConfig.rows_per_step)
-        return -(-config.num_prompts * config.collect_samples // rows) * config.epochs, rows
-    steps = steps_per_epoch(config.num_prompts, config.prompts_per_step) * config.epochs
-    return steps, config.prompts_per_step * config.collect_samples
+    if train.batching == "rows":
+        rows = train.rows_per_step
+        return -(-settings.num_prompts * settings.collect_samples // rows) * train.epochs, rows
+    steps = steps_per_epoch(settings.num_prompts, train.prompts_per_step) * train.epochs
+    return steps, train.prompts_per_step * settings.collect_samples
 
 
-def planned_work(config) -> Planned:
-    """The loads, generated sequences, optimizer steps and checkpoints of a demo with `config` (a DemoSettings),
-    as run_demo runs it: collect, before, train, the curve (step 0 validated when there are validation
-    prompts, then every checkpoint), after."""
-    steps, _ = step_rows(config)
-    checkpoints = -(-steps // config.eval_every)  # every eval_every steps, and the last step
-    per_eval = config.eval_prompts * (1 + config.num_samples)  # greedy + K samples
-    per_point = config.eval_prompts * 2 + config.validation_prompts  # greedy + one sample; greedy validation
-    sequences = (config.num_prompts * config.collect_samples + 2 * per_eval + checkpoints * per_point
-                 + config.validation_prompts)
-    loads = 1 + 1 + 1 + checkpoints + (1 if config.validation_prompts else 0) + 1
+def planned_work(settings, train) -> Planned:
+    """The loads, generated sequences, optimizer steps and checkpoints of a demo with `settings` and `train`, as
+    run_demo runs it: collect, before, train, the curve (step 0 validated when there are validation prompts,
+    then every checkpoint), after."""
+    steps, _ = step_rows(settings, train)
+    checkpoints = -(-steps // settings.eval_every)  # every eval_every steps, and the last step
+    per_eval = settings.eval_prompts * (1 + settings.num_samples)  # greedy + K samples
+    per_point = settings.eval_prompts * 2 + settings.validation_prompts  # greedy + one sample; greedy validation
+    sequences = (settings.num_prompts * settings.collect_samples + 2 * per_eval + checkpoints * per_point
+                 + settings.validation_prompts)
+    loads = 1 + 1 + 1 + checkpoints + (1 if settings.validation_prompts else 0) + 1
     return Planned(loads=loads, sequences=sequences, steps=steps, checkpoints=checkpoints)
 
 
-def measure(policy: str, config, task: str) -> Measured:
-    """The micro-benchmark (module docstring) of `policy` with the demo's prompts of `task` and its sizes."""
+def measure(policy: str, config, train, task: str) -> Measured:
+    """The micro-benchmark (module docstring) of `policy` with the demo's prompts of `task` and its sizes
+    (`config`: a DemoSettings; `train`: the run's TrainConfig)."""
     import torch
 
     from offline_rec.models.loading import load_model, load_tokenizer
@@ -141,7 +140,7 @@ def measure(policy: str, config, task: str) -> Measured:
                                 pad_token_id=tokenizer.pad_token_id)
         generate_seconds = time.perf_counter() - started
 
-    _, rows = step_rows(config)
+    _, rows = step_rows(config, train)
     ids = output.repeat(-(-rows // output.shape[0]), 1)[:rows]  # [rows, prompt + completion tokens]
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-12, weight_decay=0.0)
@@ -156,6 +155,7 @@ def measure(policy: str, config, task: str) -> Measured:
                     train_step=round(train_seconds, 3), rows=rows, tokens=int(ids.shape[1]))
 
 
-def estimate_demo(policy: str, config, task: str) -> Estimate:
-    """`measure` scaled by `planned_work`: how long the demo with `config` will take on this machine."""
-    return Estimate(measure(policy, config, task), planned_work(config))
+def estimate_demo(policy: str, config, train, task: str) -> Estimate:
+    """`measure` scaled by `planned_work`: how long the demo with `config` training with `train` will take on this
+    machine."""
+    return Estimate(measure(policy, config, train, task), planned_work(config, train))

@@ -74,7 +74,9 @@ class EvalConfig:
         None, "--model",
         help="Policy: model folder, checkpoint, train RUN folder (its final model), Hub id or GGUF file.",
     )
-    task: str | None = option(None, "--task", help="arith, gsm8k, math, or module:function (a reward over --prompts).")
+    task: str | None = option(
+        None, "--task", help="arith, add3 .. add6, gsm8k, math, or module:function (a reward over --prompts).",
+    )
     out: Path | None = option(
         None, "--out", "-o",
         help="Evaluation folder: summary.json, per_prompt.jsonl, rollouts/ (a dataset).",
@@ -82,7 +84,9 @@ class EvalConfig:
     # -- rollouts
     num_samples: int = option(8, "--num-samples", "-k", help="Samples per prompt (mean@K, pass@k).")
     greedy: bool = option(True, "--greedy/--no-greedy", help="Also decode every prompt greedily (greedy_accuracy).")
-    split: str = option("test", "--split", help="Built-in prompts: test (held out, the default) or train.")
+    split: str = option(
+        "test", "--split", help="Built-in prompts: test (held out, the default), train, or ood (add3 .. add6: harder).",
+    )
     temperature: float | None = option(
         None, "--temperature",
         help="Sampling temperature (default 1.0); --offline: the policy's scoring temperature (default: the data's).",

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from offline_rec.algorithms import get_algorithm
 from offline_rec.training.config import TrainConfig
 from offline_rec.training.loop import TrainHooks
 
@@ -30,10 +29,10 @@ def training_hooks(config: TrainConfig) -> TrainHooks:
     if config.push_to_hub:
         from offline_rec.hub.transfer import push_model
 
-        spec = get_algorithm(config.algorithm, **config.algorithm_overrides)
+        algorithm = {"name": config.algorithm, **dataclasses.asdict(config.objective)}
 
         def publish(final: Path, summary: dict, evals: dict) -> str:
-            return push_model(final, config.push_to_hub, algorithm=dataclasses.asdict(spec),
+            return push_model(final, config.push_to_hub, algorithm=algorithm,
                               training_data=list(config.data), eval_summary=evals or None, config=config.to_dict())
 
         hooks.publish = publish

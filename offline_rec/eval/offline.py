@@ -160,7 +160,10 @@ def objective_diagnostics(token_log_ratios, rewards, group_ids) -> dict:
     """
     import torch
 
-    from offline_rec.algorithms import ALGORITHMS, NO_TOKEN_RATIO_METRICS, group_advantages, keep_mask, ratios
+    from offline_rec.loss.advantages import group_advantages
+    from offline_rec.loss.policy_loss import keep_mask
+    from offline_rec.loss.presets import PRESETS
+    from offline_rec.loss.ratios import NO_TOKEN_RATIO_METRICS, ratios
 
     lengths = torch.tensor([len(r) for r in token_log_ratios], dtype=torch.long)  # [N]
     width = int(lengths.max()) if len(lengths) else 0
@@ -168,13 +171,15 @@ def objective_diagnostics(token_log_ratios, rewards, group_ids) -> dict:
     log_ratio = torch.zeros(len(token_log_ratios), width, dtype=torch.float64)  # [N, C]
     for i, row in enumerate(token_log_ratios):
         log_ratio[i, : len(row)] = torch.as_tensor(row, dtype=torch.float64)
-    advantages, _ = group_advantages(ALGORITHMS["reinforce"], torch.tensor(rewards, dtype=torch.float64), group_ids)
+    advantages, _ = group_advantages(PRESETS["reinforce"].objective, torch.tensor(rewards, dtype=torch.float64),
+                                     group_ids)
     r = ratios(log_ratio, torch.zeros_like(log_ratio), mask)  # rho = exp(log_ratio - 0), as the loss reads it
     stats = NO_TOKEN_RATIO_METRICS if not r.count else {key: value.item() for key, value in r.metrics().items()}
     diagnostics = {"ess_token": stats["ess"], "chi2_token": stats["chi2"]}
-    for name, spec in ALGORITHMS.items():
-        if spec.clip != "none":
-            kept = keep_mask(spec, r, advantages.unsqueeze(1))  # [N, C]
+    for name, recipe in PRESETS.items():
+        objective = recipe.objective
+        if objective.masks_tokens:
+            kept = keep_mask(objective, r, advantages.unsqueeze(1))  # [N, C]
             diagnostics[MASKED_PREFIX + name] = r.mean((~kept).to(log_ratio.dtype)).item()
     return diagnostics
 

@@ -12,8 +12,11 @@ docstring says exactly what a line may hold:
   (--rewards, rewards.py).
 - ``trl`` (trl.py): TRL GRPO completion logs; needs --score-with.
 
-Each format's parser reads the source files and returns rows (grouped, with token ids) plus one
-`Reject` per source line it could not use; it never raises for bad data, whatever the bytes.
+Each format's module owns what is the format's own: its parser (`parse`) reads the source files and
+returns rows (grouped, with token ids) plus one `Reject` per source line it could not use, never
+raising for bad data, whatever the bytes; `source_options` says which of its options shaped the rows
+(the manifest's source block). The registry entry (`ImportFormat`) holds what is checked before a
+line is read, and the options no other format takes. What every format shares is in common.py.
 `import_dataset` then recomputes log-probs when asked (`--score-with`), refuses or sets aside the
 bad lines, and writes the dataset atomically (absent or complete). Every option is a field of
 `ImportConfig` (config.py), which the CLI builds from its flags.
@@ -26,55 +29,75 @@ Parquet file per logging step).
 Holds the parsed source in memory (groups may be spread over the whole file); split a very
 large log into several imports.
 
-Importing this package is cheap (standard library only): the CLI reads ImportConfig from it at
+Importing this package is cheap (standard library and typer): the CLI reads ImportConfig from it at
 start-up; a format's module (pyarrow, tokenizers) is imported when the format is used.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from offline_rec.errors import UserError, one_of
 from offline_rec.importers.config import ImportConfig
+from offline_rec.options import flags_of
 
 __all__ = ["IMPORT_FORMATS", "ImportConfig", "ImportFormat", "import_dataset"]
 
 
 @dataclass(frozen=True)
 class ImportFormat:
+    """An import format as the registry holds it: what `import` checks before it reads a line, and the module
+    of this package that owns the rest. That module defines the format's two hooks:
+
+    - ``parse(files, tokenizer, config) -> common.ParseResult``: the source read into rows and Rejects;
+    - ``source_options(config) -> dict``: the options of the format's own that shaped its rows, for the
+      manifest's source block (the options every format reads are added to them).
+
+    The module is imported when the format is used (pyarrow, tokenizers), not with this package.
+    """
+
     module: str
-    """The module of this package that parses the format..."""
-    function: str
-    """...and its parser: (source files, tokenizer or None, ImportConfig) -> common.ParseResult."""
     gives_logprobs: bool
     """Whether the source carries behavior log-probs (else --score-with is required)."""
     needs_tokenizer: bool
     description: str
+    options: tuple[str, ...] = ()
+    """The format-specific ImportConfig fields this format reads. A format-specific field (one that some format
+    lists) set away from its default with a format that does not list it is refused, not silently ignored."""
 
-    @property
-    def parse(self) -> Callable:
-        return getattr(importlib.import_module(f"{__name__}.{self.module}"), self.function)
+    def parse(self, files: list[Path], tokenizer, config: ImportConfig):
+        """The module's `parse`: (source files, tokenizer or None, ImportConfig) -> common.ParseResult."""
+        return self._hooks().parse(files, tokenizer, config)
+
+    def source_options(self, config: ImportConfig) -> dict:
+        """The module's `source_options`: its entries in the manifest's source options."""
+        return self._hooks().source_options(config)
+
+    def _hooks(self):
+        return importlib.import_module(f"{__name__}.{self.module}")
 
 
 IMPORT_FORMATS: dict[str, ImportFormat] = {
     "rows": ImportFormat(
-        "rows", "parse_rows", True, False,
-        "JSONL/Parquet already in this schema's columns (token ids and log-probs given)",
+        "rows", gives_logprobs=True, needs_tokenizer=False,
+        description="JSONL/Parquet already in this schema's columns (token ids and log-probs given)",
     ),
     "text": ImportFormat(
-        "text", "parse_text", False, True,
-        "prompt/completion/reward text, tokenized with --tokenizer; needs --score-with",
+        "text", gives_logprobs=False, needs_tokenizer=True,
+        description="prompt/completion/reward text, tokenized with --tokenizer; needs --score-with",
+        options=("prompt_column", "completion_column", "reward_column", "group_column", "append_eos"),
     ),
     "openai": ImportFormat(
-        "openai", "parse_openai", True, True,
-        "OpenAI-compatible chat/completion logs with logprobs (vLLM included)",
+        "openai", gives_logprobs=True, needs_tokenizer=True,
+        description="OpenAI-compatible chat/completion logs with logprobs (vLLM included)",
+        options=("group_by_prompt", "split_episodes", "keep_messages", "rewards"),
     ),
     "trl": ImportFormat(
-        "trl", "parse_trl", False, True,
-        "TRL GRPO completion logs (step, prompt, completion, reward columns); needs --score-with",
+        "trl", gives_logprobs=False, needs_tokenizer=True,
+        description="TRL GRPO completion logs (step, prompt, completion, reward columns); needs --score-with",
+        options=("prompt_column", "completion_column", "append_eos", "reward_columns"),
     ),
 }
 
@@ -109,7 +132,7 @@ class _Checked:
 
 def _check(config: ImportConfig) -> _Checked:
     """Every option check, OUT refused if it exists, and the tokenizer loaded (and matched to --score-with's)."""
-    from offline_rec.importers.common import refuse_existing, resolve_logprobs_source, source_files
+    from offline_rec.importers.common import source_files
     from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 
     fmt, tokenizer, score_with = config.format, config.tokenizer, config.score_with
@@ -118,16 +141,14 @@ def _check(config: ImportConfig) -> _Checked:
     spec = IMPORT_FORMATS[fmt]
     src, out = Path(config.src), Path(config.out)
     files = source_files(src)
-    refuse_existing(out)
+    _refuse_existing(out)
     if not spec.gives_logprobs and score_with is None:
         raise UserError(
             f"the {fmt} format has no log-probs and offline training needs them: pass --score-with MODEL "
             "to compute them teacher-forced (ideally the model that sampled the data)"
         )
-    for given, flag in ((config.rewards is not None, "--rewards"), (config.split_episodes, "--split-episodes")):
-        if given and fmt != "openai":
-            raise UserError(f"{flag} applies to the openai format only")
-    logprobs_source = resolve_logprobs_source(config.logprobs_source, score_with)
+    _refuse_options_of_other_formats(config)
+    logprobs_source = _logprobs_source(config.logprobs_source, score_with)
     if config.batch_size < 1:
         raise UserError(f"--batch-size must be >= 1, got {config.batch_size}")
 
@@ -148,13 +169,51 @@ def _check(config: ImportConfig) -> _Checked:
     return _Checked(spec, src, out, files, logprobs_source, tokenizer_path, tok, tok_hash)
 
 
+def _refuse_options_of_other_formats(config: ImportConfig) -> None:
+    """A format-specific option (`ImportFormat.options`) that this format does not read, set: refused, not ignored."""
+    declared = {field.name: field for field in fields(ImportConfig)}
+    readers: dict[str, list[str]] = {}
+    for name, spec in IMPORT_FORMATS.items():
+        for option in spec.options:
+            readers.setdefault(option, []).append(name)
+    for option, formats in readers.items():
+        value = getattr(config, option)
+        if config.format not in formats and value != declared[option].default:
+            on, _, off = flags_of(declared[option])[0].partition("/")  # a switch: the side that was given
+            raise UserError(f"{off if off and value is False else on} applies to the {' and '.join(formats)} format"
+                            f"{'s' if len(formats) > 1 else ''} only")
+
+
+def _logprobs_source(given: str | None, score_with: str | None) -> str:
+    """--logprobs-source: what the source's log-probs are ("unknown" unless told); "recomputed" with --score-with."""
+    from offline_rec import schema as S
+
+    if score_with is not None:
+        if given not in (None, S.LOGPROBS_RECOMPUTED):
+            raise UserError(
+                f"--logprobs-source {given} describes the source's log-probs, but --score-with recomputes them; "
+                "drop one"
+            )
+        return S.LOGPROBS_RECOMPUTED
+    given = given or "unknown"
+    if given not in S.LOGPROBS_SOURCES:
+        raise one_of("--logprobs-source", given, S.LOGPROBS_SOURCES)
+    return given
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        raise UserError(f"output {out} already exists; choose another --out")
+
+
 def _score(checked: _Checked, config: ImportConfig) -> tuple:
     """(parse result, good lines, rejects sorted by place): the source parsed, the bad lines refused (or set aside
     with --skip-bad), and the good rows' log-probs recomputed with --score-with."""
     from collections import Counter
 
     from offline_rec import schema as S
-    from offline_rec.importers.common import NO_LOGPROBS, REJECTS_FILE, BadLinesError, drop_lines, scoring_rejects
+    from offline_rec.importers.assembly import drop_lines, scoring_rejects
+    from offline_rec.importers.common import NO_LOGPROBS, REJECTS_FILE, BadLinesError
     from offline_rec.models.loading import check_model_tokenizer, load_model
 
     src, tok, score_with = checked.src, checked.tokenizer, config.score_with
@@ -211,7 +270,8 @@ def _write(checked: _Checked, config: ImportConfig, parsed, good: list, rejects:
     from collections import Counter
 
     from offline_rec.dataset.format import DatasetWriter
-    from offline_rec.importers.common import REJECTS_FILE, assemble_groups, behavior_block, source_block, task_block
+    from offline_rec.importers.assembly import assemble_groups, behavior_block, source_block, task_block
+    from offline_rec.importers.common import REJECTS_FILE
 
     out, score_with = checked.out, config.score_with
     groups = assemble_groups(good)
@@ -226,7 +286,8 @@ def _write(checked: _Checked, config: ImportConfig, parsed, good: list, rejects:
     by_code = Counter(r.code for r in rejects)
     imported_lines = len({(p.file, p.line) for p in good})
     with DatasetWriter(out, behavior=behavior, task=task_block(groups, config),
-                       source=source_block(config, checked.files, checked.tokenizer_path),
+                       source=source_block(config, checked.files, checked.tokenizer_path,
+                                           checked.spec.source_options(config)),
                        groups_per_shard=config.groups_per_shard, atomic=True) as writer:
         writer.add_groups(groups)
         writer.stats.update(

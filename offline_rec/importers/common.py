@@ -1,9 +1,10 @@
-"""What the import formats share: reading source files, checking values, the Reject/BadLine
-bookkeeping, and assembling the parsed rows into the dataset's groups and manifest blocks.
+"""What every import format shares: reading source files, the Reject/BadLine bookkeeping, checking a
+line's values, and the checks every finished row passes.
 
-A parser reads records with `read_records`, turns each into rows with a function that raises
-`BadLine` for the line at hand (`parse_records` turns those into Rejects), and never raises for bad
-data, whatever the bytes.
+A format's parser reads records with `read_records`, turns each into rows with a function that
+raises `BadLine` for the line at hand (`parse_records` turns those into Rejects), and never raises
+for bad data, whatever the bytes. What one format alone needs lives in its own module; what the
+import makes of the parsed rows (groups, the manifest's blocks), in assembly.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from offline_rec import schema as S
-from offline_rec.dataset.format import make_row
-from offline_rec.errors import UserError, one_of
-from offline_rec.files import read_jsonl, sha256_file
+from offline_rec.errors import UserError
+from offline_rec.files import read_jsonl
 from offline_rec.importers.config import ImportConfig
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -97,6 +97,14 @@ class BadLine(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+
+class BadLinesError(UserError):
+    """An import refused because of bad source lines; `rejects` lists them all."""
+
+    def __init__(self, message: str, rejects: list[Reject]):
+        super().__init__(message)
+        self.rejects = rejects
 
 
 @dataclass(frozen=True)
@@ -237,14 +245,6 @@ def logprob_value(value: Any, position: int) -> float:
     return value
 
 
-def logprobs_value(value: Any, n_tokens: int, what: str) -> list[float]:
-    if not isinstance(value, (list, tuple)):
-        raise BadLine(BAD_VALUE, f"{what} must be a list of numbers, got {kind(value)}")
-    if len(value) != n_tokens:
-        raise BadLine(LENGTH_MISMATCH, f"{what} has {len(value)} values for {n_tokens} completion tokens")
-    return [logprob_value(v, i) for i, v in enumerate(value)]
-
-
 def reward_value(value: Any, what: str) -> float | None:
     if value is None:
         return None
@@ -303,14 +303,6 @@ def render_prompt(value: Any, what: str, tokenizer) -> str:
     return string_value(text, f"{what} (rendered)")
 
 
-def completion_text(value: Any, what: str) -> str:
-    """A string, or chat messages whose contents are joined (a conversational completion)."""
-    completion = messages_or_text(value, what)
-    if isinstance(completion, str):
-        return completion
-    return "".join(string_value(m.get("content") or "", f"{what} content") for m in completion)
-
-
 def encode(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -343,148 +335,3 @@ def parse_records(
         except BadLine as bad:
             result.rejects.append(Reject(record.file, record.line, bad.code, bad.reason))
     return result
-
-
-def with_default(value: Any, default: Any) -> Any:
-    return default if value is None else value
-
-
-def vocab_size_of(tokenizer) -> int | None:
-    return None if tokenizer is None else len(tokenizer)
-
-
-# --------------------------------------------------------------------------------------------
-# completions tokenized here (text, trl)
-
-
-def tokenized_completion(tokenizer, completion: str, finish_reason: str, config: ImportConfig) -> list[int]:
-    ids = encode(tokenizer, completion)
-    if config.append_eos and finish_reason != S.FINISH_LENGTH:
-        ids.append(tokenizer.eos_token_id)
-    return ids
-
-
-def check_eos(tokenizer, config: ImportConfig) -> None:
-    if config.append_eos and tokenizer.eos_token_id is None:
-        raise UserError("the tokenizer has no EOS token to append; pass --no-append-eos")
-
-
-# --------------------------------------------------------------------------------------------
-# assembling and writing
-
-
-def assemble_groups(rows: list[ParsedRow]) -> list[list[dict]]:
-    """Rows grouped by group id (groups in order of first appearance), sample_index 0..K-1 by `order`."""
-    groups: dict[str, list[ParsedRow]] = {}
-    for parsed in rows:
-        groups.setdefault(parsed.group_id, []).append(parsed)
-    return [
-        [
-            make_row(group_id=group_id, sample_index=index, **parsed.row)
-            for index, parsed in enumerate(sorted(members, key=lambda p: p.order))
-        ]
-        for group_id, members in groups.items()
-    ]
-
-
-class BadLinesError(UserError):
-    """An import refused because of bad source lines; `rejects` lists them all."""
-
-    def __init__(self, message: str, rejects: list[Reject]):
-        super().__init__(message)
-        self.rejects = rejects
-
-
-def drop_lines(rows: list[ParsedRow], bad: list[Reject]) -> list[ParsedRow]:
-    lines = {(r.file, r.line) for r in bad}
-    return [p for p in rows if (p.file, p.line) not in lines]
-
-
-def scoring_rejects(rows: list[ParsedRow], vocab_rows: int) -> list[Reject]:
-    """Lines that teacher-forced scoring cannot handle (one Reject per line)."""
-    rejects: dict[tuple[str, int], Reject] = {}
-    for p in rows:
-        if (p.file, p.line) in rejects:
-            continue
-        if not p.row[S.PROMPT_IDS]:
-            rejects[(p.file, p.line)] = Reject(
-                p.file, p.line, EMPTY_PROMPT, "empty prompt: the first completion token has no context to be scored in"
-            )
-        elif max(p.row[S.PROMPT_IDS] + p.row[S.COMPLETION_IDS]) >= vocab_rows:
-            rejects[(p.file, p.line)] = Reject(
-                p.file,
-                p.line,
-                TOKEN_OUT_OF_RANGE,
-                f"a token id is beyond the scoring model's {vocab_rows} embedding rows",
-            )
-    return list(rejects.values())
-
-
-def source_block(config: ImportConfig, files: list[Path], tokenizer_path: str | None) -> dict:
-    """The manifest's `source` block: the files read (with hashes) and the options that shaped the rows."""
-    fmt, src, score_with = config.format, Path(config.src), config.score_with
-    block: dict = {"command": "import", "format": fmt, "file": str(src)}
-    if len(files) == 1 and files[0] == src:
-        block["sha256"] = sha256_file(src)
-    else:
-        block["files"] = [{"path": str(f), "sha256": sha256_file(f)} for f in files]
-    block["options"] = {
-        "tokenizer": tokenizer_path,
-        "score_with": score_with,
-        "append_eos": config.append_eos if fmt in ("text", "trl") else None,
-        "columns": {
-            "prompt": config.prompt_column, "completion": config.completion_column,
-            "reward": config.reward_column, "group": config.group_column,
-        } if fmt == "text" else None,
-        "reward_columns": list(config.reward_columns) if config.reward_columns is not None else None,
-        "group_by_prompt": config.group_by_prompt if fmt == "openai" else None,
-        "split_episodes": config.split_episodes if fmt == "openai" else None,
-        "rewards": str(config.rewards) if config.rewards is not None else None,
-    }
-    return block
-
-
-def resolve_logprobs_source(given: str | None, score_with: str | None) -> str:
-    """--logprobs-source: what the source's log-probs are ("unknown" unless told); "recomputed" with --score-with."""
-    if score_with is not None:
-        if given not in (None, S.LOGPROBS_RECOMPUTED):
-            raise UserError(
-                f"--logprobs-source {given} describes the source's log-probs, but --score-with recomputes them; "
-                "drop one"
-            )
-        return S.LOGPROBS_RECOMPUTED
-    given = given or "unknown"
-    if given not in S.LOGPROBS_SOURCES:
-        raise one_of("--logprobs-source", given, S.LOGPROBS_SOURCES)
-    return given
-
-
-def behavior_block(groups: list[list[dict]], sampling: dict, config: ImportConfig, tok_hash: str | None,
-                   logprobs_source: str, recomputed: dict) -> dict:
-    """Provenance: the model (--behavior, else the one the source names), the sampling settings the
-    whole source agrees on, the tokenizer hash and what the log-probs are."""
-    sampling = dict(sampling)
-    source_model = sampling.pop("model", None)
-    behaviors = sorted({row[S.BEHAVIOR] for group in groups for row in group} - {"unknown"})
-    return S.behavior_provenance(
-        model=config.behavior or source_model or (behaviors[0] if len(behaviors) == 1 else None),
-        tokenizer_hash=tok_hash,
-        logprobs_source=logprobs_source,
-        **{k: sampling.get(k) for k in ("temperature", "top_p", "top_k", "max_new_tokens", "seed")},
-        **recomputed,
-    )
-
-
-def task_block(groups: list[list[dict]], config: ImportConfig) -> dict:
-    """--task (else the rows' one task name, else "mixed"); rewards, if any, came with the source."""
-    tasks = sorted({row[S.TASK] for group in groups for row in group})
-    any_reward = any(row[S.REWARD] is not None for group in groups for row in group)
-    return {
-        "name": config.task or (tasks[0] if len(tasks) == 1 else "mixed"),
-        "reward_function": "source" if any_reward else None,
-    }
-
-
-def refuse_existing(out: Path) -> None:
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        raise UserError(f"output {out} already exists; choose another --out")

@@ -36,7 +36,9 @@ context, and a later call's reply is trained in the context the template rebuilt
 the policy actually saw.
 
 Group: the line's "group_id", else with --group-by-prompt the first call's prompt text, else the
-"episode_id", else "file:line". A repeated episode_id is a bad line.
+"episode_id", else "file:line". A repeated episode_id is a bad line, and so is an episode whose
+"missing_calls" says answered calls of it are missing (`offline-rec record` recovered it from a
+journal that lacked them), unless --split-episodes: each call it has is then a row of its own.
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ def parse_episode(record: Record, context: CallContext, rewards: Rewards, seen_i
     """The row (or, with --split-episodes, the rows) of one episode line; BadLine naming the call."""
     config = context.config
     data = record.data
+    missing = data.get("missing_calls")  # `record`'s recovery lacked answered calls of it (a full disk)
+    if missing and not config.split_episodes:
+        raise BadLine(BAD_EPISODE, f"{missing} answered call(s) of the episode are missing (missing_calls): its row "
+                                   "would take a missing reply for context; --split-episodes imports the calls it has")
     calls = _read_calls(data["calls"], context)
     episode_id = data.get("episode_id")
     if episode_id is not None:

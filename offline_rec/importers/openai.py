@@ -53,13 +53,13 @@ from offline_rec.importers.episodes import parse_episode
 from offline_rec.importers.rewards import Rewards
 from offline_rec.importers.tokens import token_string_mapper
 
-__all__ = ["parse_openai", "token_string_mapper"]
+__all__ = ["parse", "source_options", "token_string_mapper"]
 
 # What choices that were imported left out, counted in the manifest and the summary (see calls.py).
 IMPORT_CUTS = ("cut_choices", "cut_tail_tokens_dropped", "undecidable_choices_dropped", "ambiguous_splits_resolved")
 
 
-def parse_openai(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
+def parse(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
     """Single-call and episode lines of an OpenAI-compatible server's log (see the module docstring)."""
     if tokenizer is None:
         raise UserError("the openai format needs --tokenizer (to render chat messages and map token strings to ids)")
@@ -68,16 +68,26 @@ def parse_openai(paths: list[Path], tokenizer, config: ImportConfig) -> ParseRes
     result = ParseResult()
     seen_ids: set[str] = set()
 
-    def parse(record: Record) -> list[ParsedRow]:
+    def parse_line(record: Record) -> list[ParsedRow]:
         if "calls" in record.data:
             return parse_episode(record, context, rewards, seen_ids)
         return _parse_single(record, context, rewards, seen_ids)
 
-    parse_records(read_records(paths, result), parse, result)
+    parse_records(read_records(paths, result), parse_line, result)
     result.sampling = context.agreed_sampling()
     result.stats.update(rewards.stats())
     result.stats.update({name: context.stats[name] for name in IMPORT_CUTS})
     return result
+
+
+def source_options(config: ImportConfig) -> dict:
+    """An openai import's entries in the manifest's source options: how lines were grouped and split, the
+    --rewards file."""
+    return {
+        "group_by_prompt": config.group_by_prompt,
+        "split_episodes": config.split_episodes,
+        "rewards": str(config.rewards) if config.rewards is not None else None,
+    }
 
 
 def _parse_single(record: Record, context: CallContext, rewards: Rewards, seen_ids: set[str]) -> list[ParsedRow]:

@@ -10,6 +10,7 @@ be anywhere in the file; a repeated (group_id, sample_index) is a bad line.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from offline_rec import schema as S
 from offline_rec.importers.common import (
@@ -23,7 +24,8 @@ from offline_rec.importers.common import (
     Record,
     finish_row,
     integer_value,
-    logprobs_value,
+    kind,
+    logprob_value,
     meta_json,
     parse_records,
     read_records,
@@ -31,8 +33,6 @@ from offline_rec.importers.common import (
     reward_value,
     string_value,
     token_ids_value,
-    vocab_size_of,
-    with_default,
 )
 from offline_rec.importers.config import ImportConfig
 
@@ -47,12 +47,12 @@ ROWS_REQUIRED = (
 )
 
 
-def parse_rows(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
+def parse(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
     """Rows already in the schema's column names; see the module docstring for defaults."""
-    vocab_size = vocab_size_of(tokenizer)
+    vocab_size = None if tokenizer is None else len(tokenizer)
     seen: set[tuple[str, int]] = set()
 
-    def parse(record: Record) -> list[ParsedRow]:
+    def parse_line(record: Record) -> list[ParsedRow]:
         data = record.data
         for column in ROWS_REQUIRED:
             if column != S.BEHAVIOR_LOGPROBS:
@@ -104,4 +104,21 @@ def parse_rows(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResul
         return [ParsedRow(record.file, record.line, group_id, (sample_index,), row)]
 
     result = ParseResult()
-    return parse_records(read_records(paths, result), parse, result)
+    return parse_records(read_records(paths, result), parse_line, result)
+
+
+def source_options(config: ImportConfig) -> dict:
+    """A rows import's entries in the manifest's source options: none of its own (each row carries its values)."""
+    return {}
+
+
+def logprobs_value(value: Any, n_tokens: int, what: str) -> list[float]:
+    if not isinstance(value, (list, tuple)):
+        raise BadLine(BAD_VALUE, f"{what} must be a list of numbers, got {kind(value)}")
+    if len(value) != n_tokens:
+        raise BadLine(LENGTH_MISMATCH, f"{what} has {len(value)} values for {n_tokens} completion tokens")
+    return [logprob_value(v, i) for i, v in enumerate(value)]
+
+
+def with_default(value: Any, default: Any) -> Any:
+    return default if value is None else value

@@ -13,19 +13,20 @@ Every other column is a task field stored in `meta`. No log-probs: needs --score
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from offline_rec import schema as S
+from offline_rec.errors import UserError
 from offline_rec.importers.common import (
     BAD_VALUE,
     BadLine,
     ParsedRow,
     ParseResult,
     Record,
-    check_eos,
-    completion_text,
     encode,
     finish_row,
     kind,
+    messages_or_text,
     meta_json,
     parse_records,
     prompt_group_id,
@@ -34,12 +35,11 @@ from offline_rec.importers.common import (
     required,
     reward_value,
     string_value,
-    tokenized_completion,
 )
 from offline_rec.importers.config import ImportConfig
 
 
-def parse_text(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
+def parse(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
     """prompt / completion / reward / group id columns, tokenized here; see the module docstring."""
     check_eos(tokenizer, config)
     used = {
@@ -50,7 +50,7 @@ def parse_text(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResul
         S.FINISH_REASON,
     }
 
-    def parse(record: Record) -> list[ParsedRow]:
+    def parse_line(record: Record) -> list[ParsedRow]:
         data = record.data
         prompt = render_prompt(
             required(data, config.prompt_column, " (name the prompt column with --prompt-column)"),
@@ -84,4 +84,39 @@ def parse_text(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResul
         return [ParsedRow(record.file, record.line, group_id, (record.file, record.line), row)]
 
     result = ParseResult()
-    return parse_records(read_records(paths, result), parse, result)
+    return parse_records(read_records(paths, result), parse_line, result)
+
+
+def source_options(config: ImportConfig) -> dict:
+    """A text import's entries in the manifest's source options: the columns read and whether EOS was appended."""
+    return {
+        "append_eos": config.append_eos,
+        "columns": {
+            "prompt": config.prompt_column, "completion": config.completion_column,
+            "reward": config.reward_column, "group": config.group_column,
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# completions tokenized here (the trl format tokenizes the same way)
+
+
+def completion_text(value: Any, what: str) -> str:
+    """A string, or chat messages whose contents are joined (a conversational completion)."""
+    completion = messages_or_text(value, what)
+    if isinstance(completion, str):
+        return completion
+    return "".join(string_value(m.get("content") or "", f"{what} content") for m in completion)
+
+
+def tokenized_completion(tokenizer, completion: str, finish_reason: str, config: ImportConfig) -> list[int]:
+    ids = encode(tokenizer, completion)
+    if config.append_eos and finish_reason != S.FINISH_LENGTH:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def check_eos(tokenizer, config: ImportConfig) -> None:
+    if config.append_eos and tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no EOS token to append; pass --no-append-eos")

@@ -5,7 +5,8 @@ reward = the sum of the reward columns (every numeric column except step and adv
 --reward-columns), null components skipped as TRL's nansum does, null when all are null; the
 components are kept in meta["reward_components"]. Consecutive rows with the same (step, prompt)
 form a group; policy_version = step. The logs do not say which completions hit the length limit:
-all are taken as ended by EOS (see --append-eos). No log-probs: needs --score-with.
+all are taken as ended by EOS (see --append-eos). Prompts and completions are tokenized as the text
+format does (text.py). No log-probs: needs --score-with.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from offline_rec.importers.common import (
     ParsedRow,
     ParseResult,
     Record,
-    check_eos,
-    completion_text,
     encode,
     finish_row,
     integer_value,
@@ -30,9 +29,9 @@ from offline_rec.importers.common import (
     render_prompt,
     required,
     reward_value,
-    tokenized_completion,
 )
 from offline_rec.importers.config import ImportConfig
+from offline_rec.importers.text import check_eos, completion_text, tokenized_completion
 
 TRL_NON_REWARD_COLUMNS = ("step", "advantage")
 
@@ -67,7 +66,7 @@ def trl_reward_columns(records: list[Record], config: ImportConfig) -> tuple[str
     return found
 
 
-def parse_trl(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
+def parse(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult:
     """TRL GRPO completion logs; see the module docstring for reward, groups and policy_version."""
     check_eos(tokenizer, config)
     result = ParseResult()
@@ -76,7 +75,7 @@ def parse_trl(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult
     used = {config.prompt_column, config.completion_column, *TRL_NON_REWARD_COLUMNS, *reward_columns}
     run: dict = {"key": None, "group_id": None}  # the group being extended by consecutive rows
 
-    def parse(record: Record) -> list[ParsedRow]:
+    def parse_line(record: Record) -> list[ParsedRow]:
         data = record.data
         step = integer_value(required(data, "step"), "step", low=0)
         prompt = render_prompt(required(data, config.prompt_column), config.prompt_column, tokenizer)
@@ -107,4 +106,12 @@ def parse_trl(paths: list[Path], tokenizer, config: ImportConfig) -> ParseResult
             run["key"], run["group_id"] = key, f"step{step}-{Path(record.file).name}:{record.line}"
         return [ParsedRow(record.file, record.line, run["group_id"], (record.file, record.line), row)]
 
-    return parse_records(records, parse, result)
+    return parse_records(records, parse_line, result)
+
+
+def source_options(config: ImportConfig) -> dict:
+    """A trl import's entries in the manifest's source options: whether EOS was appended, the reward columns named."""
+    return {
+        "append_eos": config.append_eos,
+        "reward_columns": list(config.reward_columns) if config.reward_columns is not None else None,
+    }

@@ -57,7 +57,9 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 # 53 symbols + 4 special tokens = a 57-token vocabulary.
 DEFAULT_ALPHABET = string.digits + string.ascii_lowercase + "W" + " \n" + "+-*/=?.,:;!'()"
 
-# "role: content" lines; the generation prompt opens the assistant's line.
+# "role: content" lines; the generation prompt opens the assistant's line. Tests' character models carry it so
+# that chat-message prompts render; a policy trained on raw prompts (offline_rec/demo) is built without it: a
+# tokenizer's template tells `collect` and `eval` how the model was trained to be asked.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -72,8 +74,9 @@ ARCHITECTURES = {
 }
 
 
-def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
-    """The transformers tokenizer around a `tokenizers` object whose vocabulary starts with SPECIAL_TOKENS.
+def _wrap(tokenizer: Tokenizer, chat_template: str | None = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """The transformers tokenizer around a `tokenizers` object whose vocabulary starts with SPECIAL_TOKENS, with
+    `chat_template` (None: none).
 
     No post-processor is set, so encoding never inserts bos/eos (with or without
     `add_special_tokens`): token ids are exactly the text's tokens.
@@ -84,16 +87,19 @@ def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         unk_token=UNK_TOKEN,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template,
         padding_side="left",  # decoder-only batches are left-padded for generation
     )
 
 
-def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast:
+def build_char_tokenizer(alphabet: str | None = None, chat_template: str | None = CHAT_TEMPLATE
+                         ) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character of `alphabet` (default DEFAULT_ALPHABET).
 
     Ids: <pad>=0, <s>=1, </s>=2, <unk>=3, then the alphabet in order. Characters outside the
-    alphabet encode to <unk>. Decoding concatenates the characters back.
+    alphabet encode to <unk>. Decoding concatenates the characters back. `chat_template`: the Jinja
+    template it carries (default CHAT_TEMPLATE); None for a model that never learnt one, so that
+    `collect` and `eval` send it raw prompts.
     """
     alphabet = DEFAULT_ALPHABET if alphabet is None else alphabet
     symbols = list(dict.fromkeys(alphabet))  # drop repeats, keep order
@@ -103,7 +109,7 @@ def build_char_tokenizer(alphabet: str | None = None) -> PreTrainedTokenizerFast
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK_TOKEN))
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
     tokenizer.decoder = decoders.Fuse()
-    return _wrap(tokenizer)
+    return _wrap(tokenizer, chat_template)
 
 
 def build_bpe_tokenizer(texts, vocab_size: int = 2000) -> PreTrainedTokenizerFast:
@@ -200,7 +206,8 @@ def build_tiny_reward_model(tokenizer: PreTrainedTokenizerFast, arch: str = "lla
 
 
 def save_tiny(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path) -> str:
-    """Save model (safetensors, config, generation config) and tokenizer (with chat template) into `path`."""
+    """Save model (safetensors, config, generation config) and tokenizer (with its chat template, if any) into
+    `path`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

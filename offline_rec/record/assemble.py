@@ -44,9 +44,15 @@ class SseSplitter:
 
 
 def event_data(event: bytes) -> str | None:
-    """The data of one SSE event (its `data:` lines joined), None when it has none."""
+    """The data of one SSE event (its `data:` lines joined), None when it has none.
+
+    Lines end at CR, LF or CRLF, and nowhere else: `str.splitlines` would also cut at U+2028, U+2029, U+0085
+    and a few control characters, which vLLM writes unescaped inside its JSON strings."""
+    text = event.decode("utf-8", errors="replace")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
     lines = []
-    for line in event.decode("utf-8", errors="replace").splitlines():
+    for line in text.split("\n"):
         if line.startswith("data:"):
             value = line[5:]
             lines.append(value[1:] if value.startswith(" ") else value)

@@ -13,7 +13,8 @@ log-probs were asked for (an empty delta, no finish reason) dropped.
 
 Not recorded (passed through untouched): a body that is not a JSON object, and completions with
 `echo: true` (vLLM changes the echoed text when token ids are asked for, and the echoed prompt's
-log-probs would mix with the completion's).
+log-probs would mix with the completion's). A chat `echo` is recorded without the echoed text
+(`without_echo`): its tokens and log-probs never held it.
 """
 
 from __future__ import annotations
@@ -104,10 +105,12 @@ def upstream_request(endpoint: str, body: Any) -> tuple[dict, Added] | None:
         return None
     added: dict = {}
     if endpoint == CHAT:
-        # A client that sets top_logprobs or logprob_token_ids without logprobs sent a request vLLM
-        # refuses; adding logprobs would make it valid and change the answer, so it goes as is.
-        if not read_field(body, "logprobs", bool) and not read_field(body, "top_logprobs", int) \
-                and not body.get("logprob_token_ids"):
+        # vLLM checks top_logprobs and logprob_token_ids against logprobs' RAW JSON value, then reads it:
+        # "false" passes the check (a non-empty string) and is read as false, so the answer has no log-probs:
+        # asked for here. With false or no logprobs, vLLM refuses the request; adding logprobs would make it
+        # valid and change the answer, so it goes as is.
+        if not read_field(body, "logprobs", bool) and (body.get("logprobs") or not (
+                read_field(body, "top_logprobs", int) or body.get("logprob_token_ids"))):
             added["logprobs"] = True
     elif read_field(body, "logprobs", int) is None and not body.get("logprob_token_ids"):
         added["logprobs"] = 0
@@ -172,6 +175,37 @@ def _only_metadata(choice: Any) -> bool:
         and choice.get("logprobs") is None
         and choice.get("token_ids") is None
     )
+
+
+def without_echo(request: dict, response: dict) -> dict:
+    """A chat response without what `echo: true` put before each choice's text; `response` itself without echo.
+
+    vLLM's chat `echo` prepends the last request message's text (text parts joined by newlines) when that
+    message's role is the answer's, but its tokens and log-probs are the sampled ones alone: the line keeps the
+    text they decode to. ValueError when a choice does not start with the echoed text (it cannot be recorded)."""
+    messages = request.get("messages")
+    if not read_field(request, "echo", bool) or not isinstance(messages, list) or not messages \
+            or not isinstance(messages[-1], dict):
+        return response
+    last = messages[-1]
+    echoed = last.get("content") or ""
+    if isinstance(echoed, list):
+        if not all(isinstance(part, dict) and isinstance(part.get("text"), str) for part in echoed):
+            raise ValueError("echo of a last message with non-text parts")
+        echoed = "\n".join(part["text"] for part in echoed)
+    if not isinstance(echoed, str):
+        raise ValueError("echo of a last message whose content is neither text nor parts")
+    choices = []
+    for choice in response.get("choices", []):
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict) or message.get("role") != last.get("role") or not echoed:
+            choices.append(choice)  # vLLM echoes only a last message of the answer's role
+            continue
+        content = message.get("content") or ""
+        if not content.startswith(echoed):
+            raise ValueError("a choice does not start with the echoed message")
+        choices.append({**choice, "message": {**message, "content": content[len(echoed):]}})
+    return {**response, "choices": choices}
 
 
 def dumps(obj: Any, strict: bool = False) -> str:

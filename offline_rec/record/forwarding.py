@@ -5,8 +5,9 @@ key of its own) minus hop-by-hop headers, the episode headers and, on recorded c
 Accept-Encoding (the proxy reads the bodies); none is ever written to disk. Upstream errors (an
 unreachable upstream: 502, one timed out: 504, with an OpenAI-style error body) never show the
 upstream's credentials. A streamed answer always settles its call, even when the client leaves
-before the first byte or the shutdown cuts it. Also here: the served model list (name -> what the
-upstream loaded it from) and the pass-through of every route that is not recorded.
+before the first byte or the shutdown cuts it. Also here: the lookup of the served model list (name ->
+what the upstream loaded it from; when, in `served_models`) and the pass-through of every route that is
+not recorded.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import urllib.parse
 
 from offline_rec.record.open_episodes import END_HEADER, ID_HEADER
@@ -25,7 +25,6 @@ HOP_BY_HOP = {
     "host", "content-length", "transfer-encoding", "connection", "keep-alive", "proxy-authenticate",
     "proxy-authorization", "te", "trailer", "upgrade",
 }
-MODELS_REFRESH_SECONDS = 30.0
 
 
 class ClientGone(Exception):
@@ -63,30 +62,15 @@ def bad_gateway(state: ProxyState, error: Exception):
                                f"{state.scrub(error)})", "BadGateway")
 
 
-async def refresh_models(state: ProxyState) -> None:
-    """Refresh served name -> root (the path or hub id the upstream loaded; LoRA adapters: theirs)."""
-    state.models_fetched_at = time.monotonic()
-    async with state.session.get(f"{state.upstream}/v1/models", headers=state.own_headers()) as response:
+async def served_model_roots(state: ProxyState) -> dict[str, str]:
+    """The upstream's served names -> what each was loaded from (`root`: the path or hub id the upstream loaded; a
+    LoRA adapter: its own path), asked over the proxy's own session (its connections start no lookup)."""
+    async with state.own_session.get(f"{state.upstream}/v1/models", headers=state.own_headers()) as response:
         if response.status != 200:
-            return
+            raise ValueError(f"/v1/models answered {response.status}")
         listing = json.loads(await response.read())
-    for card in listing.get("data", []):
-        if isinstance(card, dict) and isinstance(card.get("id"), str):
-            state.model_roots[card["id"]] = card.get("root") or card["id"]
-
-
-def upstream_model(state: ProxyState, served: object) -> str | None:
-    if not isinstance(served, str):
-        return None
-    if served not in state.model_roots and time.monotonic() - state.models_fetched_at > MODELS_REFRESH_SECONDS:
-        state.models_fetched_at = time.monotonic()
-        state.models_task = asyncio.ensure_future(quietly(refresh_models(state)))
-    return state.model_roots.get(served, served)
-
-
-async def quietly(awaitable) -> None:
-    with contextlib.suppress(Exception):
-        await awaitable
+    return {card["id"]: card.get("root") or card["id"] for card in listing.get("data", [])
+            if isinstance(card, dict) and isinstance(card.get("id"), str)}
 
 
 def upstream_url(state: ProxyState, request, path: str) -> str:

@@ -49,7 +49,7 @@ async def probe_until_known(state: ProxyState) -> None:
     delay = 1.0
     while True:
         try:
-            state.logprobs_mode = await probe_logprobs_mode(state.session, state.upstream, state.own_headers())
+            state.logprobs_mode = await probe_logprobs_mode(state.own_session, state.upstream, state.own_headers())
         except Exception as e:  # the upstream may still be starting: try again, less and less often
             if delay >= 8:
                 state.warn(f"logprobs-mode probe of {state.upstream} failed ({type(e).__name__}: {state.scrub(e)}); "

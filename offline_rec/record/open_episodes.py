@@ -42,6 +42,7 @@ class Episode:
     ending: bool = False
     size: int = 0  # bytes of the calls recorded so far (the caller adds them)
     too_large: bool = False  # its calls passed the size limit: it ends too (ending: its end was announced)
+    unjournaled: set[int] = field(default_factory=set)  # seqs of recorded calls whose journal entry failed
 
     def ordered_calls(self) -> list[dict]:
         return [record for seq in sorted(self.calls) for record in self.calls[seq]]
@@ -128,9 +129,13 @@ class EpisodeBook:
             self._remove(episode)
         return done
 
+    def held(self) -> list[Episode]:
+        """Every episode the book holds: open, or retiring (past the size limit, its calls in flight)."""
+        return list(self.open.values()) + [e for retiring in self.retiring.values() for e in retiring]
+
     def drain(self) -> list[Episode]:
         """Every open episode (shutdown), removed from the book."""
-        episodes = list(self.open.values()) + [e for retiring in self.retiring.values() for e in retiring]
+        episodes = self.held()
         self.open.clear()
         self.retiring.clear()
         self.counts.clear()

@@ -1,7 +1,7 @@
 """The recording proxy's app: a starlette app (served by uvicorn) in front of an OpenAI-compatible (vLLM)
 server, which it calls with aiohttp (httpx, measured here, cost ~25x more CPU per request at 64
 concurrent requests: 3.9 ms against 0.15 ms). Here: the one route and what it dispatches to, the
-app's life cycle (upstream session, recorder, periodic work, the logprobs-mode probe) and the
+app's life cycle (upstream session, recorder, periodic work, the model list lookups, the logprobs-mode probe) and the
 shutdown; `run_record`, the `record` command.
 
 POST /v1/chat/completions and /v1/completions (streamed or not) are recorded calls
@@ -28,14 +28,15 @@ from collections.abc import Callable
 
 from offline_rec.errors import UserError, one_of, require_extra
 from offline_rec.record import exchange, heads
-from offline_rec.record.forwarding import ClientGone, passthrough, quietly, refresh_models
+from offline_rec.record.forwarding import ClientGone, passthrough, served_model_roots
 from offline_rec.record.logprobs_probe import probe_until_known
-from offline_rec.record.proxy_state import ProxyState, upstream_base
+from offline_rec.record.proxy_state import OWN_USER_AGENT, ProxyState, upstream_base
 from offline_rec.record.recorded_call import recorded
 from offline_rec.record.recorder import Recorder, RecordOptions
 from offline_rec.record.request_checks import (
     Refused,
     canonical_path,
+    check_encoding,
     check_headers,
     check_route,
     client_identity,
@@ -68,6 +69,7 @@ async def handle(state: ProxyState, request):
             return _health(request)
         identity = client_identity(state, request.headers)
         check_route(path, request.method)
+        check_encoding(path, request.headers)
         body = await read_body(state, request)
         if path in exchange.ENDPOINTS:
             return await recorded(state, request, path, identity, body)
@@ -118,29 +120,33 @@ def create_app(state: ProxyState, tick_seconds: float = 1.0):
         # the longest silence), no decompression (pass-through bytes keep their Content-Encoding;
         # recorded calls ask for none).
         limits = state.settings
+        timeout = aiohttp.ClientTimeout(total=None, connect=limits.upstream_connect_timeout,
+                                        sock_connect=limits.upstream_connect_timeout,
+                                        sock_read=limits.upstream_read_timeout)
         state.session = aiohttp.ClientSession(
-            # idle connections closed after 3 s: before the upstream closes them (uvicorn, vLLM's server: 5 s)
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3),
-            timeout=aiohttp.ClientTimeout(total=None, connect=limits.upstream_connect_timeout,
-                                          sock_connect=limits.upstream_connect_timeout,
-                                          sock_read=limits.upstream_read_timeout),
+            # idle connections closed after 3 s: before the upstream closes them (uvicorn, vLLM's server: 5 s);
+            # each new one: the served model list looked up again
+            connector=state.models.connector(limit=0, keepalive_timeout=3),
+            timeout=timeout,
             auto_decompress=False,
         )
+        state.own_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=3),
+                                                  timeout=timeout, headers={"User-Agent": OWN_USER_AGENT})
         if state.recorder.files is None:  # run_record starts it earlier, to report a bad --out cleanly
             state.recorder.start()
         state.tasks.append(asyncio.ensure_future(_ticker(state, tick_seconds)))
-        state.tasks.append(asyncio.ensure_future(quietly(refresh_models(state))))
+        state.tasks.append(asyncio.ensure_future(state.models.run(lambda: served_model_roots(state), state.warn)))
         if state.probe:
             state.tasks.append(asyncio.ensure_future(probe_until_known(state)))
         try:
             yield
         finally:
-            tasks = state.tasks + ([state.models_task] if state.models_task is not None else [])
-            for task in tasks:
+            for task in state.tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*state.tasks, return_exceptions=True)
             state.recorder.close()
             await state.session.close()
+            await state.own_session.close()
 
     async def every_route(request):
         return await handle(state, request)

@@ -1,6 +1,6 @@
 """What one running proxy holds, shared by the app, the request checks and the forwarding: the upstream's
 address (its credentials taken out of it), the recorder, the settings, the client keys' digests, the
-aiohttp session, the served model list and the background tasks.
+aiohttp session, the served model list (`served_models`) and the background tasks.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 
 from offline_rec.record import exchange
 from offline_rec.record.recorder import Recorder
+from offline_rec.record.served_models import ServedModels
 from offline_rec.record.settings import ProxyOptions
+
+OWN_USER_AGENT = "offline-rec-record"  # the User-Agent of the proxy's own calls: the upstream's logs tell them apart
 
 
 def upstream_base(url: str) -> str:
@@ -45,10 +48,9 @@ class ProxyState:
     logprobs_mode: str = exchange.UNKNOWN
     probe: bool = True
     warn: Callable[[str], None] = print
-    session: object = None  # aiohttp.ClientSession, opened in the lifespan
-    model_roots: dict = field(default_factory=dict)  # served model name -> what it was loaded from
-    models_fetched_at: float = -1e9
-    models_task: object = None
+    session: object = None  # aiohttp.ClientSession of the forwarded calls, opened in the lifespan
+    own_session: object = None  # aiohttp.ClientSession of the proxy's own calls (probe, model lookups)
+    models: ServedModels = field(default_factory=ServedModels)  # served name -> what it was loaded from, and when
     tasks: list = field(default_factory=list)
     stopping: bool = False  # a stop signal came: calls cancelled from now on were cut by the shutdown
 

@@ -27,7 +27,6 @@ from offline_rec.record.forwarding import (
     streaming_response,
     unless_client_leaves,
     upstream_errors,
-    upstream_model,
     upstream_url,
 )
 from offline_rec.record.open_episodes import END_HEADER, is_end
@@ -66,10 +65,12 @@ class RecordedCall:
         self.headers = forward_headers(state, request.headers, True)
         self.headers["content-type"] = "application/json"
         self.upstream = None  # aiohttp's response, once it came
+        self.opened_by = state.models.opened_at  # when its upstream connection was opened (served_models)
         self.first_byte: float | None = None  # streamed: when the stream's first bytes came
         self.settled = False  # committed or abandoned
         self.committed = False  # handed to the recorder, which wrote it (or counted it unrecordable)
         self.ended = False  # streamed: the upstream's stream ended or broke off (else the client left before its end)
+        self.unreadable_event = False  # streamed: an event's data was not JSON (said once)
 
     async def answer(self):
         return await (self.streamed() if self.added.stream else self.whole())
@@ -82,19 +83,20 @@ class RecordedCall:
             self.settled = True
             self.state.recorder.abandon(self.episode, self.seq, self.end)
 
-    def records_of(self, response: dict, first_byte: float | None) -> list[dict]:
+    def records_of(self, response: dict, first_byte: float | None, model: str | None) -> list[dict]:
         # first_byte_s: streamed responses only (time to the first byte of the stream)
         timing = {"start": self.started_wall,
                   "first_byte_s": None if first_byte is None else first_byte - self.started,
                   "total_s": time.perf_counter() - self.started}
         return call_records(endpoint=self.added.endpoint, request=self.body, response=response, added=self.added,
-                            timing=timing, upstream_model=upstream_model(self.state, response.get("model")),
-                            logprobs_mode=self.state.logprobs_mode)
+                            timing=timing, upstream_model=model, logprobs_mode=self.state.logprobs_mode)
 
     async def commit(self, response: dict, first_byte: float | None) -> None:
         """Record a complete response (a warning instead when it cannot be turned into lines)."""
+        # the checkpoint, from a model list asked for after this call's connection was opened
+        model = await self.state.models.root(response.get("model"), self.opened_by)
         try:
-            records = self.records_of(response, first_byte)
+            records = self.records_of(response, first_byte, model)
         except Exception as e:  # an odd response must not cost the client its answer
             self.state.warn(f"record: could not record a response ({type(e).__name__}: {e})")
             return
@@ -122,6 +124,12 @@ class RecordedCall:
                 return None, bad_gateway(self.state, e)
             raise
 
+    async def _send(self):
+        """The upstream's response (its body unread); the connection it came over was opened at `opened_by`."""
+        upstream = await send(self.state, "POST", self.url, self.headers, self.payload)
+        self.opened_by = self.state.models.opened_by()
+        return upstream
+
     def _client_headers(self) -> dict:
         return client_headers(self.state, self.upstream.headers, True)
 
@@ -129,7 +137,7 @@ class RecordedCall:
 
     async def _read_whole(self) -> bytes:
         """The upstream's whole body (a non-streamed call, or an error); its response in self.upstream."""
-        self.upstream = await send(self.state, "POST", self.url, self.headers, self.payload)
+        self.upstream = await self._send()
         try:
             return await self.upstream.read()
         except BaseException:
@@ -164,8 +172,7 @@ class RecordedCall:
     async def streamed(self):
         from starlette.responses import Response
 
-        self.upstream, failed = await self._unless_failed(send(self.state, "POST", self.url, self.headers,
-                                                               self.payload))
+        self.upstream, failed = await self._unless_failed(self._send())
         if failed is not None:
             return failed
         if self.upstream.status != 200:
@@ -219,7 +226,11 @@ class RecordedCall:
         except Exception as e:  # recording must never break the client's stream
             self.state.warn(f"record: could not assemble a stream chunk ({type(e).__name__}: {e})")
             assembler.failed = True
-            chunk = None
+            return event
+        if chunk is None and not self.unreadable_event:
+            self.unreadable_event = True  # once per call
+            self.state.warn(f"record: an event of the upstream's stream is not a JSON object ({payload[:80]!r}); it "
+                            f"goes to the client as it came ({self.path}), and the call is not recorded")
         if chunk is None or not isinstance(chunk.get("choices"), list):
             return event  # an error event or unknown data: as it came
         shown = exchange.client_chunk(chunk, self.added)

@@ -11,7 +11,8 @@ A single call is one line, the shape `offline-rec import --format openai` reads:
 with the client's own value, null = absent), after `--redact-field`; "response" is the whole
 response (streamed ones reassembled) with token ids and log-probs. A completions request with a
 list of prompts gives one line per prompt: its choices, re-indexed from 0, the response id
-suffixed `-<k>` (when there are several), and "batch": {"index", "size", "response_id"}.
+suffixed `-<k>` (when there are several), its own "usage" (counted from its token ids), and
+"batch": {"index", "size", "response_id", "usage": the whole batch's}.
 
 An episode is one line: {"episode_id", "calls": [<single-call objects>, ...], "closed_by",
 "timing": {"start", "end"}}. No header of any request is ever written. Episodes are keyed by
@@ -37,7 +38,7 @@ from typing import Any
 from offline_rec.errors import UserError
 from offline_rec.record import open_episodes as E
 from offline_rec.record import sink
-from offline_rec.record.exchange import COMPLETIONS, Added, logprobs_source, read_field
+from offline_rec.record.exchange import CHAT, COMPLETIONS, Added, logprobs_source, read_field, without_echo
 from offline_rec.record.settings import RecordOptions
 
 REDACTED = "[redacted]"
@@ -111,7 +112,10 @@ def call_records(
     upstream_model: str | None,
     logprobs_mode: str,
 ) -> list[dict]:
-    """The line object(s) of one successful call (several for a completions batch), unredacted."""
+    """The line object(s) of one successful call (several for a completions batch), unredacted. A chat `echo`'s
+    text is left out of the response (`without_echo`: ValueError when it cannot be)."""
+    if endpoint == CHAT:
+        response = without_echo(request, response)
     base = {
         "endpoint": endpoint,
         "stream": added.stream,
@@ -133,6 +137,8 @@ def call_records(
             if isinstance(c, dict) and isinstance(c.get("index"), int) and k * n <= c["index"] < (k + 1) * n
         ]
         part = {**response, "choices": choices}
+        if "usage" in response:
+            part["usage"] = _prompt_usage(choices) if response["usage"] is not None else None
         if isinstance(response.get("id"), str) and len(prompts) > 1:
             part["id"] = f"{response['id']}-{k}"
         records.append({
@@ -140,9 +146,21 @@ def call_records(
             "request": {**request, "prompt": prompt},
             "response": part,
             **base,
-            "batch": {"index": k, "size": len(prompts), "response_id": response.get("id")},
+            "batch": {"index": k, "size": len(prompts), "response_id": response.get("id"),
+                      "usage": response.get("usage")},
         })
     return records
+
+
+def _prompt_usage(choices: list[dict]) -> dict | None:
+    """The usage of one prompt of a batch, counted from its choices' token ids as vLLM counts a whole call's (its
+    prompt's tokens once, every choice's tokens); None without them."""
+    prompt_ids = choices[0].get("prompt_token_ids") if choices else None
+    if not isinstance(prompt_ids, list) or not all(isinstance(c.get("token_ids"), list) for c in choices):
+        return None
+    completion = sum(len(c["token_ids"]) for c in choices)
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
+            "total_tokens": len(prompt_ids) + completion}
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,7 +197,7 @@ class Recorder:
         self.files: sink.RecordFiles | None = None
         self.journal: sink.LineFile | None = None
         self.stats = {"lines": 0, "calls": 0, "episodes": 0, "failed_calls": 0, "write_errors": 0,
-                      "unrecordable": 0, "recovered_episodes": 0}
+                      "unrecordable": 0, "recovered_episodes": 0, "recovered_incomplete": 0}
         self._last_sync = 0.0
         self._last_warning = -1e9
         # an episode's line failed to be written: its calls stay in the journal (never truncated nor
@@ -199,15 +217,23 @@ class Recorder:
         self._last_sync = self.clock()
         all_kept = True  # every recovered episode written, or journaled again for the next recovery
         for episode in recovered.episodes:
-            if self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY)):
+            missing = episode["missing_calls"]
+            if not episode["calls"]:
+                self.warn(f"record: episode {episode['episode_id']!r} of a stopped proxy: none of its {missing} "
+                          "answered call(s) reached the journal; nothing of it can be written")
+                continue
+            if self._write(self._episode_line(episode["episode_id"], episode["calls"], E.CLOSED_BY_RECOVERY,
+                                              missing)):
                 self.stats["recovered_episodes"] += 1  # counted in "episodes" and "calls" too
+                self.stats["recovered_incomplete"] += 1 if missing else 0
                 self.stats["episodes"] += 1
                 self.stats["calls"] += len(episode["calls"])
                 continue
             key = (episode["client"], episode["episode_id"])
             self.journal_holds_unwritten = True
             self.book.seq_floor[key] = 1
-            all_kept &= self._journal({"client": key[0], "episode_id": key[1], "seq": 0, "calls": episode["calls"]})
+            all_kept &= self._journal({"client": key[0], "episode_id": key[1], "seq": 0, "calls": episode["calls"],
+                                       **({"missing_calls": missing} if missing else {})})
         self.files.current.sync()
         self.journal.sync()
         if all_kept:
@@ -268,8 +294,12 @@ class Recorder:
             for line in lines:
                 self._write_bytes(line)
         else:
-            self._journal_bytes(lines[0])
             held = self.book.holding(episode, seq)  # open until this call (in flight) finishes
+            if held.unjournaled:  # earlier entries failed: this one names them, so that recovery can tell
+                lines = [line_bytes({"client": episode[0], "episode_id": episode[1], "seq": seq, "calls": records,
+                                     "missing": sorted(held.unjournaled)})]
+            if not self._journal_bytes(lines[0]):
+                held.unjournaled.add(seq)
             held.size += len(lines[0])
             held.too_large = held.too_large or held.size > self.options.max_episode_bytes
             closed = self.book.finish(episode, seq, records, end, self.clock())
@@ -333,11 +363,13 @@ class Recorder:
             request = redact(request, path)
         return {**record, "request": request} if request is not record["request"] else record
 
-    def _episode_line(self, episode_id: str, calls: list[dict], closed_by: str) -> dict:
+    def _episode_line(self, episode_id: str, calls: list[dict], closed_by: str, missing: int = 0) -> dict:
         starts = [c.get("timing", {}).get("start") for c in calls]
         first = next((s for s in starts if isinstance(s, (int, float))), None)
-        return {"episode_id": episode_id, "calls": calls, "closed_by": closed_by,
-                "timing": {"start": first, "end": self.wall_clock()}}
+        line = {"episode_id": episode_id, "calls": calls, "closed_by": closed_by}
+        if missing:  # answered calls recovery could not find (their journal entries failed)
+            line["missing_calls"] = missing
+        return {**line, "timing": {"start": first, "end": self.wall_clock()}}
 
     def _write_episode(self, episode: E.Episode, closed_by: str) -> None:
         client, episode_id = episode.episode_id  # the book's key
@@ -347,6 +379,11 @@ class Recorder:
             # episode of this id numbers its calls after these, so the journal never mixes the two
             self.journal_holds_unwritten = True
             self.book.seq_floor[episode.episode_id] = episode.next_seq
+            if episode.unjournaled:  # recovery will lack these calls: the journal says so, if it can
+                missing = sorted(episode.unjournaled)
+                if not self._journal({"client": client, "episode_id": episode_id, "missing": missing}):
+                    self.warn(f"record: episode {episode_id!r}: {len(missing)} answered call(s) reached neither the "
+                              "journal nor a line; the next proxy's recovery will write it without them, unflagged")
         elif calls:
             self.stats["episodes"] += 1
             # the seqs it held: a newer episode of the same id (past the size limit) may be open already
@@ -398,7 +435,7 @@ class Recorder:
     def _compact_journal(self) -> None:
         entries = [
             line_bytes({"client": e.episode_id[0], "episode_id": e.episode_id[1], "seq": seq, "calls": records})
-            for e in [*self.book.open.values(), *(e for retiring in self.book.retiring.values() for e in retiring)]
+            for e in self.book.held()
             for seq, records in sorted(e.calls.items())
         ]
         if sum(map(len, entries)) * 2 > self.journal.size:
@@ -412,6 +449,8 @@ class Recorder:
         self.journal.close()
         self.journal = temporary
         sink.fsync_dir(self.out)
+        for episode in self.book.held():
+            episode.unjournaled.clear()  # every call it holds is in the rewritten journal
 
     def _write_failed(self, error: OSError) -> None:
         """The traffic goes on when a line cannot be written; the operator is told (at most once a minute)."""

@@ -4,7 +4,8 @@ In the order the app runs them (`proxy.handle`): header size and count (431), th
 once (dot segments, duplicate and trailing slashes; a path holding an encoded `?`, `#`, backslash
 or control character: 400), the client's key (401; /health, answered by the app, excepted), the
 route (neither recorded nor in PASS_THROUGH: 501; a recorded route asked with another method than
-POST: 405), the body's size (413) and the time it takes to arrive (408). A recorded call's body is then
+POST: 405), a recorded route's body encoding (compressed: 415), the body's size (413) and the time
+it takes to arrive (408). A recorded call's body is then
 read as the upstream reads it (`recorded_request`: strict JSON, fields vLLM could not read, nesting
 depth: 400) and its episode header checked (`episode_of`: 400, 429 past the client's quota). A
 refusal is a `Refused`, answered with an OpenAI-style error body (`error_response`).
@@ -51,12 +52,12 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 class Refused(Exception):
     """A request answered by the proxy itself with an error status (nothing went upstream)."""
 
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
+        self.status, self.kind, self.param, self.headers = status, kind, param, headers
 
     def response(self):
-        return error_response(self.status, str(self), self.kind, self.param)
+        return error_response(self.status, str(self), self.kind, self.param, self.headers)
 
 
 def check_headers(state: ProxyState, scope) -> None:
@@ -110,6 +111,19 @@ def check_route(path: str, method: str) -> None:
                            "/v1/chat/completions and completions to /v1/completions", "NotImplemented")
     if path in exchange.ENDPOINTS and method != "POST":
         raise Refused(405, f"{path} takes POST", "MethodNotAllowed")
+
+
+def check_encoding(path: str, headers) -> None:
+    """A recorded route's body must come as it is (415 otherwise, naming what is accepted): the proxy reads it to
+    record it. vLLM's server inflates no request body either (it answers a compressed one 400)."""
+    given = headers.getlist("content-encoding") if path in exchange.ENDPOINTS else None
+    if not given:
+        return
+    codings = [c.strip().lower() for c in ",".join(given).split(",") if c.strip()]
+    if any(coding != "identity" for coding in codings):
+        raise Refused(415, f"a request body with Content-Encoding {', '.join(codings)} cannot be recorded: send it "
+                           "uncompressed", "UnsupportedMediaType", headers={"Accept-Encoding": "identity"})
+
 
 async def read_body(state: ProxyState, request) -> bytes:
     """The whole body, within --max-body-mb (413) and --request-timeout (408)."""
@@ -193,9 +207,23 @@ def recorded_request(endpoint: str, raw: bytes) -> UpstreamRequest | None:
     return UpstreamRequest(body, added, payload)
 
 
+def header_text(scope, name: str) -> str | None:
+    """A request header's value as text: UTF-8 (what curl, aiohttp, Node and most clients send), else ISO-8859-1
+    (what Python's http.client and requests send for a str). The ASGI server hands over bytes; starlette would
+    read them as ISO-8859-1 alone, and a UTF-8 "é" would become "Ã©"."""
+    key = name.lower().encode()  # ASGI servers hand header names over in lower case
+    raw = next((value for header, value in scope.get("headers", []) if header == key), None)
+    if raw is None:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return raw.decode("latin-1")
+
+
 def episode_of(state: ProxyState, request, identity: str) -> tuple[str, str] | None:
-    """(client, X-Episode-Id), or None; refused when empty, too long, or one episode too many."""
-    episode_id = request.headers.get(ID_HEADER)
+    """(client, X-Episode-Id), or None; refused when empty, too long (in characters), or one episode too many."""
+    episode_id = header_text(request.scope, ID_HEADER)
     if episode_id is None:
         return None
     if not episode_id.strip():

@@ -11,7 +11,9 @@ Files in the output directory (STEM = `record-<UTC time>-<pid>`, one per proxy r
 - `STEM-00001.jsonl`: the same file once closed (rotation, or a clean shutdown): whole lines only.
   `offline-rec import DIR` reads these, never a `.open` file.
 - `STEM.episodes`: the journal of the episodes still open (each of their calls as a line, then
-  a "closed" line once the episode's line is written), so a killed proxy loses no finished call.
+  a "closed" line once the episode's line is written), so a killed proxy loses no finished call;
+  an answered call whose entry could not be written is named by the episode's later entries, so
+  that recovery can say the episode it writes is missing it (`replay_journal`).
 
 Files are created 0600 and the directory 0700 (recorded prompts are user data); no file is
 opened through a symlink (O_NOFOLLOW), a new file is never opened over an existing name
@@ -292,7 +294,7 @@ class Recovered:
 
     closed_files: list[Path] = field(default_factory=list)
     torn_bytes: int = 0
-    episodes: list[dict] = field(default_factory=list)  # {"client", "episode_id", "calls"}
+    episodes: list[dict] = field(default_factory=list)  # {"client", "episode_id", "calls", "missing_calls"}
     journals: list[Path] = field(default_factory=list)  # remove once the episodes are written
     left_alone: list[tuple[Path, str]] = field(default_factory=list)  # (file, why recovery did not touch it)
 
@@ -322,7 +324,7 @@ def recover(directory: Path) -> Recovered:
             stem = journal.name[: -len(JOURNAL_SUFFIX)]
             written = _written_episode_calls(directory, stem)
             for episode in replay_journal(fd):  # the descriptor checked and locked, not the name again
-                if episode["calls"] and episode["calls"][0].get("record_id") not in written:
+                if not episode["calls"] or episode["calls"][0].get("record_id") not in written:
                     found.episodes.append(episode)
             found.journals.append(journal)
         finally:
@@ -332,14 +334,19 @@ def recover(directory: Path) -> Recovered:
 
 
 def replay_journal(path: Path | int) -> list[dict]:
-    """The episodes a journal leaves open, calls in order: {"client", "episode_id", "calls"}.
+    """The episodes a journal leaves open, calls in order: {"client", "episode_id", "calls", "missing_calls"}.
 
     Journal lines: {"episode_id", "seq", "calls": [records of call seq]} as each call
     finishes, then {"episode_id", "closed": true, "seqs": [first, end)} once the episode's line is
     written: it closes the calls first <= seq < end (an episode past the size limit closes while
     the next one of its id is open); without "seqs", every call of the id so far.
+
+    Answered calls whose entry could not be written (a full disk) are named by seq: in the "missing" list of the
+    episode's later entries, or in an entry {"episode_id", "missing": [seqs]} once its line failed too; an entry
+    of an episode journaled again by a recovery carries "missing_calls", a count. "missing_calls" of an episode:
+    the calls so named whose entries are not found.
     """
-    open_episodes: dict[tuple, dict] = {}  # (client, episode id) -> episode
+    open_episodes: dict[tuple, dict] = {}  # (client, episode id) -> {"calls": seq -> records, "missing", "lost"}
     for raw in whole_lines(path):
         try:
             entry = json.loads(raw)
@@ -353,23 +360,34 @@ def replay_journal(path: Path | int) -> list[dict]:
             seqs = entry.get("seqs")
             episode = open_episodes.get(key)
             if episode is not None and isinstance(seqs, list) and len(seqs) == 2 and all(type(s) is int for s in seqs):
-                episode["calls"] = {seq: c for seq, c in episode["calls"].items() if not seqs[0] <= seq < seqs[1]}
-            if episode is not None and (not episode["calls"] or seqs is None):
+                for part in ("calls", "lost"):
+                    episode[part] = {seq: v for seq, v in episode[part].items() if not seqs[0] <= seq < seqs[1]}
+                episode["missing"] = {seq for seq in episode["missing"] if not seqs[0] <= seq < seqs[1]}
+            if episode is not None and (seqs is None or not any(episode[p] for p in ("calls", "missing", "lost"))):
                 open_episodes.pop(key)
-        elif isinstance(entry.get("calls"), list) and isinstance(entry.get("seq"), int):
-            episode = open_episodes.setdefault(key, {"client": key[0], "episode_id": episode_id, "calls": {}})
+            continue
+        episode = open_episodes.setdefault(key, {"client": key[0], "episode_id": episode_id, "calls": {},
+                                                 "missing": set(), "lost": {}})
+        missing = entry.get("missing")
+        episode["missing"].update(seq for seq in (missing if isinstance(missing, list) else []) if type(seq) is int)
+        if isinstance(entry.get("calls"), list) and isinstance(entry.get("seq"), int):
             episode["calls"][entry["seq"]] = entry["calls"]
+            if type(entry.get("missing_calls")) is int and entry["missing_calls"] > 0:
+                episode["lost"][entry["seq"]] = entry["missing_calls"]
     return [
-        {**episode, "calls": [call for seq in sorted(episode["calls"]) for call in episode["calls"][seq]]}
+        {"client": episode["client"], "episode_id": episode["episode_id"],
+         "calls": [call for seq in sorted(episode["calls"]) for call in episode["calls"][seq]],
+         "missing_calls": len(episode["missing"] - episode["calls"].keys()) + sum(episode["lost"].values())}
         for episode in open_episodes.values()
     ]
 
 
 def _written_episode_calls(directory: Path, stem: str) -> set:
-    """Record ids of the first calls of the episode lines in a dead run's last data file.
+    """Record ids of the calls of the episode lines in a dead run's last data file.
 
     A kill between writing an episode's line and journaling it closed leaves the episode open in
-    the journal although its line exists; that line can only be in the file open at the time.
+    the journal although its line exists; that line can only be in the file open at the time. Every call's id is
+    kept, not only the first's: the journal may lack the episode's first call (its entry failed, the line did not).
     """
     files = sorted(directory.glob(f"{stem}-*{CLOSED_SUFFIX}"))
     if not files:
@@ -384,8 +402,8 @@ def _written_episode_calls(directory: Path, stem: str) -> set:
             except (json.JSONDecodeError, UnicodeDecodeError):
                 continue
             calls = line.get("calls") if isinstance(line, dict) else None
-            if isinstance(calls, list) and calls and isinstance(calls[0], dict):
-                ids.add(calls[0].get("record_id"))
+            if isinstance(calls, list):
+                ids.update(call.get("record_id") for call in calls if isinstance(call, dict))
     except OSError:  # not a regular file (planted), or gone: it holds no line of that run
         return set()
     return ids

@@ -160,7 +160,7 @@ def collect(config: CollectConfig, backend: Backend | None = None, engines=None)
             "num_prompts": len(plan.items),
             "num_samples": config.num_samples,
             "split": None if config.prompts else config.split,
-            "chat_template": config.chat_template,
+            "chat_template": uses_chat_template(tokenizer, config.chat_template),  # applied, not merely asked for
             "reward_timeout_s": config.reward_timeout_s,
             "slice": {"num_shards": config.num_shards, "shard_index": config.shard_index,
                       "prompts": len(plan.indices)},

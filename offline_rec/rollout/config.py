@@ -56,7 +56,9 @@ class CollectConfig:
     """Every option of `offline-rec collect`."""
 
     model: str = required("--model", help="Behavior policy: model folder, Hub id or GGUF file.")
-    task: str = required("--task", help="arith, gsm8k, math, or module:function (a reward over --prompts).")
+    task: str = required(
+        "--task", help="arith, add3 .. add6, gsm8k, math, or module:function (a reward over --prompts).",
+    )
     out: Path = required("--out", "-o", help="New dataset directory (or the one to --resume).")
     num_samples: int = option(8, "--num-samples", "-k", help="Completions per prompt (one group).")
     prompts_from: str | None = option(
@@ -65,7 +67,7 @@ class CollectConfig:
     )
     """A dataset whose prompts are answered again: each group's exact prompt_ids (no re-tokenization) and meta,
     sampled under its group id (`merge --join-groups` then joins the logged and the fresh answers)."""
-    split: str = option("train", "--split", help="Built-in prompts: train or test.")
+    split: str = option("train", "--split", help="Built-in prompts: train, test, or ood (add3 .. add6: harder).")
     temperature: float = option(1.0, "--temperature", help="Sampling temperature (0: greedy).")
     seed: int = option(0, "--seed", help="Seeds sampling (one seed per engine and run), picks built-in prompts.")
     """Seeds the sampling and picks the built-in prompts (see the module docstring)."""

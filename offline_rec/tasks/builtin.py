@@ -5,8 +5,11 @@ where ``fields`` are the prompt row's task fields (e.g. ``{"answer": "72"}``). B
 the flat registry `TASKS`:
 
 - ``arith``: synthetic "What is a+b? " prompts (a, b in 10..99) with a fixed train/test split.
+- ``add3`` .. ``add6``: the same question with d-digit a and b (the family's difficulty knob), and a third split,
+  ``ood``: the sums whose carry runs through every column, a step harder than any train or test prompt.
 - ``sums9``, ``sums19``: small sums (a, b in 1..9; in 1..19 with a two-digit one) in twelve wordings, the
-  edge of a small instruct model; reward = the completion states the sum and no other result.
+  edge of a small instruct model; split ood: the next level's pairs; reward = the completion states the sum and
+  no other result.
 - ``gsm8k``: grade-school word problems from a file (--prompts); reward = final number is right.
 - ``math``: competition problems from a file; reward = the final answer is right.
 
@@ -56,7 +59,10 @@ RewardFn = Callable[[str, str, dict], "float | None"]
 PromptSource = Callable[[int, int, str], "list[PromptItem]"]
 
 GENERIC = "generic"
-SPLITS = ("train", "test")
+TASK_SPLITS = ("train", "test")
+"""A built-in task's splits unless it says otherwise (`Task.splits`)."""
+SPLITS = (*TASK_SPLITS, "ood")
+"""Every split a built-in task may have: train, test (held out), ood (held out and a step harder: add3 .. add6)."""
 REWARD_TIMEOUT_S = 10.0
 
 
@@ -71,6 +77,8 @@ class Task:
     """``module:function`` of the reward, recorded in the dataset manifest."""
     prompts: PromptSource | None = None
     """Built-in prompts ``(n, seed, split) -> list[PromptItem]``; None when --prompts FILE is required."""
+    splits: tuple[str, ...] = TASK_SPLITS
+    """The splits of its built-in prompts."""
     prompt_column: str = "prompt"
     """The column of a prompts file that holds the prompt; the other columns are task fields."""
     instruction: str = ""
@@ -100,8 +108,8 @@ def arith_split(a: int, b: int) -> str:
 @cache
 def arith_pairs(split: str) -> tuple[tuple[int, int], ...]:
     """All (a, b) with a, b in 10..99 in `split`, in (a, b) order. train has 6550 pairs, test 1550."""
-    if split not in SPLITS:
-        raise one_of("arith split", split, SPLITS)
+    if split not in TASK_SPLITS:
+        raise one_of("arith split", split, TASK_SPLITS)
     return tuple((a, b) for a in range(10, 100) for b in range(10, 100) if arith_split(a, b) == split)
 
 
@@ -376,16 +384,90 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 
 
 # ---------------------------------------------------------------------------------------------
+# add3 .. add6: the long-addition family, a task with headroom (issue 47)
+#
+# The knob is the number of digits d of both operands. Splits, fixed by the pair alone (no seed): "ood" holds the
+# sums whose carry runs through every column (d carries, e.g. 456+567=1023 for d = 3), a step harder than any
+# train or test prompt (at most d - 1 carries); of the others, a hash puts about 20% in "test", the rest in
+# "train". The pair space is too large to list (810,000 pairs for d = 3), so prompts are drawn from a seeded
+# generator and kept when they fall in the split. docs/paper.md, "A task with headroom", has the calibration.
+
+ADD_DIGITS = (3, 4, 5, 6)
+"""The family's levels: task add{d} for each d."""
+ADD_MAX_PROMPTS = 100_000
+"""Most prompts one call draws: below the smallest split (add3's ood, 131,175 pairs), so a draw always ends."""
+
+
+def column_carries(operands: Sequence[int]) -> int:
+    """How many columns of the written sum carry into the next (the top column's carry into a new digit included):
+    456+567 -> 3 (6+7, 5+6+1, 4+5+1 all carry), 123+456 -> 0."""
+    carries = carry = 0
+    for place in range(max(len(str(operand)) for operand in operands)):
+        carry = (sum(operand // 10 ** place % 10 for operand in operands) + carry) // 10
+        carries += carry > 0
+    return carries
+
+
+def add_split(a: int, b: int, digits: int) -> str:
+    """"ood" when every one of the `digits` columns of a+b carries, else "test" for about 20% of the pairs (a hash
+    of the pair, like `arith_split`), else "train"."""
+    if column_carries((a, b)) == digits:
+        return "ood"
+    return arith_split(a, b)
+
+
+def add_prompts(n: int, seed: int = 0, split: str = "train", digits: int = 3) -> list[PromptItem]:
+    """`n` distinct "What is a+b? " prompts with `digits`-digit a and b from `split`, the same ones for the same
+    seed: pairs drawn uniformly from a generator seeded with `seed`, kept when `add_split` says `split`."""
+    if split not in SPLITS:
+        raise one_of(f"add{digits} split", split, SPLITS)
+    if not 0 <= n <= ADD_MAX_PROMPTS:
+        raise UserError(f"add{digits}: asked for {n} prompts; one call draws at most {ADD_MAX_PROMPTS}")
+    rng = random.Random(seed)
+    low, high = 10 ** (digits - 1), 10 ** digits - 1
+    chosen: dict[tuple[int, int], None] = {}  # insertion-ordered: the draw order
+    while len(chosen) < n:
+        pair = (rng.randint(low, high), rng.randint(low, high))
+        if pair not in chosen and add_split(*pair, digits) == split:
+            chosen[pair] = None
+    return [
+        PromptItem(prompt=f"What is {a}+{b}? ",
+                   fields={"a": a, "b": b, "answer": a + b, "carries": column_carries((a, b))},
+                   id=f"add{digits}-{split}-{a}+{b}")
+        for a, b in chosen
+    ]
+
+
+ADD_TASKS = {
+    f"add{digits}": Task(
+        name=f"add{digits}",
+        reward_fn=arith_answer_reward,
+        reward_name=function_name(arith_answer_reward),
+        prompts=functools.partial(add_prompts, digits=digits),
+        splits=SPLITS,
+        chat_instruction=ARITH_CHAT_INSTRUCTION,
+        description=f"synthetic 'What is a+b? ' with {digits}-digit a, b; split ood: every column carries; the "
+                    "answer the completion states is the sum",
+    )
+    for digits in ADD_DIGITS
+}
+
+
+# ---------------------------------------------------------------------------------------------
 # sums9, sums19: small sums at a small instruct model's edge (SmolLM2-135M-Instruct; issue 47)
 #
-# The knob is the largest operand: sums9 asks a+b with a, b in 1..9; sums19, one step harder, a, b in 1..19 with
-# at least one of them two-digit. Each pair is asked in every one of SUM_WORDINGS, so that a split holds many
-# distinct prompts; a hash of the pair alone (`arith_split`) puts about 20% of the pairs in "test", and no wording
-# of a test pair is ever in "train". Operands start at 1, so the sum is never an operand (`stated_sum_reward`).
-# docs/paper.md, "A real model: SmolLM2-135M-Instruct", has the calibration.
+# The knob is the largest operand, one level per entry of SUM_LEVELS: sums9 asks a+b with a, b in 1..9; sums19, one
+# step harder, a, b in 1..19 with at least one of them two-digit (a level never asks the pairs of the level below).
+# Each pair is asked in every one of SUM_WORDINGS, so that a split holds many distinct prompts. Splits, fixed by the
+# pair alone: "ood" is every pair of the next level (sums9's ood is sums19's pairs, all of them); of the level's own
+# pairs, a hash (`arith_split`) puts about 20% in "test", the rest in "train", so no wording of a test pair is ever
+# in "train". Operands start at 1, so the sum is never an operand (`stated_sum_reward`). docs/paper.md, "A real
+# model: SmolLM2-135M-Instruct", has the calibration.
 
-SUM_LARGEST = (9, 19)
-"""The family's levels: task sums{n} for each largest operand n."""
+SUM_LEVELS = (9, 19, 39)
+"""The largest operand of each level; the last one is only the ood split of the one before."""
+SUM_LARGEST = SUM_LEVELS[:-1]
+"""The family's tasks: sums{n} for each largest operand n."""
 SUM_WORDINGS = (
     "What is {a}+{b}? ", "What is {a} + {b}? ", "What is {a} plus {b}? ", "What is the sum of {a} and {b}? ",
     "What do you get when you add {a} and {b}? ", "Add {a} and {b}. ", "Add {b} to {a}. ", "Calculate {a} + {b}. ",
@@ -393,16 +475,25 @@ SUM_WORDINGS = (
 )
 
 
+def sum_level_pairs(largest: int) -> list[tuple[int, int]]:
+    """Every (a, b) of level `largest` (an entry of SUM_LEVELS), in (a, b) order: a, b in 1..largest with
+    max(a, b) above the level below's largest."""
+    below = ([0, *SUM_LEVELS])[SUM_LEVELS.index(largest)]
+    return [(a, b) for a in range(1, largest + 1) for b in range(1, largest + 1) if max(a, b) > below]
+
+
 @cache
 def sum_pairs(largest: int, split: str) -> tuple[tuple[int, int], ...]:
-    """The (a, b) of task sums{largest} in `split`, in (a, b) order: a, b in 1..largest, and when largest > 9 at
-    least one of them > 9 (the pairs of the level below are not asked again). sums9: 63 train, 18 test pairs;
-    sums19: 235 train, 45 test."""
+    """The (a, b) of task sums{largest} in `split`: its own level's pairs split by `arith_split` for train and test
+    (sums9: 63 train, 18 test; sums19: 235 train, 45 test), the next level's pairs for ood (sums9: 280, the pairs of
+    sums19; sums19: 1160)."""
+    if largest not in SUM_LARGEST:
+        raise one_of("sums task", f"sums{largest}", [f"sums{n}" for n in SUM_LARGEST])
     if split not in SPLITS:
         raise one_of(f"sums{largest} split", split, SPLITS)
-    smallest_top = 1 if largest <= 9 else 10
-    return tuple((a, b) for a in range(1, largest + 1) for b in range(1, largest + 1)
-                 if max(a, b) >= smallest_top and arith_split(a, b) == split)
+    if split == "ood":
+        return tuple(sum_level_pairs(SUM_LEVELS[SUM_LEVELS.index(largest) + 1]))
+    return tuple(pair for pair in sum_level_pairs(largest) if arith_split(*pair) == split)
 
 
 def sum_prompts(n: int, seed: int = 0, split: str = "train", largest: int = 9) -> list[PromptItem]:
@@ -436,6 +527,22 @@ def stated_sum_reward(prompt: str, completion: str, fields: dict) -> float:
     return 1.0 if total in numbers and all(n == total or n in operands for n in numbers) else 0.0
 
 
+SUM_TASKS = {
+    f"sums{largest}": Task(
+        name=f"sums{largest}",
+        reward_fn=stated_sum_reward,
+        reward_name=function_name(stated_sum_reward),
+        prompts=functools.partial(sum_prompts, largest=largest),
+        splits=SPLITS,
+        chat_instruction=ARITH_CHAT_INSTRUCTION,
+        description=f"synthetic a+b in {len(SUM_WORDINGS)} wordings, a, b in 1..{largest}"
+                    + (" (one of them two-digit)" if largest > 9 else "")
+                    + "; split ood: the next level's pairs; the completion states the sum and no other result",
+    )
+    for largest in SUM_LARGEST
+}
+
+
 # ---------------------------------------------------------------------------------------------
 # registry
 
@@ -465,19 +572,8 @@ TASKS: dict[str, Task] = {
         warm_up=_math_verify,
         description="MATH-style {problem, answer | solution} file (--prompts); the stated answer must match",
     ),
-    **{
-        f"sums{largest}": Task(
-            name=f"sums{largest}",
-            reward_fn=stated_sum_reward,
-            reward_name=function_name(stated_sum_reward),
-            prompts=functools.partial(sum_prompts, largest=largest),
-            chat_instruction=ARITH_CHAT_INSTRUCTION,
-            description=f"synthetic a+b in {len(SUM_WORDINGS)} wordings, a, b in 1..{largest}"
-                        + (" (one of them two-digit)" if largest > 9 else "")
-                        + "; the completion states the sum and no other result",
-        )
-        for largest in SUM_LARGEST
-    },
+    **ADD_TASKS,
+    **SUM_TASKS,
 }
 
 
@@ -575,6 +671,8 @@ def _task_prompts(task: Task, n: int | None, seed: int, split: str, prompts_file
             )
         if n is None:
             raise UserError(f"task {task.name!r}: say how many built-in prompts to use")
+        if split not in task.splits:
+            raise one_of(f"{task.name} split", split, task.splits)
         return task.prompts(n, seed, split)
     items = load_prompts(prompts_file, prompt_column or task.prompt_column)
     if n is not None:

@@ -158,15 +158,17 @@ def load_optimizer_state(accelerator, optimizer, scheduler, checkpoint_dir: str 
     scheduler.load_state_dict(schedule)
 
 
-def save_checkpoint(accelerator, scorer, tokenizer, run_dir, step: int, trainer_state: dict, keep_last: int,
-                    with_model: bool = False) -> Path:
-    """Write checkpoints/step-NNNNNN atomically (every rank calls this); prune to the newest keep_last.
+def save_checkpoint(trainer, tokenizer, step: int, trainer_state: dict, with_model: bool = False) -> Path:
+    """Write RUN/checkpoints/step-NNNNNN atomically (every rank calls this); prune to the newest keep_last.
 
-    `scorer` is the prepared module whose `.policy` is the transformers (or peft) model. Under a
-    sharded backend the weights stay sharded in `trainer/` unless `with_model` (an evaluation will
-    load the checkpoint): then they are also gathered into Hugging Face files.
+    `trainer` (`training.trainer.Trainer`) gives the accelerator, the prepared module `scorer` (whose `.policy` is
+    the transformers or peft model) and the config (`out`, `keep_last`). Under a sharded backend the weights stay
+    sharded in `trainer/` unless `with_model` (an evaluation will load the checkpoint): then they are also gathered
+    into Hugging Face files.
     """
-    root = Path(run_dir) / CHECKPOINTS_DIR
+    accelerator, scorer = trainer.accelerator, trainer.scorer
+    run_dir, keep_last = Path(trainer.config.out), trainer.config.keep_last
+    root = run_dir / CHECKPOINTS_DIR
     final = root / checkpoint_name(step)
     tmp = root / f".{checkpoint_name(step)}.tmp"
     if accelerator.is_main_process:
@@ -310,14 +312,15 @@ def finished_summary(run_dir: Path) -> dict:
     return {**summary, "already_finished": True}
 
 
-def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: int = 0,
-                       init_from: str | None = None, optimizer_steps: int | None = None,
-                       optimizer_steps_at_start: int = 0) -> dict:
-    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`,
-    or row with `batching: rows`),
-    and the policy version of the weights: `version_start` (that of `init_from`, the checkpoint this
-    run continued, if any) + steps_done. `optimizer_steps`: the updates the optimizer's own state
-    counts (`optimizer_steps_at_start` of them came with init_from's AdamW state)."""
+def make_trainer_state(schedule, steps_done: int, metrics: dict, lineage: dict | None = None) -> dict:
+    """The data cursor after `steps_done` steps (the next step is the `position`-th group of `epoch`, or row with
+    `batching: rows`), and the policy version of the weights: `lineage` (`Trainer.lineage`) gives version_start
+    (that of init_from, the checkpoint this run continued, if any; the version is version_start + steps_done),
+    init_from, and the updates the optimizer's own state counts (optimizer_steps; optimizer_steps_at_start of
+    them came with init_from's AdamW state)."""
+    lineage = {"version_start": 0, "init_from": None, "optimizer_steps": None, "optimizer_steps_at_start": 0,
+               **(lineage or {})}
+    version_start = lineage["version_start"]
     epoch, step_in_epoch = divmod(steps_done, schedule.steps_per_epoch)
     return {
         "step": steps_done,
@@ -330,9 +333,9 @@ def make_trainer_state(schedule, steps_done: int, metrics: dict, version_start: 
         "data_fingerprint": schedule.data_fingerprint,
         "policy_version_start": version_start,
         "policy_version": version_start + steps_done,
-        "init_from": init_from,
-        "optimizer_steps": optimizer_steps,
-        "optimizer_steps_at_start": optimizer_steps_at_start,
+        "init_from": lineage["init_from"],
+        "optimizer_steps": lineage["optimizer_steps"],
+        "optimizer_steps_at_start": lineage["optimizer_steps_at_start"],
         "metrics": metrics,
     }
 

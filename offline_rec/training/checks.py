@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from offline_rec import schema as S
-from offline_rec.algorithms import TOKEN_WEIGHTS, AlgorithmSpec, RewardMoments, advantage_stats, group_advantages
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.locations import is_hub_path
 from offline_rec.errors import UserError, require_extra
+from offline_rec.loss.advantages import RewardMoments
 from offline_rec.models.loading import (
     check_token_ids_fit,
     check_tokenizers,
@@ -24,6 +24,7 @@ from offline_rec.models.loading import (
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training import distributed, group_index, scheduling
 from offline_rec.training.config import TrainConfig
+from offline_rec.training.step_source import Advantages, advantages_of
 
 
 def check_init_from(config: TrainConfig, tokenizer) -> Path:
@@ -149,8 +150,8 @@ def check_vocabulary(index: group_index.GroupIndex, policy, model: str) -> None:
     check_token_ids_fit(index.max_token_id, embedding_rows(policy), model)
 
 
-SINGLETON_FIX = ("give them a baseline: --set algorithm.baseline=step (or dataset, or constant with "
-                 "--set algorithm.baseline_value=B, e.g. 0.5 for 0/1 rewards), or --algorithm topr")
+SINGLETON_FIX = ("give them a baseline: --set baseline=step (or dataset, or constant with "
+                 "--set baseline_value=B, e.g. 0.5 for 0/1 rewards), or --algorithm topr")
 
 
 def training_reward_moments(index: group_index.GroupIndex, schedule: scheduling.Schedule) -> RewardMoments:
@@ -158,74 +159,64 @@ def training_reward_moments(index: group_index.GroupIndex, schedule: scheduling.
     return RewardMoments.of(index.reward[index.rows_of_groups(schedule.train_groups)])
 
 
-def check_logprobs_sources(spec: AlgorithmSpec, datasets, force_raw: bool = False) -> list[str]:
-    """What importance weights pi/mu assume of the data, checked for a spec whose weight W reads the ratio
-    (`weighs_by_ratio`): returns warning lines for rows whose log-probs are of `unknown` source; UserError for
-    `raw` log-probs (the model's softmax at temperature 1) of rows sampled at another temperature, unless
-    `force_raw`: mu is then not the distribution the tokens were drawn from."""
+def check_logprobs_sources(config: TrainConfig, datasets) -> list[str]:
+    """What importance weights pi/mu assume of the data, checked for an objective whose weight W reads the ratio
+    (`Objective.weighs_by_ratio`): returns warning lines for rows whose log-probs are of `unknown` source;
+    UserError for `raw` log-probs (the model's softmax at temperature 1) of rows sampled at another temperature,
+    unless `force_raw_logprobs`: mu is then not the distribution the tokens were drawn from."""
     from offline_rec.dataset.merge import logprobs_provenance
 
-    if not weighs_by_ratio(spec):
+    if not config.objective.weighs_by_ratio:
         return []
-    warnings = []
+    warnings, name = [], config.algorithm
     for dataset in datasets:
         for block in logprobs_provenance(dataset.behavior, dataset.manifest.get(S.M_SOURCE)):
             origin = f"{dataset.path} (from {block['command'] or 'an unrecorded command'}, model {block['model']})"
             if block["logprobs_source"] == "unknown":
-                warnings.append(f"warning: {spec.name} weights tokens by pi/mu, and the log-probs of {origin} are of "
+                warnings.append(f"warning: {name} weights tokens by pi/mu, and the log-probs of {origin} are of "
                                 "unknown source: the weights assume they are the log-probs of the distribution each "
                                 "token was sampled from (temperature, top-k, top-p applied)")
             temperature = block["temperature"]
-            if block["logprobs_source"] == "raw" and temperature not in (None, 1, 1.0) and not force_raw:
+            if (block["logprobs_source"] == "raw" and temperature not in (None, 1, 1.0)
+                    and not config.force_raw_logprobs):
                 raise UserError(f"{dataset.path} holds raw log-probs (the model's softmax at temperature 1) of rows "
-                                f"sampled at temperature {temperature}: {spec.name}'s weights pi/mu would divide by a "
+                                f"sampled at temperature {temperature}: {name}'s weights pi/mu would divide by a "
                                 "distribution nobody sampled from; use a -nois preset, re-score the log-probs, or set "
                                 "force_raw_logprobs: true")
     return warnings
 
 
-def weighs_by_ratio(spec: AlgorithmSpec) -> bool:
-    """True when spec's per-token weight W is a function of rho = pi/mu (the -is presets and the peers' weights)."""
-    return TOKEN_WEIGHTS[spec.weight].by_ratio
-
-
-def check_learning_signal(spec: AlgorithmSpec, index: group_index.GroupIndex, schedule: scheduling.Schedule,
+def check_learning_signal(config: TrainConfig, index: group_index.GroupIndex, schedule: scheduling.Schedule,
                           moments: RewardMoments) -> dict:
-    """Refuse (UserError) training data on which `spec` has no learning signal at all: every advantage 0.
+    """Refuse (UserError) training data on which the objective has no learning signal at all: every advantage 0.
 
-    Returns, over the training groups: rows, signal_rows (advantage != 0 under `spec`, computed as if the
-    training data were one step), singleton_groups and all_equal_groups (groups of >= 2 rows with equal
-    rewards) that get advantage 0, for the warnings `print_settings` prints.
+    Returns, over the training groups: rows, signal_rows (advantage != 0, computed as if the training data were
+    one step), singleton_groups and all_equal_groups (groups of >= 2 rows with equal rewards) that get advantage
+    0, for the warnings `print_settings` prints.
     """
-    groups = schedule.train_groups
-    rows = index.rows_of_groups(groups)
-    rewards = np.array(index.reward[rows], dtype=np.float64)  # [N], a writable copy
-    group_keys = np.repeat(groups, index.size[groups])  # [N]
-    import torch
-
-    torch_rewards = torch.from_numpy(rewards)
+    objective, groups = config.objective, schedule.train_groups
     # RED-Drop only removes rows of groups that have signal: the check leaves it out (and its random draws)
-    advantages, _ = group_advantages(dataclasses.replace(spec, drop="none"), torch_rewards, group_keys,
-                                     dataset_moments=moments)
-    stats = advantage_stats(torch_rewards, group_keys)
-    signal_rows = int((advantages != 0).sum())
-    if spec.baseline == "step" and schedule.prompts_per_step == 1 and stats["singleton_groups"] == len(groups):
+    every = advantages_of(index, groups, Advantages(dataclasses.replace(objective, drop="none"), moments))
+    stats, rewards = every.group_stats, every.rewards
+    signal_rows = int((every.advantages != 0).sum())
+    if objective.baseline == "step" and schedule.prompts_per_step == 1 and stats["singleton_groups"] == len(groups):
         signal_rows = 0  # every step is one row: the leave-one-out mean has no other row
-    singletons_zero = stats["singleton_groups"] if spec.baseline == "group" and spec.group_mean else 0
-    summary = {"rows": len(rows), "signal_rows": signal_rows, "singleton_groups": singletons_zero,
-               "all_equal_groups": stats["zero_variance_groups"] if spec.group_mean else 0}
+    singletons_zero = stats["singleton_groups"] if objective.baseline == "group" and objective.group_mean else 0
+    summary = {"rows": len(every.rows), "signal_rows": signal_rows, "singleton_groups": singletons_zero,
+               "all_equal_groups": stats["zero_variance_groups"] if objective.group_mean else 0}
     if signal_rows:
         return summary
-    where = f"training data ({len(groups)} groups, {len(rows)} rows)"
+    where = f"training data ({len(groups)} groups, {len(every.rows)} rows)"
     if singletons_zero == len(groups):
         raise UserError(f"no learning signal: every group of the {where} holds one response, and the group "
                         f"baseline gives a group of one advantage 0; {SINGLETON_FIX}")
     if float(rewards.min()) == float(rewards.max()):
         raise UserError(f"no learning signal: every reward of the {where} is {float(rewards[0]):g}, so every "
-                        f"advantage is 0 under {spec.name}; score the data with a reward that tells the responses "
-                        "apart (offline-rec reward)")
-    raise UserError(f"no learning signal: every advantage of the {where} is 0 under {spec.name} (baseline "
-                    f"{spec.baseline}{f' {spec.baseline_value:g}' if spec.baseline == 'constant' else ''}): "
+                        f"advantage is 0 under {config.algorithm}; score the data with a reward that tells the "
+                        "responses apart (offline-rec reward)")
+    raise UserError(f"no learning signal: every advantage of the {where} is 0 under {config.algorithm} (baseline "
+                    f"{objective.baseline}"
+                    f"{f' {objective.baseline_value:g}' if objective.baseline == 'constant' else ''}): "
                     f"{stats['singleton_groups']} groups of one response and {stats['zero_variance_groups']} "
                     "groups whose rewards are all equal; for the singletons, "
                     + SINGLETON_FIX.removeprefix("give them "))

@@ -1,23 +1,20 @@
-"""The training configuration: one dataclass, YAML files and `--set key=value` overrides.
+"""Train's configuration: one typed, frozen `TrainConfig`, resolved once from a preset's recipe and the layers.
 
-Every option of `offline-rec train` is a field of `TrainConfig` and a key of its YAML files; the
-one-line `help` of each field is what `offline-rec train --list-options` prints. A configuration
-is assembled in layers, each overriding the one before:
+Every option of `offline-rec train` is a field of `TrainConfig` or of one of its groups (the objective, by axis;
+steps; optimizer; policy; lora; weights; logging; evaluation), on the options mechanism of `offline_rec.options`:
+a group's fields are flat keyword arguments, attributes and keys (`TrainConfig(lr=1e-5).lr`, `lr: 1e-5`,
+`--set eps_low=0.6`), and the code below the CLI reads whole groups (`config.objective` is the loss's `Objective`).
+A configuration is resolved in layers, each overriding the one before:
 
-    1. the field defaults below
+    1. the field defaults, then the recipe of the preset `algorithm` (`loss.presets`, `training.recipes.defaults`)
     2. the YAML file given with --config (or, with --resume, the run's saved config.yaml)
     3. the named command-line options (--data, --model, --lr, ...)
     4. `--set key=value` overrides, in the order given
 
-Values are coerced to the field's type (a --set value is read as YAML: `--set betas=[0.9,0.95]`,
-`--set truncate=true`). Algorithm hyper-parameters go into `algorithm_overrides`, either as a
-YAML mapping (`algorithm_overrides: {eps_low: 0.6, eps_high: 2.0}`) or with the `algorithm.`
-prefix (`--set algorithm.eps_high=2.0`); they are merged over the preset's defaults by
-`offline_rec.algorithms.get_algorithm`. An unknown key is refused with the list of valid keys
-and the closest match.
-
-The options of `offline-rec cache` (the row stores train builds and reuses) are here too: `RowCacheConfig`,
-`CacheClearConfig`.
+Values are coerced to the field's type (a --set value is read as YAML: `--set betas=[0.9,0.95]`). Old keys
+(`algorithm_overrides`, `--set algorithm.eps_low=...`, the caps) are read as today's with one deprecation line each
+(`training.legacy_keys`). An unknown key is refused with the closest match. The options of `offline-rec cache` are
+here too (`RowCacheConfig`, `CacheClearConfig`).
 
 No torch here: the CLI imports this module to list and check options.
 """
@@ -26,18 +23,22 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
+import sys
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
-from offline_rec.algorithms import ALGORITHMS, KL_ESTIMATORS, AlgorithmSpec
 from offline_rec.coerce import coerce_scalar
 from offline_rec.errors import UserError
-from offline_rec.options import api_only, argument, flattened, nested, option
+from offline_rec.loss.objective import AXES, Objective
+from offline_rec.loss.presets import PRESETS, get_preset
+from offline_rec.options import api_only, argument, flattened, nested, option, option_hints
+from offline_rec.training import legacy_keys, recipes
 
-ALGORITHM_PREFIX = "algorithm."
 LR_SCHEDULES = ("constant", "cosine")
 BATCHINGS = ("groups", "rows")
 MIXED_PRECISIONS = ("no", "bf16")
@@ -54,51 +55,44 @@ RESUMABLE_CHANGES = frozenset(
 )
 
 
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything `offline-rec train` needs. Validated on construction (UserError)."""
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise UserError(message)
 
-    # -- what to train on, what to train, where to write
-    data: list[str] = option(
-        [], "--data", help="dataset directories to train on (repeat --data; tokenizers must agree)",
-        flag_help="Dataset directory (repeat for several).",
-    )
-    model: str = option(
-        "", "--model", help="policy to start from: a local transformers model folder, a Hub model id or a GGUF file",
-        flag_help="Policy to start from: local model folder, Hub id or GGUF file.",
-    )
-    algorithm: str = option(
-        "", "--algorithm",
-        help="loss preset (formulas: README, offline_rec.algorithms.ALGORITHMS): " + ", ".join(ALGORITHMS),
-        flag_help="Loss preset, e.g. rec-oneside-nois, grpo, opmd.",
-    )
-    algorithm_overrides: dict = api_only(
-        {},
-        help="preset hyper-parameters to change, e.g. {eps_low: 0.6}; or --set algorithm.eps_low=0.6; keys: "
-        + ", ".join(f.name for f in dataclasses.fields(AlgorithmSpec) if f.name != "name"))
-    out: str = option(
-        "", "--out", "-o", help="run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json",
-        flag_help="Run directory.",
-    )
-    resume: bool = option(
-        False, "--resume/--no-resume",
-        help="continue the run in `out` from its latest checkpoint (starts fresh if there is none)",
-        flag_help="Continue the run in --out from its latest checkpoint.",
-    )
-    init_from: str | None = option(
-        None, "--init-from",
-        help="continue an earlier run on THIS data: its checkpoint (RUN or RUN/checkpoints/step-N) "
-        "gives the weights, AdamW moments and policy version; schedule and data order start fresh",
-        flag_help=("Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, "
-                   "policy version."),
-    )
 
-    # -- data
+def _choice(name: str, value: str, valid) -> None:
+    _require(value in valid, f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+def _at_least(group, bound: int, *names: str) -> None:
+    for name in names:
+        _require(getattr(group, name) >= bound, f"{name} must be >= {bound}, got {getattr(group, name)}")
+
+
+def _finite_non_negative(group, *names: str) -> None:
+    for name in names:
+        value = getattr(group, name)
+        _require(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the optimizer steps are built from the data, and how many there are."""
+
+    batching: str = api_only(
+        "groups",
+        help="how a step is built: groups (prompts_per_step whole groups, advantages from the step's rows) | rows "
+             "(advantages computed per group over the epoch, then rows_per_step rows shuffled across prompts)")
     prompts_per_step: int = option(
         32, "--prompts-per-step",
         help="whole groups (prompts) per optimizer step; the last step of an epoch may have fewer",
         flag_help="Whole groups per optimizer step.",
     )
+    rows_per_step: int = api_only(128, help="batching: rows: rows per optimizer step (the epoch's last step: the rest)")
+    skip_zero_advantage: bool = api_only(
+        False,
+        help="leave rows whose advantage is exactly 0 out of the step (no forward/backward, not in the token count); "
+             "refused where a regularizer or kl_to_initial gives such rows a gradient")
     epochs: int = option(
         1, "--epochs", help="passes over the training groups (ignored when max_steps > 0)",
         flag_help="Passes over the training groups.",
@@ -124,15 +118,6 @@ class TrainConfig:
         flag_help="Fraction of groups kept out of training (holdout.json).",
     )
     shuffle: bool = api_only(True, help="shuffle groups each epoch (seeded by seed and epoch)")
-    batching: str = api_only(
-        "groups",
-        help="how a step is built: groups (prompts_per_step whole groups, advantages from the step's rows) | rows "
-             "(advantages computed per group over the epoch, then rows_per_step rows shuffled across prompts)")
-    rows_per_step: int = api_only(128, help="batching: rows: rows per optimizer step (the epoch's last step: the rest)")
-    skip_zero_advantage: bool = api_only(
-        False,
-        help="leave rows whose advantage is exactly 0 out of the step (no forward/backward, not in the token count); "
-             "refused where a regularizer or kl_to_initial gives such rows a gradient")
     seed: int = option(
         0, "--seed", help="seed of the shuffle, RED-Drop's random drops and torch",
         flag_help="Seed of shuffling, RED-Drop and torch.",
@@ -143,11 +128,19 @@ class TrainConfig:
              "~9 bytes/token), built once per machine and reused by later runs; null: rows/ in $OFFLINE_REC_CACHE "
              "or ~/.cache/offline-rec (`offline-rec cache list|clear`)")
 
-    # -- optimizer
-    lr: float = option(
-        1e-6, "--lr", help="AdamW learning rate (peak, after warmup)",
-        flag_help="AdamW learning rate.",
-    )
+    def __post_init__(self):
+        _choice("batching", self.batching, BATCHINGS)
+        _at_least(self, 1, "prompts_per_step", "rows_per_step", "epochs", "micro_batch_tokens", "max_length")
+        _at_least(self, 0, "max_steps")
+        _require(0.0 <= self.holdout < 1.0, f"holdout is a fraction in [0, 1), got {self.holdout}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOptions:
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = option(recipes.GENERIC_LR, "--lr", help="AdamW learning rate (peak, after warmup)",
+                       flag_help="AdamW learning rate.")
     weight_decay: float = api_only(0.01, help="AdamW decoupled weight decay")
     betas: list[float] = api_only([0.9, 0.999], help="AdamW betas")
     adam_eps: float = api_only(1e-8, help="AdamW epsilon")
@@ -157,7 +150,19 @@ class TrainConfig:
     max_grad_norm: float = api_only(
         1.0, help="clip the global gradient norm to this (0 = no clipping, norm still logged)")
 
-    # -- model
+    def __post_init__(self):
+        _finite_non_negative(self, "lr", "weight_decay", "adam_eps", "max_grad_norm")
+        _at_least(self, 0, "warmup_steps")
+        _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+                 f"betas must be two numbers in [0, 1), got {self.betas}")
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyOptions:
+    """How the trained policy is loaded and run."""
+
     model_dtype: str = api_only("float32", help="dtype the weights are loaded and kept in: float32 | bfloat16")
     mixed_precision: str = api_only("no", help="autocast for the forward/backward: no | bf16 (GPU)")
     gradient_checkpointing: bool = api_only(False, help="recompute activations in backward to save memory")
@@ -168,27 +173,60 @@ class TrainConfig:
     temperature: float = api_only(
         1.0, help="policy log-probs are of softmax(logits / temperature): use the sampling temperature")
     logprob_chunk_size: int = api_only(1024, help="rows of the lm_head computed at a time for per-token log-probs")
-    kl_to_initial: float = api_only(0.0, help="coefficient of a k3 KL penalty to the initial policy (0 = off)")
-    kl_estimator: str = api_only(
-        "k3", help="per-token estimator of the kl_to_initial penalty: k3 | k2 ((logp - ref)^2 / 2, Trinity-RFT's)")
-    weight_ess_warning: float = api_only(
-        0.1, help="warn when a step's importance-weight ESS (token fraction, metrics.jsonl ess) is below this "
-                  "(0 = never)")
-    stop_on_weight_collapse: bool = api_only(
-        False, help="stop the run (exit 2) instead of warning when the ESS falls below weight_ess_warning")
-    weight_check_rows: int = api_only(
-        256, help="training rows whose importance weights are measured against the initial policy before step 1 "
-                  "(0 = skip)")
-    force_raw_logprobs: bool = api_only(
-        False, help="train an importance-weighted preset on `raw` log-probs sampled at a temperature other than 1")
+    cpu: bool = api_only(False, help="train on the CPU even when a GPU is present")
+
+    def __post_init__(self):
+        _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        _choice("model_dtype", self.model_dtype, MODEL_DTYPES)
+        _require(self.temperature > 0 and math.isfinite(self.temperature),
+                 f"temperature must be > 0, got {self.temperature}")
+        _at_least(self, 1, "logprob_chunk_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraOptions:
+    """LoRA adapters instead of full fine-tuning."""
+
     lora_r: int = api_only(0, help="LoRA rank (0 = full fine-tuning); needs peft")
     lora_alpha: float = api_only(16.0, help="LoRA alpha")
     lora_dropout: float = api_only(0.0, help="LoRA dropout")
     lora_target_modules: list[str] = api_only(
         ["all-linear"], help="modules that get LoRA adapters (all-linear, or names like q_proj)")
-    cpu: bool = api_only(False, help="train on the CPU even when a GPU is present")
 
-    # -- checkpoints and logs
+    def __post_init__(self):
+        _at_least(self, 0, "lora_r")
+        _finite_non_negative(self, "lora_alpha")
+        _require(0.0 <= self.lora_dropout < 1.0, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        _require(bool(self.lora_target_modules), "lora_target_modules must name at least one module")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightWatchOptions:
+    """The importance weights pi / mu: what the log-probs must be, how they are watched."""
+
+    weight_ess_warning: float | None = api_only(
+        None, help="warn when a step's importance-weight ESS (token fraction, metrics.jsonl ess) is below this; "
+                   "null: 0.1 where the objective weighs tokens by the ratio, else no warning (the final summary "
+                   "reports the drift); 0 = never")
+    stop_on_weight_collapse: bool = api_only(
+        False, help="stop the run (exit 2) instead of warning when the ESS falls below weight_ess_warning (null: 0.1)")
+    weight_check_rows: int = api_only(
+        256, help="training rows whose importance weights are measured against the initial policy before step 1 "
+                  "(0 = skip)")
+    force_raw_logprobs: bool = api_only(
+        False, help="train an importance-weighted preset on `raw` log-probs sampled at a temperature other than 1")
+
+    def __post_init__(self):
+        threshold = self.weight_ess_warning
+        _require(threshold is None or 0.0 <= threshold <= 1.0,
+                 f"weight_ess_warning is an ESS fraction in [0, 1], got {threshold}")
+        _at_least(self, 0, "weight_check_rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingOptions:
+    """Checkpoints, metric sinks and the progress bar."""
+
     save_every: int = api_only(50, help="save a checkpoint every this many steps (0 = only at the end)")
     keep_last: int = api_only(3, help="keep only the newest N step checkpoints (0 = keep all)")
     report_to: list[str] = api_only(
@@ -196,12 +234,21 @@ class TrainConfig:
     wandb_project: str = api_only("offline-rec", help="wandb project, with report_to: [wandb]")
     mlflow_experiment: str = api_only("offline-rec", help="mlflow experiment, with report_to: [mlflow]")
     mlflow_tracking_uri: str | None = api_only(
-        None,
-        help="mlflow tracking URI (null: $MLFLOW_TRACKING_URI, else a sqlite store RUN/mlflow.db)")
+        None, help="mlflow tracking URI (null: $MLFLOW_TRACKING_URI, else a sqlite store RUN/mlflow.db)")
     trackio_project: str = api_only(
-        "offline-rec",
-        help="trackio project, with report_to: [trackio] (stored in $TRACKIO_DIR)")
+        "offline-rec", help="trackio project, with report_to: [trackio] (stored in $TRACKIO_DIR)")
     progress: bool = api_only(True, help="show a progress bar")
+
+    def __post_init__(self):
+        _at_least(self, 0, "save_every", "keep_last")
+        for reporter in self.report_to:
+            _choice("report_to entry", reporter, REPORTERS)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingEvalOptions:
+    """Evaluation of checkpoints during training, and publishing the final model."""
+
     eval_every: int = api_only(0, help="evaluate a checkpoint every this many steps (0 = off); needs eval_task")
     eval_task: str | None = api_only(None, help="task evaluated with eval_every")
     # The eval_* settings below become an EvalConfig in offline_rec.eval.rollouts.training_eval_config;
@@ -215,82 +262,155 @@ class TrainConfig:
     eval_backend: str | None = api_only(None, help="evaluation sampler: hf or vllm (null: vllm when installed)")
     push_to_hub: str | None = api_only(None, help="Hub repo id the final model is pushed to at the end")
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            setattr(self, field.name, coerce(field.name, _field_types()[field.name], getattr(self, field.name)))
-        self.algorithm_overrides = dict(self.algorithm_overrides)
-        self.data = [str(p) for p in self.data]
-        for name in ("data", "model", "algorithm", "out"):
-            if not getattr(self, name):
-                raise UserError(f"{name} is required (--{name} or `{name}:` in the config file)")
-        # An unknown preset or preset field is refused here, with the valid choices.
-        from offline_rec.algorithms import get_algorithm
+    def __post_init__(self):
+        _at_least(self, 0, "eval_every")
+        _require(not (self.eval_every and not self.eval_task), "eval_every > 0 needs eval_task")
 
-        spec = get_algorithm(self.algorithm, **self.algorithm_overrides)
-        for name in ("prompts_per_step", "epochs", "micro_batch_tokens", "max_length", "logprob_chunk_size"):
-            _require(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_steps", "warmup_steps", "save_every", "keep_last", "eval_every", "lora_r",
-                     "weight_check_rows"):
-            _require(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "weight_decay", "adam_eps", "max_grad_norm", "kl_to_initial", "lora_alpha"):
-            value = getattr(self, name)
-            _require(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value}")
-        _require(0.0 <= self.weight_ess_warning <= 1.0,
-                 f"weight_ess_warning is an ESS fraction in [0, 1], got {self.weight_ess_warning}")
-        _require(0.0 <= self.holdout < 1.0, f"holdout is a fraction in [0, 1), got {self.holdout}")
-        _require(0.0 <= self.min_lr_ratio <= 1.0, f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        _require(0.0 <= self.lora_dropout < 1.0, f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        _require(
-            self.temperature > 0 and math.isfinite(self.temperature), f"temperature must be > 0, got {self.temperature}"
-        )
-        _require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-                 f"betas must be two numbers in [0, 1), got {self.betas}")
-        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("batching", self.batching, BATCHINGS)
-        _require(self.rows_per_step >= 1, f"rows_per_step must be >= 1, got {self.rows_per_step}")
-        _require(not (self.batching == "rows" and spec.baseline == "step"),
+
+GROUPS = {"objective": Objective, "steps": StepOptions, "optimizer": OptimizerOptions, "policy": PolicyOptions,
+          "lora": LoraOptions, "weights": WeightWatchOptions, "logging": LoggingOptions,
+          "evaluation": TrainingEvalOptions}
+"""TrainConfig's groups by attribute."""
+
+
+def _recipe_defaults(cls):
+    """Class decorator (above `flattened`): `TrainConfig(algorithm=NAME, ...)` starts from the preset's recipe.
+
+    Every option the recipe sets (`training.recipes.defaults`) and the caller did not give, in a group the caller
+    did not give whole, takes the recipe's value; then every given value is coerced to its field's type. An
+    `algorithm_overrides` mapping (the old Python API) is read as its keys, with a DeprecationWarning."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, **given):
+        algorithm = str(given.get("algorithm") or "")
+        _require(bool(algorithm), "algorithm is required (--algorithm or `algorithm:` in the config file)")
+        given, lines = legacy_keys.translate(given, algorithm, "TrainConfig(...)")
+        for line in lines:
+            warnings.warn(line, DeprecationWarning, stacklevel=2)
+        recipe = get_preset(algorithm)
+        whole = {name for name in GROUPS if name in given}
+        for name, value in recipes.defaults(recipe, str(given.get("model") or "")).items():
+            if name not in given and _GROUP_OF[name] not in whole:
+                given[name] = value
+        hints = _field_types()
+        for name, value in list(given.items()):
+            if name in hints and name not in GROUPS:
+                given[name] = coerce(name, hints[name], value)
+        try:
+            init(self, **given)
+        except ValueError as exc:  # the objective's checks (offline_rec.loss.objective)
+            raise UserError(f"algorithm {algorithm!r}: {exc}") from None
+        except TypeError as exc:
+            raise UserError(f"TrainConfig: {exc}") from None
+
+    cls.__init__ = __init__
+    return cls
+
+
+@_recipe_defaults
+@flattened
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything `offline-rec train` needs: resolved once, frozen, validated on construction (UserError)."""
+
+    data: list[str] = option(
+        [], "--data", help="dataset directories to train on (repeat --data; tokenizers must agree)",
+        flag_help="Dataset directory (repeat for several).",
+    )
+    model: str = option(
+        "", "--model", help="policy to start from: a local transformers model folder, a Hub model id or a GGUF file",
+        flag_help="Policy to start from: local model folder, Hub id or GGUF file.",
+    )
+    algorithm: str = option(
+        "", "--algorithm",
+        help="preset, a whole recipe (objective, steps, measured settings; README 'Recipes'): " + ", ".join(PRESETS),
+        flag_help="Preset, a whole recipe: e.g. rec-logged, grpo, opmd.",
+    )
+    out: str = option(
+        "", "--out", "-o", help="run directory: checkpoints, final model, metrics.jsonl, config.yaml, holdout.json",
+        flag_help="Run directory.",
+    )
+    resume: bool = option(
+        False, "--resume/--no-resume",
+        help="continue the run in `out` from its latest checkpoint (starts fresh if there is none)",
+        flag_help="Continue the run in --out from its latest checkpoint.",
+    )
+    init_from: str | None = option(
+        None, "--init-from",
+        help="continue an earlier run on THIS data: its checkpoint (RUN or RUN/checkpoints/step-N) "
+        "gives the weights, AdamW moments and policy version; schedule and data order start fresh",
+        flag_help=("Continue an earlier run (RUN or its checkpoints/step-N) on this --data: weights, AdamW state, "
+                   "policy version."),
+    )
+    objective: Objective = nested(Objective)
+    steps: StepOptions = nested(StepOptions)
+    optimizer: OptimizerOptions = nested(OptimizerOptions)
+    policy: PolicyOptions = nested(PolicyOptions)
+    lora: LoraOptions = nested(LoraOptions)
+    weights: WeightWatchOptions = nested(WeightWatchOptions)
+    logging: LoggingOptions = nested(LoggingOptions)
+    evaluation: TrainingEvalOptions = nested(TrainingEvalOptions)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data", [str(path) for path in self.data])
+        for name in ("data", "model", "algorithm", "out"):
+            _require(bool(getattr(self, name)), f"{name} is required (--{name} or `{name}:` in the config file)")
+        objective = self.objective
+        _require(not (self.batching == "rows" and objective.baseline == "step"),
                  "batching: rows computes advantages per group over the whole epoch, where a step baseline has no "
                  "step to take the mean of: use baseline dataset (the training rewards' mean) or batching: groups")
-        _require(not (self.skip_zero_advantage and (spec.regularizer != "none" or self.kl_to_initial > 0)),
+        _require(not (self.skip_zero_advantage and objective.gives_zero_advantage_rows_a_gradient),
                  f"skip_zero_advantage: a row of advantage 0 still gets a gradient from the regularizer "
-                 f"({spec.regularizer}) or kl_to_initial ({self.kl_to_initial:g}); drop one or the other")
-        _choice("mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
-        _choice("model_dtype", self.model_dtype, MODEL_DTYPES)
-        for reporter in self.report_to:
-            _choice("report_to entry", reporter, REPORTERS)
-        _require(not (self.eval_every and not self.eval_task), "eval_every > 0 needs eval_task")
-        _require(bool(self.lora_target_modules), "lora_target_modules must name at least one module")
+                 f"({objective.regularizer}) or kl_to_initial ({objective.kl_to_initial:g}); drop one or the other")
+
+    @property
+    def recipe(self):
+        """The preset this config started from (`loss.presets.Recipe`)."""
+        return PRESETS[self.algorithm]
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every option by its key, the groups' in place (what config.yaml holds)."""
+        return {name: value for _, rows in option_groups(self) for name, _, value, _ in rows}
+
+    def recipe_lines(self) -> list[str]:
+        """What train prints first: the recipe resolved and each option moving it away (`training.recipes.describe`)."""
+        return recipes.describe(self.recipe, self.to_dict(), self.model)
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise UserError(message)
-
-
-def _choice(name: str, value: str, valid) -> None:
-    _require(value in valid, f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+_GROUP_OF = {field.name: group for group, cls in GROUPS.items() for field in dataclasses.fields(cls)}
 
 
 # --------------------------------------------------------------------------------------------
-# field types and coercion
+# field types, coercion, the option listing
 
 
 def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
+    return option_hints(TrainConfig)
+
+
+def option_groups(config: TrainConfig | None = None) -> list[tuple[str, list[tuple[str, str, Any, str]]]]:
+    """The options by group, in declaration order (the objective's by axis): (title, [(key, type name, value, help)]);
+    the values are `config`'s, else the defaults."""
+    types_of = _field_types()
+
+    def rows(cls, names=None, source=None):
+        fields = [f for f in dataclasses.fields(cls)
+                  if "nested" not in f.metadata and (names is None or f.name in names)]
+        return [(f.name, _type_name(types_of[f.name]),
+                 getattr(source, f.name) if source is not None else
+                 (f.default_factory() if f.default is dataclasses.MISSING else f.default), f.metadata["help"])
+                for f in fields]
+
+    groups = [("run", rows(TrainConfig, source=config))]
+    groups += [(f"objective: {axis}", rows(Objective, names, config)) for axis, names in AXES.items()]
+    groups += [(name, rows(cls, source=config)) for name, cls in GROUPS.items() if cls is not Objective]
+    return groups
 
 
 def option_help() -> list[tuple[str, str, Any, str]]:
-    """(key, type name, default, help) for every option, in declaration order."""
-    types = _field_types()
-    rows = []
-    for field in dataclasses.fields(TrainConfig):
-        default = field.default_factory() if field.default is dataclasses.MISSING else field.default
-        rows.append((field.name, _type_name(types[field.name]), default, field.metadata["help"]))
-    return rows
+    """(key, type name, default, help) for every option, group after group."""
+    return [row for _, rows in option_groups() for row in rows]
 
 
 def _type_name(kind) -> str:
@@ -317,12 +437,6 @@ def coerce(name: str, kind, value):
         if not isinstance(value, list):
             value = [value]
         return [coerce(name, args[0], v) for v in value]
-    if kind is dict or origin is dict:
-        if isinstance(value, str):
-            value = _parse_value(value)
-        if not isinstance(value, dict):
-            raise UserError(f"{name} expects a mapping like {{key: value}}, got {value!r}")
-        return value
     return coerce_scalar(name, kind, value)
 
 
@@ -341,17 +455,17 @@ def _parse_value(text: str):
 
 
 def check_keys(keys, where: str) -> None:
-    """UserError for the first key that is not an option, with the valid keys and a suggestion."""
-    valid = [f.name for f in dataclasses.fields(TrainConfig)]
+    """UserError for the first key that is not an option, with a suggestion and where to find them all."""
+    valid = [name for name in _field_types() if name not in GROUPS]
     for key in keys:
         if key not in valid:
             close = difflib.get_close_matches(key, valid, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UserError(f"unknown option {key!r} in {where}{hint}; valid: {', '.join(valid)}")
+            raise UserError(f"unknown option {key!r} in {where}{hint}; `offline-rec train --list-options` lists them")
 
 
 def load_yaml(path: str | Path) -> dict:
-    """The mapping in a YAML config file (UserError if missing or not a mapping)."""
+    """The mapping in a YAML config file (UserError if missing or not a mapping); keys are checked by the caller."""
     import yaml
 
     path = Path(path)
@@ -365,53 +479,61 @@ def load_yaml(path: str | Path) -> dict:
         return {}
     if not isinstance(loaded, dict):
         raise UserError(f"config file {path} must hold a mapping of option: value")
-    check_keys(loaded, str(path))
     return loaded
 
 
 def parse_sets(assignments) -> dict:
-    """`["lr=1e-5", "algorithm.eps_high=2.0"]` as a layer: {"lr": "1e-5", "algorithm_overrides": {...}}."""
+    """`["lr=1e-5", "eps_high=2.0"]` as a layer: {"lr": "1e-5", "eps_high": 2.0} (a str option keeps its text)."""
     layer: dict = {}
+    types_of = _field_types()
     for item in assignments or ():
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key:
             raise UserError(f"--set expects key=value, got {item!r}")
-        if key.startswith(ALGORITHM_PREFIX):
-            layer.setdefault("algorithm_overrides", {})[key[len(ALGORITHM_PREFIX):]] = _parse_value(text)
-            continue
-        check_keys([key], "--set")
-        layer[key] = text if _field_types()[key] is str else _parse_value(text)
+        layer[key] = text if types_of.get(key) is str else _parse_value(text)
     return layer
 
 
 def merge_layers(*layers: dict) -> dict:
-    """Later layers win; algorithm_overrides mappings are merged key by key."""
+    """Later layers win."""
     merged: dict = {}
     for layer in layers:
-        for key, value in layer.items():
-            if key == "algorithm_overrides" and isinstance(value, dict):
-                merged[key] = {**merged.get(key, {}), **value}
-            else:
-                merged[key] = value
+        merged.update(layer)
     return merged
 
 
-def build_config(config_file: str | Path | None = None, options: dict | None = None, sets=()) -> TrainConfig:
-    """The TrainConfig from the layers: defaults, YAML file, named options, --set overrides.
+def _layer(raw: dict, algorithm: str | None, where: str, warn) -> dict:
+    """A layer with its old keys read as today's (one line each, to `warn`), its keys checked."""
+    layer, lines = legacy_keys.translate(raw, algorithm, where)
+    check_keys(layer, where)  # an unknown key fails alone, in one line
+    for line in lines:
+        warn(line)
+    return layer
 
-    `options` holds only the options actually given (None values are ignored). With
-    `resume: true` and an existing RUN/config.yaml, the saved config is the base instead of
-    the defaults, and the layers may change only RESUMABLE_CHANGES keys (UserError otherwise).
+
+def _warn(line: str) -> None:
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def build_config(config_file: str | Path | None = None, options: dict | None = None, sets=()) -> TrainConfig:
+    """The TrainConfig from the layers: the recipe of its preset, YAML file, named options, --set overrides.
+
+    `options` holds only the options actually given (None values are ignored). With `resume: true` and an existing
+    RUN/config.yaml, the saved config is the base instead of the recipe, and the layers may change only
+    RESUMABLE_CHANGES keys (UserError otherwise). Old keys print one deprecation line each on stderr.
     """
     options = {k: v for k, v in (options or {}).items() if v is not None}
     check_keys(options, "the command line")
-    file_layer = load_yaml(config_file) if config_file else {}
-    layers = [file_layer, options, parse_sets(sets)]
-    merged = merge_layers(*layers)
+    raw_file = load_yaml(config_file) if config_file else {}
+    raw_sets = parse_sets(sets)
+    algorithm = raw_sets.get("algorithm") or options.get("algorithm") or raw_file.get("algorithm")
+    merged = merge_layers(_layer(raw_file, algorithm, str(config_file), _warn), options,
+                          _layer(raw_sets, algorithm, "--set", _warn))
     saved_path = Path(merged["out"]) / "config.yaml" if merged.get("out") else None
     if merged.get("resume") and saved_path is not None and saved_path.is_file():
-        saved = load_yaml(saved_path)
+        raw_saved = load_yaml(saved_path)
+        saved = _layer(raw_saved, raw_saved.get("algorithm"), str(saved_path), _warn)
         config = TrainConfig(**merge_layers(saved, merged))
         before = TrainConfig(**{**saved, "resume": True}).to_dict()
         changed = sorted(k for k, v in config.to_dict().items() if before[k] != v and k not in RESUMABLE_CHANGES)
@@ -425,15 +547,29 @@ def build_config(config_file: str | Path | None = None, options: dict | None = N
 
 
 def config_to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML: every key at the top level, a comment line above each group's."""
     import yaml
 
-    return yaml.safe_dump(config.to_dict(), sort_keys=False, default_flow_style=None)
+    return "".join(f"# {title}\n" + yaml.safe_dump({name: value for name, _, value, _ in rows}, sort_keys=False,
+                                                   default_flow_style=False)
+                   for title, rows in option_groups(config))
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
     """The resolved config as YAML (written atomically); `--config` on it reproduces the run."""
     from offline_rec.files import atomic_write_text
     atomic_write_text(path, config_to_yaml(config))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainLayers:
+    """Where train's options come from besides its own flags: a YAML file, --set, and the listing of them all."""
+
+    config_file: Path | None = option(None, "--config", help="YAML file of options (see --list-options).")
+    sets: list[str] = option(
+        [], "--set", help="Override an option: key=value, e.g. eps_high=2.0 (repeatable).")
+    list_options: bool = option(
+        False, "--list-options", help="List every option (YAML key / --set key), group by group, and exit.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ Per backend (what `configure` sets before `accelerator.prepare`, and why):
   FSDP      version 2 only (parameters are DTensors; version 1 is refused). With gradient_checkpointing
             the plugin's activation checkpointing wraps the decoder layers before they are sharded.
   DEEPSPEED one optimizer step per training step is taken by marking the accumulation boundary on
-            the last micro-batch (step.py); DeepSpeed's own gradient_accumulation_steps stays 1 so
+            the last micro-batch (trainer.py); DeepSpeed's own gradient_accumulation_steps stays 1 so
             that it does not rescale the loss, whose normalization is the trainer's (global token
             count). Gradient clipping is DeepSpeed's, at max_grad_norm.
 """
@@ -38,6 +38,12 @@ def launched_backend() -> str | None:
     if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         return "DEEPSPEED"
     return None
+
+
+def is_main_launch_process() -> bool:
+    """Whether this process is rank 0 of its launch (RANK as torchrun and accelerate set it; a lone process is),
+    before any accelerator exists."""
+    return os.environ.get("RANK", "0") in ("0", "")
 
 
 def import_deepspeed_only_when_used() -> None:

@@ -3,118 +3,38 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import json
-import math
 import os
 from pathlib import Path
 
-import torch
-
-from offline_rec.algorithms import AlgorithmSpec
+from offline_rec.loss.advantages import describe_baseline
+from offline_rec.loss.totals import METRICS
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.checks import SINGLETON_FIX
 from offline_rec.training.config import TrainConfig
 
 
-# Per-rank sums of one step, all-gathered once at its end: index of each quantity.
-class PassSums:
-    """One rank's sums over the passes of a step; `combine` gathers them over ranks ONCE, at the step's end."""
-
-    KEYS = ("loss", "pg_loss", "reg_loss", "kl_initial", "clipped", "ratio_sum", "kl_behavior_sum",
-            "weight_sum", "tokens", "model_tokens", "padded_tokens", "ratio_max", "neg_ratio_min", "ratio_sq_sum",
-            "filtered", "ratio_high", "ratio_low", "weight_max")
-
-    def __init__(self):
-        self.values = torch.zeros(len(self.KEYS), dtype=torch.float64)
-        self.values[self.KEYS.index("neg_ratio_min")] = -math.inf
-
-    def add(self, stats: dict, kl_initial: torch.Tensor, batch: dict) -> None:
-        """Accumulate one pass's policy_loss metrics (token-weighted, so that means come out right)."""
-        n = stats["num_tokens"]
-        added = {
-            "loss": stats["loss"],
-            "pg_loss": stats["pg_loss"],
-            "reg_loss": stats["reg_loss"],
-            "kl_initial": float(kl_initial.detach()),
-            "clipped": stats["clip_fraction"] * n,
-            "ratio_sum": stats["ratio_mean"] * n,
-            "kl_behavior_sum": stats["kl_behavior"] * n,
-            "weight_sum": stats["weight_mean"] * n,
-            "ratio_sq_sum": stats["ratio_sq_mean"] * n,  # ess and chi2 come from these sums: micro-batch and rank
-            "filtered": stats["filter_fraction"] * n,  # invariant, unlike an average of per-pass ratios
-            "ratio_high": stats["ratio_high_fraction"] * n,
-            "ratio_low": stats["ratio_low_fraction"] * n,
-            "tokens": n,
-            # A padding-free batch has no attention_mask: its real tokens are its sequences' lengths.
-            "model_tokens": int(batch["attention_mask"].sum() if "attention_mask" in batch
-                                else batch["sequence_lengths"].sum()) if n else 0,
-            "padded_tokens": batch["input_ids"].numel() if n else 0,
-        }
-        for key, value in added.items():
-            self.values[self.KEYS.index(key)] += value
-        if n:
-            at_max, at_min = self.KEYS.index("ratio_max"), self.KEYS.index("neg_ratio_min")
-            self.values[at_max] = max(float(self.values[at_max]), stats["ratio_max"])
-            at_weight = self.KEYS.index("weight_max")
-            self.values[at_weight] = max(float(self.values[at_weight]), stats["weight_max"])
-            self.values[at_min] = max(float(self.values[at_min]), -stats["ratio_min"])
-
-    def combine(self, accelerator) -> dict:
-        """The step's pass metrics over all ranks (one all-gather of [world, len(KEYS)])."""
-        gathered = accelerator.gather(self.values.to(accelerator.device).unsqueeze(0)).cpu().double()
-        total = dict(zip(self.KEYS, gathered.sum(dim=0).tolist()))
-        tokens = max(total["tokens"], 1)
-        ratio_min = -float(gathered[:, self.KEYS.index("neg_ratio_min")].max())
-        return {
-            "loss": total["loss"],
-            "pg_loss": total["pg_loss"],
-            "reg_loss": total["reg_loss"],
-            "kl_initial": total["kl_initial"],
-            "clip_fraction": total["clipped"] / tokens,
-            "ratio_mean": total["ratio_sum"] / tokens if total["tokens"] else 1.0,
-            "ratio_min": ratio_min if math.isfinite(ratio_min) else 1.0,
-            "ratio_max": float(gathered[:, self.KEYS.index("ratio_max")].max()) if total["tokens"] else 1.0,
-            "kl_behavior": total["kl_behavior_sum"] / tokens,
-            "weight_mean": total["weight_sum"] / tokens,
-            "weight_max": float(gathered[:, self.KEYS.index("weight_max")].max()),
-            "ratio_high_fraction": total["ratio_high"] / tokens,
-            "ratio_low_fraction": total["ratio_low"] / tokens,
-            **importance_diagnostics(total["ratio_sum"], total["ratio_sq_sum"], total["tokens"]),
-            "filter_fraction": total["filtered"] / tokens,
-            "padding_efficiency": total["model_tokens"] / total["padded_tokens"] if total["padded_tokens"] else 1.0,
-            "model_tokens": total["model_tokens"],  # prompt + completion tokens that went through the model
-        }
-
-
-def importance_diagnostics(ratio_sum: float, ratio_sq_sum: float, count: float) -> dict:
-    """ess and chi2 of the importance weights rho = pi/mu from summable sums over n completion tokens:
-    ess = (sum rho)^2 / (n * sum rho^2) in (0, 1] (1: on-policy; k/n: the weight sits on k of n tokens),
-    chi2 = sum rho^2 / n - 1, the token-level estimate of the chi-square divergence E_mu[rho^2] - 1.
-    No tokens: ess 1, chi2 0."""
-    if not count or not ratio_sq_sum:
-        return {"ess": 1.0, "chi2": 0.0}
-    return {"ess": ratio_sum**2 / (count * ratio_sq_sum), "chi2": ratio_sq_sum / count - 1.0}
-
-
-def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: int, seconds: float) -> dict:
-    """The metrics.jsonl line of optimizer step `step` (0-based): its passes, then the data it trained on."""
+def step_metrics(step: int, plan, passes: dict, data, version_start: int, seconds: float) -> dict:
+    """The metrics.jsonl line of optimizer step `step` (0-based): its passes (the trainer's), then the data it
+    trained on (`STEP_METRICS`); `data`: the loop's (its schedule and index), `version_start`: the trainer's."""
+    schedule, index = data.schedule, data.index
     passes = dict(passes)
     model_tokens = passes.pop("model_tokens")
-    versions = index.policy_version[plan.rows]  # [N] behavior policy versions of the step's rows
-    stats = plan.group_stats
+    rows = plan.step  # every rank's rows of the step
+    versions = index.policy_version[rows.rows]  # [N] behavior policy versions of the step's rows
+    stats = rows.group_stats
     return dict(
         step=step + 1,
         epoch=schedule.epoch_of(step),
         **passes,
-        groups=len(plan.groups),
-        rows=int(plan.keep.sum()),  # the rows the step trained on: RED-Drop's and skipped A = 0 rows left out
-        reward_mean=float(plan.rewards.mean()),
+        groups=len(rows.groups),
+        rows=int(rows.keep.sum()),  # the rows the step trained on: RED-Drop's and skipped A = 0 rows left out
+        reward_mean=float(rows.rewards.mean()),
         zero_variance_group_fraction=stats["zero_variance_groups"] / stats["num_groups"],
         singleton_groups=stats["singleton_groups"],
-        dropped_fraction=1.0 - float(plan.keep.mean()),
+        dropped_fraction=1.0 - float(rows.keep.mean()),
         policy_version_mean=float(versions.mean()),
         policy_version_max=int(versions.max()),
         trained_policy_version=version_start + step,  # updates the policy had before this step
@@ -125,40 +45,27 @@ def step_metrics(step: int, schedule, plan, passes: dict, index, version_start: 
     )
 
 
-# Namespaces of the trackers' keys (metrics.jsonl stays flat): every tracker gets the same names.
-_NAMESPACES = {
-    "losses": ("loss", "pg_loss", "reg_loss", "kl_initial"),
-    "policy": ("clip_fraction", "ratio_mean", "ratio_min", "ratio_max", "kl_behavior", "weight_mean", "grad_norm",
-               "ess", "chi2", "filter_fraction", "ratio_high_fraction", "ratio_low_fraction", "weight_max"),
+STEP_METRICS = {
     "data": ("reward_mean", "zero_variance_group_fraction", "singleton_groups", "dropped_fraction",
              "policy_version_mean", "policy_version_max", "trained_policy_version", "staleness", "staleness_max",
-             "num_tokens", "groups", "rows"),
+             "groups", "rows"),
+    "policy": ("grad_norm",),
     "charts": ("lr", "tokens_per_s", "padding_efficiency", "seconds", "epoch"),
 }
+"""The trainer's own metrics by the trackers' namespace (metrics.jsonl stays flat); the loss's are in
+`loss.totals.METRICS`, each with its namespace; per behavior, `weight_monitor` adds behavior/<name>/<metric>."""
 
-
-_NAMESPACE_OF = {key: space for space, keys in _NAMESPACES.items() for key in keys}
+_NAMESPACE_OF = {**{metric.name: metric.namespace for metric in METRICS},
+                 **{key: space for space, keys in STEP_METRICS.items() for key in keys}}
 
 
 class MetricsLog:
     """metrics.jsonl (flat, one line per step) and the trackers of `report_to`; main process only.
 
-    Per step: loss, pg_loss, reg_loss, kl_initial (the step's token-means, summed over micro-batches
-    and ranks); over its completion tokens: clip_fraction (share with clip mask 0), ratio_mean /
-    ratio_min / ratio_max of pi/mu, kl_behavior (k3 estimate of KL(behavior || policy)),
-    weight_mean, ess (effective sample size of pi/mu as a fraction, 0..1), chi2 (mean (pi/mu)^2 - 1,
-    token-level chi-square divergence estimate), filter_fraction (share removed by dual-clip's cap or
-    opsm's filter beyond the one-side mask), ratio_high_fraction / ratio_low_fraction (shares of pi/mu > 10
-    and < 0.1), weight_max (the largest weight of a token that gets a gradient: what the caps bound); per
-    behavior where the data has several (`weight_monitor`): behavior/<name>/ess, ratio_max, ratio_high_fraction,
-    ratio_low_fraction, tokens; over its rows: reward_mean, dropped_fraction (RED-Drop),
-    policy_version_mean/max
-    (of the behavior policies), trained_policy_version (updates the trained weights had before
-    the step: step - 1, plus the init_from checkpoint's version) and staleness
-    (= trained_policy_version - policy_version, mean and max); over its groups:
-    zero_variance_group_fraction, singleton_groups, groups; num_tokens (N of the loss),
-    padding_efficiency (real / padded tokens through the model), tokens_per_s (real prompt +
-    completion tokens through the model per second), grad_norm (before clipping), lr, seconds.
+    A line holds the loss's metrics (`loss.totals.METRICS`: the step's token-means summed over micro-batches and
+    ranks, the ratios', clip and filter fractions, weights), the trainer's (`STEP_METRICS`: the data of the step,
+    policy versions and staleness, throughput, grad_norm before clipping, lr), and per behavior where the data has
+    several (`weight_monitor`): behavior/<name>/ess, ratio_max, ratio_high_fraction, ratio_low_fraction, tokens.
 
     On resume, lines of steps after the checkpoint (written before the crash) are removed, and the
     checkpoint's own step is restored from its trainer_state if the crash came before its line.
@@ -270,19 +177,20 @@ def _line_step(line: str):
         return None  # a line cut by a crash
 
 
-def print_settings(config: TrainConfig, spec: AlgorithmSpec, index, schedule, world: int, start_step: int,
-                   backend: str = "", packing: str = "", signal: dict | None = None, baseline: str = "") -> None:
-    """The settings a reader of the log needs first (defaults included); `backend`: what runs the processes,
-    `packing`: the padding-free layout's note, `signal`: `checks.check_learning_signal`'s counts (warnings),
-    `baseline`: what the advantages are centred on."""
+def print_settings(config: TrainConfig, data, trainer) -> None:
+    """The settings a reader of the log needs next to the recipe (printed first, `TrainConfig.recipe_lines`), for
+    the loop's checked `data` (index, schedule, learning signal, reward moments) and its `trainer` (processes,
+    backend, padding-free layout, where it starts)."""
     from rich.console import Console
 
+    from offline_rec.training import distributed
+
     console = Console(highlight=False)
-    plain = AlgorithmSpec()
-    shown = {k: v for k, v in dataclasses.asdict(spec).items()
-             if k != "name" and (v != getattr(plain, k) or (k in ("eps_low", "eps_high") and spec.clip != "none"))}
+    index, schedule, signal = data.index, data.schedule, data.signal
+    world, start_step = trainer.accelerator.num_processes, trainer.start_step
+    backend, packing = distributed.settings_line(trainer.accelerator), trainer.layout.note
+    baseline = describe_baseline(config.objective, data.moments)
     rows = [
-        ("algorithm", f"{spec.name} " + ", ".join(f"{k}={v}" for k, v in shown.items())),
         *([("baseline", baseline)] if baseline else []),
         (
             "data",

@@ -1,4 +1,7 @@
-"""A step's rows: dealt to ranks by tokens, read from the row store, packed into micro-batches, made tensors.
+"""A step's rows planned: dealt to ranks by tokens, read from the row store, packed into micro-batches, made tensors.
+
+`plan_step` only packs: the rows and their advantages come from a step source (`step_source.StepRows`, every
+rank's alike); this rank takes its share and packs it (`Packing`: where the rank stands, the budget, the layout).
 
   * a step's rows are dealt to the data-parallel ranks by length so that every rank gets about
     the same number of tokens (`assign_to_ranks`: a group's rows may land on several ranks, which
@@ -25,6 +28,7 @@ from offline_rec import schema as S
 from offline_rec.models.packing import packed_position_ids
 from offline_rec.models.padding import right_padded
 from offline_rec.training.group_index import GroupIndex
+from offline_rec.training.step_source import StepRows
 
 # --------------------------------------------------------------------------------------------
 # ranks
@@ -258,3 +262,54 @@ def zero_loss_batch(pad_id: int) -> dict[str, torch.Tensor]:
                 loss_mask=torch.zeros((1, 1), dtype=torch.bool),
                 behavior_logprobs=torch.zeros((1, 1)),
                 advantages=torch.zeros(1), rows=torch.full((1,), -1, dtype=torch.long))
+
+
+# --------------------------------------------------------------------------------------------
+# a step planned
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a rank packs its share of every step: its place among the ranks, the token budget, the layout
+    (padding-free micro-batches of one packed row each with `one_row`, else packed rows no longer than the
+    longest sequence: `pack_padding_free`)."""
+
+    rank: int
+    world_size: int
+    micro_batch_tokens: int
+    padding_free: bool = False
+    one_row: bool = True
+
+
+@dataclass
+class StepPlan:
+    """Everything one optimizer step needs before its first forward pass: what it trains on (every rank's rows),
+    this rank's rows, and its micro-batches."""
+
+    step: StepRows
+    rows_here: list[Row]  # this rank's kept rows that carry at least one trainable token
+    # One entry per forward/backward pass: its model rows, each a list of positions into rows_here
+    # (one position per row when padded; the sequences laid end to end in it when padding-free).
+    micro_batches: list[list[list[int]]]
+    padding_free: bool = False
+
+    @property
+    def trainable_tokens(self) -> int:
+        return sum(row.trainable_tokens for row in self.rows_here)
+
+    def collate(self, i: int, pad_id: int) -> dict[str, torch.Tensor]:
+        """The tensors of micro-batch `i` (`collate` or `collate_packed`)."""
+        rows = [[self.rows_here[j] for j in row] for row in self.micro_batches[i]]
+        return collate_packed(rows, pad_id) if self.padding_free else collate([row for (row,) in rows], pad_id)
+
+
+def plan_step(index: GroupIndex, step: StepRows, packing: Packing) -> StepPlan:
+    """This rank's token-balanced share of the step's kept rows, read from the store and packed into micro-batches."""
+    kept = np.flatnonzero(step.keep)  # [K] positions into step.rows
+    lengths = index.prompt_length[step.rows[kept]].astype(np.int64) + index.completion_length[step.rows[kept]]  # [K]
+    mine = kept[assign_to_ranks(lengths, packing.world_size)[packing.rank]]  # this rank's positions, increasing
+    rows_here = [row for row in read_step_rows(index, step.rows[mine], step.advantages[mine])
+                 if row.trainable_tokens > 0]
+    micro_batches = micro_batches_of([row.length for row in rows_here], packing.micro_batch_tokens,
+                                     packing.padding_free, packing.one_row)
+    return StepPlan(step, rows_here, micro_batches, packing.padding_free)

@@ -2,7 +2,7 @@
 
   * an optimizer step takes `prompts_per_step` whole groups (the last step of an epoch takes
     what is left: it is trained, not dropped); a group is never split across steps;
-  * with `batching: rows` the steps hold rows instead (`row_batching`, `Schedule.with_rows`);
+  * with `batching: rows` the steps hold rows instead (`step_source.RowSteps`, `Schedule.with_rows`);
   * the holdout is chosen by a hash of the group id alone (`in_holdout`): the same groups
     are held out whatever the seed, the order of the data or the number of processes.
 """
@@ -66,7 +66,7 @@ class Schedule:
     seed: int
     shuffle: bool
     data_fingerprint: str  # of the training group ids: a resumed run must train on the same groups
-    rows_per_step: int = 0  # batching: rows (`row_batching`): steps of this many rows; 0: whole groups
+    rows_per_step: int = 0  # batching: rows (`step_source.RowSteps`): steps of this many rows; 0: whole groups
     _order: tuple[int, np.ndarray] | None = None  # (epoch, permutation), cached across the epoch's steps
 
     @classmethod

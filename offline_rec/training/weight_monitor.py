@@ -7,7 +7,7 @@ pushed down 5000 times harder than the rest collapses the policy in a few steps 
 1. `weight_stats` is the one measure, for train and `eval --offline` alike: over the policy tokens of
    some rows, ess = (sum rho)^2 / (n sum rho^2) in (0, 1] (the token-level effective sample size as a
    fraction), ratio_max, and the shares of tokens with rho > 10 (`RATIO_HIGH`) and rho < 0.1
-   (`RATIO_LOW`): `objectives.ratio_stats` of the rows' `Ratios`, the very numbers `policy_loss` logs;
+   (`RATIO_LOW`): `loss.ratios.ratio_stats` of the rows' `Ratios`, the very numbers `policy_loss` logs;
    `behavior_weight_stats` gives them with the rows, reward mean and mean logged log-prob of each value
    of the `behavior` column.
 2. Before the first step, `initial_weights` measures a seeded sample of the training rows against the
@@ -15,29 +15,31 @@ pushed down 5000 times harder than the rest collapses the policy in a few steps 
 3. At every step, `WeightMonitor.observe` reads each pass's log-probs (the ones the loss uses: no extra
    forward) and adds per-behavior sums, gathered over ranks once at the step's end (`step_metrics`);
    the step's overall ess, ratio_max and shares come from `policy_loss` (metrics.jsonl).
-4. `check`: an ess below `weight_ess_warning` (default `ESS_WARNING` = 0.1: the weight of the step sits
-   on a tenth of its tokens) prints one warning line (step, ess, max ratio) naming the options that bound
-   the weights (under a preset without weights, that the policy is far from the data); again only when
-   the ess halves since the last warning. With `stop_on_weight_collapse`
-   the run stops there instead (`WeightCollapse`). `summary` says what the weights did over the run.
+4. `check`: under an objective that weighs tokens by the ratio (`Objective.weighs_by_ratio`), an ess below
+   `weight_ess_warning` (default `ESS_WARNING` = 0.1: the weight of the step sits on a tenth of its tokens)
+   prints one warning line (step, ess, max ratio) naming the options that bound the weights; again only when
+   the ess halves since the last warning. Under any other objective a low ess is no alarm (no token's gradient
+   is multiplied by its ratio): the drift is in metrics.jsonl and, once, in the final summary, unless
+   `weight_ess_warning` is set (`Watch.of`). With `stop_on_weight_collapse` the run stops there instead
+   (`WeightCollapse`). `summary` says what the weights did over the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import sys
 
 import numpy as np
 
-from offline_rec.algorithms import RATIO_HIGH, RATIO_LOW
 from offline_rec.errors import UserError
-from offline_rec.objectives import RATIO_TOTALS
+from offline_rec.loss.ratios import RATIO_HIGH, RATIO_LOW, RATIO_TOTALS
 
 ESS_WARNING = 0.1
 """Default of train's weight_ess_warning: a step whose token ESS fraction is below it gets a warning."""
 
-BOUNDING_OPTIONS = ("--set algorithm.is_cap=10 or algorithm.dual_clip_negatives=true bounds the weights "
+BOUNDING_OPTIONS = ("--set weight_max=10 or dual_clip_c=3 bounds the weights "
                     "(or a -nois preset, which has none)")
 """What a warning tells the user to do (README, "Importance weights on logs of several behavior policies")."""
 
@@ -53,12 +55,12 @@ def weight_stats(token_log_ratios) -> dict:
     """ess, ratio_max, ratio_high_fraction, ratio_low_fraction, tokens of the token ratios rho = exp(log pi -
     log mu) over every sequence of `token_log_ratios` (a list of 1-D arrays, one per row, its policy tokens).
 
-    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0 (`objectives.ratio_stats`).
+    ess = (sum rho)^2 / (n sum rho^2) in (0, 1]; no tokens: ess 1, ratio_max 1, shares 0 (`loss.ratios.ratio_stats`).
     log rho is clamped to +-20 first, as the loss does (float64: no overflow either way).
     """
     import torch
 
-    from offline_rec.algorithms import ratios
+    from offline_rec.loss.ratios import ratios
 
     flat = np.concatenate([np.asarray(r, dtype=np.float64).reshape(-1) for r in token_log_ratios] or [np.zeros(0)])
     log_ratio = torch.from_numpy(flat).unsqueeze(0)  # [1, n]: the measure is over tokens, whatever their row
@@ -107,12 +109,13 @@ def policy_token_log_ratios(policy, tokenizer, prompt_ids, completion_ids, behav
     return ratios
 
 
-def initial_weights(policy, tokenizer, index, groups, codes: np.ndarray, names: list[str], rows: int, seed: int,
-                    temperature: float, batch_size: int = 8) -> dict:
-    """weight_stats of up to `rows` training rows (whole groups, in a seeded random order of `groups`) under
-    `policy` as it starts, with a "behaviors" table where the data has several; {} when `rows` is 0."""
+def initial_weights(policy, tokenizer, index, groups, config, batch_size: int = 8) -> dict:
+    """weight_stats of up to `config.weight_check_rows` training rows (whole groups, in a random order of `groups`
+    seeded by `config.seed`) under `policy` as it starts (teacher-forced at `config.temperature`), with a
+    "behaviors" table where the data has several; {} when there are none to measure."""
     from offline_rec.training.micro_batching import read_step_rows
 
+    rows, seed, codes, names = config.weight_check_rows, config.seed, index.behavior, index.behavior_names
     if rows <= 0 or not len(groups):
         return {}
     order = np.random.default_rng(seed).permutation(np.asarray(groups, dtype=np.int64))
@@ -123,7 +126,7 @@ def initial_weights(policy, tokenizer, index, groups, codes: np.ndarray, names: 
     ratios = policy_token_log_ratios(policy, tokenizer, [row.prompt_ids.tolist() for _, row in sample],
                                      [row.completion_ids.tolist() for _, row in sample],
                                      [row.behavior_logprobs for _, row in sample],
-                                     [row.loss_mask for _, row in sample], batch_size, temperature)
+                                     [row.loss_mask for _, row in sample], batch_size, config.temperature)
     measured = {"rows": len(sample), **weight_stats(ratios)}
     if len(names) > 1:
         measured["behaviors"] = behavior_weight_stats(ratios, [names[codes[n]] for n, _ in sample],
@@ -138,37 +141,50 @@ def describe(stats: dict) -> str:
             f"of tokens > {RATIO_HIGH:g}, {100 * stats['ratio_low_fraction']:.1f}% < {RATIO_LOW:g}")
 
 
-def monitor_run(config, index, schedule, accelerator, scorer, tokenizer, start_step: int,
-                sharded: bool, notes=()) -> WeightMonitor:
-    """The run's monitor, its measure before step 1 taken (fresh runs, main process, unsharded models: a
-    sharded model has no whole copy to score with outside a step); `notes`: lines printed first
-    (`checks.check_logprobs_sources`'s warnings)."""
-    from offline_rec.algorithms import get_algorithm
-    from offline_rec.training.checks import weighs_by_ratio
+@dataclasses.dataclass(frozen=True)
+class Watch:
+    """What a step's low ess does: below `threshold` it is counted; it prints a warning with `warn`, and ends the run
+    with `stop`; `weighted`: the objective multiplies tokens by their ratio (what a low ess means for the step)."""
 
-    codes, names = index.behavior, index.behavior_names  # read with the index: no shard opened here
-    weighted = weighs_by_ratio(get_algorithm(config.algorithm, **config.algorithm_overrides))
-    monitor = WeightMonitor(codes, names, config.weight_ess_warning, config.stop_on_weight_collapse,
-                            active=accelerator.is_main_process, weighted=weighted)
-    for line in notes:
+    threshold: float = ESS_WARNING
+    warn: bool = True
+    stop: bool = False
+    weighted: bool = True
+
+    @classmethod
+    def of(cls, config) -> Watch:
+        """The watch of a train config: warnings where its objective weighs tokens by the ratio, or where
+        weight_ess_warning is set (null: 0.1, the threshold of the summary's count and of stop_on_weight_collapse)."""
+        weighted, asked = config.objective.weighs_by_ratio, config.weight_ess_warning
+        return cls(ESS_WARNING if asked is None else asked, weighted or asked is not None,
+                   config.stop_on_weight_collapse, weighted)
+
+
+def monitor_run(config, data, trainer) -> WeightMonitor:
+    """The run's monitor, its measure before step 1 taken (fresh runs, main process, unsharded models: a sharded
+    model has no whole copy to score with outside a step); `data`: the loop's checked data (its index, schedule,
+    tokenizer, and the log-prob sources' warnings, printed first); `trainer`: the run's `Trainer`."""
+    from offline_rec.training import distributed
+
+    accelerator, index = trainer.accelerator, data.index
+    monitor = WeightMonitor(index.behavior, index.behavior_names, Watch.of(config), accelerator.is_main_process)
+    for line in data.source_warnings:
         monitor.say(line)
-    if start_step == 0 and accelerator.is_main_process and not sharded:
-        policy = accelerator.unwrap_model(scorer).policy
-        monitor.start(initial_weights(policy, tokenizer, index, schedule.train_groups, codes, names,
-                                      config.weight_check_rows, config.seed, config.temperature))
+    if trainer.start_step == 0 and accelerator.is_main_process and not distributed.is_sharded(accelerator):
+        policy = accelerator.unwrap_model(trainer.scorer).policy
+        monitor.start(initial_weights(policy, data.tokenizer, index, data.schedule.train_groups, config))
     return monitor
 
 
 class WeightMonitor:
     """The per-step watch (see the module docstring): per-behavior sums of the passes, the warning, the summary."""
 
-    def __init__(self, codes: np.ndarray, names: list[str], threshold: float = ESS_WARNING, stop: bool = False,
-                 active: bool = True, out=None, weighted: bool = True):
+    def __init__(self, codes: np.ndarray, names: list[str], watch: Watch = Watch(), active: bool = True, out=None):
         self.codes, self.names = codes, names
         # Whether the loss multiplies tokens by their ratio (an -is preset): what a low ess means for the step.
-        self.consequence = ("a few tokens carry the step's gradient; " + BOUNDING_OPTIONS if weighted else
+        self.consequence = ("a few tokens carry the step's gradient; " + BOUNDING_OPTIONS if watch.weighted else
                             "the policy is far from the data's behavior: its clip mask decides which tokens train")
-        self.threshold, self.stop = threshold, stop
+        self.watch, self.threshold = watch, watch.threshold
         self.active = active  # prints (the main process); every process keeps the same counts
         self.out = out or sys.stderr
         self.by_behavior = len(names) > 1
@@ -189,7 +205,7 @@ class WeightMonitor:
         for name, stats in initial.get("behaviors", {}).items():
             line += f"\n  behavior {name}: {stats['rows']} rows, {describe(stats)}"
         self.say(line)
-        if initial["ess"] < self.threshold:
+        if initial["ess"] < self.threshold and self.watch.warn:
             self.say(f"warning: before step 1: importance weights' ess {initial['ess']:.3g} < {self.threshold:g}, "
                      f"max ratio {initial['ratio_max']:.4g}: {self.consequence}")
 
@@ -200,7 +216,7 @@ class WeightMonitor:
             return
         import torch
 
-        from offline_rec.algorithms import ratios
+        from offline_rec.loss.ratios import ratios
 
         totals = ratios(logprobs.double(), batch["behavior_logprobs"].double(), batch["loss_mask"]).row_totals()
         rows = batch["rows"].cpu().numpy()
@@ -218,7 +234,7 @@ class WeightMonitor:
             return {}
         import torch
 
-        from offline_rec.objectives import add_totals
+        from offline_rec.loss.ratios import add_totals
 
         sums = self.sums if self.sums is not None else torch.zeros(len(self.names), len(RATIO_TOTALS),
                                                                    dtype=torch.float64)
@@ -244,12 +260,12 @@ class WeightMonitor:
         if ess >= self.threshold:
             return False
         self.steps_below += 1
-        if self.stop:
+        if self.watch.stop:
             self.stop_line = (f"stopped at step {step}: the importance weights' ess {ess:.3g} fell below "
                               f"weight_ess_warning {self.threshold:g} (max ratio {ratio_max:.4g}; "
                               f"stop_on_weight_collapse); {BOUNDING_OPTIONS}")
             return True
-        if self.warned_at is None or ess < self.warned_at / 2:
+        if self.watch.warn and (self.warned_at is None or ess < self.warned_at / 2):
             self.say(f"warning: step {step}: importance weights' ess {ess:.3g} < {self.threshold:g}, max ratio "
                         f"{ratio_max:.4g}: {self.consequence}")
             self.warned_at = ess
@@ -266,7 +282,7 @@ class WeightMonitor:
             return {"initial": self.initial} if self.initial else {}
         return {"initial": self.initial, "ess_min": self.lowest[0], "ess_min_step": self.lowest[1],
                 "ratio_max": self.ratio_max[0], "ratio_max_step": self.ratio_max[1],
-                "steps_below_threshold": self.steps_below, "threshold": self.threshold}
+                "steps_below_threshold": self.steps_below, "threshold": self.threshold, "warned": self.watch.warn}
 
 
 def summary_text(weights: dict) -> str:
@@ -276,9 +292,12 @@ def summary_text(weights: dict) -> str:
         return ""
     text = (f"weights: ess min {weights['ess_min']:.3g} (step {weights['ess_min_step']}), max ratio "
             f"{weights['ratio_max']:.4g} (step {weights['ratio_max_step']})")
-    if weights["steps_below_threshold"]:
-        return text + f"; {weights['steps_below_threshold']} steps below {weights['threshold']:g}"
-    return text + f"; never below {weights['threshold']:g}"
+    if not weights["steps_below_threshold"]:
+        return text + f"; never below {weights['threshold']:g}"
+    text += f"; {weights['steps_below_threshold']} steps below {weights['threshold']:g}"
+    if not weights.get("warned", True):  # the objective does not weigh by the ratio: the drift, said once here
+        text += " (the policy drifted from the data's behavior; no token is weighted by its ratio here)"
+    return text
 
 
 def metric_name(behavior: str) -> str:
@@ -288,7 +307,7 @@ def metric_name(behavior: str) -> str:
 
 
 def _stats(totals) -> dict:
-    """`objectives.ratio_stats` of `totals` [6] (`RATIO_TOTALS`) as plain numbers, with its token count."""
-    from offline_rec.objectives import ratio_stats
+    """`loss.ratios.ratio_stats` of `totals` [6] (`RATIO_TOTALS`) as plain numbers, with its token count."""
+    from offline_rec.loss.ratios import ratio_stats
 
     return {**{key: value.item() for key, value in ratio_stats(totals).items()}, "tokens": int(totals[0])}

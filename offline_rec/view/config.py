@@ -66,9 +66,9 @@ class ViewConfig:
             raise UserError(f"--port must be in 0..65535, got {self.port}")
         if self.temperature is not None and not self.temperature > 0:
             raise UserError(f"--temperature must be > 0, got {self.temperature}")
-        from offline_rec.algorithms import ALGORITHMS
         from offline_rec.errors import one_of
+        from offline_rec.loss.presets import PRESETS
 
-        if self.algorithm not in ALGORITHMS:
-            raise one_of("algorithm", self.algorithm, ALGORITHMS)
+        if self.algorithm not in PRESETS:
+            raise one_of("algorithm", self.algorithm, PRESETS)
 

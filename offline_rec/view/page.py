@@ -90,11 +90,11 @@ def _tokenizer_for(config: ViewConfig, behavior: dict, warn) -> tuple[object | N
 
 def open_view(config: ViewConfig, warn=lambda message: None) -> View:
     """Open the dataset, its tokenizer and (with --model) the policy; scan the group index."""
-    from offline_rec.algorithms import get_algorithm
     from offline_rec.dataset.format import open_dataset
+    from offline_rec.loss.presets import get_preset
 
     dataset = open_dataset(config.dataset)
-    spec = get_algorithm(config.algorithm)
+    spec = get_preset(config.algorithm).objective
     behavior = dataset.behavior
     tokenizer, tokenizer_source = _tokenizer_for(config, behavior, warn)
     sampling = behavior.get("sampling") or {}
@@ -113,7 +113,7 @@ def open_view(config: ViewConfig, warn=lambda message: None) -> View:
         "groups": index.num_groups, "behaviorModel": behavior.get("model"),
         "logprobsSource": behavior.get("logprobs_source"), "temperature": float(temperature),
         "tokenizer": tokenizer_source, "model": config.model,
-        "algorithm": {"name": spec.name, "clip": spec.clip, "epsLow": spec.eps_low, "epsHigh": spec.eps_high,
+        "algorithm": {"name": config.algorithm, "clip": spec.clip, "epsLow": spec.eps_low, "epsHigh": spec.eps_high,
                       "stdNormalize": spec.std_normalize, "drop": spec.drop},
     }
     return View(config=config, facts=facts, index=index, reader=PageReader(dataset, index), text=TokenText(tokenizer),

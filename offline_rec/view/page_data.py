@@ -266,7 +266,7 @@ def _advantages(spec, rows: list[dict]) -> tuple[list, list[bool]]:
     with a missing reward."""
     import torch
 
-    from offline_rec.algorithms import group_advantages
+    from offline_rec.loss.advantages import group_advantages
 
     advantages: list = [None] * len(rows)
     keep = [True] * len(rows)
@@ -285,12 +285,13 @@ def _dropped(spec, logp: list[float], blogp: list[float], mask: list[bool], adva
     """Positions of the sampled tokens the preset's clip mask M drops (as `policy_loss` computes M)."""
     import torch
 
-    from offline_rec.algorithms import clip_mask, ratios
+    from offline_rec.loss.policy_loss import keep_mask
+    from offline_rec.loss.ratios import ratios
 
     if not logp:
         return []
     r = ratios(torch.tensor([logp], dtype=torch.float32), torch.tensor([blogp]), torch.tensor([mask]))  # [1, T]
-    kept = clip_mask(spec, r.rho, r.seq_ratio, torch.tensor([[advantage]], dtype=torch.float32))  # [1, T]
+    kept = keep_mask(spec, r, torch.tensor([[advantage]], dtype=torch.float32))  # [1, T]
     return torch.nonzero(r.mask[0] & ~kept[0]).flatten().tolist()
 
 

@@ -108,7 +108,7 @@ def test_singleton_logs_are_told_which_baseline_to_use(tmp_path, capsys):
     signal = describe_dataset(path)["signal"]
     assert signal["signal_rows_by_baseline"] == {"group": 0, "step": 4, "dataset": 4}
     assert signal["supported_baselines"] == ["step", "dataset"]
-    assert "--set algorithm.baseline=step" in signal["advice"] and "--algorithm topr" in signal["advice"]
+    assert "--set baseline=step" in signal["advice"] and "--algorithm topr" in signal["advice"]
     assert run_cli(capsys, "inspect", path)[0] == 0
     buffer = io.StringIO()
     print_description(Console(file=buffer, width=300), describe_dataset(path))

@@ -1,4 +1,4 @@
-"""`offline-rec demo` and the paper-in-miniature benchmark, end to end at toy sizes.
+"""`offline-rec demo`, end to end at toy sizes, and its settings.
 
 The behavior policy is the shipped demo policy (0.8M parameters, about half of its greedy answers
 right), so the toy datasets hold both rewards: `train` refuses data without any learning signal.
@@ -8,23 +8,21 @@ happens at these sizes (docs/paper.md and the demo's own run report that).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from support.cli_support import run_cli
-from support.paths import REPO
 
+from offline_rec.demo.config import DemoSettings
 from offline_rec.errors import UserError
 
 # 8 train prompts x 4 samples, 1 epoch of the demo's steps of rows, 8 rows a step: ceil(rows of nonzero
 # advantage / 8) optimizer steps (`nonzero_advantage_rows`), one checkpoint at the end (eval_every 52 > steps).
 TOY_ROWS_PER_STEP = 8
-TOY = dict(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, validation_prompts=8, prompts_per_step=4,
-           batch_size=8, train_overrides=(("batching", "rows"), ("skip_zero_advantage", True),
-                                          ("rows_per_step", TOY_ROWS_PER_STEP)))
+TOY = DemoSettings(num_prompts=8, num_samples=4, epochs=1, eval_prompts=8, validation_prompts=8, batch_size=8,
+                   train_changes=(("rows_per_step", TOY_ROWS_PER_STEP),))
 
 
 def nonzero_advantage_rows(dataset: str) -> int:
@@ -52,7 +50,7 @@ def demo(tmp_path_factory, tiny_policy):
     from offline_rec.demo.pipeline import run_demo
 
     out = tmp_path_factory.mktemp("demo") / "out"
-    summary = run_demo(out, model=tiny_policy, progress=False, **TOY)
+    summary = run_demo(out, TOY, model=tiny_policy, progress=False)
     return out, summary
 
 
@@ -119,58 +117,18 @@ def test_validation_prompts_are_train_split_and_never_trained_on(demo):
 
     out, summary = demo
     validation = load_prompts(summary["paths"]["validation_prompts"])
-    assert len(validation) == TOY["validation_prompts"] == len({item.prompt for item in validation})
+    assert len(validation) == TOY.validation_prompts == len({item.prompt for item in validation})
     assert all(arith_split(item.fields["a"], item.fields["b"]) == "train" for item in validation)  # not test
     assert all(item.prompt == f"What is {item.fields['a']}+{item.fields['b']}? " for item in validation)
     trained = set(open_dataset(summary["paths"]["dataset"]).to_table(columns=["prompt"]).column("prompt").to_pylist())
-    assert len(trained) == TOY["num_prompts"]
+    assert len(trained) == TOY.num_prompts
     assert not trained & {item.prompt for item in validation}
     # every point of the curve, step 0 (the behavior policy) included, has a validation evaluation on disk
     for point in summary["curve"]:
         folder = out / "run" / "eval-validation" / f"step-{point['step']:06d}"
         written = json.loads((folder / "summary.json").read_text())
         assert written["metrics"]["greedy_accuracy"] == point["validation_greedy_accuracy"]
-        assert written["metrics"]["num_prompts"] == TOY["validation_prompts"]
-
-
-def test_choose_checkpoint_reads_only_validation_scores():
-    from offline_rec.demo.pipeline import DemoSettings, choose_checkpoint
-
-    curve = [
-        {"step": 0, "model": "policy", "greedy_accuracy": 0.50, "validation_greedy_accuracy": 0.40},
-        {"step": 16, "model": "c16", "greedy_accuracy": 0.90, "validation_greedy_accuracy": 0.60},
-        {"step": 32, "model": "c32", "greedy_accuracy": 0.70, "validation_greedy_accuracy": 0.70},
-        {"step": 48, "model": "c48", "greedy_accuracy": 0.60, "validation_greedy_accuracy": 0.70},
-        {"step": 64, "model": "c64", "greedy_accuracy": 0.65, "validation_greedy_accuracy": 0.55},
-    ]
-    config = DemoSettings(validation_prompts=100)
-    # step 16 is best on test, which is never read; 32 and 48 tie on validation: the later one wins
-    chosen = choose_checkpoint(curve, config, final_model="run/final")
-    assert (chosen["step"], chosen["model"], chosen["final_step"]) == (48, "c48", 64)
-    assert chosen["validation_greedy_accuracy"] == 0.70
-    assert "100 validation prompts (0.700) among 5 points" in chosen["why"]
-    # the last point chosen: the exported final model stands for its checkpoint
-    assert choose_checkpoint(curve[:2], config, final_model="run/final")["model"] == "run/final"
-    # the behavior policy can win
-    assert choose_checkpoint([curve[0], {**curve[4], "validation_greedy_accuracy": 0.3}], config, "f")["step"] == 0
-    final = choose_checkpoint(curve, DemoSettings(select="final"), final_model="run/final")
-    assert (final["step"], final["model"], final["select"]) == (64, "run/final", "final")
-
-
-def test_step_lines_carry_a_sparkline_of_the_accuracy_so_far():
-    from offline_rec.demo.pipeline import curve_line, sparkline
-
-    # 8 levels over [0, 1]: level = int(7 v + 0.5); 0.5 -> 4 (the fifth glyph), 0.07 -> 0, 0.08 -> 1
-    assert sparkline([0.0, 0.07, 0.08, 0.5, 0.93, 1.0]) == "▁▁▂▅██"
-    assert sparkline([-0.2, 1.3]) == "▁█"  # clamped to the scale
-    assert sparkline([2.0, 3.0, 4.0], low=2.0, high=4.0) == "▁▅█"
-    assert sparkline([]) == ""
-    curve = [{"step": 0, "greedy_accuracy": 0.0, "accuracy": 0.1},
-             {"step": 2, "greedy_accuracy": 0.25, "accuracy": 0.3, "validation_greedy_accuracy": 0.375}]
-    assert curve_line(curve) == ("  step 2: held-out greedy accuracy 0.250, accuracy at T=1 0.300, validation greedy "
-                                 "accuracy 0.375  held-out greedy so far ▁▃")  # 0.25 * 7 + 0.5 = 2.25 -> level 2
-    assert curve_line(curve[:1]) == ("  step 0: held-out greedy accuracy 0.000, accuracy at T=1 0.100  "
-                                     "held-out greedy so far ▁")
+        assert written["metrics"]["num_prompts"] == TOY.validation_prompts
 
 
 @pytest.mark.slow
@@ -179,12 +137,12 @@ def test_an_existing_output_is_refused_unless_it_is_a_demo_and_overwrite_is_give
 
     out, _ = demo
     with pytest.raises(UserError, match="already exists"):
-        run_demo(out, model=tiny_policy, progress=False, **TOY)
+        run_demo(out, TOY, model=tiny_policy, progress=False)
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
     with pytest.raises(UserError, match="not a folder an earlier demo wrote"):
-        run_demo(foreign, model=tiny_policy, overwrite=True, progress=False, **TOY)
+        run_demo(foreign, TOY, model=tiny_policy, overwrite=True, progress=False)
     assert (foreign / "notes.txt").read_text() == "keep me"
 
 
@@ -195,19 +153,64 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path):
                          (dict(algorithm="ppo"), "ppo"), (dict(select="best-test"), "select must be one of"),
                          (dict(validation_prompts=0), "needs validation prompts"),
                          (dict(validation_prompts=-1, select="final"), "validation-prompts must be >= 0"),
-                         (dict(num_prompts=6500, validation_prompts=51), "must be <= 6550"),
-                         (dict(lr_schedule="linear"), "lr-schedule")):
+                         (dict(num_prompts=6500, validation_prompts=51),
+                          r"\(6500 \+ 51\) do not fit the arith train split: .* has 6550"),
+                         (dict(task="add7"), "add7"),
+                         (dict(train_changes=(("lr_schedule", "linear"),)), "lr_schedule"),
+                         (dict(train_changes=(("lr_shedule", "cosine"),)), "did you mean 'lr_schedule'"),
+                         (dict(recipe="no-such.yaml"), "no-such.yaml does not exist")):
         with pytest.raises(UserError, match=message):
-            run_demo(tmp_path / "out", model="unused", progress=False, **bad)
+            run_demo(tmp_path / "out", replace(DemoSettings(), **bad), model="unused", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # a toy demo on add3 (~20 s)
+def test_demo_on_add3_runs_its_shipped_policy_and_reports_the_ood_split(tmp_path):
+    from offline_rec import schema as S
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.demo.behavior_policy import demo_policy_path
+    from offline_rec.demo.config import demo_settings
+    from offline_rec.demo.pipeline import run_demo
+    from offline_rec.tasks.builtin import add_split
+    from offline_rec.tasks.prompts import load_prompts
+
+    settings = replace(demo_settings(task="add3"), **{name: getattr(TOY, name) for name in (
+        "num_prompts", "num_samples", "epochs", "eval_prompts", "validation_prompts", "batch_size", "train_changes")})
+    assert (settings.task, settings.chat_template, settings.max_new_tokens) == ("add3", False, 8)
+    summary = run_demo(tmp_path / "out", settings, progress=False)
+    assert summary["paths"]["policy"] == demo_policy_path("add3")
+    dataset = open_dataset(summary["paths"]["dataset"])
+    assert dataset.task["name"] == "add3"
+    rows = dataset.to_table(columns=[S.PROMPT, S.META]).to_pylist()
+    assert all(add_split(json.loads(row[S.META])["a"], json.loads(row[S.META])["b"], 3) == "train" for row in rows)
+    validation = load_prompts(summary["paths"]["validation_prompts"])
+    assert len(validation) == TOY.validation_prompts
+    assert all(add_split(item.fields["a"], item.fields["b"], 3) == "train" for item in validation)
+    assert not {row[S.PROMPT] for row in rows} & {item.prompt for item in validation}
+    # the ood split (every column carries), before and after, evaluated like the test split
+    assert set(summary["ood"]) == {"before", "after"}
+    ood = json.loads((Path(summary["paths"]["after_ood"]) / "summary.json").read_text())
+    assert ood["metrics"]["num_prompts"] == TOY.eval_prompts
+    assert summary["ood"]["after"]["greedy_accuracy"] == ood["metrics"]["greedy_accuracy"]
+
+
+def test_the_validation_prompts_of_arith_are_the_draw_after_the_trained_ones():
+    """write_validation_prompts reads no task's internals: for arith it gives what the demo always gave (the seeded
+    shuffle of the train split with the trained prompts left out), so no measured demo moves."""
+    from offline_rec.tasks.builtin import arith_pairs, arith_prompts, get_prompts, get_task
+
+    trained = {item.id for item in arith_prompts(4096, seed=3)}
+    before = [item.id for item in arith_prompts(len(arith_pairs("train")), seed=3) if item.id not in trained][:512]
+    after = [item.id for item in get_prompts(get_task("arith"), n=4096 + 512, seed=3) if item.id not in trained]
+    assert after == before
 
 
 def test_a_missing_demo_policy_is_built_once_into_the_cache(tmp_path, monkeypatch):
     import offline_rec.demo.behavior_policy as demo_policy
-    from offline_rec.demo.pipeline import demo_policy_cache, ensure_demo_policy
+    from offline_rec.demo.inputs import demo_policy_cache, ensure_demo_policy
 
-    def missing():
-        raise UserError("the demo policy is missing")
+    def missing(task="arith"):
+        raise UserError(f"the {task} demo policy is missing")
 
     monkeypatch.setattr(demo_policy, "demo_policy_path", missing)
     monkeypatch.setenv("OFFLINE_REC_CACHE", str(tmp_path / "cache"))
@@ -263,119 +266,12 @@ def test_demo_command_is_listed():
         assert option in result.output
 
 
-# --------------------------------------------------------------------------------------------
-# benchmarks/paper.py
-
-
-def _paper():
-    spec = importlib.util.spec_from_file_location("paper_benchmark", REPO / "benchmarks" / "paper.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_regimes_follow_the_scale():
-    paper = _paper()
-    scale = paper.Scale()  # 640 prompts / 32 per step = a pass of 20 steps
-    assert scale.pass_steps == 20
-    assert paper.make_regime("stale", scale).interval == 20
-    assert (paper.make_regime("lagged", scale).interval, paper.make_regime("lagged", scale).offset) == (1, 10)
-    assert paper.make_regime("offline", scale).interval is None
-    assert paper.VARIANTS[paper.WIDE] == ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 2.0})
-    # the peers' grid: every peer preset, plus two controls of the default grid
-    assert set(paper.PEER_VARIANTS) == {"rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop",
-                                        "icepop-seq", "opsm", "sapo", "gmpo", "dapo", "dr-grpo"}
-    assert all(paper.VARIANTS[name] == (name, {}) for name in paper.PEER_VARIANTS)
-
-
-def test_aggregate_worked_by_hand():
-    paper = _paper()
-
-    def curve(*values):
-        return [{"step": 10 * i, "greedy_accuracy": v, "accuracy": v / 2} for i, v in enumerate(values)]
-
-    results = [
-        {
-            "variant": "reinforce",
-            "regime": "offline",
-            "seed": 0,
-            "curve": curve(0.4, 0.7, 0.5),
-            "train": {},
-            "seconds": 60,
-        },
-        {
-            "variant": "reinforce",
-            "regime": "offline",
-            "seed": 1,
-            "curve": curve(0.4, 0.5, 0.5),
-            "train": {},
-            "seconds": 60,
-        },
-    ]
-    (row,) = paper.aggregate(results, threshold=0.6)
-    assert row["final"] == pytest.approx(0.5)  # (0.5 + 0.5) / 2
-    assert row["best"] == pytest.approx(0.6)  # (0.7 + 0.5) / 2
-    assert row["drop"] == pytest.approx(0.1)  # ((0.7 - 0.5) + (0.5 - 0.5)) / 2
-    assert (row["reached"], row["steps_to_threshold"]) == (1, 10)  # only seed 0 reaches 0.6, at step 10
-    assert row["final_t1"] == pytest.approx(0.25)
-    assert row["minutes"] == pytest.approx(2.0)
-    assert row["ess"] is None and "| - |" in paper.markdown_table([row], 0.6)  # runs from before the ess metric
-    for result, ess in zip(results, (0.9, 0.7)):
-        result["train"]["ess_mean"] = ess
-    (row,) = paper.aggregate(results, threshold=0.6)
-    assert row["ess"] == pytest.approx(0.8) and paper.markdown_table([row], 0.6).endswith("| 0.800 |\n")
-
-
-@pytest.mark.slow  # 5-15 s: 6 short trainings, 6 collections, 5 evaluations of a random tiny model
-def test_paper_grid_smoke(tmp_path, tiny_policy):
-    paper = _paper()
-    # 8 prompts / 4 per step: a pass is 2 steps; 4 steps = 2 passes; lag 1 for the lagged regime.
-    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1)
-    outcome = paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale", "lagged"], [0], scale,
-                             policy=tiny_policy, log=lambda message: None)
-    results = [json.loads(line) for line in (tmp_path / "paper" / "results.jsonl").read_text().splitlines()]
-    assert [(r["regime"], [p["step"] for p in r["curve"]]) for r in results] == [("stale", [0, 2, 4]),
-                                                                                ("lagged", [0, 2, 4])]
-    stale, lagged = results
-    assert stale["train"]["steps"] == lagged["train"]["steps"] == 4
-    # stale (k=2, d=0): data re-collected at steps 0 and 2 from the current policy: ages 0,1,0,1
-    assert stale["train"]["staleness_mean"] == pytest.approx(0.5)
-    # lagged (k=1, d=1): step t trains on data of the policy after step max(0, t-1): ages 0,1,1,1
-    assert lagged["train"]["staleness_mean"] == pytest.approx(0.75)
-    assert "| stale | reinforce | 1 |" in outcome["table"]
-    assert (tmp_path / "paper" / "curves.png").stat().st_size > 0
-    # a rerun finds both runs done and runs nothing
-    again = paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale", "lagged"], [0], scale, policy=tiny_policy,
-                           log=lambda message: None)
-    assert again["results"] == 2
-    assert len((tmp_path / "paper" / "results.jsonl").read_text().splitlines()) == 2
-    # The restarted segments of a run each began as version 0.
-    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
-    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [0, 1]
-
-
-@pytest.mark.slow
-def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_policy):
-    paper = _paper()
-    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1,
-                        optimizer="continue")
-    paper.run_grid(
-        tmp_path / "paper", ["reinforce"], ["stale"], [0], scale, policy=tiny_policy, log=lambda message: None
-    )
-    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
-    # The second segment continued the first one's run (init_from): its policy is 2 updates old.
-    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [2, 3]
-    restart = paper.Scale(**{**paper.asdict(scale), "optimizer": "restart"})
-    assert paper.read_results(tmp_path / "paper", restart) == []  # results of one choice never stand for the other
-    assert len(paper.read_results(tmp_path / "paper", scale)) == 1
-
-
 @pytest.mark.slow
 def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline(tmp_path, tiny_policy, capsys):
     from offline_rec.dataset.inspect import describe_dataset
-    from offline_rec.demo.pipeline import LOGGED
+    from offline_rec.demo.config import demo_settings, objective_changes, training_recipe
 
+    logged = training_recipe(demo_settings(logged=True))
     out = tmp_path / "logged"
     # 16 prompts answered once (16 groups of one), 8 per step: 2 steps; evaluations still pass@4
     code, output = run_demo_cli(capsys, "demo", "--out", str(out), "--model", tiny_policy, "--quick", "--logged",
@@ -383,15 +279,15 @@ def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline
     assert code == 0, output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["settings"]["logged"] is True
-    assert summary["algorithm"] == LOGGED["algorithm"]
-    assert summary["algorithm_overrides"]["baseline"] == LOGGED["baseline"]
+    assert summary["algorithm"] == logged["algorithm"] == "rec-oneside-nois"
+    assert summary["algorithm_overrides"] == objective_changes(logged) == {"baseline": "dataset", "eps_high": 2.0}
     stats = describe_dataset(out / "data")
     assert stats["group_size_histogram"] == {1: 16}
     assert "pass@4" in summary["after"] and summary["steps"] >= 1
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(m["singleton_groups"] == m["groups"] and m["grad_norm"] > 0 for m in metrics)
     baseline = json.loads((out / "run" / "baseline.json").read_text())
-    assert baseline["baseline"] == LOGGED["baseline"]
+    assert baseline["baseline"] == logged["baseline"] == "dataset"
     # another preset keeps its own spec: topr's threshold (the data's mean), not the logged recipe's clip
     code, output = run_demo_cli(capsys, "demo", "--out", str(tmp_path / "topr"), "--model", tiny_policy, "--quick",
                                 "--logged", "--algorithm", "topr", "--num-prompts", "16", "--epochs", "1",
@@ -404,24 +300,102 @@ def test_logged_demo_collects_one_response_per_prompt_and_trains_with_a_baseline
 
 
 def test_the_default_recipe_trains_steps_of_rows_and_the_others_whole_groups():
+    from offline_rec.demo.config import OWN_MODEL, demo_settings, train_config, training_recipe
     from offline_rec.demo.estimate import step_rows
-    from offline_rec.demo.pipeline import DEMO_TRAIN, LOGGED, OWN_MODEL, DemoSettings
 
-    default = DemoSettings()
-    assert dict(default.train_overrides) == {"batching": "rows", "skip_zero_advantage": True, "rows_per_step": 128}
-    assert default.train_overrides == DEMO_TRAIN and (default.lr, default.epochs, default.lr_schedule) == (
-        6e-4, 2, "cosine")
-    # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes ~414)
-    assert step_rows(default) == (512, 128)
-    # --logged and --model keep whole-group steps: 4096 / 128 x 8 epochs; 32 / 8 x 1 epoch, 8 groups of 4 rows
-    assert DemoSettings(**LOGGED).train_overrides == () and step_rows(DemoSettings(**LOGGED)) == (256, 128)
-    assert DemoSettings(**OWN_MODEL).train_overrides == () and step_rows(DemoSettings(**OWN_MODEL)) == (4, 32)
+    def train(settings):
+        return train_config(training_recipe(settings), settings, "policy", "data", Path("run"), False)
+
+    default = train(DemoSettings())  # rec-logged's whole recipe: its steps of rows and the skip come with the preset
+    assert (default.algorithm, default.clip, default.eps_low, default.negative_weight) == (
+        "rec-logged", "one-side-negatives", 0.6, 0.25)
+    assert (default.batching, default.skip_zero_advantage, default.rows_per_step) == ("rows", True, 128)
+    assert (default.lr, default.epochs, default.lr_schedule, default.min_lr_ratio) == (6e-4, 2, "cosine", 0.0)
+    assert (default.weight_decay, default.max_grad_norm, default.save_every, default.keep_last) == (0.0, 1.0, 52, 0)
+    assert not any(" moves " in line for line in default.recipe_lines())  # the file writes out the preset's recipe
+    # before collect the skipped rows are unknown: 4096 x 8 / 128 = 256 steps an epoch, x 2 (the run makes fewer)
+    assert step_rows(DemoSettings(), default) == (512, 128)
+    # --logged and --model train rec-oneside-nois, whose recipe is whole-group steps: 4096 / 128 x 8 epochs;
+    # 32 / 8 x 1 epoch, 8 groups of 4 rows
+    logged = demo_settings(logged=True)
+    assert train(logged).batching == "groups" and step_rows(logged, train(logged)) == (256, 128)
+    own = DemoSettings(**OWN_MODEL)
+    assert train(own).batching == "groups" and step_rows(own, train(own)) == (4, 32)
+    assert (train(own).lr, train(own).eps_low, train(own).eps_high) == (1e-5, 0.6, 2.0)
+    # the user's epochs and wide clip go over the recipe's; --default-clip leaves the preset's own clip
+    assert train(DemoSettings(epochs=3, wide_clip=True)).epochs == 3
+    assert (train(DemoSettings(wide_clip=True)).eps_low, train(DemoSettings(wide_clip=True)).eps_high) == (0.6, 2.0)
+    assert (train(replace(own, wide_clip=False)).eps_low, train(replace(own, wide_clip=False)).eps_high) == (0.2, 0.2)
 
 
-def test_a_preset_with_a_regularizer_trains_on_the_zero_advantage_rows_too():
-    from offline_rec.demo.pipeline import DemoSettings, keep_zero_advantage_for_regularizer
+def test_another_preset_takes_its_own_recipe_and_the_recipe_files_optimizer_settings():
+    from offline_rec.demo.config import algorithm_label, demo_settings, training_recipe
+    from offline_rec.loss.presets import preset_keys
 
-    kept = keep_zero_advantage_for_regularizer(DemoSettings(algorithm="opmd"), "k2")
-    assert dict(kept.train_overrides) == {"batching": "rows", "skip_zero_advantage": False, "rows_per_step": 128}
-    default = DemoSettings()
-    assert keep_zero_advantage_for_regularizer(default, "none") is default
+    logged = training_recipe(demo_settings(logged=True))
+    topr = training_recipe(demo_settings(logged=True, algorithm="topr"))
+    # the logged recipe's baseline and clip were chosen for rec-oneside-nois: topr keeps its own objective and steps
+    assert topr["algorithm"] == "topr" and not set(topr) & preset_keys()
+    assert {k: v for k, v in topr.items() if k != "algorithm"} == {
+        k: v for k, v in logged.items() if k not in preset_keys() | {"algorithm"}}
+    assert algorithm_label(logged) == "rec-oneside-nois, baseline dataset, eps_high 2.0"
+    assert algorithm_label(training_recipe(demo_settings(wide_clip=True))) == "rec-logged (wide clip 0.6/2.0)"
+    # the recipe's own preset named again changes nothing
+    assert training_recipe(demo_settings(logged=True, algorithm="rec-oneside-nois")) == logged
+
+
+def test_a_preset_with_a_regularizer_trains_its_own_recipe():
+    # opmd's recipe has whole-group steps and no skip (its regularizer gives rows of advantage 0 a gradient); the
+    # demo's optimizer settings stay
+    from offline_rec.demo.config import train_config, training_recipe
+
+    settings = DemoSettings(algorithm="opmd")
+    config = train_config(training_recipe(settings), settings, "policy", "data", Path("run"), False)
+    assert (config.algorithm, config.batching, config.skip_zero_advantage) == ("opmd", "groups", False)
+    assert (config.lr, config.lr_schedule, config.epochs) == (6e-4, "cosine", 2)
+
+
+def test_the_variants_replace_fields_in_a_fixed_order(tmp_path):
+    """--quick, --logged and the user's options each replace the fields they name; --model --quick --logged
+    trains the logged recipe as it is (the quick --model steps of 4 groups belong to the --model recipe)."""
+    from offline_rec.demo.config import LOGGED, OWN_MODEL, OWN_MODEL_QUICK, QUICK, demo_settings
+
+    assert demo_settings() == DemoSettings()
+    assert demo_settings(quick=True) == DemoSettings(**QUICK)
+    assert demo_settings(quick=True, logged=True, seed=3, epochs=None) == DemoSettings(**{**QUICK, **LOGGED, "seed": 3})
+    from offline_rec.models.tiny import build_chat_tokenizer
+
+    build_chat_tokenizer(vocab_size=300).save_pretrained(tmp_path / "chat")
+    (tmp_path / "chat" / "config.json").write_text("{}")  # a model folder; only its tokenizer is read
+    own = demo_settings(str(tmp_path / "chat"), quick=True)
+    assert own == DemoSettings(**{**OWN_MODEL, **OWN_MODEL_QUICK, "chat_template": True,
+                                  "reward": "offline_rec.tasks.builtin:arith_answer_reward"})
+    logged = demo_settings(str(tmp_path / "chat"), quick=True, logged=True)
+    assert (logged.recipe, logged.train_changes, logged.num_prompts, logged.max_new_tokens) == (
+        "logged.yaml", (), 8, 24)
+
+
+@pytest.mark.slow  # a demo of 64 prompts (~4 steps of 128 rows) and the same training through the CLI
+def test_train_with_the_demos_preset_on_its_data_reproduces_its_training(tmp_path, tiny_policy, capsys):
+    """`offline-rec train --algorithm rec-logged` on the demo's own data trains what the demo trained: the same steps,
+    rows and loss curve (the demo trains the preset's whole recipe: rows shuffled across prompts, the skip, its
+    measured lr, schedule and epochs)."""
+    from offline_rec.demo.pipeline import run_demo
+
+    settings = DemoSettings(num_prompts=64, num_samples=4, eval_prompts=8, validation_prompts=8, batch_size=64)
+    summary = run_demo(tmp_path / "demo", settings, model=tiny_policy, progress=False)
+    capsys.readouterr()
+    code, out, err = run_cli(capsys, "train", "--data", summary["paths"]["dataset"], "--model", tiny_policy,
+                             "--algorithm", "rec-logged", "--out", tmp_path / "train", "--set", "progress=false",
+                             "--set", "report_to=[]")
+    assert code == 0, err
+    # the recipe first, nothing moved away from it
+    assert out.startswith("recipe rec-logged: clip one-side-negatives") and " moves " not in out
+
+    def curve(run):
+        lines = [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+        return [(m["step"], m["rows"], m["num_tokens"], m["loss"], m["lr"]) for m in lines]
+
+    demo, cli = curve(summary["paths"]["run"]), curve(tmp_path / "train")
+    assert len(demo) >= 3 and max(rows for _, rows, *_ in demo) == 128  # steps of 128 rows (an epoch's last: the rest)
+    assert cli == demo

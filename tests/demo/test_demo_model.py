@@ -75,9 +75,10 @@ def chat_model(tmp_path_factory) -> str:
 def test_demo_on_a_chat_model_uses_its_template_the_instruct_reward_and_prints_an_estimate(
         chat_model, tmp_path, capsys):
     from offline_rec.dataset.format import open_dataset, read_manifest
-    from offline_rec.demo.pipeline import INSTRUCT_REWARD, OWN_MODEL, OWN_MODEL_QUICK
+    from offline_rec.demo.config import INSTRUCT_REWARD
     from offline_rec.models.loading import load_tokenizer
     from offline_rec.tasks.builtin import arith_reward
+    from offline_rec.training.config import load_yaml
 
     out = tmp_path / "demo"
     code, stdout, stderr = run_cli(capsys, "demo", "--model", chat_model, "--quick", "--out", out)
@@ -86,11 +87,15 @@ def test_demo_on_a_chat_model_uses_its_template_the_instruct_reward_and_prints_a
     summary = json.loads((out / "summary.json").read_text())
     settings = summary["settings"]
     assert settings["chat_template"] is True and settings["reward"] == INSTRUCT_REWARD
-    # the --model sizes, reduced by --quick: 8 prompts x 4 samples, 8 / 4 = 2 steps of 1 epoch, lr 1e-5
-    # (settings.json holds train_overrides=() as [])
-    expected = json.loads(json.dumps({**OWN_MODEL, **OWN_MODEL_QUICK}))
-    assert {k: settings[k] for k in expected} == expected
-    assert (settings["num_prompts"], settings["num_samples"], summary["steps"]) == (8, 4, 2)
+    # the --model sizes, reduced by --quick: 8 prompts x 4 samples, 8 / 4 = 2 steps of 1 epoch; its recipe: lr 1e-5,
+    # rec-oneside-nois with the wide clip
+    assert (settings["num_prompts"], settings["num_samples"], settings["recipe"], summary["steps"]) == (
+        8, 4, "own-model.yaml", 2)
+    trained = load_yaml(out / "run" / "config.yaml")
+    assert (trained["lr"], trained["epochs"], trained["prompts_per_step"], trained["algorithm"]) == (
+        1e-5, 1, 4, "rec-oneside-nois")
+    assert (trained["eps_low"], trained["eps_high"]) == (0.6, 2.0)
+    assert summary["algorithm_overrides"] == {"eps_low": 0.6, "eps_high": 2.0}  # its changes to the preset's objective
 
     # the estimate: printed before collect started, and kept next to the measured time
     assert "estimate on this machine: about" in output
@@ -116,11 +121,14 @@ def test_demo_on_a_chat_model_uses_its_template_the_instruct_reward_and_prints_a
 
 
 def test_planned_work_and_the_estimate_worked_by_hand():
+    from pathlib import Path
+
+    from offline_rec.demo.config import OWN_MODEL, DemoSettings, train_config, training_recipe
     from offline_rec.demo.estimate import Estimate, Measured, duration, planned_work
-    from offline_rec.demo.pipeline import OWN_MODEL, DemoSettings
 
     config = DemoSettings(**OWN_MODEL)
-    planned = planned_work(config)
+    train = train_config(training_recipe(config), config, "policy", "data", Path("run"), False)
+    planned = planned_work(config, train)
     # 32 prompts / 8 per step x 1 epoch = 4 steps; a checkpoint every 2: steps 2 and 4
     assert (planned.steps, planned.checkpoints) == (4, 2)
     # collect 32 x 4 = 128; before + after 2 x 32 x (1 + 4) = 320; 2 checkpoints x (32 x 2 + 32) = 192; step 0's
@@ -136,21 +144,22 @@ def test_planned_work_and_the_estimate_worked_by_hand():
                                       "train 4 steps ~40 s, 7 model loads ~14 s)")
     assert (duration(119), duration(150)) == ("119 s", "2 min")
     # logged: one sample per prompt collected
-    assert planned_work(DemoSettings(**OWN_MODEL, logged=True)).sequences == 32 + 320 + 192 + 32
+    assert planned_work(DemoSettings(**OWN_MODEL, logged=True), train).sequences == 32 + 320 + 192 + 32
 
 
 def test_the_shipped_policy_and_its_recipe_keep_the_tiny_recipe(tmp_path):
-    from offline_rec.demo.behavior_policy import demo_policy_path
-    from offline_rec.demo.pipeline import OWN_MODEL, OWN_MODEL_QUICK, QUICK, model_recipe
+    from dataclasses import replace
 
-    assert model_recipe(None, quick=False) == (False, {})
-    assert model_recipe(demo_policy_path(), quick=True) == (False, QUICK)
-    assert model_recipe(str(tmp_path), quick=False) == (True, OWN_MODEL)
-    assert model_recipe(str(tmp_path), quick=True) == (True, {**OWN_MODEL, **OWN_MODEL_QUICK})
+    from offline_rec.demo.behavior_policy import demo_policy_path
+    from offline_rec.demo.config import QUICK, DemoSettings, demo_settings, is_own_model
+
+    assert demo_settings(None) == DemoSettings() and not is_own_model(None)
+    assert demo_settings(demo_policy_path(), quick=True) == replace(DemoSettings(), **QUICK)
+    assert not is_own_model(demo_policy_path()) and is_own_model(str(tmp_path))
 
 
 def test_a_model_without_a_chat_template_gets_raw_prompts_and_the_strict_reward(tmp_path):
-    from offline_rec.demo.pipeline import DEMO_REWARD, INSTRUCT_REWARD, DemoSettings, prompt_format
+    from offline_rec.demo.config import DEMO_REWARD, INSTRUCT_REWARD, DemoSettings, prompt_format
     from offline_rec.models.tiny import build_chat_tokenizer
 
     tokenizer = build_chat_tokenizer(vocab_size=300)

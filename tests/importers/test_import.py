@@ -92,6 +92,64 @@ def test_registry_names_the_four_formats():
     assert [name for name, f in IMPORT_FORMATS.items() if not f.gives_logprobs] == ["text", "trl"]
 
 
+def test_each_format_records_its_own_options_in_the_source_block(tmp_path, tiny):
+    """A format's module says which of its options shaped the rows (`source_options`); the source block adds the
+    options every format reads, and names no option of another format."""
+    config = ImportConfig(Path("src.jsonl"), "rows", tmp_path / "out", append_eos=False, reward_columns="a, b",
+                          group_by_prompt=True, prompt_column="question")
+    assert {name: spec.source_options(config) for name, spec in IMPORT_FORMATS.items()} == {
+        "rows": {},
+        "text": {"append_eos": False, "columns": {"prompt": "question", "completion": "completion",
+                                                  "reward": "reward", "group": "group_id"}},
+        "openai": {"group_by_prompt": True, "split_episodes": False, "rewards": None},
+        "trl": {"append_eos": False, "reward_columns": ["a", "b"]},
+    }
+    import_dataset(ImportConfig(FIXTURES / "rows_good.jsonl", "rows", tmp_path / "rows"))
+    assert clean(tmp_path / "rows")[S.M_SOURCE]["options"] == {"tokenizer": None, "score_with": None}
+
+
+@pytest.mark.parametrize("fmt", ["rows", "text", "trl"])
+@pytest.mark.parametrize(("option", "value", "flag"), [("rewards", Path("thumbs.jsonl"), "--rewards"),
+                                                       ("split_episodes", True, "--split-episodes")])
+def test_an_option_only_openai_takes_is_refused_with_another_format(tmp_path, fmt, option, value, flag):
+    config = ImportConfig(FIXTURES / "rows_good.jsonl", fmt, tmp_path / "ds", score_with="never-loaded",
+                          **{option: value})
+    with pytest.raises(UserError, match=f"^{flag} applies to the openai format only$"):
+        import_dataset(config)
+    nothing_written(tmp_path / "ds")
+
+
+# (option, a value that is not its default, its flag, the formats that read it): every format-specific option
+FORMAT_OPTIONS = [
+    ("prompt_column", "question", "--prompt-column", ("text", "trl")),
+    ("completion_column", "answer", "--completion-column", ("text", "trl")),
+    ("append_eos", False, "--no-append-eos", ("text", "trl")),
+    ("reward_column", "score", "--reward-column", ("text",)),
+    ("group_column", "gid", "--group-column", ("text",)),
+    ("reward_columns", ("a",), "--reward-columns", ("trl",)),
+    ("group_by_prompt", True, "--group-by-prompt", ("openai",)),
+    ("keep_messages", True, "--keep-messages", ("openai",)),
+]
+
+
+@pytest.mark.parametrize(("option", "value", "flag", "readers"), FORMAT_OPTIONS)
+def test_a_format_specific_option_is_refused_with_a_format_that_does_not_read_it(tmp_path, option, value, flag,
+                                                                                readers):
+    assert {name for name, spec in IMPORT_FORMATS.items() if option in spec.options} == set(readers)
+    names = " and ".join(readers) + (" formats" if len(readers) > 1 else " format")
+    for fmt in sorted(set(IMPORT_FORMATS) - set(readers)):
+        config = ImportConfig(FIXTURES / "rows_good.jsonl", fmt, tmp_path / fmt, score_with="never-loaded",
+                              **{option: value})
+        with pytest.raises(UserError, match=f"^{flag} applies to the {names} only$"):
+            import_dataset(config)
+        nothing_written(tmp_path / fmt)
+
+
+def test_every_format_specific_option_is_tested():
+    listed = {option for spec in IMPORT_FORMATS.values() for option in spec.options}
+    assert listed == {row[0] for row in FORMAT_OPTIONS} | {"rewards", "split_episodes"}
+
+
 # --------------------------------------------------------------------------------------------
 # rows
 

@@ -222,6 +222,23 @@ def test_bad_episodes_are_refused_naming_the_call_and_position(chat, tokenizer, 
     assert split["good", 2][S.REWARD] == 1.0 and split["good", 2][S.LOSS_MASK] is None
 
 
+def test_an_episode_missing_calls_is_refused_unless_split(chat, tokenizer, tmp_path, capsys):
+    """`record`'s recovery writes "missing_calls" on an episode that lacks answered calls (issue 50): as one row,
+    the missing reply would pass for context; its calls one by one are whole."""
+    eos = tokenizer.eos_token_id
+    reply_1, reply_2 = tokenizer(" tacos")["input_ids"] + [eos], tokenizer(" 42")["input_ids"] + [eos]
+    holed = {**logged_episode(tokenizer, reply_1, reply_2, "holed"), "missing_calls": 1, "closed_by": "recovered"}
+    src = _write(tmp_path / "holed.jsonl", [logged_episode(tokenizer, reply_1, reply_2, "whole"), holed])
+    with pytest.raises(BadLinesError) as info:
+        import_dataset(ImportConfig(src, "openai", tmp_path / "ds", tokenizer=chat))
+    [reject] = info.value.rejects
+    assert (reject.line, reject.code) == (2, "bad-episode") and "1 answered call(s)" in reject.reason
+    code, out, _ = run_cli(capsys, "import", src, "--format", "openai", "--out", tmp_path / "split",
+                           "--tokenizer", chat, "--split-episodes")
+    assert code == 0, out
+    assert [r[S.GROUP_ID] for r in _rows(tmp_path / "split")] == ["whole", "whole", "holed", "holed"]
+
+
 def test_rewards_file_group_by_prompt_and_record_lines(chat, tokenizer, tmp_path, capsys):
     """Rewards keyed by response id and episode id override the lines'; lines carrying the keys
     `offline-rec record` adds (timing, upstream_model, episode_id) import; --group-by-prompt groups

@@ -15,7 +15,16 @@ import time
 import httpx
 import pytest
 from support.ports import free_port
-from support.record_support import MODEL, MODEL_ROOT, RecordProcess, ServerThread, create_fake, strict_lines
+from support.record_support import (
+    MODEL,
+    MODEL_ROOT,
+    RecordProcess,
+    ServerThread,
+    create_fake,
+    forwarded,
+    sent_to,
+    strict_lines,
+)
 
 from offline_rec.record.settings import ProxyOptions
 
@@ -119,7 +128,7 @@ def test_2_string_booleans_are_read_as_the_upstream_reads_them(fake, proxy, flag
     else:
         choice = answer.json()["choices"][0]
         assert choice["logprobs"] is None and choice["token_ids"] is None  # what the client asked for
-    sent = fake.requests[-1][2]
+    sent = sent_to(fake, CHAT)[-1][2]
     assert sent["logprobs"] is True and sent["return_token_ids"] is True  # the proxy asked for them
     [line] = lines(proxy)[before:]
     assert line["stream"] is recorded_stream and line["logprobs_source"] == "sampled"
@@ -132,11 +141,11 @@ def test_2_string_booleans_are_read_as_the_upstream_reads_them(fake, proxy, flag
 @pytest.mark.parametrize(("field", "value"), [("logprobs", "maybe"), ("stream", "sometimes"), ("top_logprobs", "x"),
                                                ("return_token_ids", [1])])
 def test_2_a_flag_that_cannot_be_read_is_a_400_naming_it(fake, proxy, field, value):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     answer = call(proxy, {"model": MODEL, "messages": MESSAGES, field: value})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == field
     assert field in answer.json()["error"]["message"]
-    assert len(fake.requests) == sent
+    assert len(forwarded(fake)) == sent
     still_serves(proxy)
 
 
@@ -153,14 +162,14 @@ def test_5_and_6_unrecordable_calls_are_refused_or_left_out_and_never_lose_or_we
     episode = {"X-Episode-Id": "odd-inputs"}
     end = {**episode, "X-Episode-End": "true"}
     first = call(proxy, headers=episode)
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     base = json.dumps({"model": MODEL, "messages": MESSAGES})[:-1]
     for extra in (', "metadata": ' + json.dumps(nested(954)), ', "seed": ' + "7" * 5000,
                   ', "user": "\\ud800"', ', "temperature": NaN', ', "top_p": Infinity'):
         status, _, body = raw(proxy, "POST", CHAT, (base + extra + "}").encode(), headers=end)
         assert status == 400, body
         assert "cannot be recorded" in json.loads(body)["error"]["message"]
-    assert len(fake.requests) == sent  # none of them went upstream
+    assert len(forwarded(fake)) == sent  # none of them went upstream
     assert not episode_line(proxy, "odd-inputs")  # and none closed the episode
     nan = call(proxy, {"model": "nan-logprobs", "messages": MESSAGES, "logprobs": True}, headers=end)
     assert nan.status_code == 200 and "NaN" in nan.text  # the client gets what the upstream sent
@@ -176,19 +185,19 @@ def test_5_and_6_unrecordable_calls_are_refused_or_left_out_and_never_lose_or_we
 @pytest.mark.parametrize("target", ["/v1/./chat/completions", "/v1//chat/completions", "/v1/chat/completions/",
                                     "/v1/x/../chat/completions", "/v1%2Fchat%2Fcompletions"])
 def test_3_every_spelling_of_a_recorded_route_is_recorded(fake, proxy, target):
-    before = len(response_ids(proxy))
+    before, sent = len(response_ids(proxy)), len(sent_to(fake, CHAT))
     status, headers, body = raw(proxy, "POST", target, json.dumps({"model": MODEL, "messages": MESSAGES}).encode())
     assert status == 200, body
-    assert fake.requests[-1][0] == CHAT
+    assert len(sent_to(fake, CHAT)) == sent + 1  # went to the recorded route
     assert response_ids(proxy)[before:] == [json.loads(body)["id"]]
 
 
 @pytest.mark.parametrize("target", ["/v1/chat/completions%3F", "/v1/chat/completions%23x", "/v1/chat/completions%3Fa=1",
                                     "/v1/chat%5Ccompletions"])
 def test_3_a_path_that_could_be_read_two_ways_is_refused(fake, proxy, target):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     status, _, _ = raw(proxy, "POST", target, json.dumps({"model": MODEL, "messages": MESSAGES}).encode())
-    assert status == 400 and len(fake.requests) == sent
+    assert status == 400 and len(forwarded(fake)) == sent
     still_serves(proxy)
 
 
@@ -205,10 +214,10 @@ def test_3_a_redirect_never_shows_the_upstream_address(fake, proxy):
 @pytest.mark.parametrize("auth", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY_A},
                                   {"Authorization": f"Basic {KEY_A}"}, {"Authorization": f"Bearer {KEY_A}x"}])
 def test_7_a_call_without_a_right_key_is_a_401(fake, proxy, auth):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     assert call(proxy, auth=auth).status_code == 401
     assert httpx.get(proxy.url + "/v1/models", headers=auth).status_code == 401
-    assert len(fake.requests) == sent
+    assert len(forwarded(fake)) == sent
     assert httpx.get(proxy.url + "/health").status_code == 200  # health checks need no key
     assert call(proxy, auth=AUTH_B).status_code == 200
 
@@ -243,14 +252,14 @@ def test_11_episodes_belong_to_the_key_that_opened_them(proxy):
 
 
 def test_9_bodies_and_headers_over_the_limits(fake, proxy):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * 60_000}]}
     assert call(proxy, big).status_code == 413  # Content-Length over --max-body-mb 0.05
     chunked = httpx.post(proxy.url + CHAT, content=iter([json.dumps(big).encode()]), headers=AUTH_A, timeout=30)
     assert chunked.status_code == 413  # no Content-Length: counted as it arrives
     assert call(proxy, headers={"X-Big": "h" * 9000}).status_code == 431
     assert call(proxy, headers={f"X-Many-{i}": "1" for i in range(41)}).status_code == 431
-    assert len(fake.requests) == sent
+    assert len(forwarded(fake)) == sent
     still_serves(proxy)
 
 

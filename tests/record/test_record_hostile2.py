@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from support.record_support import MODEL, RecordProcess, sse_payloads, strict_lines
+from support.record_support import MODEL, RecordProcess, forwarded, sent_to, sse_payloads, strict_lines
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -70,7 +70,7 @@ def test_1_every_chat_field_the_recorder_reads_is_read_as_vllm_reads_it(fake, pr
     with_logprobs = {"logprobs": True} if field == "top_logprobs" else {}  # vLLM wants both
     answer = call(proxy, {"model": MODEL, "messages": MESSAGES, **with_logprobs, field: value})
     assert answer.status_code == 200, answer.text
-    sent = fake.requests[-1][2]
+    sent = sent_to(fake, CHAT)[-1][2]
     assert sent[field] == (True if field == "return_token_ids" else value)  # as the client spelled it
     [line] = new_lines(proxy, before)
     n = 2 if field == "n" else 1
@@ -84,11 +84,11 @@ def test_1_every_chat_field_the_recorder_reads_is_read_as_vllm_reads_it(fake, pr
 
 @pytest.mark.parametrize(("field", "value"), [("n", "two"), ("n", 2.5), ("temperature", "warm"), ("n", [2])])
 def test_1_a_field_vllm_could_not_read_is_a_400_naming_it(fake, proxy, field, value):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     for path, body in ((CHAT, {"model": MODEL, "messages": MESSAGES}), (COMPLETIONS, {"model": MODEL, "prompt": "p"})):
         answer = call(proxy, {**body, field: value}, path=path)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field, answer.text
-    assert len(fake.requests) == sent
+    assert len(forwarded(fake)) == sent
 
 
 # -------------------------------------------------------------------------------------------- 2: temperature
@@ -141,7 +141,7 @@ def receive_all(sock: socket.socket, seconds: float) -> bytes:
 
 
 def test_3_a_header_that_never_ends_is_a_431_after_a_bounded_read_and_the_proxy_keeps_serving(fake, proxy):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     started = time.monotonic()
     with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
         head = f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nX-Big: ".encode()
@@ -151,7 +151,7 @@ def test_3_a_header_that_never_ends_is_a_431_after_a_bounded_read_and_the_proxy_
     assert time.monotonic() - started < 3
     health = httpx.get(proxy.url + "/health", timeout=2)
     assert health.status_code == 200
-    assert not any("x-big" in headers for _, headers, _ in fake.requests[sent:])  # nothing of it went upstream
+    assert not any("x-big" in headers for _, headers, _ in forwarded(fake)[sent:])  # nothing of it went upstream
 
 
 def test_3_a_head_sent_too_slowly_is_cut_at_the_header_timeout(proxy):
@@ -415,22 +415,22 @@ def test_6_the_summary_counts_what_recovery_wrote(fake, tmp_path):
 
 
 def test_health_is_answered_by_the_proxy_for_get_and_head_only(fake, proxy):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     assert httpx.get(proxy.url + "/health", timeout=5).status_code == 200
     assert httpx.head(proxy.url + "/health", timeout=5).status_code == 200
     for method in ("POST", "DELETE", "PUT"):
         assert httpx.request(method, proxy.url + "/health", timeout=5).status_code == 405
     assert httpx.request("POST", proxy.url + "/health", headers=AUTH, timeout=5).status_code == 405
-    assert len(fake.requests) == sent  # nothing went upstream, with or without a key
+    assert len(forwarded(fake)) == sent  # nothing went upstream, with or without a key
 
 
 @pytest.mark.parametrize("path", ["/invocations", "/v1/responses", "/v1/./responses", "/v1/messages"])
 def test_generating_routes_the_proxy_cannot_record_are_refused(fake, proxy, path):
-    sent = len(fake.requests)
+    sent = len(forwarded(fake))
     answer = httpx.post(proxy.url + path, json={"model": MODEL, "input": "hi", "messages": MESSAGES}, headers=AUTH,
                         timeout=5)
     assert answer.status_code == 501 and "/v1/chat/completions" in answer.json()["error"]["message"]
-    assert len(fake.requests) == sent
+    assert len(forwarded(fake)) == sent
 
 
 # -------------------------------------------------------------------------------------------- risks: episodes

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from support.record_support import MODEL, RecordProcess, sse_payloads, strict_lines
+from support.record_support import MODEL, RecordProcess, sent_to, sse_payloads, strict_lines
 
 from offline_rec.record import sink
 from offline_rec.record.recorder import Recorder, RecordOptions
@@ -34,8 +34,8 @@ def proxy(fake, tmp_path_factory):
 
 
 def upstream_calls(fake, path: str) -> int:
-    """How many requests for `path` reached the fake (the proxy looks up /v1/models by itself now and then)."""
-    return sum(1 for request in fake.requests if request[0] == path)
+    """How many requests for `path` reached the fake, but the proxy's own."""
+    return len(sent_to(fake, path))
 
 
 # -------------------------------------------------------------------------------------------- 1: trickled body

@@ -107,6 +107,15 @@ def test_sse_splitter_is_indifferent_to_how_the_bytes_arrive():
     assert event_data(b": comment\n\n") is None
 
 
+@pytest.mark.parametrize("separator", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"])
+def test_event_data_cuts_lines_at_cr_lf_and_crlf_only(separator):
+    """str.splitlines() also cuts at these; vLLM writes U+2028, U+2029, U+0085 unescaped in its JSON."""
+    data = json.dumps({"text": f"a{separator}b"}, ensure_ascii=False)
+    for end in ("\n", "\r\n", "\r"):
+        assert event_data(f"data: {data}{end}{end}".encode()) == data
+    assert event_data(f"data: x\rdata: {data}\r\n\n".encode()) == f"x\n{data}"
+
+
 def chunk(index, delta=None, **fields):
     return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
             "choices": [{"index": index, **({"delta": delta} if delta is not None else {}), **fields}]}

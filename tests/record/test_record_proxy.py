@@ -7,7 +7,16 @@ import time
 
 import httpx
 import pytest
-from support.record_support import MODEL, MODEL_ROOT, REPLY, ServerThread, create_fake, read_lines, sse_payloads
+from support.record_support import (
+    MODEL,
+    MODEL_ROOT,
+    REPLY,
+    ServerThread,
+    create_fake,
+    read_lines,
+    sent_to,
+    sse_payloads,
+)
 
 from offline_rec.record.proxy import create_app
 from offline_rec.record.proxy_state import ProxyState
@@ -69,7 +78,7 @@ def test_chat_whole_response_reaches_client_unchanged_and_line_has_ids_and_logpr
     assert through.status_code == direct.status_code == 200
     assert without_ids(through.json()) == without_ids(direct.json())
     assert through.json()["choices"][0]["logprobs"] is None and through.json()["prompt_token_ids"] is None
-    sent = fake.requests[-1][2]
+    sent = sent_to(fake, CHAT)[-1][2]
     assert sent["logprobs"] is True and sent["return_token_ids"] is True and "top_logprobs" not in sent
     assert sent["return_tokens_as_token_ids"] is True  # the client sees no log-prob entries: ids are cheaper
     p.stop()
@@ -155,13 +164,17 @@ def test_completions_batch_gives_one_line_per_prompt(fake, proxy, stream):
         assert without_ids(through.json()) == without_ids(direct.json())
         assert all(c["logprobs"] is None and c["token_ids"] is None and c["prompt_token_ids"] is None
                    for c in through.json()["choices"])
-    assert fake.requests[-2][2]["logprobs"] == 0
+    assert sent_to(fake, COMPLETIONS)[-2][2]["logprobs"] == 0
     p.stop()
     lines = read_lines(p.out)
     assert [line["request"]["prompt"] for line in lines] == ["Bonjour", "Olá"]
     response_id = lines[0]["batch"]["response_id"]
     for k, line in enumerate(lines):
-        assert line["batch"] == {"index": k, "size": 2, "response_id": response_id}
+        usage = None if stream else through.json()["usage"]  # the whole batch's (a stream here carries none)
+        assert line["batch"] == {"index": k, "size": 2, "response_id": response_id, "usage": usage}
+        # its own: its prompt's 2 tokens once, 2 choices of 4 tokens
+        assert line["response"].get("usage") == (None if stream else {"prompt_tokens": 2, "completion_tokens": 8,
+                                                                      "total_tokens": 10})
         assert line["response"]["id"] == f"{response_id}-{k}"
         assert [c["index"] for c in line["response"]["choices"]] == [0, 1]
         for choice in line["response"]["choices"]:
@@ -220,7 +233,7 @@ def test_secrets_never_reach_the_files(fake, proxy):
     body = {"model": MODEL, "messages": messages, "user": "customer-42", "metadata": {"email": "j@d.fr", "plan": "x"}}
     post(p.url, CHAT, body, headers={"Authorization": f"Bearer {secret}", "X-Api-Key": secret})
     post(p.url, CHAT, {**body, "stream": True}, headers={"Authorization": f"Bearer {secret}"})
-    upstream_headers, upstream_body = fake.requests[-2][1], fake.requests[-2][2]
+    _, upstream_headers, upstream_body = sent_to(fake, CHAT)[-2]
     assert upstream_headers["authorization"] == f"Bearer {secret}"  # the upstream still gets what the client sent
     assert upstream_body["user"] == "customer-42"
     p.stop()
@@ -258,7 +271,7 @@ def test_episode_closed_by_end_header_is_one_line_in_call_order(fake, proxy):
     second = {"model": MODEL, "stream": True, "messages": [
         *MESSAGES, {"role": "assistant", "content": reply["content"]}, {"role": "tool", "content": "42 °C"}]}
     post(p.url, CHAT, second, headers={"X-Episode-Id": "ep-1", "X-Episode-End": "true"})
-    assert "x-episode-id" not in fake.requests[-1][1]
+    assert "x-episode-id" not in sent_to(fake, CHAT)[-1][1]
     time.sleep(0.3)
     lines_before_stop = [json.loads(raw) for raw in next(p.out.glob("*.jsonl.open")).read_bytes().splitlines()]
     assert [("episode_id" in line) for line in lines_before_stop] == [False, True]  # written at the end header

@@ -73,18 +73,24 @@ def _reassembled(endpoint: str, payloads: list, n: int = 1) -> dict:
     return _normal(response)
 
 
+def _proxy(vllm_server, out) -> tuple[ServerThread, ProxyState]:
+    """The proxy in front of the session's server, its logprobs mode probed."""
+    state = ProxyState(upstream=upstream_base(vllm_server.base_url), recorder=Recorder(out, RecordOptions()),
+                       warn=lambda m: None)
+    proxy = ServerThread(create_app(state, tick_seconds=0.1))
+    deadline = time.monotonic() + 60
+    while state.logprobs_mode == "unknown" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proxy, state
+
+
 @pytest.fixture(scope="module")
 def session(vllm_server, tmp_path_factory):
     """Every call of the module, made once: through the proxy and straight to the server."""
     from offline_rec.models.tiny import chat_messages
 
     out = tmp_path_factory.mktemp("recorded")
-    recorder = Recorder(out, RecordOptions())
-    state = ProxyState(upstream=upstream_base(vllm_server.base_url), recorder=recorder, warn=lambda m: None)
-    proxy = ServerThread(create_app(state, tick_seconds=0.1))
-    deadline = time.monotonic() + 60
-    while state.logprobs_mode == "unknown" and time.monotonic() < deadline:
-        time.sleep(0.1)
+    proxy, state = _proxy(vllm_server, out)
     conversations = chat_messages(4, seed=20)
     model = vllm_server.served_name
     calls = []  # (endpoint, body, stream, response through the proxy, response straight from the server)
@@ -268,3 +274,61 @@ def test_two_call_episode_is_one_line_in_order(session):
         len(c["response"]["choices"][0]["token_ids"]) == len(c["response"]["choices"][0]["logprobs"]["content"])
         for c in (first, second)
     )
+
+
+def test_issue_50_what_vllm_does_with_separators_echo_false_strings_and_gzip(vllm_server, tmp_path):
+    """The premises of issue 50's defect 1 and risks, checked on vLLM itself, and what the proxy records of them:
+    U+2028, U+2029, U+0085 written raw inside a streamed chunk; chat `echo`'s text without its tokens;
+    `"logprobs": "false"` beside `top_logprobs` answered without log-probs; a gzip body refused."""
+    import gzip
+
+    tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
+    model, direct = vllm_server.served_name, vllm_server.base_url
+    messages = [{"role": "user", "content": "Say something."}]
+    proxy, _ = _proxy(vllm_server, tmp_path)
+    through = proxy.url + "/v1"
+    try:
+        separated = {"model": model, "messages": messages, "stream": True, "seed": 1, **SAMPLING,
+                     "structured_outputs": {"regex": "a\u2028b\u2029c\x85d"}}
+        raw = httpx.post(direct + "/chat/completions", json=separated, timeout=300).content
+        assert "\u2028".encode() in raw  # unescaped, as the issue says
+        streamed = httpx.post(through + "/chat/completions", json=separated, timeout=300)
+        assert b"token_id:" not in streamed.content and b'"token_ids":[' not in streamed.content
+
+        echo = {"model": model, "messages": [*messages, {"role": "assistant", "content": "Bonjour"}], "echo": True,
+                "add_generation_prompt": False, "continue_final_message": True, "seed": 2, **SAMPLING}
+        echoed = [httpx.post(through + "/chat/completions", json={**echo, "stream": stream}, timeout=300)
+                  for stream in (False, True)]
+        assert echoed[0].json()["choices"][0]["message"]["content"].startswith("Bonjour")
+        assert "".join(c["choices"][0]["delta"].get("content") or "" for c in sse_payloads(echoed[1].content)[:-1]
+                       if c["choices"]).startswith("Bonjour")
+
+        false = {"model": model, "messages": messages, "logprobs": "false", "top_logprobs": 2, "seed": 3, **SAMPLING}
+        assert httpx.post(direct + "/chat/completions", json=false, timeout=300).json()["choices"][0]["logprobs"] \
+            is None  # vLLM answers it, without log-probs
+        assert httpx.post(through + "/chat/completions", json=false, timeout=300).json()["choices"][0]["logprobs"] \
+            is None
+        refused = {"model": model, "messages": messages, "top_logprobs": 2, **SAMPLING}
+        assert httpx.post(direct + "/chat/completions", json=refused, timeout=60).status_code == 400
+        assert httpx.post(through + "/chat/completions", json=refused, timeout=60).status_code == 400
+
+        packed = gzip.compress(json.dumps({"model": model, "messages": messages, **SAMPLING}).encode())
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        assert httpx.post(direct + "/chat/completions", content=packed, headers=headers, timeout=60).status_code \
+            == 400  # vLLM inflates no request body
+        assert httpx.post(through + "/chat/completions", content=packed, headers=headers, timeout=60).status_code \
+            == 415
+    finally:
+        proxy.stop()
+    separated_line, whole_echo, streamed_echo, false_line = read_lines(tmp_path)  # the 400s and the 415: no line
+    choice = separated_line["response"]["choices"][0]
+    assert choice["message"]["content"] == "a\u2028b\u2029c\x85d"
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == "a\u2028b\u2029c\x85d"
+    for line, answer in ((whole_echo, echoed[0].json()["choices"][0]["message"]["content"]),
+                         (streamed_echo, None)):
+        content = line["response"]["choices"][0]["message"]["content"]
+        assert content == tokenizer.decode(line["response"]["choices"][0]["token_ids"], skip_special_tokens=True)
+        assert answer is None or answer == "Bonjour" + content
+    entries = false_line["response"]["choices"][0]["logprobs"]["content"]
+    assert len(entries) == len(false_line["response"]["choices"][0]["token_ids"]) >= 1
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)

@@ -23,9 +23,7 @@ test_train_resume.py (a moment after a given step).
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import json
 import os
 import random
@@ -41,7 +39,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from support.cli_support import cli_exit_code
+from support.cli_support import cli_exit_code, run_cli
 from support.datagen import make_rows, tree_digest, write_dataset
 from support.file_watch import FileWatch
 from support.paths import TESTS
@@ -140,14 +138,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
-
-
-def run_cli(argv) -> tuple[int, str]:
-    """(exit code, captured stderr) of `offline-rec ARGV` in this process; other exceptions propagate."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = cli_exit_code(*argv)
-    return code, err.getvalue()
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,7 +255,7 @@ def collect_reference(collect_setup, tmp_path_factory) -> dict[str, list]:
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))
         patch.chdir(root)
-        assert run_cli(collect_argv(model, reference))[0] == 0
+        assert cli_exit_code(*collect_argv(model, reference)) == 0
     expected = group_rows(reference)
     assert len(expected) == COLLECT_PROMPTS
     return expected
@@ -273,8 +263,7 @@ def collect_reference(collect_setup, tmp_path_factory) -> dict[str, list]:
 
 def assert_resumes_to(out: Path, model: str, expected: dict[str, list], *extra, **options) -> None:
     """collect --resume of `out` ends valid, with every group once, sampled as in the uninterrupted run."""
-    code, err = run_cli(collect_argv(model, out, "--resume", *extra, **options))
-    assert code == 0, err
+    assert cli_exit_code(*collect_argv(model, out, "--resume", *extra, **options)) == 0
     report = validate_dataset(out)
     assert report.ok and report.problems == [], report.to_json()
     ids = [rows[0][S.GROUP_ID] for rows in open_dataset(out).iter_groups()]
@@ -349,7 +338,8 @@ def eval_argv(model: str, out: Path, *extra) -> list[str]:
                              "--backend", "hf", "--quiet", "--out", out, *extra]]
 
 
-def test_eval_stopped_by_sigterm_exits_75_and_resumes_to_the_uninterrupted_evaluation(collect_setup, monkeypatch):
+def test_eval_stopped_by_sigterm_exits_75_and_resumes_to_the_uninterrupted_evaluation(collect_setup, monkeypatch,
+                                                                                         capsys):
     root, model = collect_setup
     monkeypatch.syspath_prepend(str(root))
     monkeypatch.chdir(root)
@@ -370,11 +360,10 @@ def test_eval_stopped_by_sigterm_exits_75_and_resumes_to_the_uninterrupted_evalu
     manifest = json.loads((out / "rollouts" / S.MANIFEST_FILE).read_text())
     assert not manifest[S.M_COMPLETE] and manifest[S.M_TOTALS]["groups"] < COLLECT_PROMPTS
 
-    assert run_cli(eval_argv(model, out))[1].startswith("error: output")  # refused without --resume
-    code, err = run_cli(eval_argv(model, out, "--resume"))
-    assert code == 0, err
+    assert run_cli(capsys, *eval_argv(model, out))[2].startswith("error: output")  # refused without --resume
+    assert cli_exit_code(*eval_argv(model, out, "--resume")) == 0
     reference = root / "eval-reference"
-    assert run_cli(eval_argv(model, reference))[0] == 0
+    assert cli_exit_code(*eval_argv(model, reference)) == 0
     per_prompt = [(out / "per_prompt.jsonl").read_text(), (reference / "per_prompt.jsonl").read_text()]
     assert per_prompt[0] == per_prompt[1]
     summaries = [json.loads((folder / "summary.json").read_text()) for folder in (out, reference)]
@@ -432,8 +421,7 @@ def killed_runs(tmp_path_factory, runner):
     assert len(store_folders(root / "cache")[0]) == 1  # four processes, one store
     reference = root / "reference.yaml"
     reference.write_text(yaml.safe_dump(train_settings(model, data, root / "reference", root / "cache")))
-    code, err = run_cli(["train", "--config", reference])
-    assert code == 0, err
+    assert cli_exit_code("train", "--config", reference) == 0
     return root, {kill.name: kill for kill in kills}
 
 
@@ -459,8 +447,7 @@ def test_train_killed_while_saving_resumes_to_the_uninterrupted_weights(killed_r
     assert latest.name == expected_latest
     assert all(not path.name.startswith(".") for _, path in ckpt.list_checkpoints(run))
 
-    code, err = run_cli(["train", "--out", run, "--resume"])
-    assert code == 0, err
+    assert cli_exit_code("train", "--out", run, "--resume") == 0
     reference, resumed = final_weights(root / "reference"), final_weights(run)
     assert reference.keys() == resumed.keys()
     for key in reference:
@@ -485,8 +472,7 @@ def test_train_killed_while_building_its_row_store_runs_again_to_the_uninterrupt
     assert not run.exists()  # killed before RUN/ is written
     complete, unfinished = store_folders(cache)
     assert complete == [] and len(unfinished) == 1  # the half-built store is hidden: never read as a store
-    code, err = run_cli(["train", "--config", root / f"killed-{len(TRAIN_KILLS)}.yaml"])
-    assert code == 0, err
+    assert cli_exit_code("train", "--config", root / f"killed-{len(TRAIN_KILLS)}.yaml") == 0
     assert_reference_weights(root, run)
     complete, unfinished = store_folders(cache)
     assert len(complete) == 1 and unfinished == []  # built whole, the dead build's folder removed
@@ -507,8 +493,7 @@ def test_train_killed_on_a_reused_row_store_resumes_without_opening_a_shard(kill
                     env=child_env(KILL_AT="rename", KILL_TARGET="step-000003"))
         run_killed([kill])
         assert_killed(kill)
-        code, err = run_cli(["train", "--out", root / "reused", "--resume"])
-        assert code == 0, err
+        assert cli_exit_code("train", "--out", root / "reused", "--resume") == 0
         assert watch.opened() == []  # neither the killed run nor the resume opened a shard
     assert sorted(str(p.relative_to(cache)) for p in cache.rglob("*") if not p.name.endswith(".lock")) == files
     assert_reference_weights(root, root / "reused")
@@ -573,8 +558,7 @@ def one_shot_references(one_shot_input):
     for command in ONE_SHOT_COMMANDS:
         out = root / "references" / command
         out.parent.mkdir(exist_ok=True)
-        code, err = run_cli(one_shot_argv(command, dataset, jsonl, out))
-        assert code == 0, err
+        assert cli_exit_code(*one_shot_argv(command, dataset, jsonl, out)) == 0
         refs[command] = group_rows(out)
     return refs
 
@@ -598,8 +582,7 @@ def test_one_shot_writers_killed_leave_no_output_or_a_complete_one(one_shot_kill
             absent += 1
             assert partials(out), "the kill should have left the hidden partial output"
             if absent == 1:  # the command run again (here, in this process) completes what the killed one could not
-                code, err = run_cli(one_shot_argv(command, dataset, jsonl, out))
-                assert code == 0, err
+                assert cli_exit_code(*one_shot_argv(command, dataset, jsonl, out)) == 0
                 assert validate_dataset(out).ok and group_rows(out) == expected
                 assert not partials(out), "the rerun removes what the killed writer left"
     assert absent >= 1, "no kill landed before the output was published"
@@ -648,7 +631,7 @@ def small_disk():
         disk.unmount()
 
 
-def assert_disk_full_refusal(code: int, err: str) -> str:
+def assert_disk_full_refusal(code: int, _stdout: str, err: str) -> str:
     """Exit 2 and one "error:" line, the last, saying the disk is full (progress printed before it may stay)."""
     lines = err.strip().splitlines()
     assert code == 2, err
@@ -657,20 +640,20 @@ def assert_disk_full_refusal(code: int, err: str) -> str:
     return lines[-1]
 
 
-def test_full_disk_during_filter_is_one_line_and_leaves_nothing(tmp_path, small_disk):
+def test_full_disk_during_filter_is_one_line_and_leaves_nothing(tmp_path, small_disk, capsys):
     source = write_dataset(tmp_path / "input", make_rows([4] * 600, seed=22), groups_per_shard=50)
     before = tree_digest(source)
     shard_bytes = sum(p.stat().st_size for p in (source / S.DATA_DIR).iterdir())
     disk = small_disk(max(shard_bytes // 3, 16384))  # a third of the data fits: the write fails midway
     out = disk.path / "out"
-    assert_disk_full_refusal(*run_cli(["filter", source, "--out", out]))
+    assert_disk_full_refusal(*run_cli(capsys, "filter", source, "--out", out))
     assert list(disk.path.iterdir()) == []  # neither the output nor its hidden partial folder
     assert tree_digest(source) == before
 
 
 @pytest.mark.slow
 def test_full_disk_during_collect_keeps_the_committed_shards_and_resumes(
-    collect_setup, tmp_path, small_disk, monkeypatch
+    collect_setup, tmp_path, small_disk, monkeypatch, capsys
 ):
     root, model = collect_setup
     monkeypatch.syspath_prepend(str(root))
@@ -678,15 +661,14 @@ def test_full_disk_during_collect_keeps_the_committed_shards_and_resumes(
     disk = small_disk(64 * 1024)
     out = disk.path / "ds"
     more = ("--num-prompts", 160, "--batch-size", 4, "--groups-per-shard", 4)  # 40 shards: 4 kB pages each, at least
-    line = assert_disk_full_refusal(*run_cli(collect_argv(model, out, *more, slow=False)))
+    line = assert_disk_full_refusal(*run_cli(capsys, *collect_argv(model, out, *more, slow=False)))
     assert "--resume" in line
     committed = json.loads((out / S.MANIFEST_FILE).read_text())
     assert 0 < committed[S.M_TOTALS]["groups"] < 160 and not committed[S.M_COMPLETE]
     report = validate_dataset(out)  # a shard written before a failed manifest update is unlisted, and ignored
     assert report.ok and {p.code for p in report.problems} <= {"incomplete", "unlisted-shard"}, report.to_json()
     disk.grow(64 * 1024 * 1024)
-    code, err = run_cli(collect_argv(model, out, *more, "--resume", slow=False))
-    assert code == 0, err
+    assert cli_exit_code(*collect_argv(model, out, *more, "--resume", slow=False)) == 0
     assert validate_dataset(out).ok and open_dataset(out, require_complete=True).num_groups == 160
 
 
@@ -694,7 +676,7 @@ def enospc(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 
 
-def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch):
+def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch, capsys):
     """Where no tmpfs can be mounted: linking the second shard raises ENOSPC as a full disk would."""
     import offline_rec.dataset.format as dataset_module
 
@@ -709,12 +691,12 @@ def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch):
     monkeypatch.setattr(dataset_module.os, "link", fills_up_on_the_second_shard)
     out = tmp_path / "outputs" / "merged"
     out.parent.mkdir()
-    line = assert_disk_full_refusal(*run_cli(["merge", source, "--out", out, "--groups-per-shard", 100]))
+    line = assert_disk_full_refusal(*run_cli(capsys, "merge", source, "--out", out, "--groups-per-shard", 100))
     assert "part-00001.parquet" in line
     assert list(out.parent.iterdir()) == [] and tree_digest(source) == before
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch):
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
     import transformers.modeling_utils as modeling_utils
 
     model = tiny_model(tmp_path / "model")
@@ -728,12 +710,11 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypa
         return enospc() if len(saves) == 2 else real_save(*args, **kwargs)
 
     monkeypatch.setattr(modeling_utils, "safe_save_file", fills_up_on_the_second_checkpoint)
-    assert_disk_full_refusal(*run_cli(["train", "--config", config]))
+    assert_disk_full_refusal(*run_cli(capsys, "train", "--config", config))
     run = tmp_path / "run"
     assert ckpt.latest_checkpoint(run).name == ckpt.checkpoint_name(1)  # step 1's checkpoint is whole
     assert not (run / ckpt.FINAL_DIR).exists()
     monkeypatch.undo()
     # space freed: --resume finishes the run from step 1's checkpoint
-    code, err = run_cli(["train", "--out", run, "--resume"])
-    assert code == 0, err
+    assert cli_exit_code("train", "--out", run, "--resume") == 0
     assert len((run / ckpt.METRICS_FILE).read_text().splitlines()) == TRAIN_STEPS

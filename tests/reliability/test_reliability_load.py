@@ -28,15 +28,17 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from support.datagen import make_rows, tree_digest, write_dataset, write_raw_dataset
+from support.losses import PRESET_OBJECTIVES, loss_and_metrics
 from support.paths import REPO as ROOT
 
 from offline_rec import schema as S
-from offline_rec.algorithms import ALGORITHMS, AlgorithmSpec, group_advantages, policy_loss
 from offline_rec.dataset.config import FilterConfig
 from offline_rec.dataset.filter import filter_dataset
 from offline_rec.dataset.inspect import describe_dataset
 from offline_rec.dataset.validate import validate_dataset
 from offline_rec.errors import DataError, UserError
+from offline_rec.loss.advantages import group_advantages
+from offline_rec.loss.objective import Objective
 
 # --------------------------------------------------------------------------------------------
 # memory
@@ -162,24 +164,24 @@ def wide_batches(draw):
 
 def loss_and_grad(spec, logp, blogp, advantages, mask):
     leaf = logp.clone().requires_grad_()
-    loss, metrics = policy_loss(spec, leaf, blogp, advantages, mask)
+    loss, metrics = loss_and_metrics(spec, leaf, blogp, advantages, mask)
     loss.backward()
     return loss.detach(), leaf.grad, metrics
 
 
 @PROPERTY_SETTINGS
-@given(name=st.sampled_from(sorted(ALGORITHMS)), batch=wide_batches())
+@given(name=st.sampled_from(sorted(PRESET_OBJECTIVES)), batch=wide_batches())
 def test_loss_is_finite_for_any_finite_log_probs(name, batch):
     # e.g. logp -1, blogp -200 (a valid log-prob) with A < 0: unclamped, rho = e^199 = inf in float32;
     # red-weight with A = 85: exp(85) * 85 = inf in float32
-    loss, grad, metrics = loss_and_grad(ALGORITHMS[name], *batch)
+    loss, grad, metrics = loss_and_grad(PRESET_OBJECTIVES[name], *batch)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert all(math.isfinite(v) for v in metrics.values()), metrics
 
 
 def test_red_weight_with_a_large_advantage_gives_a_finite_loss():
     # one token: logp -0.5, A = 85, temp 1: W = exp(min(85, 20)) = e^20; loss = -W * A * logp = e^20 * 85 * 0.5
-    loss, grad, _ = loss_and_grad(ALGORITHMS["red-weight"], torch.tensor([[-0.5]]), torch.tensor([[-0.5]]),
+    loss, grad, _ = loss_and_grad(PRESET_OBJECTIVES["red-weight"], torch.tensor([[-0.5]]), torch.tensor([[-0.5]]),
                                   torch.tensor([85.0]), torch.tensor([[True]]))
     assert loss.item() == pytest.approx(math.exp(20) * 85 * 0.5, rel=1e-6)
     assert grad.item() == pytest.approx(-math.exp(20) * 85, rel=1e-6)
@@ -188,20 +190,20 @@ def test_red_weight_with_a_large_advantage_gives_a_finite_loss():
 def test_an_overflowing_importance_ratio_gives_a_finite_loss():
     # one token: logp -1, blogp -200, A = -1. log ratio 199 is clamped to 20: W = rho = e^20, kept by
     # one-side (A <= 0 and rho >= 0.8); loss = -W * A * logp / 1 = -(e^20)(-1)(-1) = -e^20; d/dlogp = e^20
-    loss, grad, _ = loss_and_grad(ALGORITHMS["rec-oneside-is"], torch.tensor([[-1.0]]), torch.tensor([[-200.0]]),
+    loss, grad, _ = loss_and_grad(PRESET_OBJECTIVES["rec-oneside-is"], torch.tensor([[-1.0]]), torch.tensor([[-200.0]]),
                                   torch.tensor([-1.0]), torch.tensor([[True]]))
     assert loss.item() == pytest.approx(-math.exp(20), rel=1e-6)
     assert grad.item() == pytest.approx(math.exp(20), rel=1e-6)
 
 
 @PROPERTY_SETTINGS
-@given(name=st.sampled_from(sorted(ALGORITHMS)), batch=wide_batches(), order=st.randoms(use_true_random=False))
+@given(name=st.sampled_from(sorted(PRESET_OBJECTIVES)), batch=wide_batches(), order=st.randoms(use_true_random=False))
 def test_loss_does_not_depend_on_the_order_of_rows(name, batch, order):
     logp, blogp, advantages, mask = batch
     permutation = list(range(logp.shape[0]))
     order.shuffle(permutation)
-    loss, grad, _ = loss_and_grad(ALGORITHMS[name], logp, blogp, advantages, mask)
-    loss_p, grad_p, _ = loss_and_grad(ALGORITHMS[name], logp[permutation], blogp[permutation],
+    loss, grad, _ = loss_and_grad(PRESET_OBJECTIVES[name], logp, blogp, advantages, mask)
+    loss_p, grad_p, _ = loss_and_grad(PRESET_OBJECTIVES[name], logp[permutation], blogp[permutation],
                                       advantages[permutation], mask[permutation])
     scale = 1.0 + loss.abs().item()
     assert abs(loss_p.item() - loss.item()) <= 1e-5 * scale
@@ -221,7 +223,7 @@ def wide_groups(draw):
 
 
 @PROPERTY_SETTINGS
-@pytest.mark.parametrize("spec", [AlgorithmSpec(), AlgorithmSpec(std_normalize=True), ALGORITHMS["red-drop"]],
+@pytest.mark.parametrize("spec", [Objective(), Objective(std_normalize=True), PRESET_OBJECTIVES["red-drop"]],
                          ids=["mean", "std", "red-drop"])
 @given(data=wide_groups())
 def test_advantages_are_finite_for_any_finite_rewards(spec, data):

@@ -223,6 +223,17 @@ def test_no_chat_template_sends_built_in_prompts_as_they_are(checkpoint, tmp_pat
         assert group[0][S.PROMPT] == f"What is {fields['a']}+{fields['b']}? "
 
 
+def test_the_manifest_says_no_chat_template_was_applied_when_the_tokenizer_has_none(tmp_path):
+    from offline_rec.demo.behavior_policy import demo_policy_path
+
+    out = tmp_path / "raw"  # the shipped policy's tokenizer has no chat template; --chat-template is on by default
+    assert run_main("collect", "--model", demo_policy_path(), "--task", "arith", "--num-prompts", 2, "-k", 1,
+                    "--max-new-tokens", 2, "--backend", "hf", "--out", out, "--quiet") == 0
+    dataset = open_dataset(out, require_complete=True)
+    assert dataset.task["chat_template"] is False
+    assert all(group[0][S.PROMPT].startswith("What is ") for group in dataset.iter_groups())
+
+
 def test_resume_of_a_complete_dataset_changes_nothing(arith_dataset, checkpoint):
     before = tree_digest(arith_dataset)
     code = run_main("collect", "--model", checkpoint, "--task", "arith", "--num-prompts", 6, "-k", 3,

@@ -11,14 +11,16 @@ import math
 import pytest
 import torch
 from support.cli_support import run_cli
+from support.losses import loss_and_metrics
 from support.sampling_support import raw_logprobs
 from support.traffic_support import BEHAVIOR, write_logged
 
 from offline_rec import schema as S
-from offline_rec.algorithms import get_algorithm, group_advantages, policy_loss
 from offline_rec.dataset.format import DatasetWriter, make_row, open_dataset
 from offline_rec.dataset.merge import join_groups
 from offline_rec.dataset.validate import validate_dataset
+from offline_rec.loss.advantages import group_advantages
+from offline_rec.loss.presets import get_objective
 from offline_rec.models.loading import load_model, load_tokenizer
 from offline_rec.models.tiny import (
     build_chat_tokenizer,
@@ -133,13 +135,13 @@ def test_loss_of_a_mixed_group_by_hand(tmp_path):
     join_groups(tmp_path / "logged", tmp_path / "fresh", tmp_path / "joined")
     rows = open_dataset(tmp_path / "joined").to_table().to_pylist()
     assert [r[S.BEHAVIOR] for r in rows] == ["prod", "policy", "policy"]
-    spec = get_algorithm("rec-oneside-is")
+    spec = get_objective("rec-oneside-is")
     advantages, _ = group_advantages(spec, torch.tensor([r[S.REWARD] for r in rows]), [r[S.GROUP_ID] for r in rows])
     width = 2
     blogp = torch.tensor([r[S.BEHAVIOR_LOGPROBS] + [0.0] * (width - len(r[S.BEHAVIOR_LOGPROBS])) for r in rows])
     mask = torch.tensor([[1] * len(r[S.COMPLETION_IDS]) + [0] * (width - len(r[S.COMPLETION_IDS])) for r in rows])
     logp = torch.tensor([[-1.1, -1.5], [-0.5, 0.0], [-0.9, -0.7]], dtype=torch.float64)
-    loss, _ = policy_loss(spec, logp, blogp.double(), advantages.double(), mask)
+    loss, _ = loss_and_metrics(spec, logp, blogp.double(), advantages.double(), mask)
     expected = ((2 / 3) * 1.1 * math.exp(-0.1) - 0.5 / 3 - 0.7 / 3) / 5
     assert abs(loss.item() - expected) < 1e-6 and abs(expected - 0.0527094) < 1e-6
 

@@ -7,7 +7,9 @@ def cli_exit_code(*argv) -> int:
     """Run `offline-rec ARGV` (any value is turned into a string); its exit code.
 
     SystemExit(None) is a success (0), a non-integer code a failure (1); any other exception
-    propagates, so a crash fails the test instead of passing for an exit code.
+    propagates, so a crash fails the test instead of passing for an exit code. Where only the code
+    matters (or no capsys is at hand: a module-scoped fixture), `assert cli_exit_code(...) == 0`:
+    pytest shows the command's captured output with the failure.
     """
     from offline_rec.cli import main
 

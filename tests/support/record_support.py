@@ -11,13 +11,21 @@ Every answer is the same scripted reply (non-ASCII included) cut at max_tokens; 
 are those of a fixed logits table, at the request's temperature when the fake runs in
 processed_logprobs mode and at temperature 1 in raw_logprobs mode. Requests with model
 "no-such-model" get vLLM's 404 error; model "fail-mid-stream" streams two chunks and then an
-error event; model "nan-logprobs" answers with a NaN log-prob (Python's json writes it as NaN).
+error event; model "nan-logprobs" answers with a NaN log-prob (Python's json writes it as NaN);
+model "line-separators" answers SEPARATOR_REPLY, whose text holds U+2028, U+2029 and U+0085, written
+unescaped inside the JSON as vLLM writes them. Chat `echo` prepends the last message's text when its
+role is the answer's, as vLLM does (a chunk of its own when streamed); `top_logprobs` or
+`logprob_token_ids` with a `logprobs` whose RAW value is falsy is vLLM's 400 (vLLM checks the raw
+JSON value before reading it: `"logprobs": "false"` passes that check, then reads as false). Usage
+counts as vLLM's: every prompt's tokens once, every choice's tokens.
 Header `x-fake-delay` (seconds) sleeps before each streamed token, and before a whole answer (a
 client that disconnects meanwhile is noted in `app.state.abandoned`, as vLLM aborts it). Flags are
 read as vLLM's pydantic models read them ("false" is false, "2" and 2.0 are 2), and so are n,
 temperature, max_tokens and top log-probs; /health notes its calls in `requests` too. With `api_key`, every /v1 route
 wants `Authorization: Bearer <api_key>` (401 otherwise), as vLLM's --api-key does. GET /version
-answers a 307 to the server's own /v1/models (what a trailing slash gets from vLLM).
+answers a 307 to the server's own /v1/models (what a trailing slash gets from vLLM). /v1/models
+names `root` as what MODEL was loaded from (a vLLM restarted with other weights under the same
+served name: another fake with another root on the same port).
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ MODEL = "fake-model"
 MODEL_ROOT = "/models/fake-model-v3"
 # (token id, text) of the reply; id 7 is a control token that decodes to nothing.
 REPLY = [(11, "Hel"), (12, "lo"), (7, ""), (13, " wör"), (14, "ld"), (15, " 中"), (16, "文"), (2, "")]
+# What model "line-separators" answers: characters str.splitlines() breaks on that are no SSE line end.
+SEPARATOR_REPLY = [(17, "a\u2028b"), (18, "\u2029c"), (19, "\x85d"), (2, "")]
 VOCAB_SIZE = 20
 PROMPT_IDS = [1, 5, 6, 9]
 # A long conversation (about 12 KB of JSON): its lines span several pages, so a kill can land inside a write.
@@ -46,7 +56,7 @@ MESSAGES_FOR_FAULTS = [
 
 
 def token_text(token_id: int) -> str:
-    return next((text for reply_id, text in REPLY if reply_id == token_id), f"t{token_id}")
+    return next((text for reply_id, text in REPLY + SEPARATOR_REPLY if reply_id == token_id), f"t{token_id}")
 
 
 def logits(position: int) -> list[float]:
@@ -75,8 +85,9 @@ def lax(value, kind: type):
     return None if value is None else TypeAdapter(kind).validate_python(value)
 
 
-def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
-    """The fake server's starlette app; `app.state.requests` lists (path, headers, body) received."""
+def create_fake(mode: str = "processed_logprobs", api_key: str | None = None, root: str = MODEL_ROOT):
+    """The fake server's starlette app; `app.state.requests` lists (path, headers, body) received; `root`: what
+    /v1/models says MODEL was loaded from."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
     from starlette.responses import JSONResponse, RedirectResponse, StreamingResponse
@@ -102,14 +113,15 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         temperature = lax(body.get("temperature"), float)
         # greedy (vLLM: below 1e-5) and unset: the log-probs of temperature 1
         temperature = 1.0 if temperature is None or temperature < 1e-5 else temperature
-        max_tokens = lax(body.get("max_tokens"), int) or lax(body.get("max_completion_tokens"), int) or len(REPLY)
-        tokens = REPLY[:max_tokens]
+        reply = SEPARATOR_REPLY if body.get("model") == "line-separators" else REPLY
+        max_tokens = lax(body.get("max_tokens"), int) or lax(body.get("max_completion_tokens"), int) or len(reply)
+        tokens = reply[:max_tokens]
         entries = []
         for position, (token_id, text) in enumerate(tokens):
             row = log_softmax(logits(position), temperature if mode == "processed_logprobs" else 1.0)
             order = sorted(range(VOCAB_SIZE), key=lambda j: -row[j])
             entries.append((token_id, text, row[token_id], [(j, row[j]) for j in order]))
-        finish = "stop" if len(tokens) == len(REPLY) else "length"
+        finish = "stop" if len(tokens) == len(reply) else "length"
         return entries, finish
 
     def chat_logprobs(entries, top, as_ids):
@@ -149,8 +161,24 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
             return None, JSONResponse({"error": {"message": "The model `no-such-model` does not exist.",
                                                  "type": "NotFoundError", "param": "model", "code": 404}},
                                       status_code=404)
+        top = lax(body.get("top_logprobs"), int) if request.url.path == "/v1/chat/completions" else None
+        # vLLM's check runs on the raw JSON value: "false" passes it (and is then read as false)
+        if ((top is not None and (top == -1 or top > 0)) or body.get("logprob_token_ids")) and not body.get("logprobs"):
+            name = "top_logprobs" if top else "logprob_token_ids"
+            return None, JSONResponse({"error": {"message": f"when using `{name}`, `logprobs` must be set to true.",
+                                                 "type": "BadRequestError", "param": name, "code": 400}},
+                                      status_code=400)
         counter["n"] += 1
         return body, None
+
+    def echoed(body: dict) -> tuple[str, str]:
+        """(the answer's role, the text chat `echo` puts before it), as vLLM's chat server does."""
+        messages = body.get("messages") or [{}]
+        role = "assistant" if lax_bool(body.get("add_generation_prompt", True)) else messages[-1].get("role")
+        content = messages[-1].get("content") if messages[-1].get("role") == role else None
+        if isinstance(content, list):
+            content = "\n".join(part["text"] for part in content)
+        return role, (content or "") if lax_bool(body.get("echo")) else ""
 
     async def chat(request):
         body, refused = await accepted(request)
@@ -166,12 +194,13 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         if body.get("model") == "nan-logprobs":
             entries = [(i, t, float("nan"), alts) for i, t, _, alts in entries]
         delay = float(request.headers.get("x-fake-delay", "0"))
+        role, echo = echoed(body)
         if not lax_bool(body.get("stream")):
             if delay and await answer_after(request, delay * len(entries)):
                 return JSONResponse(None)
             choices = [{
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(t for _, t, _, _ in entries), "refusal": None,
+                "message": {"role": role, "content": echo + "".join(t for _, t, _, _ in entries), "refusal": None,
                             "annotations": None, "audio": None, "function_call": None, "tool_calls": [],
                             "reasoning": None},
                 "logprobs": chat_logprobs(entries, top, as_ids) if want_lp else None,
@@ -181,7 +210,8 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
             return NanJSONResponse({
                 "id": rid, "object": "chat.completion", "created": 1700000000, "model": body["model"],
                 "choices": choices, "service_tier": None, "system_fingerprint": None,
-                "usage": {"prompt_tokens": 4, "total_tokens": 4 + len(entries), "completion_tokens": len(entries)},
+                "usage": {"prompt_tokens": 4, "total_tokens": 4 + len(entries) * n,
+                          "completion_tokens": len(entries) * n},
                 "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if want_ids else None,
                 "kv_transfer_params": None,
             })
@@ -189,10 +219,14 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
         async def stream():
             head = {"id": rid, "object": "chat.completion.chunk", "created": 1700000000, "model": body["model"]}
             for i in range(n):
-                first = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                first = {**head, "choices": [{"index": i, "delta": {"role": role, "content": ""},
                                               "logprobs": None, "finish_reason": None}],
                          "prompt_token_ids": PROMPT_IDS if want_ids else None}
                 yield f"data: {json.dumps(first, ensure_ascii=False)}\n\n"
+            for i in range(n if echo else 0):
+                chunk = {**head, "choices": [{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                              "finish_reason": None}]}
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
             for position, entry in enumerate(entries):
                 for i in range(n):
                     if delay:
@@ -244,8 +278,10 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
             return JSONResponse({"id": rid, "object": "text_completion", "created": 1700000000,
                                  "model": body["model"], "choices": choices, "service_tier": None,
                                  "system_fingerprint": None,
-                                 "usage": {"prompt_tokens": 2, "total_tokens": 2 + len(entries),
-                                           "completion_tokens": len(entries)}, "kv_transfer_params": None})
+                                 "usage": {"prompt_tokens": 2 * len(prompts),
+                                           "total_tokens": 2 * len(prompts) + len(choices) * len(entries),
+                                           "completion_tokens": len(choices) * len(entries)},
+                                 "kv_transfer_params": None})
 
         async def stream():
             for p in range(len(prompts)):
@@ -269,7 +305,7 @@ def create_fake(mode: str = "processed_logprobs", api_key: str | None = None):
     async def models(request):
         received.append((request.url.path, dict(request.headers), None))
         return JSONResponse({"object": "list", "data": [
-            {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm", "root": MODEL_ROOT, "parent": None,
+            {"id": MODEL, "object": "model", "created": 1, "owned_by": "vllm", "root": root, "parent": None,
              "max_model_len": 2048}]})
 
     async def health(request):
@@ -310,9 +346,13 @@ def NanJSONResponse(content):  # noqa: N802 (used like the JSONResponse it stand
 
 class RecordProcess:
     """A real `offline-rec record` process (`python -m offline_rec record`) on a free port, its stdout and
-    stderr in files beside `out`; `stop()` sends SIGINT (what Ctrl-C does) and returns the exit code."""
+    stderr in files beside `out`; `stop()` sends SIGINT (what Ctrl-C does; or `signal`) and returns the exit code.
 
-    def __init__(self, upstream: str, out, *args: str, env: dict | None = None):
+    `file_bytes`: no file the process writes may grow past this many bytes (RLIMIT_FSIZE, set before it serves):
+    a write that would is refused with EFBIG, as a full disk refuses one with ENOSPC (Python ignores SIGXFSZ).
+    """
+
+    def __init__(self, upstream: str, out, *args: str, env: dict | None = None, file_bytes: int | None = None):
         import os
         import subprocess
         import sys
@@ -331,6 +371,10 @@ class RecordProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "offline_rec", "record", "--upstream", upstream, "--out", str(out),
                  "--port", str(self.port), *args], env=environment, stdout=stdout, stderr=stderr)
+        if file_bytes is not None:  # before it serves: it writes nothing but empty files until a call comes
+            import resource
+
+            resource.prlimit(self.process.pid, resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
         deadline = time.monotonic() + 60
         while True:
             try:
@@ -347,16 +391,29 @@ class RecordProcess:
     def stdout(self) -> str:
         return self.stdout_path.read_text()
 
-    def stop(self, timeout: float = 30) -> int:
-        import signal
+    def stop(self, timeout: float = 30, signal: int | None = None) -> int:
+        import signal as signals
 
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(signals.SIGINT if signal is None else signal)
         try:
             return self.process.wait(timeout=timeout)
         except Exception:
             self.process.kill()
             raise
+
+
+def forwarded(fake) -> list[tuple]:
+    """The (path, headers, body) of each request the fake received, in order, but the proxy's own (its logprobs-mode
+    probe, and the /v1/models lookups it makes whenever it opens a connection to the upstream: at any moment)."""
+    from offline_rec.record.proxy_state import OWN_USER_AGENT
+
+    return [request for request in fake.requests if request[1].get("user-agent") != OWN_USER_AGENT]
+
+
+def sent_to(fake, path: str) -> list[tuple]:
+    """The requests `forwarded` to the fake for `path`, in order."""
+    return [request for request in forwarded(fake) if request[0] == path]
 
 
 def strict_lines(directory) -> list[dict]:
@@ -376,12 +433,13 @@ def strict_lines(directory) -> list[dict]:
 
 
 class ServerThread:
-    """An ASGI app served by uvicorn on 127.0.0.1 in a background thread; `stop()` shuts it down cleanly."""
+    """An ASGI app served by uvicorn on 127.0.0.1 in a background thread (on `port`, else a free one); `stop()`
+    shuts it down cleanly."""
 
-    def __init__(self, app):
+    def __init__(self, app, port: int | None = None):
         import uvicorn
 
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                                     lifespan="on", access_log=False))

@@ -77,19 +77,35 @@ def test_three_operands_and_arith_fields():
     assert stated_sum_reward("", "85", {"a": 37, "b": 48}) == 1.0  # no answer field: the operands' sum
 
 
-@pytest.mark.parametrize("largest, train, test", [(9, 63, 18), (19, 235, 45)])
-def test_sum_splits_partition_the_pairs_by_pair(largest, train, test):
+@pytest.mark.parametrize("largest, train, test, ood", [(9, 63, 18, 280), (19, 235, 45, 1160)])
+def test_sum_splits_partition_the_pairs_by_pair(largest, train, test, ood):
     train_pairs, test_pairs = set(sum_pairs(largest, "train")), set(sum_pairs(largest, "test"))
-    assert (len(train_pairs), len(test_pairs)) == (train, test) and not train_pairs & test_pairs
+    ood_pairs = set(sum_pairs(largest, "ood"))
+    assert (len(train_pairs), len(test_pairs), len(ood_pairs)) == (train, test, ood)
+    assert not train_pairs & test_pairs and not (train_pairs | test_pairs) & ood_pairs
     everything = {(a, b) for a in range(1, largest + 1) for b in range(1, largest + 1)}
     if largest == 19:  # the level below is not asked again: one operand has two digits
         everything -= set(sum_pairs(9, "train")) | set(sum_pairs(9, "test"))
         assert all(max(pair) >= 10 for pair in everything)
     assert train_pairs | test_pairs == everything
+    # ood is the next level, one step harder: every pair has an operand above this level's largest
+    assert all(max(pair) > largest and max(pair) <= 2 * largest + 1 for pair in ood_pairs)
     # every wording of a test pair is held out: a split's prompts are all its pairs in all wordings
     items = sum_prompts(test * len(SUM_WORDINGS), seed=0, split="test", largest=largest)
     assert {tuple(item.fields["operands"]) for item in items} == test_pairs
     assert len({item.prompt for item in items}) == test * len(SUM_WORDINGS)
+
+
+def test_sums9_ood_is_every_pair_of_sums19():
+    assert set(sum_pairs(9, "ood")) == set(sum_pairs(19, "train")) | set(sum_pairs(19, "test"))
+    ood = get_prompts(get_task("sums9"), n=5, seed=2, split="ood")
+    assert all(item.id.startswith("sums9-ood-") and max(item.fields["operands"]) >= 10 for item in ood)
+    assert [item.prompt for item in ood] == [item.prompt for item in get_prompts(get_task("sums9"), n=5, seed=2,
+                                                                                 split="ood")]
+    with pytest.raises(UserError, match="unknown sums9 split 'validation'; valid: ood, test, train"):
+        sum_pairs(9, "validation")
+    with pytest.raises(UserError, match="unknown sums task 'sums10'; valid: sums19, sums9"):
+        sum_pairs(10, "train")
 
 
 def test_sum_prompts_are_seeded_distinct_and_scored_by_their_reward():
@@ -109,6 +125,7 @@ def test_sum_prompts_are_seeded_distinct_and_scored_by_their_reward():
 
 def test_sum_tasks_are_registered_and_ask_a_chat_model_for_a_number():
     assert TASKS["sums9"].reward_fn is stated_sum_reward and TASKS["sums19"].reward_fn is stated_sum_reward
+    assert TASKS["sums9"].splits == TASKS["sums19"].splits == ("train", "test", "ood")
     chat = get_prompts(get_task("sums19"), n=2, seed=0, split="test", chat=True)
     for item in chat:
         a, b = item.fields["operands"]

@@ -542,7 +542,7 @@ def test_gsm8k_prompt_rendered_through_a_chat_template():
 
 
 def test_registry_names_and_reward_names():
-    assert set(TASKS) == {"arith", "gsm8k", "math", "sums9", "sums19"}
+    assert set(TASKS) == {"arith", "gsm8k", "math", "add3", "add4", "add5", "add6", "sums9", "sums19"}
     assert TASKS["arith"].reward_name == "offline_rec.tasks.builtin:arith_answer_reward"
     assert TASKS["math"].reward_name == "offline_rec.tasks.builtin:math_answer_reward"
     assert TASKS["gsm8k"].prompt_column == "question"
@@ -552,7 +552,8 @@ def test_registry_names_and_reward_names():
 
 
 def test_unknown_task_lists_valid_ones():
-    with pytest.raises(UserError, match="unknown task 'gsm9k'; valid: arith, generic, gsm8k, math, module:function"):
+    valid = "add3, add4, add5, add6, arith, generic, gsm8k, math, module:function"
+    with pytest.raises(UserError, match=f"unknown task 'gsm9k'; valid: {valid}"):
         get_task("gsm9k")
     with pytest.raises(UserError, match="'generic' needs a reward function"):
         get_task("generic")

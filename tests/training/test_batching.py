@@ -6,7 +6,8 @@ import torch
 
 from offline_rec.dataset.format import DatasetWriter, make_row, open_dataset
 from offline_rec.errors import DataError, UserError
-from offline_rec.training import group_index, micro_batching, scheduling, step_plan
+from offline_rec.training import group_index, micro_batching, scheduling
+from offline_rec.training.step_source import Advantages, advantages_of
 
 
 def test_holdout_is_a_deterministic_hash_of_the_group_id():
@@ -250,17 +251,17 @@ def test_padding_free_collate_places_tokens_by_hand(tmp_path):
 
 
 def test_plan_step_deals_rows_of_a_step_to_balanced_disjoint_ranks(tmp_path):
-    from offline_rec.algorithms import get_algorithm
+    from offline_rec.loss.presets import get_objective
 
     rng = np.random.default_rng(2)
     groups = [[_row(f"g{g}", k, [4] * int(rng.integers(1, 30)), [5] * int(rng.integers(1, 60)),
                     reward=float(k % 2)) for k in range(4)] for g in range(6)]
     index = group_index.index_datasets([_dataset(tmp_path, groups)], 1000, False)
-    spec = get_algorithm("rec-oneside-nois")
+    spec = get_objective("rec-oneside-nois")
 
     def plan(rank, world, one_row=True, budget=64):
-        return step_plan.plan_step(index, np.arange(6), spec, torch.Generator().manual_seed(0), rank, world, budget,
-                                  padding_free=True, one_row=one_row)
+        step = advantages_of(index, np.arange(6), Advantages(spec), torch.Generator().manual_seed(0))
+        return micro_batching.plan_step(index, step, micro_batching.Packing(rank, world, budget, True, one_row))
 
     alone = plan(0, 1)
     shares = [plan(rank, 3) for rank in range(3)]

@@ -1,7 +1,7 @@
 """Logs of two behavior policies built as a user would (issue 42, at reduced size): the shipped arith policy A
 collects, a short training of A on its own logs gives a second logger B, B answers A's prompts again
 (`collect --prompts-from`), `merge --join-groups` puts both in each group; an -is preset trained from A on the
-mixture measures the weights per behavior, warns when their ESS falls below 0.1, and `is_cap` bounds them."""
+mixture measures the weights per behavior, warns when their ESS falls below 0.1, and `weight_max` bounds them."""
 
 from __future__ import annotations
 
@@ -70,14 +70,14 @@ def test_a_mixture_of_two_loggers_is_watched_and_a_cap_bounds_its_weights(tmp_pa
     fired = [m for m in metrics if m["ess"] < 0.1]
     assert fired, [m["ess"] for m in metrics]
     assert f"warning: step {fired[0]['step']}: importance weights' ess {fired[0]['ess']:.3g} < 0.1" in err
-    assert "algorithm.is_cap=10" in err and "; weights: ess min" in out and "steps below 0.1" in out
+    assert "weight_max=10" in err and "; weights: ess min" in out and "steps below 0.1" in out
     assert max(m["weight_max"] for m in metrics) > 2  # a token's gradient multiplied by more than 2
 
     # the same run with truncated IS at 2: no token weighs more than 2, whatever its ratio
     capped = tmp_path / "capped"
     code, _, err = run_cli(capsys, "train", "--data", tmp_path / "mixed", "--model", policy, "--algorithm",
                            "rec-oneside-is", "--out", capped, "--set", "max_steps=6", "--set", "prompts_per_step=4",
-                           "--set", "lr=1e-2", "--set", "algorithm.is_cap=2", *TRAIN)
+                           "--set", "lr=1e-2", "--set", "weight_max=2", *TRAIN)
     assert code == 0, err
     metrics = metrics_of(capped)
     assert max(m["weight_max"] for m in metrics) <= 2.0 < max(m["ratio_max"] for m in metrics)

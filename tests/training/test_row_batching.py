@@ -1,5 +1,5 @@
-"""The trainer's step levers: `batching: rows` (advantages per group, rows shuffled across prompts) and
-`skip_zero_advantage` (rows of advantage exactly 0 are neither forwarded nor counted in the token mean).
+"""The trainer's step levers: `batching: rows` (`step_source.RowSteps`: advantages per group, rows shuffled across
+prompts) and `skip_zero_advantage` (rows of advantage exactly 0 are neither forwarded nor counted in the token mean).
 
 The data's behavior log-probs are the tiny model's own, so at the first step rho = 1 and no clip acts:
 the loss of rec-oneside-nois is then -sum_i A_i * sum_t blogp_it / N, computed here from the data alone.
@@ -13,12 +13,13 @@ import pytest
 import torch
 from support.train_support import config, write_dataset
 
-from offline_rec.algorithms import get_algorithm
 from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
+from offline_rec.loss.presets import get_objective
 from offline_rec.training import checkpoint as ckpt
-from offline_rec.training import group_index, row_batching, scheduling
+from offline_rec.training import group_index, scheduling
 from offline_rec.training.loop import train
+from offline_rec.training.step_source import Advantages, RowSteps, advantages_of, drop_generator
 
 # Group sizes 4, 1, 2, 4, 1, 2 with reward 1 for the first response only: advantages per group
 # [0.75, -0.25, -0.25, -0.25], [0] (a singleton under the group baseline), [0.5, -0.5].
@@ -46,11 +47,15 @@ def metrics_of(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def epoch(data, epoch_number, skip, algorithm="rec-oneside-nois"):
+def source(data, skip, algorithm="rec-oneside-nois"):
     index = group_index.index_datasets([open_dataset(data)], 1000, False)
     schedule = scheduling.Schedule.of(index, 0.0, 4, 1, None, seed=0, shuffle=True)
-    return row_batching.epoch_rows(index, schedule.train_groups, get_algorithm(algorithm), 0, epoch_number, None,
-                                   skip)
+    return RowSteps(index, schedule, Advantages(get_objective(algorithm), None, skip), rows_per_step=4)
+
+
+def epoch(data, epoch_number, skip, algorithm="rec-oneside-nois"):
+    """The rows of epoch `epoch_number` of a `batching: rows` run, in the order they train."""
+    return source(data, skip, algorithm).epoch(epoch_number)
 
 
 def test_epoch_rows_carry_their_group_advantages_shuffled_across_prompts(data):
@@ -59,19 +64,22 @@ def test_epoch_rows_carry_their_group_advantages_shuffled_across_prompts(data):
     assert sorted(every.rows.tolist()) == list(range(len(advantages)))  # each row once
     np.testing.assert_allclose(every.advantages, np.array(advantages)[every.rows])
     # shuffled across prompts: the order is not group after group
-    assert not np.all(np.diff(every.groups) >= 0)
+    assert not np.all(np.diff(every.row_groups) >= 0)
     assert every.rows.tolist() != epoch(data, 1, skip=False).rows.tolist()  # a new order each epoch
 
     skipped = epoch(data, 0, skip=True)
     nonzero = [i for i, a in enumerate(advantages) if a != 0]
     assert sorted(skipped.rows.tolist()) == nonzero  # the two singletons are left out
-    assert len(skipped.rows) == len(advantages) - 2 and skipped.considered == len(advantages)
+    assert len(skipped.rows) == len(advantages) - 2
 
 
 def test_red_drop_rows_leave_the_epoch(data):
     # red-drop: the groups of 4 (1 positive, 3 negatives) lose 2 negatives each; then [1, 0, 0] / 2 kept
     rows = epoch(data, 0, skip=False, algorithm="red-drop")
-    assert rows.dropped == 4 and len(rows.rows) == sum(SIZES) - 4
+    steps = source(data, False, "red-drop")
+    drawn = advantages_of(steps.index, steps.schedule.train_groups, steps.how, drop_generator(0, 0))
+    assert int((~drawn.keep).sum()) == 4 and len(rows.rows) == sum(SIZES) - 4
+    assert sorted(rows.rows.tolist()) == sorted(drawn.rows[drawn.keep].tolist())  # the same draws
 
 
 @pytest.mark.parametrize("skip", [False, True])
@@ -120,7 +128,7 @@ def test_skip_zero_advantage_with_whole_groups_leaves_their_tokens_out_of_n(tmp_
     (dict(algorithm="opmd", skip_zero_advantage=True), "regularizer (k2)"),
     (dict(algorithm="asymre", skip_zero_advantage=True), "regularizer (forward-kl)"),
     (dict(kl_to_initial=0.1, skip_zero_advantage=True), "kl_to_initial (0.1)"),
-    (dict(batching="rows", algorithm_overrides={"baseline": "step"}), "step baseline"),
+    (dict(batching="rows", baseline="step"), "step baseline"),
     (dict(batching="steps"), "unknown batching 'steps'"),
     (dict(batching="rows", rows_per_step=0), "rows_per_step must be >= 1"),
 ])

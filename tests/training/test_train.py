@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
+from support.losses import PRESET_OBJECTIVES, loss_and_metrics
 from support.train_support import config, state_dict_of, write_dataset
 
-from offline_rec.algorithms import ALGORITHMS, get_algorithm, kl_to_initial, policy_loss
 from offline_rec.cli import main as cli_main
 from offline_rec.dataset.format import open_dataset
 from offline_rec.errors import UserError
 from offline_rec.eval.hooks import training_hooks
+from offline_rec.loss.presets import get_objective
 from offline_rec.models.loading import load_model
 from offline_rec.models.logprobs import token_logprobs_from_model
 from offline_rec.models.tiny import make_tiny_checkpoint
@@ -99,7 +100,7 @@ def test_policy_moves_toward_positive_advantages(tmp_path, model_dir, data_dir):
 
 def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_dir):
     """Summing micro-batch losses normalized by the step's token count gives the full-batch gradient."""
-    spec = get_algorithm("rec-oneside-is")
+    spec = get_objective("rec-oneside-is")
     dataset = open_dataset(data_dir)
     index = group_index.index_datasets([dataset], 1000, False)
     groups = np.arange(4)
@@ -114,7 +115,7 @@ def test_gradient_of_a_step_is_the_same_for_any_micro_batching(model_dir, data_d
             batch = micro_batching.collate([rows[i] for i in members], pad_id=0)
             logprobs = token_logprobs_from_model(model, batch["input_ids"], batch["attention_mask"],
                                                  positions_mask=batch["positions_mask"])
-            loss, _ = policy_loss(spec, logprobs, batch["behavior_logprobs"], batch["advantages"],
+            loss, _ = loss_and_metrics(spec, logprobs, batch["behavior_logprobs"], batch["advantages"],
                                   batch["loss_mask"], num_tokens=num_tokens)
             loss.backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -241,7 +242,7 @@ def test_two_datasets_train_together(tmp_path, model_dir, data_dir):
     assert summary["train_groups"] == 13
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+@pytest.mark.parametrize("name", sorted(PRESET_OBJECTIVES))
 def test_every_preset_trains_a_step(tmp_path, model_dir, data_dir, name):
     train(config(tmp_path, model_dir, data_dir, algorithm=name, max_steps=1))
     (step,) = metrics_of(tmp_path / "run")
@@ -268,15 +269,17 @@ def test_lora_with_kl_to_initial(tmp_path, model_dir, data_dir):
 
 def test_kl_to_initial_full_fine_tuning(tmp_path, model_dir, data_dir, monkeypatch):
     # kl_estimator k2 (Trinity-RFT's rec) reaches every micro-batch's penalty
-    from offline_rec.training import step
+    from offline_rec.loss.policy_loss import policy_loss
+    from offline_rec.training import trainer
 
     estimators = []
 
-    def recording(*args):
-        estimators.append(args[5])
-        return kl_to_initial(*args)
+    def recording(objective, batch, **counts):
+        if batch.initial_logprobs is not None:  # the zero-loss pass of a rank out of rows has none to compare
+            estimators.append(objective.kl_estimator)
+        return policy_loss(objective, batch, **counts)
 
-    monkeypatch.setattr(step, "kl_to_initial", recording)
+    monkeypatch.setattr(trainer, "policy_loss", recording)
     train(config(tmp_path, model_dir, data_dir, kl_to_initial=0.5, kl_estimator="k2", max_steps=2))
     metrics = metrics_of(tmp_path / "run")
     assert metrics[0]["kl_initial"] == pytest.approx(0.0, abs=1e-7) and metrics[1]["kl_initial"] > 0

@@ -11,17 +11,19 @@ import re
 
 import numpy as np
 import pytest
+from support.losses import loss_and_metrics
 from support.train_support import config, write_dataset
 
-from offline_rec.algorithms import ALGORITHMS
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.inspect import describe_dataset
 from offline_rec.dataset.merge import merge_datasets
 from offline_rec.errors import UserError
 from offline_rec.summaries import merge_line, train_line
 from offline_rec.training import checks
+from offline_rec.training.config import TrainConfig
 from offline_rec.training.loop import train
 from offline_rec.training.weight_monitor import (
+    Watch,
     WeightCollapse,
     WeightMonitor,
     behavior_weight_stats,
@@ -55,17 +57,17 @@ def test_weight_stats_by_hand():
 
 
 def test_weight_stats_are_the_losss_ratio_metrics():
-    # the monitor and policy_loss read one measure (objectives.ratio_stats): same rows, same numbers
+    # the monitor and policy_loss read one measure (loss.ratios.ratio_stats): same rows, same numbers
     import torch
 
-    from offline_rec.algorithms import AlgorithmSpec, policy_loss
+    from offline_rec.loss.objective import Objective
 
     rows = [np.array([0.3, -2.5, 2.4]), np.array([-0.1]), np.array([3.0, 0.0])]
     logp = torch.zeros(3, 3, dtype=torch.float64)
     mask = torch.zeros(3, 3, dtype=torch.bool)
     for i, row in enumerate(rows):
         logp[i, : len(row)], mask[i, : len(row)] = torch.from_numpy(row), True
-    _, metrics = policy_loss(AlgorithmSpec(), logp, torch.zeros_like(logp), torch.ones(3, dtype=torch.float64), mask)
+    _, metrics = loss_and_metrics(Objective(), logp, torch.zeros_like(logp), torch.ones(3, dtype=torch.float64), mask)
     stats = weight_stats(rows)
     assert stats["tokens"] == 6 and metrics["ratio_high_fraction"] == pytest.approx(2 / 6)  # e^2.4, e^3 > 10
     for key in ("ess", "ratio_max", "ratio_high_fraction", "ratio_low_fraction"):
@@ -87,22 +89,43 @@ def test_behavior_breakdown_by_hand():
 
 def test_monitor_warns_once_then_when_ess_halves_and_summarizes():
     out = io.StringIO()
-    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], threshold=0.1, out=out)
+    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], Watch(0.1), out=out)
     steps = [(0.5, 3.0), (0.08, 50.0), (0.07, 80.0), (0.03, 4983.0), (0.2, 2.0)]
     assert not any(monitor.check(i + 1, {"ess": ess, "ratio_max": top}) for i, (ess, top) in enumerate(steps))
     lines = out.getvalue().splitlines()
     assert len(lines) == 2  # step 2 (first below), step 4 (0.03 < 0.08 / 2); not step 3 (0.07)
     assert lines[0].startswith("warning: step 2: importance weights' ess 0.08 < 0.1, max ratio 50")
-    assert "algorithm.is_cap=10" in lines[0] and lines[1].startswith("warning: step 4: importance weights' ess 0.03")
+    assert "weight_max=10" in lines[0] and lines[1].startswith("warning: step 4: importance weights' ess 0.03")
     summary = monitor.summary()
     assert (summary["ess_min"], summary["ess_min_step"], summary["ratio_max"], summary["ratio_max_step"],
             summary["steps_below_threshold"]) == (0.03, 4, 4983.0, 4, 3)
     assert summary_text(summary) == "weights: ess min 0.03 (step 4), max ratio 4983 (step 4); 3 steps below 0.1"
 
 
+def test_an_objective_without_weights_reports_the_drift_once_unless_asked():
+    # rec-logged weighs no token by its ratio: a low ess is no alarm; the final line says it once
+    quiet = Watch.of(TrainConfig(data=["d"], model="m", algorithm="rec-logged", out="r"))
+    assert (quiet.warn, quiet.weighted, quiet.threshold) == (False, False, 0.1)
+    out = io.StringIO()
+    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], quiet, out=out)
+    monitor.start({"rows": 4, "ess": 0.04, "ratio_max": 90.0, "ratio_high_fraction": 0.5, "ratio_low_fraction": 0.0})
+    for step, ess in enumerate((0.5, 0.04, 0.01), start=1):
+        assert not monitor.check(step, {"ess": ess, "ratio_max": 90.0})
+    assert "warning" not in out.getvalue()  # the measure before step 1 is printed, no warning
+    assert summary_text(monitor.summary()) == (
+        "weights: ess min 0.01 (step 3), max ratio 90 (step 1); 2 steps below 0.1 (the policy drifted from the "
+        "data's behavior; no token is weighted by its ratio here)")
+    # asked: weight_ess_warning set, the warning says what a low ess means there
+    asked = Watch.of(TrainConfig(data=["d"], model="m", algorithm="rec-logged", out="r", weight_ess_warning=0.2))
+    assert (asked.warn, asked.threshold) == (True, 0.2)
+    # an -is preset warns at 0.1 by default
+    weighted = Watch.of(TrainConfig(data=["d"], model="m", algorithm="rec-oneside-is", out="r"))
+    assert (weighted.warn, weighted.weighted, weighted.threshold) == (True, True, 0.1)
+
+
 def test_without_weights_the_warning_says_what_a_low_ess_means_there():
     out = io.StringIO()
-    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], threshold=0.1, out=out, weighted=False)
+    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], Watch(0.1, weighted=False), out=out)
     monitor.check(1, {"ess": 0.05, "ratio_max": 300.0})
     assert out.getvalue() == ("warning: step 1: importance weights' ess 0.05 < 0.1, max ratio 300: the policy is far "
                               "from the data's behavior: its clip mask decides which tokens train\n")
@@ -113,7 +136,7 @@ def test_behavior_names_in_metric_keys():
 
 
 def test_monitor_stop_option():
-    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], threshold=0.1, stop=True, out=io.StringIO())
+    monitor = WeightMonitor(np.zeros(1, np.int32), ["A"], Watch(0.1, stop=True), out=io.StringIO())
     assert not monitor.check(1, {"ess": 0.5, "ratio_max": 2.0})
     assert monitor.check(2, {"ess": 0.01, "ratio_max": 900.0})
     assert monitor.stop_line.startswith("stopped at step 2: the importance weights' ess 0.01 fell below")
@@ -165,7 +188,7 @@ def test_a_cap_bounds_the_weights_of_the_run(tmp_path, model_dir, mixed_dir):
     uncapped = train(config(tmp_path / "plain", model_dir, mixed_dir, algorithm="rec-oneside-is", max_steps=1))
     assert uncapped["final_metrics"]["weight_max"] == pytest.approx(math.exp(3), rel=1e-4)  # B's negatives
     capped = train(config(tmp_path / "capped", model_dir, mixed_dir, algorithm="rec-oneside-is", max_steps=1,
-                          algorithm_overrides={"is_cap": 2.0}))
+                          weight_max=2.0))
     assert capped["final_metrics"]["weight_max"] == pytest.approx(2.0)
 
 
@@ -199,14 +222,17 @@ def test_unknown_log_probs_warn_and_raw_ones_at_another_temperature_are_refused(
     raw = open_dataset(write_dataset(tmp_path / "r", model_dir, num_groups=2, logprobs_source="raw",
                                      temperature=0.7))
     raw_at_1 = open_dataset(write_dataset(tmp_path / "r1", model_dir, num_groups=2, logprobs_source="raw", seed=1))
-    is_spec, nois_spec = ALGORITHMS["rec-oneside-is"], ALGORITHMS["rec-oneside-nois"]
+    def settings(algorithm, **changes):
+        return TrainConfig(data=["d"], model="m", algorithm=algorithm, out="r", **changes)
+
+    is_spec, nois_spec = settings("rec-oneside-is"), settings("rec-oneside-nois")
     (line,) = checks.check_logprobs_sources(is_spec, [unknown])
     assert line.startswith(f"warning: rec-oneside-is weights tokens by pi/mu, and the log-probs of {unknown.path}")
     assert "unknown source: the weights assume they are the log-probs of the distribution each token was" in line
     with pytest.raises(UserError, match=r"holds raw log-probs .* sampled at temperature 0.7: rec-oneside-is's "
                                         r"weights pi/mu would divide by a distribution nobody sampled from"):
         checks.check_logprobs_sources(is_spec, [raw])
-    assert checks.check_logprobs_sources(is_spec, [raw], force_raw=True) == []
+    assert checks.check_logprobs_sources(settings("rec-oneside-is", force_raw_logprobs=True), [raw]) == []
     assert checks.check_logprobs_sources(is_spec, [raw_at_1]) == []
     assert checks.check_logprobs_sources(nois_spec, [unknown, raw]) == []  # no weights, nothing assumed
     # a merge of the two: its top block says unknown, its inputs say what each part holds

@@ -1,12 +1,12 @@
 """Logs of several behavior policies (issue 42): a weak and a strong logger mixed, against SFT on the positives.
 
-    python benchmarks/mixture.py                                  # every mixture and arm (~2 h on 2 cores)
-    python benchmarks/mixture.py --mixtures s0.5 --arms nois,k0.5 --seeds 0,1,2
-    python benchmarks/mixture.py --quick --no-peers               # a smoke run at toy sizes (a minute)
+    python -m experiments.mixture                                  # every mixture and arm (~2 h on 2 cores)
+    python -m experiments.mixture --mixtures s0.5 --arms nois,k0.5 --seeds 0,1,2
+    python -m experiments.mixture --quick --no-peers               # a smoke run at toy sizes (a minute)
 
 The loggers, built as a user would:
-  A  the shipped demo policy: its logs of the demo data (benchmarks/logged.py `prepare_data`: 4096 train-split
-     prompts x 8 samples at T=1, collect seed 0, 0/1 reward), behavior `demo-policy`;
+  A  the shipped demo policy: its logs of the demo data (`harness.demo_data`: 4096 train-split prompts x 8
+     samples at T=1, collect seed 0, 0/1 reward), behavior `demo-policy`;
   B  a stronger policy trained from A's logs: offline-rec's filtered-SFT form on A's positives (peers.py arm
      `filtered-sft`, lr 1e-3, 2 passes), behavior `logger-b`.
 A share s of A's prompts is picked (`offline-rec filter --sample-fraction s`), B answers them again
@@ -15,15 +15,16 @@ are replaced by B's (`offline-rec merge` of A's other groups and B's answers): e
 log-probs and `behavior` value. Mixtures (`MIXTURES`): s = 0.1, 0.5, 0.9, and `join0.5`: the same half of the
 prompts answered by both (`merge --join-groups`: groups of 16, 8 from A and 8 from B), the rest A's alone.
 
-Arms (`ARMS`; every one starts from A, 2 passes over its mixture, final models, scored like peers.py: greedy,
-T=1 accuracy and pass@8 on 512 held-out test prompts, greedy on 512 validation prompts):
+Arms (`ARMS`; every one starts from A, 2 passes over its mixture, final models, scored like peers.py
+(`harness.run_final`): greedy, T=1 accuracy and pass@8 on 512 held-out test prompts, greedy on 512 validation
+prompts):
   sft-positives   TRL SFTTrainer on the mixture's positives, 32 a step, lr 1e-3 (TRL's own venv)
   nois            rec-oneside-nois, wide clip, 128 rows a step shuffled across prompts, zero-advantage rows
                   skipped (peers.py `rows-skip`), lr 6e-4
   is              the same with rec-oneside-is: importance weights pi/mu, no cap
-  is-cap2, is-cap10, is-dual   `is` with truncated IS at 2 / 10 (`is_cap`), or dual-clip on the negatives
-                  (`dual_clip_negatives`, c = 3)
-  is-tis          `is` with the weight clamped on both sides (`weight: tis`): W = clamp(rho, 0.5, 2)
+  is-cap2, is-cap10, is-dual   `is` with truncated IS at 2 / 10 (`weight_max`), or dual-clip on the negatives
+                  (`dual_clip_c` 3)
+  is-tis          `is` with the weight clamped on both sides (`weight_min` 0.5, `weight_max` 2): W = clamp(rho, 0.5, 2)
   k0.5, k0.25     `nois` with group_mean_scale 0.5 / 0.25: A = r - kappa * mean_g(r), so an all-correct group
                   (what B got right) keeps A = 1 - kappa
   rec-logged      the demo's default preset (issue 35: the clip on the negatives only, negatives weighted 0.25),
@@ -36,60 +37,51 @@ results.jsonl (one line per finished (mixture, arm, seed), resumable), table.md,
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import subprocess
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `offline_rec` importable
-
-from benchmarks import logged, peers  # noqa: E402  (data, TRL venv, training and scoring are theirs)
-from offline_rec.algorithms import WIDE_CLIP  # noqa: E402
+from experiments import harness
+from experiments.harness import SKIP, Arm, Scale
+from offline_rec.demo.config import DEMO_REWARD, DEMO_TASK
+from offline_rec.loss.presets import WIDE_CLIP
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "greedy_vs_share.png"
-A_BEHAVIOR, B_BEHAVIOR = "demo-policy", "logger-b"  # A's is the name demo's collect_dataset gives
-B_RECIPE = ("filtered-sft", 1e-3)  # peers.py arm and lr that make B from A's logs
+A_BEHAVIOR, B_BEHAVIOR = "demo-policy", "logger-b"  # A's is the name the demo's collect gives
+B_RECIPE = (harness.FILTERED_SFT, harness.FILTERED_SFT_ARM, 1e-3)
+"""The peers.py arm (its name, its spec) and lr that make B from A's logs."""
 B_ALONE = "b-alone"
 
 # mixture: (share of the prompts B answers, join: B's answers added to A's groups instead of replacing them)
 MIXTURES: dict[str, tuple[float, bool]] = {"s0.1": (0.1, False), "s0.5": (0.5, False), "s0.9": (0.9, False),
                                            "join0.5": (0.5, True)}
-ARMS: dict[str, peers.Arm] = {
-    "sft-positives": peers.Arm(peer="sft"),
-    "nois": peers.Arm("rec-oneside-nois", dict(WIDE_CLIP), peers.SKIP),
-    "is": peers.Arm("rec-oneside-is", dict(WIDE_CLIP), peers.SKIP),
-    "is-cap2": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "is_cap": 2.0}, peers.SKIP),
-    "is-cap10": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "is_cap": 10.0}, peers.SKIP),
-    "is-dual": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "dual_clip_negatives": True}, peers.SKIP),
+ARMS: dict[str, Arm] = {
+    "sft-positives": Arm(peer="sft"),
+    "nois": Arm("rec-oneside-nois", dict(WIDE_CLIP), SKIP),
+    "is": Arm("rec-oneside-is", dict(WIDE_CLIP), SKIP),
+    "is-cap2": Arm("rec-oneside-is", {**WIDE_CLIP, "weight_max": 2.0}, SKIP),
+    "is-cap10": Arm("rec-oneside-is", {**WIDE_CLIP, "weight_max": 10.0}, SKIP),
+    "is-dual": Arm("rec-oneside-is", {**WIDE_CLIP, "dual_clip_c": 3.0}, SKIP),
     # the weight clamped on both sides: W = clamp(rho, 0.5, 2) (a positive B liked more than A keeps half its weight)
-    "is-tis": peers.Arm("rec-oneside-is", {**WIDE_CLIP, "weight": "tis", "eps_low_prime": 0.5,
-                                           "eps_high_prime": 1.0}, peers.SKIP),
-    "k0.5": peers.Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, peers.SKIP),
-    "k0.25": peers.Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.25}, peers.SKIP),
+    "is-tis": Arm("rec-oneside-is", {**WIDE_CLIP, "weight_min": 0.5, "weight_max": 2.0},
+                  SKIP),
+    "k0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, SKIP),
+    "k0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.25}, SKIP),
     # the demo's default (issue 35's recipe) as it is, and with the all-correct groups kept (kappa 0.5)
-    "rec-logged": peers.Arm("rec-logged", {}, peers.SKIP),
-    "rec-logged-k0.5": peers.Arm("rec-logged", {"group_mean_scale": 0.5}, peers.SKIP),
+    "rec-logged": Arm("rec-logged", {}, SKIP),
+    "rec-logged-k0.5": Arm("rec-logged", {"group_mean_scale": 0.5}, SKIP),
 }
 LRS = {"sft-positives": 1e-3}
 """Per arm; the others 6e-4 (`DEFAULT_LR`). TRL's SFT: the lr it chose on validation on A's data."""
 DEFAULT_LR = 6e-4
 WARNING_LINE = re.compile(r"^warning: (step \d+|before step 1): importance weights' ess", re.MULTILINE)
-QUICK = replace(peers.QUICK, lrs=(), seeds=(0,))
+QUICK = replace(harness.QUICK, lrs=(), seeds=(0,))
 
 
 def lr_of(arm: str) -> float:
     return LRS.get(arm, DEFAULT_LR)
-
-
-def cli(*args, log_path: Path) -> None:
-    """`offline-rec ARGS` as a user runs it (this interpreter, so the same install); output to `log_path`."""
-    with open(log_path, "w") as log:
-        subprocess.run([sys.executable, "-m", "offline_rec", *map(str, args)], check=True, stdout=log,
-                       stderr=subprocess.STDOUT)
 
 
 def group_ids(dataset) -> set[str]:
@@ -112,27 +104,25 @@ def write_groups_except(source, out: Path, excluded: set[str]) -> Path:
     return out
 
 
-def train_logger_b(out: Path, paths: dict, policy: str, scale: peers.Scale, log) -> tuple[str, dict]:
+def train_logger_b(out: Path, paths: dict, policy: str, scale: Scale, log) -> tuple[str, dict]:
     """B (A trained on its own positives) and its scores, made once."""
-    arm, lr = B_RECIPE
+    name, arm, lr = B_RECIPE
     scores_path = out / "logger-b.json"
     if scores_path.is_file():
         saved = json.loads(scores_path.read_text())
         return saved["model"], saved
-    log(f"training logger B: peers.py {arm}, lr {lr:g}, on A's logs")
+    log(f"training logger B: peers.py {name}, lr {lr:g}, on A's logs")
     run_dir = out / "logger-b"
     started = time.monotonic()
-    model = peers.train_arm(arm, lr, 0, run_dir, paths, policy, scale)
-    saved = {"model": str(model), "train_seconds": round(time.monotonic() - started, 1), "recipe": [arm, lr],
-             **peers.score(model, run_dir, paths["validation"], scale)}
+    model = harness.train_final(name, arm, lr, 0, run_dir, paths["k8"], policy, scale)
+    saved = {"model": str(model), "train_seconds": round(time.monotonic() - started, 1), "recipe": [name, lr],
+             **harness.score_final(model, run_dir, paths["validation"], scale.eval_prompts)}
     scores_path.write_text(json.dumps(saved))
     return saved["model"], saved
 
 
-def build_mixture(name: str, out: Path, a_data: str, b_model: str, scale: peers.Scale, log) -> str:
+def build_mixture(name: str, out: Path, a_data: str, b_model: str, scale: Scale, log) -> str:
     """Mixture `name` of A's logs and B's answers (see the module docstring); made once, reused after."""
-    from offline_rec.demo.pipeline import DEMO_REWARD, DEMO_TASK
-
     share, join = MIXTURES[name]
     mixed = out / f"data-{name}"
     if (mixed / "manifest.json").is_file():
@@ -141,22 +131,24 @@ def build_mixture(name: str, out: Path, a_data: str, b_model: str, scale: peers.
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if not (picked / "manifest.json").is_file():
-        cli("filter", a_data, "--out", picked, "--sample-fraction", share, "--seed", 0,
-            log_path=logs / f"filter-{share:g}.log")
+        harness.cli("filter", a_data, "--out", picked, "--sample-fraction", share, "--seed", 0,
+                    log_path=logs / f"filter-{share:g}.log")
     if not (answers / "manifest.json").is_file():
         log(f"B answers {len(group_ids(picked))} of A's prompts again -> {answers}")
         # the shipped policy learnt raw prompts: no chat template (as the demo collects)
-        cli("collect", "--model", b_model, "--prompts-from", picked, "--task", DEMO_TASK, "--reward", DEMO_REWARD,
-            "--no-chat-template", "-k", 8, "--max-new-tokens", 8, "--temperature", 1, "--backend", "hf",
-            "--seed", 0, "--behavior", B_BEHAVIOR, "--out", answers, "-q", log_path=logs / f"collect-{share:g}.log")
+        harness.cli("collect", "--model", b_model, "--prompts-from", picked, "--task", DEMO_TASK, "--reward",
+                    DEMO_REWARD, "--no-chat-template", "-k", 8, "--max-new-tokens", 8, "--temperature", 1, "--backend",
+                    "hf", "--seed", 0, "--behavior", B_BEHAVIOR, "--out", answers, "-q",
+                    log_path=logs / f"collect-{share:g}.log")
     if not (rest / "manifest.json").is_file():
         write_groups_except(a_data, rest, group_ids(picked))
     if join:
         joined = out / f"joined-{share:g}"
         if not (joined / "manifest.json").is_file():
-            cli("merge", "--join-groups", picked, answers, "--out", joined, log_path=logs / f"join-{share:g}.log")
+            harness.cli("merge", "--join-groups", picked, answers, "--out", joined,
+                        log_path=logs / f"join-{share:g}.log")
         answers = joined
-    cli("merge", rest, answers, "--out", mixed, log_path=logs / f"merge-{name}.log")
+    harness.cli("merge", rest, answers, "--out", mixed, log_path=logs / f"merge-{name}.log")
     log(f"mixture {name}: {mixture_line(mixed)}")
     return str(mixed)
 
@@ -184,28 +176,28 @@ def weight_report(log_path: Path) -> dict:
     return {"weight_warnings": len(WARNING_LINE.findall(text)), "weights": summary.group(1) if summary else None}
 
 
-def rows_processed(result: dict, data: str, scale: peers.Scale) -> int:
-    """Training rows that went through a forward and backward: the offline-rec arm's rows (peers.run_arm
+def rows_processed(result: dict, data: str, scale: Scale) -> int:
+    """Training rows that went through a forward and backward: the offline-rec arm's rows (harness.run_final
     counts them from metrics.jsonl), or for TRL's SFT every positive once a pass."""
-    return result.get("rows") or scale.epochs * peers.positives(data)
+    return result.get("rows") or scale.epochs * harness.positives(data)
 
 
 def run_one(mixture: str, arm: str, seed: int, out: Path, data: str, paths: dict, policy: str,
-            scale: peers.Scale) -> dict:
+            scale: Scale) -> dict:
     lr = lr_of(arm)
     mixture_out = out / mixture
-    result = peers.run_arm(arm, lr, seed, mixture_out, {**paths, "k8": data}, policy, scale, ARMS)
+    result = harness.run_final(arm, ARMS, lr, seed, mixture_out, {**paths, "k8": data}, policy, scale)
     log_path = mixture_out / "runs" / f"{arm}-lr{lr:g}-seed{seed}.log"
     return {"mixture": mixture, **result, **weight_report(log_path), "rows": rows_processed(result, data, scale)}
 
 
 def summarize(results: list[dict], b_scores: dict, mixtures) -> list[dict]:
-    """Per (mixture, arm): peers.summarize's means and 95% intervals over seeds; B alone first."""
+    """Per (mixture, arm): harness.summarize's means and 95% intervals over seeds; B alone first."""
     rows = [{"mixture": "-", "arm": B_ALONE, "seeds": 1, "lr": None, "steps": None, "train_seconds": 0.0,
              **{key: 100 * b_scores[key] for key in ("greedy", "t1", "pass8", "validation")}}]
     for mixture in mixtures:
         runs = [r for r in results if r["mixture"] == mixture]
-        for row in peers.summarize(runs, ARMS):
+        for row in harness.summarize(runs, ARMS):
             chosen = [r for r in runs if r["arm"] == row["arm"]]
             row.update(mixture=mixture, rows=chosen[0].get("rows"),
                        weight_warnings=max(r.get("weight_warnings", 0) for r in chosen),
@@ -214,14 +206,10 @@ def summarize(results: list[dict], b_scores: dict, mixtures) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict], scale: peers.Scale) -> str:
-    def cell(row, key):
-        if row.get(key) is None:
-            return ""
-        return f"{row[key]:.1f}" + (f" ± {row[key + '_ci']:.1f}" if row.get(key + "_ci") else "")
-
+def markdown_table(rows: list[dict], scale: Scale) -> str:
+    cell = harness.cell
     lines = [f"A: the demo policy's logs ({scale.num_prompts} prompts x 8); B: A trained on its own positives "
-             f"(filtered-SFT, lr {B_RECIPE[1]:g}); s: share of the prompts whose A group is replaced by B's 8 answers "
+             f"(filtered-SFT, lr {B_RECIPE[2]:g}); s: share of the prompts whose A group is replaced by B's 8 answers "
              f"(join0.5: B's 8 added to A's 8). {scale.epochs} passes, final models; test: {scale.eval_prompts} "
              f"held-out prompts, validation: {scale.validation_prompts} train-split prompts; mean ± 95% interval "
              "over seeds (t quantile) where several. warnings: the weight monitor's ESS warning lines (most of "
@@ -238,12 +226,7 @@ def markdown_table(rows: list[dict], scale: peers.Scale) -> str:
 def plot(rows: list[dict], path: Path, base_greedy: float) -> Path:
     """Held-out greedy accuracy against B's share, one line per arm (95% intervals where several seeds);
     join0.5 as hollow markers at 0.5; A (the base) and B alone as horizontal lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.4), layout="constrained")
+    figure, axis = harness.pyplot().subplots(figsize=(7, 4.4), layout="constrained")
     b_alone = next(r for r in rows if r["arm"] == B_ALONE)
     axis.axhline(100 * base_greedy, color="grey", linestyle=":", label="A alone (the demo policy)")
     axis.axhline(b_alone["greedy"], color="black", linestyle="--", label="B alone")
@@ -267,28 +250,21 @@ def plot(rows: list[dict], path: Path, base_greedy: float) -> Path:
     axis.set_title("logs of two behavior policies: final models", fontsize=10)
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=7, ncol=2)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return harness.savefig(figure, path)
 
 
-def run(out: Path, mixtures, arms, scale: peers.Scale, policy: str | None = None, log=print,
+def run(out: Path, mixtures, arms, scale: Scale, policy: str | None = None, log=print,
         table_only: bool = False) -> dict:
-    from offline_rec.demo.pipeline import ensure_demo_policy, evaluate_policy
+    from offline_rec.eval.selection import evaluate_policy
 
-    for name, known in ((mixtures, MIXTURES), (arms, ARMS)):
-        unknown = [x for x in name if x not in known]
-        if unknown:
-            raise SystemExit(f"unknown {unknown}; valid: {', '.join(known)}")
-    out.mkdir(parents=True, exist_ok=True)
-    policy = policy or ensure_demo_policy(progress=False)
-    settings = peers.logged_scale(scale)
-    paths = logged.prepare_data(out, policy, settings, log)
-    base = evaluate_policy(policy, out / "before", logged.demo_settings(settings), 1, False)
+    harness.check_names(mixtures, MIXTURES, "mixture")
+    harness.check_names(arms, ARMS, "arm")
+    policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log)
+    base = evaluate_policy(harness.heldout_template(scale.eval_prompts, policy, out), policy, out / "before")
     b_model, b_scores = train_logger_b(out, paths, policy, scale, log)
     log(f"A greedy {base['greedy_accuracy']:.3f}; B greedy {b_scores['greedy']:.3f} (T=1 {b_scores['t1']:.3f})")
     results_path = out / RESULTS_FILE
-    done = logged.finished_runs(results_path, asdict(scale), varying=("lrs", "seeds"))
+    done = harness.finished_runs(results_path, asdict(scale), varying=("lrs", "seeds"))
     finished = {(r["mixture"], r["arm"], r["seed"]) for r in done}
     todo = [(mixture, arm, seed) for mixture in mixtures for seed in scale.seeds for arm in arms
             if (mixture, arm, seed) not in finished and not table_only]
@@ -298,7 +274,7 @@ def run(out: Path, mixtures, arms, scale: peers.Scale, policy: str | None = None
         if mixture not in data:
             data[mixture] = build_mixture(mixture, out, paths["k8"], b_model, scale, log)
         result = run_one(mixture, arm, seed, out, data[mixture], paths, policy, scale)
-        logged.append_run(results_path, result)
+        harness.append_run(results_path, result)
         done.append(result)
         log(f"[{number}/{len(todo)}] {mixture} {arm:<14} seed {seed}: test greedy {result['greedy']:.3f}, T=1 "
             f"{result['t1']:.3f}, pass@8 {result['pass8']}, validation {result['validation']:.3f}, "
@@ -311,27 +287,19 @@ def run(out: Path, mixtures, arms, scale: peers.Scale, policy: str | None = None
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/mixture", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 32 prompts, one pass")
+    parser = harness.experiment_parser(__doc__, "runs/mixture", "toy sizes: 32 prompts, one pass", ARMS,
+                                       "write the table and plot from finished runs only",
+                                       model="logger A, the policy every arm starts from (default: the demo policy)")
     parser.add_argument("--mixtures", help=f"comma-separated, from: {', '.join(MIXTURES)}")
-    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arm (no venv needed)")
     parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
-    parser.add_argument("--model", help="logger A, the policy every arm starts from (default: the demo policy)")
-    parser.add_argument("--table-only", action="store_true", help="write the table and plot from finished runs only")
     args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
-    scale = QUICK if args.quick else replace(peers.Scale(), lrs=(), seeds=(0,))
+    scale = QUICK if args.quick else replace(Scale(), lrs=(), seeds=(0,))
     if args.seeds:
-        scale = replace(scale, seeds=tuple(int(x) for x in args.seeds.split(",")))
+        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
     mixtures = args.mixtures.split(",") if args.mixtures else list(MIXTURES)
-    arms = args.arms.split(",") if args.arms else list(ARMS)
-    if args.no_peers:
-        arms = [a for a in arms if not ARMS[a].peer]
-    return logged.run_and_print(run, Path(args.out), mixtures, arms, scale, args.model, table_only=args.table_only)
+    arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
+    return harness.run_and_print(run, Path(args.out), mixtures, arms, scale, args.model, table_only=args.table_only)
+
 
 if __name__ == "__main__":
     main()

@@ -1,11 +1,11 @@
 """One response per prompt: which setting learns from production-like logs, against the peers users reach for.
 
-    python benchmarks/logged.py                      # every arm, 3 learning rates, with the TRL peers (~40 min)
-    python benchmarks/logged.py --quick --no-peers   # a smoke run at toy sizes (a minute)
-    python benchmarks/logged.py --arms dataset,topr --lrs 3e-4
+    python -m experiments.logged                      # every arm, 3 learning rates, with the TRL peers (~40 min)
+    python -m experiments.logged --quick --no-peers   # a smoke run at toy sizes (a minute)
+    python -m experiments.logged --arms dataset,topr --lrs 3e-4
 
-The data is the demo's behavior data (the shipped arith policy, 4096 train-split prompts x 8 samples at
-T=1, seed 0) cut to ONE response per prompt (sample_index 0, reward 0/1): what `record` -> `import`
+The data is the demo's behavior data (`harness.demo_data`: the shipped arith policy, 4096 train-split prompts x
+8 samples at T=1, seed 0) cut to ONE response per prompt (sample_index 0, reward 0/1): what `record` -> `import`
 gives. Every arm starts from the same policy, trains on those same 4096 rows for the same number of
 optimizer steps (256: 8 epochs of 128 rows per step; SFT 32 of its positives per step, about as many
 passes over them; cosine lr to 0, AdamW without weight decay, gradient norm clipped at 1), and is scored
@@ -17,7 +17,7 @@ is the arm's result, and its test curve is shown. Arms:
   step, dataset, constant   rec-oneside-nois, wide clip (0.6/2.0), with the baseline named (constant: 0.5)
   dataset-asym              rec-oneside-nois with the dataset baseline and clip-higher: eps_low 0.2 (negatives
                             stop once pushed below 0.8 rho), eps_high 2.0 (positives learn on, as in SFT)
-  dataset-open-neg0.25      rec-oneside-nois, dataset baseline, the recipe of benchmarks/peers.py: no upper clip on
+  dataset-open-neg0.25      rec-oneside-nois, dataset baseline, the recipe of experiments/peers.py: no upper clip on
                             the positives (eps_high 1e6), eps_low 0.6, the negatives' term weighted 0.25
   topr                      TOPR as its preset: negatives tapered by min(rho, 1), the training rewards' mean as
                             threshold (its baseline)
@@ -27,25 +27,21 @@ is the arm's result, and its test curve is shown. Arms:
   group-k8                  reference: the full demo data (8 responses per prompt, group baseline), lr 3e-4,
                             256 steps of 32 groups (8x the rows per step)
 
-The peers run with their real library: TRL (PEER_REQUIREMENT) installed into its own venv under the cache
-(`files.cache_root()/bench-venvs/trl`) on first use, never into offline-rec's. Output in --out
+The peers run with their real library: TRL (`harness.PEER_REQUIREMENT`) installed into its own venv under the
+cache (`files.cache_root()/bench-venvs/trl`) on first use, never into offline-rec's. Output in --out
 (default runs/logged): results.jsonl (one line per finished (arm, lr), resumable), table.md, curves.png.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
-import sys
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from offline_rec.algorithms import WIDE_CLIP
+from experiments import harness
+from offline_rec.loss.presets import WIDE_CLIP
 
-PEER_REQUIREMENT = ("torch==2.13.0", "trl==1.16.0")
 RESULTS_FILE, TABLE_FILE, CURVES_FILE = "results.jsonl", "table.md", "curves.png"
 
 # arm: (preset, overrides) for offline-rec, or None for a peer / the reference
@@ -93,85 +89,30 @@ QUICK = Scale(num_prompts=128, epochs=2, rows_per_step=32, positives_per_step=8,
               eval_every=4, eval_prompts=64, validation_prompts=64, lrs=(3e-4,))
 
 
-def demo_settings(scale: Scale, **changes):
-    """The demo's settings at this scale: the singleton arms' training (one row per prompt, whole-group steps as
-    measured, not the demo's steps of rows) and the evaluations."""
-    from offline_rec.demo.pipeline import DemoSettings
-
-    return DemoSettings(**{**dict(num_prompts=scale.num_prompts, epochs=scale.epochs, eval_prompts=scale.eval_prompts,
-                                  validation_prompts=scale.validation_prompts, eval_every=scale.eval_every,
-                                  prompts_per_step=scale.rows_per_step, train_overrides=()), **changes})
-
-
-def prepare_data(out: Path, policy: str, scale: Scale, log) -> dict[str, str]:
-    """The K=8 behavior data (the demo's collect), its cut to sample_index 0, and the validation prompts."""
-    from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
-    from offline_rec.demo.pipeline import collect_dataset, write_validation_prompts
-
-    paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}
-    if not (paths["k8"] / "manifest.json").is_file():
-        log(f"collecting {scale.num_prompts} prompts x 8 samples -> {paths['k8']}")
-        collect_dataset(policy, paths["k8"], demo_settings(scale), progress=False)
-    if not (paths["singletons"] / "manifest.json").is_file():
-        manifest = read_manifest(paths["k8"])
-        with DatasetWriter(paths["singletons"], behavior=manifest["behavior"], task=manifest["task"],
-                           atomic=True) as writer:
-            for group in open_dataset(paths["k8"]).iter_groups():
-                writer.add_group([row for row in group if row["sample_index"] == 0])
-    write_validation_prompts(paths["validation"], demo_settings(scale))
-    return {name: str(path) for name, path in paths.items()}
-
-
-def trl_python() -> str:
-    """TRL's own venv (made on first use from the package index): the peers never touch our dependencies."""
-    from offline_rec.files import cache_root
-
-    venv = cache_root() / "bench-venvs" / "trl"
-    python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import trl, torch"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return str(python)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    for requirement in PEER_REQUIREMENT:  # torch first: the CPU build on this machine, not a CUDA one
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
-                       check=True)
-    return str(python)
-
-
 def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scale: Scale) -> list[tuple[int, Path]]:
-    """Train one (arm, lr); the (step, model folder) of its checkpoints."""
-    if arm in PEERS:
-        subprocess.run([trl_python(), str(Path(__file__).with_name("_trl_peers.py")), "--trainer", PEERS[arm],
-                        "--data", paths["singletons"], "--model", policy, "--out", str(run_dir), "--lr", str(lr),
-                        "--max-steps", str(scale.steps), "--save-steps", str(scale.eval_every),
-                        "--batch-size", str(scale.rows_per_step if arm == "kto" else scale.positives_per_step)],
-                       check=True, stdout=open(run_dir.with_name(run_dir.name + ".log"), "w"), stderr=subprocess.STDOUT)
-        found = [(int(p.name.split("-")[1]), p) for p in run_dir.glob("checkpoint-*")]
-        return sorted(found)
-    import contextlib
-
-    from offline_rec.demo.pipeline import train_offline
+    """Train one (arm, lr); the (step, model folder) of its checkpoints, one every `eval_every` steps."""
     from offline_rec.training import checkpoint as ckpt
 
+    if arm in PEERS:
+        batch = scale.rows_per_step if arm == "kto" else scale.positives_per_step
+        return harness.train_peer(PEERS[arm], paths["singletons"], policy, run_dir, lr, scale.steps, scale.eval_every,
+                                  batch)
     preset, overrides = ARMS[arm]
-    data = paths["k8"] if arm == "group-k8" else paths["singletons"]
     # group-k8 takes the demo's steps of 32 groups of 8 for 2 epochs: the same number of steps
-    shape = (dict(prompts_per_step=scale.reference_groups_per_step,
+    shape = (dict(data=paths["k8"], prompts_per_step=scale.reference_groups_per_step,
                   epochs=scale.steps * scale.reference_groups_per_step // scale.num_prompts)
-             if arm == "group-k8" else {})
-    settings = demo_settings(scale, algorithm=preset, wide_clip=False, lr=lr, **shape,
-                             **{k: v for k, v in overrides.items() if k.startswith("baseline")})
-    settings = replace(settings, extra_overrides=tuple((k, v) for k, v in overrides.items()
-                                                       if not k.startswith("baseline")))
-    with open(run_dir.with_name(run_dir.name + ".log"), "w") as log, contextlib.redirect_stdout(log):
-        train_offline(policy, data, run_dir, settings, progress=False)
+             if arm == "group-k8" else dict(data=paths["singletons"], prompts_per_step=scale.rows_per_step,
+                                            epochs=scale.epochs))
+    harness.train(policy, run_dir=run_dir, **shape, **harness.RECIPE_BASE, algorithm=preset,
+                  **dict(overrides), lr=lr, seed=0, save_every=scale.eval_every)
     return ckpt.list_checkpoints(run_dir)
 
 
 def run_arm(arm: str, lr: float, out: Path, paths: dict, policy: str, scale: Scale, before: dict) -> dict:
-    import shutil
+    """One (arm, lr): trained, the curve of its checkpoints scored (test and validation), its weights removed."""
+    import json
 
-    from offline_rec.demo.pipeline import heldout_curve
+    from offline_rec.eval.selection import on_prompts, score_checkpoints
 
     run_dir = out / "runs" / f"{arm}-lr{lr:g}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -179,7 +120,9 @@ def run_arm(arm: str, lr: float, out: Path, paths: dict, policy: str, scale: Sca
     started = time.monotonic()
     checkpoints = train_arm(arm, lr, run_dir, paths, policy, scale)
     trained = time.monotonic() - started
-    curve = heldout_curve(run_dir, policy, demo_settings(scale), before, paths["validation"], False, checkpoints)
+    test = harness.heldout_template(scale.eval_prompts, policy, run_dir)
+    curve = score_checkpoints([(0, policy), *checkpoints], test, on_prompts(test, paths["validation"]), run_dir,
+                              known={0: before})
     result = {"arm": arm, "lr": lr, "curve": curve, "train_seconds": round(trained, 1),
               "seconds": round(time.monotonic() - started, 1), "scale": asdict(scale)}
     if arm in PEERS:
@@ -225,12 +168,7 @@ def markdown_table(rows: list[dict], scale: Scale) -> str:
 
 
 def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.2), layout="constrained")
+    figure, axis = harness.pyplot().subplots(figsize=(7, 4.2), layout="constrained")
     for r in rows:
         steps, accuracy = zip(*r["curve"])
         axis.plot(steps, accuracy, marker="o", markersize=3, label=f"{r['arm']} (lr {r['lr']:g})",
@@ -241,46 +179,24 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
                    fontsize=10)
     axis.grid(True, alpha=0.3)
     axis.legend(fontsize=8)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
-
-
-def finished_runs(results_path: Path, scale: dict, varying: tuple[str, ...] = ("lrs",)) -> list[dict]:
-    """The runs in `results_path` (JSON Lines, one per finished run) made at `scale`'s sizes: its `varying`
-    fields (learning rates, seeds) may differ, since runs of other values at the same sizes share a table."""
-    def sizes(values: dict) -> dict:
-        return {k: v for k, v in values.items() if k not in varying}
-
-    done = [json.loads(line) for line in results_path.read_text().splitlines()] if results_path.exists() else []
-    return [r for r in done if sizes(r["scale"]) == sizes(scale)]
-
-
-def append_run(results_path: Path, result: dict) -> None:
-    """Record one finished run (a whole line; a rerun of the benchmark skips it)."""
-    with open(results_path, "a") as file:
-        file.write(json.dumps(result) + "\n")
+    return harness.savefig(figure, path)
 
 
 def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False) -> dict:
-    from offline_rec.demo.pipeline import ensure_demo_policy, evaluate_policy
+    from offline_rec.eval.selection import evaluate_policy
 
-    for arm in arms:
-        if arm not in ARMS:
-            raise SystemExit(f"unknown arm {arm!r}; valid: {', '.join(ARMS)}")
-    out.mkdir(parents=True, exist_ok=True)
-    policy = policy or ensure_demo_policy(progress=False)
-    paths = prepare_data(out, policy, scale, log)
-    before = evaluate_policy(policy, out / "before", demo_settings(scale), 1, False)
+    harness.check_names(arms, ARMS, "arm")
+    policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log)
+    before = evaluate_policy(harness.heldout_template(scale.eval_prompts, policy, out), policy, out / "before")
     results_path = out / RESULTS_FILE
-    done = finished_runs(results_path, asdict(scale))  # any lr of the same sizes
+    done = harness.finished_runs(results_path, asdict(scale))  # any lr of the same sizes
     finished = {(r["arm"], r["lr"]) for r in done}
     todo = [(arm, lr) for arm in arms for lr in ((REFERENCE_LR,) if arm == "group-k8" else scale.lrs)
             if (arm, lr) not in finished and not table_only]
     log(f"{len(finished)} run(s) done, {len(todo)} to go; base greedy accuracy {before['greedy_accuracy']:.3f}")
     for number, (arm, lr) in enumerate(todo, start=1):
         result = run_arm(arm, lr, out, paths, policy, scale, before)
-        append_run(results_path, result)
+        harness.append_run(results_path, result)
         done.append(result)
         curve = result["curve"]
         log(f"[{number}/{len(todo)}] {arm:<14} lr {lr:g}: test {curve[0]['greedy_accuracy']:.3f} -> best "
@@ -293,37 +209,17 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     return {"table": table, "rows": rows, "out": str(out)}
 
 
-def run_and_print(run, *args, **kwargs) -> dict:
-    """A benchmark's `run(*args, log=..., **kwargs)` with its progress on stderr; its table printed, then the
-    minutes it took."""
-    started = time.monotonic()
-    outcome = run(*args, log=lambda m: print(m, file=sys.stderr, flush=True), **kwargs)
-    print(outcome["table"])
-    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
-    return outcome
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="runs/logged", help="output folder (finished runs in it are kept)")
-    parser.add_argument("--quick", action="store_true", help="toy sizes: 128 prompts, 8 steps of 32 rows, one lr")
-    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(ARMS)}")
-    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+    parser = harness.experiment_parser(__doc__, "runs/logged", "toy sizes: 128 prompts, 8 steps of 32 rows, one lr",
+                                       ARMS, "write table.md and curves.png from the finished runs in --out (every "
+                                       "lr found), running nothing")
     parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-5,1e-4,3e-4; --quick: 3e-4)")
-    parser.add_argument("--model", help="behavior policy folder (default: the demo policy)")
-    parser.add_argument("--table-only", action="store_true", help="write table.md and curves.png from the finished "
-                        "runs in --out (every lr found), running nothing")
     args = parser.parse_args(argv)
-    import torch
-
-    torch.set_num_threads(1)
     scale = QUICK if args.quick else Scale()
     if args.lrs:
-        scale = replace(scale, lrs=tuple(float(x) for x in args.lrs.split(",")))
-    arms = args.arms.split(",") if args.arms else list(ARMS)
-    if args.no_peers:
-        arms = [a for a in arms if a not in PEERS]
-    return run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
+        scale = replace(scale, lrs=harness.numbers(args.lrs))
+    arms = harness.chosen_arms(args, ARMS, lambda arm: arm in PEERS)
+    return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 
 
 if __name__ == "__main__":

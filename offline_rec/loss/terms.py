@@ -1,25 +1,20 @@
-"""The objective axes as registries: the ratios of a batch, and every clip mask, weight, regularizer,
-aggregation and baseline as one registered function.
+"""The objective's axes as registries: every clip mask M, weight W, regularizer R, KL estimator, aggregation and
+baseline as one registered function (`Term`) whose docstring gives its formula; the bounds on M and W.
 
-`policy_loss` (offline_rec.algorithms) is -M * W * A * logp + R, aggregated; each of M, W, R, the aggregation
-and the singletons' baseline is a choice of an `AlgorithmSpec` field, and each choice is one entry of a flat
-dict below (`CLIP_MASKS`, `TOKEN_WEIGHTS`, `REGULARIZER_TERMS`, `AGGREGATORS`, `BASELINE_RULES`), keyed by the value the
-field takes. In four points:
+`policy_loss` is -M * W * A * logp + R (+ the KL to the initial policy), aggregated; each choice is one entry of a
+flat dict below (`CLIP_MASKS`, `TOKEN_WEIGHTS`, `REGULARIZER_TERMS`, `KL_ESTIMATORS`, `AGGREGATORS`,
+`BASELINE_RULES`), keyed by the value the `Objective` field takes. In three points:
 
-1. An entry is a `Term`: a function whose docstring gives its formula, taking the axis's tensors positionally
-   and ITS OWN parameters as keyword-only arguments named like the `AlgorithmSpec` fields they read
-   (`Term.parameters`); `Term(spec, ...)` passes them. What the loss needs to know about an entry beyond its
-   formula is a property of the entry (a clip's default aggregation, whether it filters the one-side mask,
-   whether it reads each token's own ratio), never a test of a preset's name.
-2. The registries' keys are the valid values (`algorithms.CLIPS`, `WEIGHTS`, ... are their tuples), checked
-   when an `AlgorithmSpec` is made: an unknown value never reaches a loss.
-3. `ratios(logp, blogp, mask)` is the one place rho = exp(clamp(logp - blogp)) and the sequence ratio are
-   computed: the loss, the data viewer and the offline evaluation read the same `Ratios`.
-4. Adding an objective: one function here with its formula, one line in its registry, one preset line in
-   `algorithms.ALGORITHMS` (docs/architecture.md, "where things go").
+1. An entry is a `Term`: a function whose docstring opens with its value and gives its formula, taking the axis's
+   tensors positionally and ITS OWN parameters as keyword-only arguments named like the `Objective` fields they
+   read (`Term.parameters`); `Term(objective, ...)` passes them. What the loss needs to know about an entry beyond
+   its formula is a property of the entry, never a test of a preset's name.
+2. A bound is said one way: the ratio band and dual-clip's cap on negatives bound M whatever the clip
+   (`ratio_bounds`), the weight bounds clamp W whatever the weight (`bounded_weight`); each is off by default.
+3. The registries' keys are the valid values, checked when an `Objective` is made: an unknown value never reaches
+   a loss.
 
-torch is imported inside the functions (and only for type hints here), so that the CLI lists and validates
-algorithms without importing torch.
+torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -33,165 +28,10 @@ from collections.abc import Callable
 if typing.TYPE_CHECKING:
     import torch
 
-EXPONENT_LIMIT = 20.0
-"""Exponents in the loss are clamped to [-20, 20] before exp(): the log ratio logp - blogp that gives
-rho (and s_i), and RED-Weight's A / temp. e^20 = 4.9e8 is far beyond any clip band, so masks never
-change; but a token whose log-probs differ by more than ~88, or an advantage above 88 * temp (rewards
-on a 0-100 scale), would overflow float32 to inf, turning the loss into inf or NaN and the clipped
-gradient into NaN. Only the weights, masks and ratio metrics see the clamp; R uses logp - blogp."""
-
-RATIO_HIGH = 10.0
-"""policy_loss's ratio_high_fraction: the share of completion tokens with rho > RATIO_HIGH."""
-RATIO_LOW = 0.1
-"""policy_loss's ratio_low_fraction: the share of completion tokens with rho < RATIO_LOW."""
+from offline_rec.loss.ratios import EXPONENT_LIMIT
 
 STD_EPS = 1e-6
-"""Added to the group std before dividing (std_normalize)."""
-
-RATIO_TOTALS = ("tokens", "ratio_sum", "ratio_sq_sum", "ratio_high", "ratio_low", "ratio_max")
-"""The columns of `Ratios.row_totals`: per row, its completion tokens n, sum rho, sum rho^2, the tokens with
-rho > RATIO_HIGH and with rho < RATIO_LOW (sums: they add over rows, micro-batches and ranks), and max rho (0
-with no tokens; combined by max). `ratio_stats` reads them: the loss's metrics and the weight monitor's alike."""
-
-NO_TOKEN_RATIO_METRICS = dict(ratio_min=1.0, ratio_max=1.0, ratio_mean=1.0, ratio_sq_mean=1.0, ess=1.0, chi2=0.0)
-"""What `Ratios.metrics` reads for a batch with no completion tokens (the ratios of an empty batch are 1)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# The ratios of a batch.
-
-
-@dataclasses.dataclass(frozen=True)
-class Ratios:
-    """The importance ratios of a batch of B rows and T tokens, all detached (see `ratios`)."""
-
-    log_ratio: torch.Tensor
-    """[B, T] clamp(logp - blogp, +-EXPONENT_LIMIT) on the completion tokens, 0 elsewhere."""
-    rho: torch.Tensor
-    """[B, T] exp(log_ratio): the token ratio pi / mu, 1 off the completion tokens."""
-    seq_ratio: torch.Tensor
-    """[B, 1] s_i = exp(mean_t log_ratio) over row i's completion tokens (GSPO's sequence ratio); 1 for none."""
-    mask: torch.Tensor
-    """[B, T] bool, the completion tokens m."""
-    count: torch.Tensor
-    """The number of completion tokens (a 0-d tensor)."""
-    denominator: torch.Tensor
-    """count, at least 1: what `mean` divides by."""
-
-    def level(self, ratio_level: str) -> torch.Tensor:
-        """The [B, T] ratio the clip mask and weight read: rho (token), or each row's s_i on each of its
-        completion tokens and 1 elsewhere (sequence)."""
-        import torch
-
-        if ratio_level == "token":
-            return self.rho
-        if ratio_level == "sequence":
-            return torch.where(self.mask, self.seq_ratio.expand_as(self.rho), 1.0)
-        raise ValueError(f"unknown ratio_level {ratio_level!r}; valid: token, sequence")
-
-    def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean of values [B, T] over the completion tokens (0 with none)."""
-        import torch
-
-        return torch.where(self.mask, values, 0.0).sum() / self.denominator
-
-    def row_totals(self) -> torch.Tensor:
-        """[B, 6] per row the `RATIO_TOTALS` of its completion tokens, in rho's dtype (at least float32: counts stay
-        exact)."""
-        import torch
-
-        dtype = torch.promote_types(self.rho.dtype, torch.float32)
-        tokens = self.mask.to(dtype)  # [B, T]
-        rho = self.rho.to(dtype) * tokens  # [B, T], 0 off the completion tokens
-        # a row of no tokens has max 0 (every rho is > 0); amax needs at least one column to reduce
-        row_max = rho.amax(dim=1) if rho.shape[1] else rho.new_zeros(rho.shape[0])  # [B]
-        high = (rho > RATIO_HIGH).to(dtype)  # [B, T]
-        low = (rho < RATIO_LOW).to(dtype) * tokens  # [B, T]
-        return torch.stack([tokens.sum(1), rho.sum(1), (rho * rho).sum(1), high.sum(1), low.sum(1), row_max], dim=1)
-
-    def metrics(self) -> dict[str, torch.Tensor]:
-        """The ratio diagnostics over the completion tokens, as 0-d tensors (`policy_loss`'s metrics, `eval
-        --offline`'s ess_token and chi2_token): ratio_mean/min of rho, kl_behavior = mean(rho - 1 - log rho)
-        (the k3 estimate of KL(mu || pi)), ratio_sq_mean = mean(rho^2), chi2 = mean(rho^2) - 1, and
-        `ratio_stats`' ess, ratio_max, ratio_high_fraction and ratio_low_fraction. With no tokens:
-        `NO_TOKEN_RATIO_METRICS`."""
-        import torch
-
-        totals = add_totals(self.row_totals())  # [6]
-        ratio_sq_mean = totals[2] / self.denominator
-        return {
-            "ratio_mean": totals[1] / self.denominator,
-            "ratio_min": torch.where(self.mask, self.rho, math.inf).amin(),
-            "kl_behavior": self.mean(self.rho - 1 - self.log_ratio),
-            "ratio_sq_mean": ratio_sq_mean,
-            "chi2": ratio_sq_mean - 1,
-            **ratio_stats(totals),
-        }
-
-
-def add_totals(totals: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """`RATIO_TOTALS` [..., 6] combined along `dim` (rows, ranks): the five sums summed, ratio_max by max."""
-    combined = totals.sum(dim)
-    if totals.shape[dim]:
-        combined[..., -1] = totals[..., -1].amax(dim)
-    return combined
-
-
-def ratio_stats(totals: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The importance weights' measure of the tokens that `totals` [6] (`RATIO_TOTALS`) counts, as 0-d tensors:
-
-        ess                 = (sum rho)^2 / (n sum rho^2) = mean(rho)^2 / mean(rho^2)   in (0, 1]
-        ratio_max           = max rho
-        ratio_high_fraction = #(rho > RATIO_HIGH) / n,   ratio_low_fraction = #(rho < RATIO_LOW) / n
-    ess is the token ratios' effective sample size as a fraction. With no tokens (n = 0): ess 1, ratio_max 1,
-    shares 0 (the ratios of nothing are 1: nothing is off-policy).
-    """
-    import torch
-
-    tokens, ratio_sum, ratio_sq_sum, high, low, ratio_max = totals.unbind()
-    denominator = tokens.clamp(min=1)
-    ratio_mean, ratio_sq_mean = ratio_sum / denominator, ratio_sq_sum / denominator
-    ess = ratio_mean**2 / ratio_sq_mean.clamp(min=torch.finfo(totals.dtype).tiny)
-    some = tokens > 0
-    return {
-        "ess": torch.where(some, ess, 1.0),
-        "ratio_max": torch.where(some, ratio_max, 1.0),
-        "ratio_high_fraction": high / denominator,
-        "ratio_low_fraction": low / denominator,
-    }
-
-
-def ratios(logp: torch.Tensor, blogp: torch.Tensor, mask: torch.Tensor) -> Ratios:
-    """The `Ratios` of logp [B, T] (the policy's log-probs of the logged tokens) and blogp [B, T] (the
-    behavior's) on the completion tokens mask [B, T]:
-
-        log_ratio = clamp(logp - blogp, +-EXPONENT_LIMIT) on m, 0 elsewhere    (detached)
-        rho       = exp(log_ratio)
-        s_i       = exp(sum_t log_ratio * m / max(n_i, 1))                   (`sequence_ratio`)
-    Positions outside the mask may hold anything (inf, nan): they never reach the arithmetic. Computed in
-    the inputs' dtype.
-    """
-    import torch
-
-    mask = mask.bool()
-    log_ratio = torch.where(mask, logp.detach() - blogp.detach(), 0.0).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT)
-    count = mask.sum()
-    return Ratios(log_ratio, log_ratio.exp(), sequence_ratio(log_ratio, mask), mask, count, count.clamp(min=1))
-
-
-def sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """s_i = exp(mean over completion tokens of (logp - blogp)), [B, 1]; 1 for a row with no tokens."""
-    import torch
-
-    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
-    return torch.exp(torch.where(mask, log_ratio, 0.0).sum(dim=1, keepdim=True) / lengths)
-
-
-def row_ratio(rho: torch.Tensor) -> torch.Tensor:
-    """The row's ratio prod_t rho_t, [B, 1], from token ratios rho [B, T] that are 1 off the completion mask:
-    exp of the row's log-ratio sum clamped to +-EXPONENT_LIMIT (as verl clamps it), so a long row cannot
-    overflow; 1 for a row with no tokens."""
-    return rho.log().sum(dim=1, keepdim=True).clamp(-EXPONENT_LIMIT, EXPONENT_LIMIT).exp()
+"""Added to the group std before dividing (std_normalize, and the step and dataset baselines)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,35 +43,36 @@ class Term:
     """One value of an objective axis: `function` and what the loss needs to know about it.
 
     `function` takes the axis's tensors positionally and its own parameters as keyword-only arguments, each
-    named like the `AlgorithmSpec` field it reads; calling the term with a spec passes them.
+    named like the `Objective` field it reads; calling the term with an objective passes them.
     """
 
     function: Callable
     aggregation: str = "token-mean"
     """Clips: what aggregation auto means under this clip."""
-    filters_one_side: bool = False
-    """Clips: M is the one-side mask minus a filter (policy_loss's filter_fraction measures the filter)."""
+    filters: str | None = None
+    """Clips: the clip whose mask this one filters (opsm: one-side); policy_loss's filter_fraction measures what the
+    filter (and the bounds) remove from it."""
     token_ratio: bool = False
-    """Clips and weights: reads nothing but each token's own ratio, so ratio_level sequence may replace it."""
+    """Clips and weights: reads nothing but each token's own ratio, so ratio_level sequence or row may replace it."""
     by_ratio: bool = False
     """Weights: W is a function of rho = pi / mu (an importance weight)."""
     parameters: tuple[str, ...] = dataclasses.field(init=False)
-    """The spec fields `function` reads: its keyword-only parameters."""
+    """The objective fields `function` reads: its keyword-only parameters."""
 
     def __post_init__(self):
         signature = inspect.signature(self.function)
         object.__setattr__(self, "parameters", tuple(
             name for name, parameter in signature.parameters.items() if parameter.kind is parameter.KEYWORD_ONLY))
 
-    def __call__(self, spec, *tensors):
-        """`function(*tensors, **its parameters read from spec)`."""
-        return self.function(*tensors, **{name: getattr(spec, name) for name in self.parameters})
+    def __call__(self, objective, *tensors):
+        """`function(*tensors, **its parameters read from objective)`."""
+        return self.function(*tensors, **{name: getattr(objective, name) for name in self.parameters})
 
 
 # ---------------------------------------------------------------------------------------------
 # Clip masks M: (rho [B, T], seq_ratio [B, 1], advantages [B, 1], mask [B, T]) -> bool [B, T], the tokens whose
 # policy-gradient term is kept. rho: the token ratios (1 off the completion mask), or s_i per token under
-# ratio_level sequence.
+# ratio_level sequence or row.
 
 
 def no_clip(rho, seq_ratio, advantages, mask):
@@ -281,22 +122,6 @@ def ring(rho, seq_ratio, advantages, mask, *, eps_low, eps_high, eps_low_prime, 
 def gspo_one_side(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
     """gspo-one-side: M = one-side with s_i in place of rho (whole sequences kept or masked)."""
     return _one_side(seq_ratio, advantages, eps_low, eps_high).expand_as(rho)
-
-
-def dual_clip(rho, seq_ratio, advantages, mask, *, eps_low, eps_high, dual_clip_c):
-    """dual-clip: M = one-side and not (A < 0 and rho > c)   (dual-clip PPO's cap at -c*A; c = dual_clip_c)."""
-    return _one_side(rho, advantages, eps_low, eps_high) & ~((advantages < 0) & (rho > dual_clip_c))
-
-
-def icepop(rho, seq_ratio, advantages, mask, *, mask_low, mask_high):
-    """icepop: M = a <= rho <= b   (a, b = mask_low, mask_high)."""
-    return (rho >= mask_low) & (rho <= mask_high)
-
-
-def icepop_seq(rho, seq_ratio, advantages, mask, *, mask_low, mask_high):
-    """icepop-seq: M = a <= prod_t rho_t <= b   (whole rows; `row_ratio`)."""
-    product = row_ratio(rho)  # [B, 1]
-    return ((product >= mask_low) & (product <= mask_high)).expand_as(rho)
 
 
 def m2po(rho, seq_ratio, advantages, mask, *, m2_threshold):
@@ -355,14 +180,24 @@ CLIP_MASKS: dict[str, Term] = {
     "two-side": Term(two_side, token_ratio=True),
     "ring": Term(ring, token_ratio=True),
     "gspo-one-side": Term(gspo_one_side, aggregation="seq-mean-token-mean"),
-    "dual-clip": Term(dual_clip, filters_one_side=True, token_ratio=True),
-    "icepop": Term(icepop, token_ratio=True),
-    "icepop-seq": Term(icepop_seq),
     "m2po": Term(m2po),
-    "opsm": Term(opsm, filters_one_side=True),
+    "opsm": Term(opsm, filters="one-side"),
     "one-side-negatives": Term(one_side_negatives, token_ratio=True),
 }
-"""The clip masks M by `AlgorithmSpec.clip` value."""
+"""The clip masks M by `Objective.clip` value."""
+
+
+def ratio_bounds(ratio, advantages, *, dual_clip_c, mask_low, mask_high):
+    """bounds: M_b = not (A < 0 and ratio > dual_clip_c) and mask_low <= ratio <= mask_high   (dual-clip PPO's cap
+    at -c*A on the negatives; IcePop's band), on the ratio the clip reads; None when every bound is off (c = inf,
+    band [0, inf]). M is the clip's mask AND M_b."""
+    keep = None
+    if math.isfinite(dual_clip_c):
+        keep = ~((advantages < 0) & (ratio > dual_clip_c))
+    if mask_low > 0 or math.isfinite(mask_high):
+        band = (ratio >= mask_low) & (ratio <= mask_high)
+        keep = band if keep is None else keep & band
+    return keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,11 +215,6 @@ def no_weight(rho, seq_ratio, advantages, mask):
 def importance(rho, seq_ratio, advantages, mask):
     """is: W = rho   (importance sampling)."""
     return rho
-
-
-def truncated_importance(rho, seq_ratio, advantages, mask, *, eps_low_prime, eps_high_prime):
-    """tis: W = clamp(rho, 1-eps_low', 1+eps_high')   (truncated IS)."""
-    return rho.clamp(1 - eps_low_prime, 1 + eps_high_prime)
 
 
 def gspo_importance(rho, seq_ratio, advantages, mask):
@@ -415,11 +245,6 @@ def topr_seq(rho, seq_ratio, advantages, mask):
     # rho is 1 off the completion mask, so the row's log-ratio sum is over its own tokens only
     sequence = rho.log().sum(dim=1, keepdim=True).clamp(max=0.0).exp()  # [B, 1], <= 1
     return torch.where(advantages >= 0, 1.0, sequence).expand_as(rho)
-
-
-def cispo(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
-    """cispo: W = clamp(rho, 1-eps_low, 1+eps_high)   (CISPO: the clip band clamps W, masks nothing)."""
-    return rho.clamp(1 - eps_low, 1 + eps_high)
 
 
 def _sapo_gate(rho, advantages, tau_pos: float, tau_neg: float):
@@ -459,26 +284,27 @@ def gmpo(rho, seq_ratio, advantages, mask, *, eps_low, eps_high):
     return (clipped.sum(dim=1, keepdim=True) / lengths.clamp(min=1)).exp().expand_as(rho)
 
 
-def sequence_importance(rho, seq_ratio, advantages, mask):
-    """seq-is: W = prod_t rho_t = `row_ratio`   (sequence-level IS: the row's ratio on each of its tokens)."""
-    return row_ratio(rho).expand_as(rho)
-
-
 TOKEN_WEIGHTS: dict[str, Term] = {
     "none": Term(no_weight, token_ratio=True),
     "is": Term(importance, token_ratio=True, by_ratio=True),
-    "tis": Term(truncated_importance, token_ratio=True, by_ratio=True),
     "gspo-is": Term(gspo_importance, by_ratio=True),
     "advantage": Term(red_weight),
     "topr": Term(topr, by_ratio=True),
     "topr-seq": Term(topr_seq, by_ratio=True),
-    "cispo": Term(cispo, by_ratio=True),
     "sapo": Term(sapo, by_ratio=True),
     "gmpo": Term(gmpo, by_ratio=True),
-    "seq-is": Term(sequence_importance, by_ratio=True),
     "sapo-gate": Term(sapo_gate, by_ratio=True),
 }
-"""The weights W by `AlgorithmSpec.weight` value."""
+"""The weights W by `Objective.weight` value."""
+
+
+def bounded_weight(weight, *, weight_min, weight_max):
+    """weight bounds: W = clamp(W, weight_min, weight_max)   (truncated IS when W = rho: CISPO's clamp(rho, 1-eps_low,
+    1+eps_high), TIS's band, a cap on any weight); W itself where both are off (0 and inf)."""
+    if weight_min > 0 or math.isfinite(weight_max):
+        return weight.clamp(min=weight_min if weight_min > 0 else None,
+                            max=weight_max if math.isfinite(weight_max) else None)
+    return weight
 
 
 # ---------------------------------------------------------------------------------------------
@@ -521,7 +347,30 @@ REGULARIZER_TERMS: dict[str, Term] = {
     "forward-kl": Term(forward_kl),
     "k3": Term(k3),
 }
-"""The regularizers R by `AlgorithmSpec.regularizer` value."""
+"""The regularizers R by `Objective.regularizer` value."""
+
+
+# ---------------------------------------------------------------------------------------------
+# KL estimators of the penalty to the initial policy: delta [B, T] = initial_logp - logp on the completion tokens
+# (0 elsewhere; gradient through logp) -> the per-token estimate k [B, T]. The loss adds
+# kl_to_initial * sum(k * m) / num_tokens.
+
+
+def kl_k3(delta):
+    """k3: K = exp(delta) - delta - 1, delta = initial_logp - logp   (>= 0, 0 where logp == initial_logp)."""
+    return delta.exp() - delta - 1
+
+
+def kl_k2(delta):
+    """k2: K = delta^2 / 2, delta = initial_logp - logp   (Trinity-RFT's kl_loss_fn default)."""
+    return delta**2 / 2
+
+
+KL_ESTIMATORS: dict[str, Term] = {
+    "k3": Term(kl_k3),
+    "k2": Term(kl_k2),
+}
+"""The estimators of the KL to the initial policy by `Objective.kl_estimator` value."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,7 +421,7 @@ AGGREGATORS: dict[str, Term] = {
     "seq-mean-token-sum": Term(seq_mean_token_sum),
     "dr-grpo": Term(dr_grpo),
 }
-"""The aggregations by `AlgorithmSpec.aggregation` value; auto, the field's default, is the clip's own
+"""The aggregations by `Objective.aggregation` value; auto, the field's default, is the clip's own
 (`Term.aggregation`)."""
 
 
@@ -633,10 +482,4 @@ BASELINE_RULES: dict[str, Term] = {
     "dataset": Term(dataset_baseline),
     "constant": Term(constant_baseline),
 }
-"""The baselines of the rows not centred on their group, by `AlgorithmSpec.baseline` value."""
-
-REGISTRIES: dict[str, dict[str, Term]] = {
-    "clip": CLIP_MASKS, "weight": TOKEN_WEIGHTS, "regularizer": REGULARIZER_TERMS, "aggregation": AGGREGATORS,
-    "baseline": BASELINE_RULES,
-}
-"""Every objective axis: the `AlgorithmSpec` field it is chosen by, and its registry."""
+"""The baselines of the rows not centred on their group, by `Objective.baseline` value."""

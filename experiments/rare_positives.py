@@ -1,7 +1,7 @@
 """Issue 35 item 3, rare positives: the demo's logs with most of their positives gone, peers.py's arms on them.
 
-    python benchmarks/rare_positives.py --keep 0.2 --arms sft-positives,rows-skip-open-neg0.25 --lrs 6e-4,1e-3
-    python benchmarks/rare_positives.py --keep 0.2 --table-only
+    python -m experiments.rare_positives --keep 0.2 --arms sft-positives,rows-skip-open-neg0.25 --lrs 6e-4,1e-3
+    python -m experiments.rare_positives --keep 0.2 --table-only
 
 A logger that is rarely right: from peers.py's data (the shipped arith policy, 4096 train prompts x 8 samples at
 T=1, 21% of the rows correct) every correct row is kept with probability `--keep` (seeded) and every wrong row is
@@ -20,9 +20,7 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `benchmarks` and `offline_rec` importable
-
-from benchmarks import peers  # noqa: E402
+from experiments import peers
 
 
 def derive(source: Path, out: Path, keep: float, seed: int) -> dict:

@@ -1,10 +1,10 @@
 """The paper in miniature: REC-family losses under the paper's off-policy regimes, on arith with the demo policy.
 
-    python benchmarks/paper.py --quick                 # a smoke run: 2 variants x 2 regimes x 1 seed, minutes
-    python benchmarks/paper.py                         # the default grid: 5 variants x 2 regimes x 3 seeds
-    python benchmarks/paper.py --full                  # every preset (and the wide clip) x 4 regimes x 3 seeds
-    python benchmarks/paper.py --peers                 # the peers' objectives and 2 controls x 2 regimes x 3 seeds
-    python benchmarks/paper.py --variants reinforce,opmd --regimes offline --seeds 1
+    python -m experiments.paper --quick                 # a smoke run: 2 variants x 2 regimes x 1 seed, minutes
+    python -m experiments.paper                         # the default grid: 5 variants x 2 regimes x 3 seeds
+    python -m experiments.paper --full                  # every preset (and the wide clip) x 4 regimes x 3 seeds
+    python -m experiments.paper --peers                 # the peers' objectives and 2 controls x 2 regimes x 3 seeds
+    python -m experiments.paper --variants reinforce,opmd --regimes offline --seeds 1
 
 Regimes (Yao et al. 2025, "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm", sec. 5), with
 a sync interval k and a sync offset d counted in optimizer steps:
@@ -42,7 +42,6 @@ Nothing here is tuned per variant: every variant gets the same data, steps and o
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
@@ -54,8 +53,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from offline_rec.algorithms import ALGORITHMS, WIDE_CLIP
-from offline_rec.demo.pipeline import DEMO_CHAT_TEMPLATE, DEMO_REWARD
+from experiments import harness
+from offline_rec.demo.config import DEMO_CHAT_TEMPLATE, DEMO_REWARD
+from offline_rec.loss.presets import PRESETS, WIDE_CLIP
 
 TASK = "arith"  # with the demo's reward and prompts (strict sum, no chat template), as the demo policy learnt
 MAX_NEW_TOKENS = 8
@@ -65,10 +65,10 @@ CURVES_FILE = "curves.png"
 
 WIDE = "rec-oneside-nois-wide"
 # A variant is a preset plus overrides; the wide clip is the paper's recommended REC-OneSide setting.
-VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in ALGORITHMS}
+VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in PRESETS}
 VARIANTS[WIDE] = ("rec-oneside-nois", dict(WIDE_CLIP))
 DEFAULT_VARIANTS = ("reinforce", "grpo", "rec-oneside-nois", WIDE, "opmd")
-# The peers' objectives (offline_rec.algorithms), with two controls of the default grid (rec-oneside-nois, grpo):
+# The peers' objectives (offline_rec.loss.presets), with two controls of the default grid (rec-oneside-nois, grpo):
 # a grid run into the default grid's --out reuses their finished runs.
 PEER_VARIANTS = ("rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop", "icepop-seq", "opsm", "sapo",
                  "gmpo", "dapo", "dr-grpo")
@@ -194,32 +194,22 @@ def collect_data(model: str, pool: Path, out: Path, scale: Scale, sample_seed: i
 
 
 def evaluate_model(model: str, out: Path, scale: Scale) -> dict:
-    from offline_rec.eval.config import EvalConfig
-    from offline_rec.eval.rollouts import evaluate
+    """`model` on `scale.eval_prompts` held-out test prompts: greedy, and one sample at T=1 (the demo's evaluation)."""
+    from offline_rec.eval.selection import evaluate_policy
 
-    summary = evaluate(EvalConfig(model=model, task=TASK, reward=DEMO_REWARD, chat_template=DEMO_CHAT_TEMPLATE,
-                                  out=out, num_samples=1, greedy=True,
-                                  num_prompts=scale.eval_prompts, split="test", backend="hf",
-                                  max_new_tokens=MAX_NEW_TOKENS, seed=0, batch_size=scale.batch_size,
-                                  overwrite=True, show_progress=False))
-    return summary["metrics"]
+    return evaluate_policy(harness.heldout_template(scale.eval_prompts, model, out), model, out,
+                           batch_size=scale.batch_size)
 
 
 def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, seed: int, scale: Scale,
                   save_every: int, init_from: Path | None = None) -> Path:
-    """A `train` of `steps` steps from `model`, or continuing the run `init_from`; returns the run folder."""
-    from offline_rec.training.config import TrainConfig
-    from offline_rec.training.loop import train
-
+    """A `train` of `steps` steps from `model`, or continuing the run `init_from`; returns the run folder. The
+    trainer's settings table and lines go to OUT.log: once per segment they would drown the grid's log."""
     preset, overrides = VARIANTS[variant]
-    # The trainer prints its settings table on stdout: once per segment would drown the grid's log.
-    with open(out.with_name(out.name + ".log"), "w") as log, contextlib.redirect_stdout(log):
-        train(TrainConfig(
-            data=[str(data)], model=model, algorithm=preset, algorithm_overrides=overrides, out=str(out),
-            prompts_per_step=scale.prompts_per_step, max_steps=steps, lr=scale.lr, weight_decay=0.0,
-            max_grad_norm=scale.max_grad_norm, seed=seed, save_every=save_every, keep_last=0, report_to=[],
-            progress=False, init_from=None if init_from is None else str(init_from),
-        ))
+    harness.train(model, str(data), out, algorithm=preset, **overrides,
+                  prompts_per_step=scale.prompts_per_step, max_steps=steps, lr=scale.lr, weight_decay=0.0,
+                  max_grad_norm=scale.max_grad_norm, seed=seed, save_every=save_every,
+                  init_from=None if init_from is None else str(init_from))
     return out
 
 
@@ -257,7 +247,7 @@ def run_one(grid: Grid, variant: str, regime_name: str, seed: int) -> dict:
         segment_dir = train_segment(models[first], data, run_dir / f"train-{first:05d}", variant, segment,
                                     derive_seed(seed, 1_000_000 + first), scale, save_every, init_from=previous)
         timing["train"] += time.monotonic() - tick
-        for line in _read_jsonl(segment_dir / ckpt.METRICS_FILE):
+        for line in harness.read_results(segment_dir / ckpt.METRICS_FILE):
             # The trainer counts steps from 0 in each segment: staleness is recomputed on the global step.
             train_lines.append(
                 {**line, "step": first + line["step"], "staleness": first + line["step"] - 1 - data_version}
@@ -293,10 +283,6 @@ def _remove_weights(run_dir: Path) -> None:
     for path in run_dir.glob("train-*"):
         for heavy in ("checkpoints", "final"):
             shutil.rmtree(path / heavy, ignore_errors=True)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
 def summarize_training(lines: list[dict]) -> dict:
@@ -369,11 +355,7 @@ def markdown_table(rows: list[dict], threshold: float) -> str:
 def plot_curves(results: list[dict], path: Path, title: str) -> Path:
     """Held-out accuracy over steps: a column per regime, a row per metric (greedy, one sample at T=1),
     a line per variant (mean over seeds, band from min to max)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     regimes = [r for r in REGIMES if any(x["regime"] == r for x in results)]
     variants = sorted({x["variant"] for x in results}, key=_variant_order)
     metrics = (("greedy_accuracy", "held-out greedy accuracy"), ("accuracy", "held-out accuracy, T=1"))
@@ -410,9 +392,7 @@ def plot_curves(results: list[dict], path: Path, title: str) -> Path:
     figure.legend(list(labels.values()), list(labels.keys()), loc="outside lower center", ncol=min(4, len(labels)),
                   frameon=False, fontsize=8)
     figure.suptitle(title, fontsize=11)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return harness.savefig(figure, path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -422,25 +402,18 @@ def plot_curves(results: list[dict], path: Path, title: str) -> Path:
 def read_results(out: Path, scale: Scale) -> list[dict]:
     """Finished runs of this scale (runs of another scale in the same folder are ignored)."""
     # Results written before the optimizer choice existed restarted AdamW every segment.
-    return [
-        r for r in _read_jsonl(out / RESULTS_FILE) if {"optimizer": "restart", **r.get("scale", {})} == asdict(scale)
-    ]
+    return [r for r in harness.read_results(out / RESULTS_FILE)
+            if {"optimizer": "restart", **r.get("scale", {})} == asdict(scale)]
 
 
 def run_grid(out: Path, variants, regimes, seeds, scale: Scale, policy: str | None = None,
              threshold: float = 0.6, log=print) -> dict:
     """Run every (seed, regime, variant) not yet in results.jsonl, then write table.md and curves.png."""
-    from offline_rec.demo.pipeline import ensure_demo_policy
-
     scale.check()
-    for name in variants:
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}; valid: {', '.join(VARIANTS)}")
-    for name in regimes:
-        if name not in REGIMES:
-            raise SystemExit(f"unknown regime {name!r}; valid: {', '.join(REGIMES)}")
+    harness.check_names(variants, VARIANTS, "variant")
+    harness.check_names(regimes, REGIMES, "regime")
     out.mkdir(parents=True, exist_ok=True)
-    grid = Grid(out, policy or ensure_demo_policy(), scale, log)
+    grid = Grid(out, harness.shipped_policy(policy), scale, log)
     done = {(r["variant"], r["regime"], r["seed"]) for r in read_results(out, scale)}
     todo = [(v, g, s) for s in seeds for g in regimes for v in variants if (v, g, s) not in done]
     log(f"{len(done)} run(s) already in {out / RESULTS_FILE}; {len(todo)} to go (policy {grid.policy})")

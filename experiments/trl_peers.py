@@ -1,6 +1,6 @@
-"""The peer arms of benchmarks/logged.py, run with TRL's own trainers in TRL's own venv (never our dependency).
+"""The peer arms of the experiments, run with TRL's own trainers in TRL's own venv (never our dependency).
 
-    VENV/bin/python benchmarks/_trl_peers.py --trainer kto|sft|dpo --data DATASET --model POLICY --out DIR \
+    VENV/bin/python experiments/trl_peers.py --trainer kto|sft|dpo --data DATASET --model POLICY --out DIR \
         --lr 1e-4 --max-steps 256 --save-steps 32 --batch-size 32
 
 Reads the dataset's Parquet shards with pyarrow alone (no offline_rec import: this runs in another venv):

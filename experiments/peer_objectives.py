@@ -2,7 +2,7 @@
 
     pip download --no-deps verl==0.9.1 trinity-rft==0.6.0 -d WHEELS
     for w in WHEELS/*.whl; do unzip -q -o "$w" -d PEERS; done
-    python benchmarks/peer_objectives.py --peers PEERS
+    python -m experiments.peer_objectives --peers PEERS
 
 For each pair it prints the largest absolute difference of the gradient with respect to the policy's
 log-probs (and of the advantages, for the advantage functions) between offline-rec and the peer, with
@@ -11,9 +11,10 @@ purpose"): icepop-seq against verl's sequence-level IS with an IcePop band, grpo
 Trinity's PPO loss, sapo-gate against Trinity's SAPO, kl_estimator k2 against Trinity's K2 KL loss,
 population_std against Trinity's REC advantage, and how verl and Trinity treat a group of one.
 
-The peers are imported from --peers (their unpacked wheels), not installed: the packages they import at
-module level and this machine lacks (ray, omegaconf, ...) are stood in for by empty modules. The
-functions measured here never call them; a stand-in that were called would fail the run, not fake a value.
+The peers are imported from --peers (their unpacked wheels, added as a site directory), not installed: the
+packages they import at module level and this machine lacks (ray, omegaconf, ...) are stood in for by empty
+modules. The functions measured here never call them; a stand-in that were called would fail the run, not fake
+a value.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import math
+import site
 import sys
 from unittest import mock
 
@@ -92,7 +94,10 @@ def run() -> list[dict]:
     from verl.trainer.ppo import core_algos
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
-    from offline_rec.algorithms import ALGORITHMS, get_algorithm, group_advantages, kl_to_initial, policy_loss
+    from offline_rec.loss.advantages import group_advantages
+    from offline_rec.loss.objective import Objective
+    from offline_rec.loss.policy_loss import TokenBatch, policy_loss
+    from offline_rec.loss.presets import PRESETS, get_objective
 
     logp, blogp, advantages, mask = batch()
     rows, width = logp.shape
@@ -100,7 +105,7 @@ def run() -> list[dict]:
     token_advantages = advantages[:, None].expand(rows, width)
 
     def preset(spec, behavior=blogp, adv=advantages):
-        return lambda leaf: policy_loss(spec, leaf, behavior, adv, mask)[0]
+        return lambda leaf: policy_loss(spec, TokenBatch(leaf, behavior, adv, mask))[0]
 
     results = []
     # verl: sequence-level IS weights with an IcePop band (rollout_is="sequence", threshold "0.5_2.0"), times the
@@ -110,10 +115,8 @@ def run() -> list[dict]:
                                                         rollout_is_threshold="0.5_2.0")
         return (-advantages[:, None] * torch.exp(leaf - leaf.detach()) * weights * mask).sum() / count
 
-    results.append(compare("icepop-seq vs verl sequence IS 0.5_2.0", preset(ALGORITHMS["icepop-seq"]),
+    results.append(compare("icepop-seq vs verl sequence IS 0.5_2.0", preset(PRESETS["icepop-seq"].objective),
                            verl_sequence_is, logp, mask))
-    results.append(compare("icepop-seq weight=is (before issue 37) vs verl", preset(get_algorithm("icepop-seq",
-                           weight="is")), verl_sequence_is, logp, mask))
 
     # Trinity's PPO loss (its grpo, dapo) with its defaults: dual clip c = 3; one token with rho = 4 and A < 0
     far, adv_far = blogp.clone(), advantages.clone()
@@ -123,19 +126,20 @@ def run() -> list[dict]:
     def trinity_ppo(leaf):
         return ppo(leaf, far, mask.double(), adv_far[:, None].expand(rows, width))[0]
 
-    results.append(compare("grpo clip=dual-clip vs Trinity PPO", preset(get_algorithm("grpo", clip="dual-clip"), far,
-                                                                      adv_far), trinity_ppo, logp, mask))
-    results.append(compare("grpo (default) vs Trinity PPO", preset(ALGORITHMS["grpo"], far, adv_far), trinity_ppo,
-                           logp, mask))
+    results.append(compare("grpo dual_clip_c=3 vs Trinity PPO", preset(get_objective("grpo", dual_clip_c=3.0), far,
+                                                                     adv_far), trinity_ppo, logp, mask))
+    results.append(compare("grpo (default) vs Trinity PPO", preset(PRESETS["grpo"].objective, far, adv_far),
+                           trinity_ppo, logp, mask))
 
     sapo = SAPOPolicyLossFn(**SAPOPolicyLossFn.default_args())
 
     def trinity_sapo(leaf):
         return sapo(leaf, blogp, mask.double(), token_advantages)[0]
 
-    gate = get_algorithm("sapo", weight="sapo-gate", aggregation="token-mean")
+    gate = get_objective("sapo", weight="sapo-gate", aggregation="token-mean")
     results.append(compare("sapo weight=sapo-gate token-mean vs Trinity SAPO", preset(gate), trinity_sapo, logp, mask))
-    results.append(compare("sapo (default) vs Trinity SAPO", preset(ALGORITHMS["sapo"]), trinity_sapo, logp, mask))
+    results.append(compare("sapo (default) vs Trinity SAPO", preset(PRESETS["sapo"].objective), trinity_sapo, logp,
+                           mask))
 
     initial = torch.where(mask, logp + torch.randn(rows, width, generator=torch.Generator().manual_seed(1),
                                                    dtype=torch.float64) * 0.3, 0.0)
@@ -145,7 +149,10 @@ def run() -> list[dict]:
 
     for estimator in ("k2", "k3"):
         results.append(compare(f"kl_to_initial 0.001 {estimator} vs Trinity K2 0.001",
-                               lambda leaf, e=estimator: kl_to_initial(leaf, initial, mask, 0.001, count, e)[0],
+                               lambda leaf, e=estimator: policy_loss(
+                                   Objective(kl_to_initial=0.001, kl_estimator=e),
+                                   TokenBatch(leaf, leaf.detach(), torch.zeros(rows, dtype=torch.float64), mask,
+                                              initial), num_tokens=count)[0],
                                trinity_k2, logp, mask))
 
     class Experience:  # the two fields RECGroupedAdvantage reads
@@ -157,7 +164,7 @@ def run() -> list[dict]:
         "g", [Experience(r) for r in rewards])
     trinity = torch.tensor([float(e.advantages[0]) for e in experiences], dtype=torch.float64)
     for population in (True, False):
-        spec = get_algorithm("rec-oneside-nois", std_normalize=True, population_std=population)
+        spec = get_objective("rec-oneside-nois", std_normalize=True, population_std=population)
         ours, _ = group_advantages(spec, torch.tensor(rewards, dtype=torch.float64), [0] * len(rewards))
         difference = float((ours - trinity).abs().max())
         results.append({"pair": f"REC advantage population_std={population}", "max_advantage_diff": difference})
@@ -172,7 +179,7 @@ def run() -> list[dict]:
         trinity_singleton = f"{type(exc).__name__}: {exc}"
     verl_singleton, _ = core_algos.compute_grpo_outcome_advantage(
         torch.tensor([[0.0, 1.0]]), torch.ones(1, 2), __import__("numpy").array(["a"]))
-    ours_singleton = float(group_advantages(ALGORITHMS["grpo"], torch.tensor([1.0]), [0])[0][0])
+    ours_singleton = float(group_advantages(PRESETS["grpo"].objective, torch.tensor([1.0]), [0])[0][0])
     results.append({"pair": "group of one, reward 1", "trinity_rec": trinity_singleton,
                     "verl_grpo": float(verl_singleton[0, -1]), "offline_rec_grpo": ours_singleton})
     print(f"group of one, reward 1: Trinity REC -> {trinity_singleton}; verl GRPO -> {float(verl_singleton[0, -1])}; "
@@ -184,7 +191,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", required=True, help="folder holding the unpacked verl and trinity-rft wheels")
     args = parser.parse_args(argv)
-    sys.path.insert(0, args.peers)
+    site.addsitedir(args.peers)
     sys.meta_path.append(_StandIn(STAND_INS))
     return run()
 

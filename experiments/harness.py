@@ -1,0 +1,401 @@
+"""What every experiment runs on: the demo's data, an arm trained and evaluated, results kept, resumed and tabulated.
+
+The data is the demo's own (`demo_data`): the shipped arith policy's samples of `num_prompts` train-split prompts
+(8 at T=1, collect seed 0, the strict 0/1 reward: `offline_rec.demo.inputs.collect_dataset`), its cut to one
+response per prompt (sample_index 0, what `record` -> `import` gives), and validation prompts: train-split
+prompts no arm trains on. Evaluations are the demo's (`offline_rec.demo.config.heldout_evaluation`: the held-out
+TEST prompts, greedy plus samples at T=1) through the library's `offline_rec.eval.selection`.
+
+An arm (`Arm`) is an offline-rec recipe (a preset, its overrides, TrainConfig changes), trained with
+`train` (AdamW without weight decay, cosine lr to 0, gradient norm clipped at 1, through
+`offline_rec.training.config.build_config` as `offline-rec train` builds its config), or a peer run with its
+real library: TRL's trainers (experiments/trl_peers.py) in TRL's own venv under the cache (`trl_python`), never
+in offline-rec's dependencies. Two protocols score them: the final model (`run_final`: greedy, T=1 accuracy and
+pass@8 on the test prompts, greedy on the validation prompts; peers.py, mixture.py, rare_positives.py) or the
+curve of its checkpoints (`score_checkpoints`; logged.py). The learning rate is chosen on validation alone
+(`summarize`: mean over the seeds run at each lr, test numbers of that choice with 95% intervals).
+
+Results are JSON Lines, one line per finished run (`append_run`); a rerun skips the finished ones
+(`finished_runs`), so an interrupted grid continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from offline_rec.demo.config import DemoSettings, heldout_evaluation
+
+PEER_REQUIREMENT = ("torch==2.13.0", "trl==1.16.0")
+TRL_PEERS = Path(__file__).with_name("trl_peers.py")
+RECIPE_BASE = dict(lr_schedule="cosine", min_lr_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
+"""What every arm trains with besides its own recipe: AdamW without weight decay, cosine lr to 0, clip 1."""
+FILTERED_SFT = "filtered-sft"
+"""offline-rec's filtered-SFT form (`FILTERED_SFT_ARM`): its steps take `positives_per_step` rows."""
+T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20, 13: 2.18,
+       14: 2.16, 15: 2.14, 16: 2.13, 17: 2.12, 18: 2.11, 19: 2.10, 20: 2.09, 21: 2.09}
+"""The t quantile of a two-sided 95% interval of a mean over n seeds (n - 1 degrees of freedom); 2.0 beyond 21."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """An offline-rec arm: a preset, its overrides and TrainConfig changes; or a TRL peer (`peer`)."""
+
+    preset: str = ""
+    overrides: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)
+    peer: str = ""
+    """trl_peers.py --trainer (sft, dpo, kto) for a TRL arm."""
+
+
+ROWS = {"batching": "rows"}
+SKIP = {"batching": "rows", "skip_zero_advantage": True}
+OPEN_CLIP = {"eps_low": 0.6, "eps_high": 1e6}  # the negatives' side of the wide clip, no bound on the positives
+FILTERED_SFT_ARM = Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP)
+"""Fine-tuning on the positives in offline-rec's form: A = r (baseline 0, no group mean), the rows of A = 0 (the
+negatives) skipped: the control that must match TRL's SFT if the trainer is not the gap."""
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The sizes of the final-model protocol (`run_final`), recorded with every result."""
+
+    num_prompts: int = 4096
+    epochs: int = 2
+    groups_per_step: int = 32
+    rows_per_step: int = 128
+    positives_per_step: int = 32
+    """filtered-sft and TRL's SFT: positives per step (the RFT recipe measured in issue 35)."""
+    eval_prompts: int = 512
+    validation_prompts: int = 512
+    lrs: tuple[float, ...] = (3e-4,)
+    seeds: tuple[int, ...] = (0,)
+
+
+QUICK = Scale(num_prompts=32, epochs=1, groups_per_step=8, rows_per_step=32, positives_per_step=8, eval_prompts=16,
+              validation_prompts=16)
+"""Toy sizes: 32 prompts, one pass (a smoke run in a minute)."""
+
+
+# --------------------------------------------------------------------------------------------
+# the data and the evaluations
+
+
+def check_names(names, valid, what: str) -> None:
+    """Refuse (one line, exit) the `names` that are not among `valid` (an experiment's arms, mixtures, regimes)."""
+    unknown = [name for name in names if name not in valid]
+    if unknown:
+        raise SystemExit(f"unknown {what} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+
+
+def start(out: Path, policy: str | None, num_prompts: int, validation_prompts: int, log) -> tuple[str, dict]:
+    """OUT made; (the behavior policy: `policy` or the shipped one, the demo's data in OUT: `demo_data`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    policy = shipped_policy(policy)
+    return policy, demo_data(out, policy, num_prompts, validation_prompts, log)
+
+
+def shipped_policy(policy: str | None = None) -> str:
+    """`policy`, or the shipped demo policy (built into the cache once if missing)."""
+    from offline_rec.demo.inputs import ensure_demo_policy
+
+    return policy or ensure_demo_policy(progress=False)
+
+
+def demo_data(out: Path, policy: str, num_prompts: int, validation_prompts: int, log) -> dict[str, str]:
+    """OUT/data-k8 (the demo's collect), OUT/data-singletons (its cut to sample_index 0) and OUT/validation.jsonl,
+    each made once."""
+    from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
+    from offline_rec.demo.inputs import collect_dataset, write_validation_prompts
+
+    settings = DemoSettings(num_prompts=num_prompts, validation_prompts=validation_prompts)
+    paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}
+    if not (paths["k8"] / "manifest.json").is_file():
+        log(f"collecting {num_prompts} prompts x 8 samples -> {paths['k8']}")
+        collect_dataset(policy, paths["k8"], settings, progress=False)
+    if not (paths["singletons"] / "manifest.json").is_file():
+        manifest = read_manifest(paths["k8"])
+        with DatasetWriter(paths["singletons"], behavior=manifest["behavior"], task=manifest["task"],
+                           atomic=True) as writer:
+            for group in open_dataset(paths["k8"]).iter_groups():
+                writer.add_group([row for row in group if row["sample_index"] == 0])
+    write_validation_prompts(paths["validation"], settings)
+    return {name: str(path) for name, path in paths.items()}
+
+
+def heldout_template(eval_prompts: int, policy: str, out: Path, num_samples: int = 1):
+    """The demo's evaluation of `policy` on `eval_prompts` held-out test prompts (greedy plus `num_samples` samples
+    at T=1, seed 0) into `out`: the template `offline_rec.eval.selection` varies."""
+    return heldout_evaluation(DemoSettings(eval_prompts=eval_prompts), policy, out, num_samples, progress=False)
+
+
+def open_groups(data):
+    from offline_rec.dataset.format import open_dataset
+
+    return open_dataset(data).iter_groups(["reward"])
+
+
+def positives(data) -> int:
+    return sum(row["reward"] > 0 for group in open_groups(data) for row in group)
+
+
+def peer_examples(data, peer: str) -> int:
+    """The examples a TRL arm trains on: every row (kto), the positives (sft), or the positives of prompts that
+    have a negative too (dpo: one pair each, `trl_peers.preference_pairs`)."""
+    if peer == "sft":
+        return positives(data)
+    groups = [[row["reward"] > 0 for row in group] for group in open_groups(data)]
+    if peer == "kto":
+        return sum(map(len, groups))
+    return sum(sum(group) for group in groups if not all(group))
+
+
+# --------------------------------------------------------------------------------------------
+# training an arm
+
+
+def train(policy: str, data: str, run_dir: Path, **fields) -> dict:
+    """`offline_rec.training.loop.train` of `fields` (train --config keys) on `data` from `policy` into `run_dir`,
+    every checkpoint kept, nothing reported; its output (the weight monitor's warnings included) in RUN_DIR.log."""
+    from offline_rec.training.config import build_config
+    from offline_rec.training.loop import train as train_run
+
+    config = build_config(options={"data": [data], "model": policy, "out": str(run_dir), "keep_last": 0,
+                                   "report_to": [], "progress": False, **arm_defaults(fields["algorithm"]), **fields})
+    with open(log_path(run_dir), "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        return train_run(config)
+
+
+def arm_defaults(algorithm: str) -> dict:
+    """Train's generic defaults of the options `algorithm`'s recipe sets beside its objective (its steps, its
+    measured optimizer settings): an arm trains its preset's OBJECTIVE with the steps and settings the arm states,
+    as every arm of experiments/results was measured (before a preset carried its steps), never a recipe's."""
+    from offline_rec.loss.objective import Objective
+    from offline_rec.loss.presets import get_preset
+    from offline_rec.training.config import option_help
+
+    objective = {option.name for option in fields(Objective)}
+    generic = {key: default for key, _, default, _ in option_help()}
+    return {key: generic[key] for key in get_preset(algorithm).settings() if key not in objective}
+
+
+def log_path(run_dir: Path) -> Path:
+    return run_dir.with_name(run_dir.name + ".log")
+
+
+def trl_python() -> str:
+    """TRL's own venv (made on first use from the package index): the peers never touch our dependencies."""
+    from offline_rec.files import cache_root
+
+    venv = cache_root() / "bench-venvs" / "trl"
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import trl, torch"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return str(python)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for requirement in PEER_REQUIREMENT:  # torch first: the CPU build on this machine, not a CUDA one
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
+                       check=True)
+    return str(python)
+
+
+def train_peer(trainer: str, data: str, policy: str, run_dir: Path, lr: float, steps: int, save_steps: int,
+               batch_size: int, seed: int = 0) -> list[tuple[int, Path]]:
+    """A TRL arm (trl_peers.py `trainer`) in TRL's venv; the (step, model folder) of its checkpoints."""
+    with open(log_path(run_dir), "w") as log:
+        subprocess.run([trl_python(), str(TRL_PEERS), "--trainer", trainer, "--data", data, "--model", policy,
+                        "--out", str(run_dir), "--lr", str(lr), "--max-steps", str(steps), "--save-steps",
+                        str(save_steps), "--seed", str(seed), "--batch-size", str(batch_size)],
+                       check=True, stdout=log, stderr=subprocess.STDOUT)
+    return sorted((int(path.name.split("-")[1]), path) for path in run_dir.glob("checkpoint-*"))
+
+
+def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: str, policy: str,
+                scale: Scale) -> Path:
+    """Train arm `name` (`arm`) at `lr` with `seed` on `data` for `scale.epochs` passes; the folder of its final
+    model. Steps: `scale.groups_per_step` whole groups, or with `batching: rows` `scale.rows_per_step` rows
+    (FILTERED_SFT: `scale.positives_per_step`); a TRL arm as many steps of its examples (positives_per_step
+    of them, kto rows_per_step)."""
+    from offline_rec.training import checkpoint as ckpt
+
+    if arm.peer:
+        batch = scale.rows_per_step if arm.peer == "kto" else scale.positives_per_step
+        steps = scale.epochs * -(-peer_examples(data, arm.peer) // batch)
+        train_peer(arm.peer, data, policy, run_dir, lr, steps, steps, batch, seed)
+        return run_dir / f"checkpoint-{steps}"
+    rows = scale.positives_per_step if name == FILTERED_SFT else scale.rows_per_step
+    train(policy, data, run_dir, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides), lr=lr,
+          epochs=scale.epochs, prompts_per_step=scale.groups_per_step, seed=seed, save_every=0,
+          **{**arm.train, **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})})
+    return ckpt.latest_checkpoint(run_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# scoring
+
+
+def score_final(model: Path, eval_dir: Path, validation_prompts: str, eval_prompts: int) -> dict:
+    """A final model's scores: greedy, T=1 accuracy and pass@8 on the held-out test prompts, greedy on the
+    validation prompts."""
+    from offline_rec.eval.selection import evaluate_policy, on_prompts
+
+    template = heldout_template(eval_prompts, str(model), eval_dir / "eval-test")
+    test = evaluate_policy(template, str(model), eval_dir / "eval-test", num_samples=8)
+    validation = evaluate_policy(on_prompts(template, validation_prompts), str(model), eval_dir / "eval-validation")
+    return {"greedy": test["greedy_accuracy"], "t1": test["accuracy"], "pass8": test.get("pass@8"),
+            "validation": validation["greedy_accuracy"]}
+
+
+def run_final(name: str, arms: dict[str, Arm], lr: float, seed: int, out: Path, paths: dict, policy: str,
+              scale: Scale) -> dict:
+    """One (arm, lr, seed) of the final-model protocol on paths["k8"]: trained, scored, its weights removed; the
+    result line (scores, steps and rows trained, seconds, the scale and the arm)."""
+    run_dir = out / "runs" / f"{name}-lr{lr:g}-seed{seed}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    model = train_final(name, arms[name], lr, seed, run_dir, paths["k8"], policy, scale)
+    trained = time.monotonic() - started
+    result = {"arm": name, "lr": lr, "seed": seed, **score_final(model, run_dir, paths["validation"],
+                                                                 scale.eval_prompts),
+              "train_seconds": round(trained, 1), "seconds": round(time.monotonic() - started, 1),
+              "scale": asdict(scale), "arm_spec": asdict(arms[name])}
+    if (run_dir / "metrics.jsonl").is_file():
+        metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+        result["steps"] = len(metrics)
+        result["rows"] = sum(m["rows"] for m in metrics)
+    elif arms[name].peer:
+        result["steps"] = int(model.name.split("-")[1])  # TRL's checkpoint-STEPS
+    shutil.rmtree(run_dir, ignore_errors=True)  # keep the numbers, not the weights
+    return result
+
+
+def summarize(results: list[dict], arms) -> list[dict]:
+    """Per arm of `arms`: the lr with the best validation score, averaged over the seeds run at that lr (one lucky
+    seed must not choose); over that lr's seeds, the mean and the 95% interval (t quantile) of test greedy, T=1
+    and pass@8 (percent)."""
+    rows = []
+    for arm in arms:
+        runs = [r for r in results if r["arm"] == arm]
+        if not runs:
+            continue
+        by_lr: dict[float, list[dict]] = {}
+        for r in runs:
+            by_lr.setdefault(r["lr"], []).append(r)
+        lr = max(by_lr, key=lambda x: statistics.mean(r["validation"] for r in by_lr[x]))
+        chosen = by_lr[lr]
+        row = {"arm": arm, "lr": lr, "seeds": len(chosen),
+               "by_lr": {x: (statistics.mean(r["greedy"] for r in rs), len(rs)) for x, rs in by_lr.items()},
+               "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
+               "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
+        for key in ("greedy", "t1", "pass8", "validation"):
+            values = [100 * r[key] for r in chosen if r.get(key) is not None]
+            row[key] = statistics.mean(values) if values else None
+            row[key + "_ci"] = (T95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5
+                                if len(values) > 1 else None)
+        rows.append(row)
+    return rows
+
+
+def cell(row: dict, key: str) -> str:
+    """A table cell: the mean, and its 95% interval where several seeds ran."""
+    if row.get(key) is None:
+        return ""
+    return f"{row[key]:.1f}" + (f" ± {row[key + '_ci']:.1f}" if row.get(key + "_ci") else "")
+
+
+# --------------------------------------------------------------------------------------------
+# results, resume, output
+
+
+def finished_runs(results_path: Path, scale: dict, varying: tuple[str, ...] = ("lrs",)) -> list[dict]:
+    """The runs in `results_path` (JSON Lines, one per finished run) made at `scale`'s sizes: its `varying`
+    fields (learning rates, seeds) may differ, since runs of other values at the same sizes share a table."""
+    def sizes(values: dict) -> dict:
+        return {k: v for k, v in values.items() if k not in varying}
+
+    done = read_results(results_path)
+    return [r for r in done if sizes(r["scale"]) == sizes(scale)]
+
+
+def read_results(path: Path) -> list[dict]:
+    """Every finished run of a results file (none when it does not exist yet)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def append_run(results_path: Path, result: dict) -> None:
+    """Record one finished run (a whole line; a rerun of the experiment skips it)."""
+    with open(results_path, "a") as file:
+        file.write(json.dumps(result) + "\n")
+
+
+def experiment_parser(doc: str, out: str, quick: str, arms, table_only: str,
+                      model: str = "behavior policy folder (default: the demo policy)") -> argparse.ArgumentParser:
+    """The options every experiment with arms takes: --out, --quick, --arms, --no-peers, --model, --table-only."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=out, help="output folder (finished runs in it are kept)")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(arms)}")
+    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+    parser.add_argument("--model", help=model)
+    parser.add_argument("--table-only", action="store_true", help=table_only)
+    return parser
+
+
+def chosen_arms(args: argparse.Namespace, arms, is_peer) -> list[str]:
+    """The arms --arms names (all of `arms` by default), without the peers (`is_peer(name)`) with --no-peers."""
+    names = args.arms.split(",") if args.arms else list(arms)
+    return [name for name in names if not (args.no_peers and is_peer(name))]
+
+
+def numbers(text: str, kind=float) -> tuple:
+    """A comma-separated option's values: "1e-4,3e-4" -> (0.0001, 0.0003)."""
+    return tuple(kind(value) for value in text.split(","))
+
+
+def cli(*args, log_path: Path) -> None:
+    """`offline-rec ARGS` as a user runs it (this interpreter, so the same install); output to `log_path`."""
+    with open(log_path, "w") as log:
+        subprocess.run([sys.executable, "-m", "offline_rec", *map(str, args)], check=True, stdout=log,
+                       stderr=subprocess.STDOUT)
+
+
+def run_and_print(run, *args, **kwargs) -> dict:
+    """An experiment's `run(*args, log=..., **kwargs)` with its progress on stderr and one thread of torch; its
+    table printed, then the minutes it took."""
+    import torch
+
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    outcome = run(*args, log=lambda m: print(m, file=sys.stderr, flush=True), **kwargs)
+    print(outcome["table"])
+    print(f"{(time.monotonic() - started) / 60:.1f} min on {os.cpu_count()} CPUs", file=sys.stderr)
+    return outcome
+
+
+def savefig(figure, path: Path) -> Path:
+    """`figure` written to `path` (120 dpi) and closed."""
+    import matplotlib.pyplot as plt
+
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

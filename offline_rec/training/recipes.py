@@ -1,0 +1,111 @@
+"""A preset's recipe as train's defaults: which of its settings apply to this model, and what train says about it.
+
+`train --algorithm NAME` trains `loss.presets.PRESETS[NAME]` whole: its objective, and where it was measured so,
+its steps (batching) and optimizer settings are the defaults of train's options of the same names (`defaults`);
+an option given on the command line, in YAML or by `--set` wins. One exception, by design: a measured learning
+rate belongs to the size of the policy it was measured on; for a model more than `MEASURED_SCALE` times larger
+(or of unknown size: a Hub id, a GGUF file) train keeps its generic default lr and says so (`lr_note`).
+`describe` gives the lines train prints first: the recipe resolved, and each option that moves it away from its
+measured setting. No torch here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from offline_rec.loss.objective import Objective
+from offline_rec.loss.presets import Recipe
+from offline_rec.loss.terms import CLIP_MASKS
+
+GENERIC_LR = 1e-6
+"""train's learning rate where no recipe's measured lr applies (a pretrained model's scale)."""
+MEASURED_SCALE = 10.0
+"""A recipe's measured lr is the default for models of up to this many times the parameters it was measured on."""
+
+
+def parameter_count(model: str) -> int | None:
+    """The parameters of a local transformers model folder, estimated from its config.json (decoder layers of
+    attention and a gated MLP, embeddings, the output layer unless tied); None where it cannot be read."""
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        hidden, layers, vocab = config["hidden_size"], config["num_hidden_layers"], config["vocab_size"]
+        heads = config.get("num_attention_heads", 1)
+        head_dim = config.get("head_dim") or hidden // heads
+        kv_heads = config.get("num_key_value_heads") or heads
+        intermediate = config.get("intermediate_size") or 4 * hidden
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+    mlp = 3 * hidden * intermediate  # gate, up, down
+    embeddings = vocab * hidden * (1 if config.get("tie_word_embeddings", False) else 2)
+    return int(layers * (attention + mlp) + embeddings)
+
+
+def measured_lr_applies(recipe: Recipe, model: str) -> bool:
+    """Whether the recipe's measured lr is the default for `model` (see the module docstring)."""
+    if recipe.measured is None:
+        return False
+    count = parameter_count(model)
+    return count is not None and count <= MEASURED_SCALE * recipe.measured.parameters
+
+
+def defaults(recipe: Recipe, model: str) -> dict:
+    """The train options `recipe` sets for `model`, by name (its measured lr only where it applies)."""
+    settings = recipe.settings()
+    if recipe.measured is not None and not measured_lr_applies(recipe, model):
+        settings.pop("lr")
+    return settings
+
+
+def lr_note(recipe: Recipe, model: str, lr: float) -> str | None:
+    """Why the recipe's measured lr is not the default here, or None (also when an lr was given: then the lr
+    that moves the recipe away from its measured one is said like any other option)."""
+    if recipe.measured is None or measured_lr_applies(recipe, model) or lr != GENERIC_LR:
+        return None
+    count = parameter_count(model)
+    size = f"~{_size(count)} parameters" if count is not None else "a size not read from a local config.json"
+    return (f"lr {lr:g}: {recipe.name}'s lr {recipe.measured.lr:g} was measured on a "
+            f"{_size(recipe.measured.parameters)}-parameter policy and is the default up to {MEASURED_SCALE:g}x that "
+            f"size; {model} has {size}: give --lr (README, 'Recipes')")
+
+
+def _size(count: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.3g}{unit}"
+    return f"{count:g}"
+
+
+def describe(recipe: Recipe, values: dict, model: str) -> list[str]:
+    """What train prints first: the recipe resolved (its objective's choices, its steps, its optimizer settings and
+    where they were measured), then one line per option whose value moves the recipe away from its setting.
+    `values`: every train option's resolved value, by name."""
+    plain, read = Objective(), CLIP_MASKS[values["clip"]].parameters  # the clip's own parameters, always shown
+    changed = [f"{field.name} {_show(values[field.name])}" for field in dataclasses.fields(Objective)
+               if values[field.name] != getattr(plain, field.name) or field.name in read]
+    steps = (f"steps of {values['rows_per_step']} rows shuffled across prompts" if values["batching"] == "rows"
+             else f"steps of {values['prompts_per_step']} whole groups")
+    steps += ", rows of advantage 0 skipped" if values["skip_zero_advantage"] else ""
+    optimizer = (f"lr {values['lr']:g} ({values['lr_schedule']}), weight_decay {values['weight_decay']:g}, "
+                 f"{values['epochs']} epoch(s)")
+    lines = [f"recipe {recipe.name}: {', '.join(changed) or 'plain REINFORCE'}; {steps}; {optimizer}"]
+    if recipe.measured is not None:
+        lines.append(f"  measured: {recipe.measured.source}")
+    note = lr_note(recipe, model, values["lr"])
+    if note:
+        lines.append(f"note: {note}")
+    base = recipe.settings()
+    if note:
+        base.pop("lr")
+    moved = [name for name, value in base.items() if values[name] != value]
+    kind = "measured setting" if recipe.measured is not None else "preset"
+    lines += [f"note: {name} {_show(values[name])} moves {recipe.name} away from its {kind} ({_show(base[name])})"
+              for name in moved]
+    return lines
+
+
+def _show(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)

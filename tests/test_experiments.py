@@ -1,0 +1,302 @@
+"""The research experiments (experiments/): their `--quick` runs from their home, and their parts by hand.
+
+The quick runs use toy sizes and leave out the TRL peers (their venv is made from the package index): they check
+that each experiment's protocol runs end to end, chooses on validation only and resumes, not what it measures
+(docs/paper.md and experiments/results/ hold that).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from support.datagen import make_rows, write_dataset
+from support.paths import REPO
+
+from experiments import harness, logged, mixture, paper, peers
+
+
+@pytest.fixture(scope="module")
+def tiny_policy() -> str:
+    from offline_rec.demo.behavior_policy import demo_policy_path
+
+    return demo_policy_path()
+
+
+def test_an_experiment_runs_as_a_module_from_the_repository_root():
+    """`python -m experiments.NAME`, as docs/paper.md quotes the commands, from the repository root."""
+    done = subprocess.run([sys.executable, "-m", "experiments.peer_objectives", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper"])
+def test_every_experiment_parses_its_options(name, capsys):
+    """Each experiment's `main` (what `python -m experiments.NAME` calls) parses its options; here, in this process."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"experiments.{name}").main(["--help"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("usage: ")
+
+
+@pytest.mark.slow
+def test_logged_quick_run_chooses_on_validation(tmp_path):
+    """experiments/logged.py at toy sizes, without the TRL peers: data cut to one response per prompt, each arm's
+    curve, the choice read from validation alone, and a table; a rerun skips the finished runs."""
+
+    scale = logged.Scale(num_prompts=32, epochs=1, rows_per_step=16, eval_every=1, eval_prompts=16,
+                         validation_prompts=16, lrs=(3e-4,))
+    outcome = logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)
+    from offline_rec.dataset.inspect import describe_dataset
+
+    assert describe_dataset(tmp_path / "data-singletons")["group_size_histogram"] == {1: 32}
+    assert describe_dataset(tmp_path / "data-k8")["group_size_histogram"] == {8: 32}
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["lr"]) for r in results] == [("dataset", 3e-4), ("topr", 3e-4)]
+    for result, row in zip(results, outcome["rows"]):
+        assert [p["step"] for p in result["curve"]] == [0, 1, 2]
+        best = max(result["curve"], key=lambda p: (p["validation_greedy_accuracy"], p["step"]))
+        assert (row["step"], row["test"]) == (best["step"], best["greedy_accuracy"])
+    assert "| dataset | 0.0003 |" in outcome["table"] and (tmp_path / "curves.png").is_file()
+    logged.run(tmp_path, ["dataset", "topr"], scale, log=lambda message: None)  # nothing left to run
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 2
+
+
+def test_peers_quick_run_scores_final_models_and_resumes(tmp_path):
+    """experiments/peers.py --quick, without the TRL arm: the demo's groups, row steps with the zero-advantage
+    skip and the filtered-SFT control train on the same K=8 data, each final model scored on test and validation,
+    the lr chosen on validation, a table; a rerun skips the finished runs."""
+    scale = peers.QUICK  # 32 prompts x 8, one pass: groups 8 a step, rows 32 a step, positives 8 a step
+    arms = ["groups", "rows-skip", "filtered-sft"]
+    outcome = peers.run(tmp_path, arms, scale, log=lambda message: None)
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["arm"], r["lr"], r["seed"]) for r in results] == [(arm, 3e-4, 0) for arm in arms]
+    rewards = [row["reward"] for group in harness.open_groups(tmp_path / "data-k8") for row in group]
+    positives, rows = sum(r > 0 for r in rewards), len(rewards)
+    assert results[0]["steps"] == 4  # 32 groups, 8 a step
+    assert results[2]["steps"] == -(-positives // 8)  # only the positives (A = 1) are left: 8 a step
+    assert results[1]["steps"] <= -(-rows // 32)  # rows of all-equal groups left out
+    for result in results:
+        assert 0 <= result["greedy"] <= 1 and 0 <= result["t1"] <= 1 and 0 <= result["pass8"] <= 1
+    assert [row["arm"] for row in outcome["rows"]] == arms and "| rows-skip | 0.0003 | 1 |" in outcome["table"]
+    assert (tmp_path / "arms.png").stat().st_size > 0
+    peers.run(tmp_path, arms, scale, log=lambda message: None)  # nothing left to run
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 3
+
+
+def test_peers_summary_chooses_the_lr_on_validation_averaged_over_its_seeds():
+    """One lucky seed does not choose: lr 2e-3 scores 0.99 on seed 0 but 0.8 on seeds 1 and 2 (mean 0.863);
+    lr 1e-3's one seed, 0.9, wins, and its test numbers are the arm's."""
+    def run(lr, seed, validation, greedy):
+        return {"arm": "sft-positives", "lr": lr, "seed": seed, "validation": validation, "greedy": greedy,
+                "t1": greedy, "pass8": greedy, "train_seconds": 1.0}
+
+    results = [run(2e-3, 0, 0.99, 0.99), run(2e-3, 1, 0.8, 0.7), run(2e-3, 2, 0.8, 0.7), run(1e-3, 0, 0.9, 0.88)]
+    (row,) = harness.summarize(results, ["sft-positives"])
+    assert (row["lr"], row["seeds"], row["greedy"]) == (1e-3, 1, pytest.approx(88.0))
+    assert row["by_lr"][2e-3] == (pytest.approx(0.7967, abs=1e-4), 3)
+    assert "0.002: 79.7 (3 seeds)" in peers.markdown_table([row], peers.QUICK)
+
+
+def test_the_interval_over_seeds_takes_the_t_quantile_of_their_number():
+    """Ten seeds, greedy 0.80 and 0.90 five times each: mean 85.0, sample sd 5.27 (sqrt(250 / 9)), the 95%
+    interval 2.26 (t, 9 degrees of freedom) x 5.27 / sqrt(10) = 3.77; with 2 seeds 12.71 x 7.07 / sqrt(2)."""
+    def run(seed, greedy):
+        return {"arm": "rows-skip", "lr": 6e-4, "seed": seed, "validation": 0.9, "greedy": greedy, "t1": greedy,
+                "pass8": greedy, "train_seconds": 1.0}
+
+    (row,) = harness.summarize([run(seed, 0.8 if seed < 5 else 0.9) for seed in range(10)], ["rows-skip"])
+    assert (row["seeds"], row["greedy"]) == (10, pytest.approx(85.0))
+    assert row["greedy_ci"] == pytest.approx(2.26 * (250 / 9) ** 0.5 / 10 ** 0.5)
+    assert row["validation_ci"] == pytest.approx(0.0)
+    (two,) = harness.summarize([run(0, 0.8), run(1, 0.9)], ["rows-skip"])
+    assert two["greedy_ci"] == pytest.approx(12.71 * 50 ** 0.5 / 2 ** 0.5)
+
+
+def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():
+    """experiments/trl_peers.py's pairs: prompt a (2 right, 1 wrong) gives 2 pairs sharing the one negative;
+    prompt b (all right) and c (all wrong) give none."""
+    import random
+
+    from experiments.trl_peers import preference_pairs
+
+    rows = [{"prompt": "a", "completion": c, "reward": r} for c, r in (("1", 1.0), ("2", 1.0), ("x", 0.0))]
+    rows += [{"prompt": "b", "completion": "3", "reward": 1.0}, {"prompt": "c", "completion": "y", "reward": 0.0}]
+    pairs = preference_pairs(rows, random.Random(0))
+    assert sorted((p["prompt"], p["chosen"], p["rejected"]) for p in pairs) == [("a", "1", "x"), ("a", "2", "x")]
+
+
+def test_mixture_reads_the_weight_monitor_from_a_training_log(tmp_path):
+    """mixture.py counts the monitor's ESS warning lines (first and halving ones) and keeps the final line's
+    weights part; a log without them reads as 0 warnings and no summary."""
+    log = tmp_path / "run.log"
+    log.write_text("importance weights before step 1 (64 rows, initial policy): ess 0.8, max ratio 3\n"
+                   "warning: before step 1: importance weights' ess 0.08 < 0.1, max ratio 40: ...\n"
+                   "warning: step 12: importance weights' ess 0.05 < 0.1, max ratio 4983: ...\n"
+                   "a line that mentions warning: step 3 but is not the monitor's\n"
+                   "trained 256 steps -> RUN/final (loss -0.0017, reward 0.465); weights: ess min 0.0013 (step "
+                   "129), max ratio 4983 (step 129); 120 steps below 0.1\n")
+    assert mixture.weight_report(log) == {
+        "weight_warnings": 2,
+        "weights": "ess min 0.0013 (step 129), max ratio 4983 (step 129); 120 steps below 0.1"}
+    (tmp_path / "quiet.log").write_text("trained 8 steps -> RUN/final (loss 0.1, reward 0.5)\n")
+    assert mixture.weight_report(tmp_path / "quiet.log") == {"weight_warnings": 0, "weights": None}
+
+
+@pytest.mark.slow
+def test_mixture_quick_run_builds_both_mixtures_and_resumes(tmp_path):
+    """experiments/mixture.py --quick without the TRL arm: B made from A's logs, a share of A's groups replaced by
+    B's answers (or joined with them: groups of 16), each arm trained on the mixture and scored, B alone as a
+    row; a rerun skips the finished runs."""
+    from offline_rec import schema as S
+    from offline_rec.dataset.format import open_dataset
+
+    arms = ["nois", "k0.5"]
+    outcome = mixture.run(tmp_path, ["s0.5", "join0.5"], arms, mixture.QUICK, log=lambda message: None)
+    a_groups = {g[0][S.GROUP_ID]: g for g in open_dataset(tmp_path / "data-k8").iter_groups()}
+    picked = mixture.group_ids(tmp_path / "prompts-0.5")
+    assert 0 < len(picked) < len(a_groups) == 32
+    for name, b_rows in (("s0.5", 8), ("join0.5", 8)):
+        groups = {g[0][S.GROUP_ID]: g for g in open_dataset(tmp_path / f"data-{name}").iter_groups()}
+        assert set(groups) == set(a_groups)  # the same prompts, each under its own group id
+        for group_id, group in groups.items():
+            behaviors = [row[S.BEHAVIOR] for row in group]
+            a_rows = 0 if (group_id in picked and name == "s0.5") else 8
+            assert behaviors.count(mixture.A_BEHAVIOR) == a_rows
+            assert behaviors.count(mixture.B_BEHAVIOR) == (b_rows if group_id in picked else 0)
+            if a_rows:  # A's rows are A's logs, untouched (log-probs included)
+                kept = [row for row in group if row[S.BEHAVIOR] == mixture.A_BEHAVIOR]
+                assert [r[S.BEHAVIOR_LOGPROBS] for r in kept] == [r[S.BEHAVIOR_LOGPROBS] for r in a_groups[group_id]]
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["mixture"], r["arm"], r["seed"]) for r in results] == [
+        (m, arm, 0) for m in ("s0.5", "join0.5") for arm in arms]
+    for result in results:
+        data = tmp_path / f"data-{result['mixture']}"
+        rewards = [[row["reward"] for row in g] for g in open_dataset(data).iter_groups(["reward"])]
+        # one pass; rows with a zero advantage skipped: all-equal groups under the plain group mean, all-wrong
+        # ones only under kappa 0.5 (an all-correct group keeps A = 0.5)
+        zero = (lambda r: min(r) == max(r)) if result["arm"] == "nois" else (lambda r: max(r) == 0)
+        assert result["rows"] == sum(len(r) for r in rewards if not zero(r))
+        assert result["steps"] == -(-result["rows"] // harness.QUICK.rows_per_step)
+        assert 0 <= result["greedy"] <= 1 and result["weight_warnings"] >= 0
+    assert [(r["mixture"], r["arm"]) for r in outcome["rows"]] == [
+        ("-", "b-alone"), *((m, arm) for m in ("s0.5", "join0.5") for arm in arms)]
+    assert "| s0.5 | k0.5 | 0.0006 | 1 |" in outcome["table"] and (tmp_path / mixture.PLOT_FILE).is_file()
+    mixture.run(tmp_path, ["s0.5", "join0.5"], arms, mixture.QUICK, log=lambda message: None)  # nothing left
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 4
+@pytest.mark.parametrize("keep", [0.0, 0.5, 1.0])
+def test_rare_positives_keeps_every_negative_and_a_share_of_the_positives(tmp_path, keep):
+    """experiments/rare_positives.py's data: groups [1, 0, 0], [1, 1, 1], [0, 0]: every wrong row stays, each right
+    one with probability keep (all at 1, none at 0: the all-correct group disappears), in its own group."""
+    from experiments.rare_positives import derive
+    from offline_rec.dataset.format import open_dataset
+    from offline_rec.dataset.validate import validate_dataset
+
+    source = write_dataset(tmp_path / "src", make_rows([3, 3, 2], rewards=[[1, 0, 0], [1, 1, 1], [0, 0]]))
+    counts = derive(source, tmp_path / f"out-{keep}", keep, seed=0)
+    groups = [[row["reward"] for row in group] for group in open_dataset(tmp_path / f"out-{keep}").iter_groups()]
+    assert counts["rows"] == sum(map(len, groups)) and counts["positives"] + counts["dropped_positives"] == 4
+    assert sum(r == 0 for g in groups for r in g) == 4  # the negatives, all of them
+    if keep == 1.0:
+        assert groups == [[1, 0, 0], [1, 1, 1], [0, 0]]
+    if keep == 0.0:
+        assert groups == [[0, 0], [0, 0]] and counts["positives"] == 0
+    assert validate_dataset(tmp_path / f"out-{keep}").ok  # sample_index numbered 0..n-1 again
+
+
+# paper.py: the REC family under the paper's off-policy regimes
+
+
+def test_regimes_follow_the_scale():
+    scale = paper.Scale()  # 640 prompts / 32 per step = a pass of 20 steps
+    assert scale.pass_steps == 20
+    assert paper.make_regime("stale", scale).interval == 20
+    assert (paper.make_regime("lagged", scale).interval, paper.make_regime("lagged", scale).offset) == (1, 10)
+    assert paper.make_regime("offline", scale).interval is None
+    assert paper.VARIANTS[paper.WIDE] == ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 2.0})
+    # the peers' grid: every peer preset, plus two controls of the default grid
+    assert set(paper.PEER_VARIANTS) == {"rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop",
+                                        "icepop-seq", "opsm", "sapo", "gmpo", "dapo", "dr-grpo"}
+    assert all(paper.VARIANTS[name] == (name, {}) for name in paper.PEER_VARIANTS)
+
+
+def test_aggregate_worked_by_hand():
+
+    def curve(*values):
+        return [{"step": 10 * i, "greedy_accuracy": v, "accuracy": v / 2} for i, v in enumerate(values)]
+
+    results = [
+        {
+            "variant": "reinforce",
+            "regime": "offline",
+            "seed": 0,
+            "curve": curve(0.4, 0.7, 0.5),
+            "train": {},
+            "seconds": 60,
+        },
+        {
+            "variant": "reinforce",
+            "regime": "offline",
+            "seed": 1,
+            "curve": curve(0.4, 0.5, 0.5),
+            "train": {},
+            "seconds": 60,
+        },
+    ]
+    (row,) = paper.aggregate(results, threshold=0.6)
+    assert row["final"] == pytest.approx(0.5)  # (0.5 + 0.5) / 2
+    assert row["best"] == pytest.approx(0.6)  # (0.7 + 0.5) / 2
+    assert row["drop"] == pytest.approx(0.1)  # ((0.7 - 0.5) + (0.5 - 0.5)) / 2
+    assert (row["reached"], row["steps_to_threshold"]) == (1, 10)  # only seed 0 reaches 0.6, at step 10
+    assert row["final_t1"] == pytest.approx(0.25)
+    assert row["minutes"] == pytest.approx(2.0)
+    assert row["ess"] is None and "| - |" in paper.markdown_table([row], 0.6)  # runs from before the ess metric
+    for result, ess in zip(results, (0.9, 0.7)):
+        result["train"]["ess_mean"] = ess
+    (row,) = paper.aggregate(results, threshold=0.6)
+    assert row["ess"] == pytest.approx(0.8) and paper.markdown_table([row], 0.6).endswith("| 0.800 |\n")
+
+
+@pytest.mark.slow  # 5-15 s: 6 short trainings, 6 collections, 5 evaluations of a random tiny model
+def test_paper_grid_smoke(tmp_path, tiny_policy):
+    # 8 prompts / 4 per step: a pass is 2 steps; 4 steps = 2 passes; lag 1 for the lagged regime.
+    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1)
+    outcome = paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale", "lagged"], [0], scale,
+                             policy=tiny_policy, log=lambda message: None)
+    results = [json.loads(line) for line in (tmp_path / "paper" / "results.jsonl").read_text().splitlines()]
+    assert [(r["regime"], [p["step"] for p in r["curve"]]) for r in results] == [("stale", [0, 2, 4]),
+                                                                                ("lagged", [0, 2, 4])]
+    stale, lagged = results
+    assert stale["train"]["steps"] == lagged["train"]["steps"] == 4
+    # stale (k=2, d=0): data re-collected at steps 0 and 2 from the current policy: ages 0,1,0,1
+    assert stale["train"]["staleness_mean"] == pytest.approx(0.5)
+    # lagged (k=1, d=1): step t trains on data of the policy after step max(0, t-1): ages 0,1,1,1
+    assert lagged["train"]["staleness_mean"] == pytest.approx(0.75)
+    assert "| stale | reinforce | 1 |" in outcome["table"]
+    assert (tmp_path / "paper" / "curves.png").stat().st_size > 0
+    # a rerun finds both runs done and runs nothing
+    again = paper.run_grid(tmp_path / "paper", ["reinforce"], ["stale", "lagged"], [0], scale, policy=tiny_policy,
+                           log=lambda message: None)
+    assert again["results"] == 2
+    assert len((tmp_path / "paper" / "results.jsonl").read_text().splitlines()) == 2
+    # The restarted segments of a run each began as version 0.
+    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
+    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [0, 1]
+
+
+@pytest.mark.slow
+def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_policy):
+    scale = paper.Scale(prompts_per_step=4, pool=8, steps=4, eval_every=2, eval_prompts=8, batch_size=8, lag=1,
+                        optimizer="continue")
+    paper.run_grid(
+        tmp_path / "paper", ["reinforce"], ["stale"], [0], scale, policy=tiny_policy, log=lambda message: None
+    )
+    segment = tmp_path / "paper" / "runs" / "reinforce" / "stale" / "seed0" / "train-00002" / "metrics.jsonl"
+    # The second segment continued the first one's run (init_from): its policy is 2 updates old.
+    assert [json.loads(line)["trained_policy_version"] for line in segment.read_text().splitlines()] == [2, 3]
+    restart = paper.Scale(**{**paper.asdict(scale), "optimizer": "restart"})
+    assert paper.read_results(tmp_path / "paper", restart) == []  # results of one choice never stand for the other
+    assert len(paper.read_results(tmp_path / "paper", scale)) == 1
