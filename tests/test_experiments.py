@@ -32,7 +32,8 @@ def test_an_experiment_runs_as_a_module_from_the_repository_root():
     assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper"])
+@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper", "smollm2_calibrate",
+                                  "smollm2_cost", "smollm2_arms"])
 def test_every_experiment_parses_its_options(name, capsys):
     """Each experiment's `main` (what `python -m experiments.NAME` calls) parses its options; here, in this process."""
     import importlib

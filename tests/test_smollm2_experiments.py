@@ -1,21 +1,16 @@
 """experiments/smollm2_*.py --quick on a tiny chat model: the calibration, the cost measurements and the arms run
-their stages through the CLI and write the JSON lines the docs read (their numbers are SmolLM2's, in
-docs/paper.md "A real model: SmolLM2-135M-Instruct"). A minute or more of child processes on a loaded machine."""
+their stages through the CLI (on experiments/harness.py) and write the JSON lines the docs read (their numbers are
+SmolLM2's, in docs/paper.md "A real model: SmolLM2-135M-Instruct"). A minute or more of child processes on a
+loaded machine."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from support.paths import REPO
 from support.train_support import tiny_model
 
-sys.path.insert(0, str(REPO / "experiments"))
-
-import smollm2_arms  # noqa: E402
-import smollm2_calibrate  # noqa: E402
-import smollm2_cost  # noqa: E402
+from experiments import smollm2_arms, smollm2_calibrate, smollm2_cost
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -52,29 +47,35 @@ def test_spread_and_carries_by_hand():
 
 def test_arms_collect_train_choose_on_validation_and_score(tmp_path, model):
     results = tmp_path / "arms.jsonl"
-    smollm2_arms.main(["--quick", "--model", model, "--out", str(tmp_path / "arms"), "--arms", "rft,rft-lora",
-                       "--lrs", "1e-3,1e-2", "--results", str(results)])
-    by_stage = {}
+    argv = ["--quick", "--model", model, "--out", str(tmp_path / "arms"), "--arms", "filtered-sft,filtered-sft-lora",
+            "--lrs", "1e-3,1e-2", "--results", str(results)]
+    outcome = smollm2_arms.main(argv)
+    by_arm = {}
     for line in lines(results):
-        by_stage.setdefault(line["stage"], []).append(line)
-    data = by_stage["data"][0]
-    assert data["rows"] == 8 * 4 and 0 <= data["positives"] <= data["rows"]
-    validation = lines(tmp_path / "arms" / "validation-prompts.jsonl")
+        by_arm.setdefault(line["arm"], []).append(line)
+    (base,) = by_arm.pop("base")
+    assert {"validation", "greedy", "t1", "ood_greedy", "test_pass@4", "ood_pass@4"} <= set(base)
+    validation = lines(tmp_path / "arms" / "validation.jsonl")
     from offline_rec.dataset.format import open_dataset
 
-    meta = [json.loads(group[0]["meta"]) for group in open_dataset(tmp_path / "arms" / "data").iter_groups(["meta"])]
+    data = tmp_path / "arms" / "data-k8"
+    meta = [json.loads(group[0]["meta"]) for group in open_dataset(data).iter_groups(["meta"])]
+    assert len(meta) == 8 and sum(1 for group in open_dataset(data).iter_groups() for _ in group) == 8 * 4
     asked = {(tuple(fields["operands"]), fields["wording"]) for fields in meta}
     assert len(validation) == 4 and not asked & {(tuple(row["operands"]), row["wording"]) for row in validation}
-    assert {"validation_greedy_accuracy", "test_greedy_accuracy", "ood_greedy_accuracy", "test_pass@4"} <= set(
-        by_stage["base"][0])
-    for arm in ("rft", "rft-lora"):
-        grid = [line for line in by_stage["grid"] if line["arm"] == arm]
-        assert sorted(line["lr"] for line in grid) == [1e-3, 1e-2]
-        (final,) = [line for line in by_stage["final"] if line["arm"] == arm]
-        best = max(grid, key=lambda r: (r["validation_greedy_accuracy"], r["validation_accuracy"]))
-        assert final["lr"] == best["lr"] and final["peak_rss_mib"] > 0 and final["steps"] >= 1
-        assert {"test_accuracy", "test_pass@1", "test_pass@4", "ood_accuracy", "ood_pass@4"} <= set(final)
-        assert not (tmp_path / "arms" / "runs" / f"{arm}-lr0.001-seed0" / "final").exists()  # numbers kept only
+    assert set(by_arm) == {"filtered-sft", "filtered-sft-lora"}
+    for arm, runs in by_arm.items():
+        assert sorted(run["lr"] for run in runs) == [1e-3, 1e-2]
+        for run in runs:
+            assert run["peak_rss_mib"] > 100 and run["steps"] >= 1 and run["rows"] >= 1
+            assert {"test_accuracy", "test_pass@1", "test_pass@4", "ood_accuracy", "ood_pass@4"} <= set(run)
+            assert not (tmp_path / "arms" / "runs" / f"{arm}-lr{run['lr']:g}-seed0").exists()  # numbers kept only
+        (row,) = [row for row in outcome["rows"] if row["arm"] == arm]
+        assert row["lr"] == max(runs, key=lambda run: run["validation"])["lr"]  # one seed: its validation chooses
+    lora_spec = by_arm["filtered-sft-lora"][0]["arm_spec"]["train"]
+    assert lora_spec["lora_r"] == 16 and lora_spec["skip_zero_advantage"] is True
+    assert smollm2_arms.main(argv)["rows"] == outcome["rows"] and len(lines(results)) == 5  # resumed: nothing rerun
+    assert "| filtered-sft-lora |" in outcome["table"] and "| base (untrained) |" in outcome["table"]
 
 
 def test_cost_of_training_steps(tmp_path, model):
@@ -82,7 +83,7 @@ def test_cost_of_training_steps(tmp_path, model):
 
     data = write_dataset(tmp_path / "data", model, num_groups=4, group_size=4)
     results = tmp_path / "cost.jsonl"
-    measured = smollm2_cost.main(["train", "--quick", "--model", model, "--data", data, "--out",
+    measured = smollm2_cost.main(["--what", "train", "--quick", "--model", model, "--data", data, "--out",
                                   str(tmp_path / "cost"), "--kinds", "full,lora-r8", "--results", str(results)])
     assert [line["kind"] for line in measured] == ["full", "lora-r8"]
     for line in measured:
