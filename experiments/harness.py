@@ -260,7 +260,9 @@ def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: 
     cost = train(policy, data, run_dir, child=child, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides),
                  lr=lr, epochs=scale.epochs, prompts_per_step=scale.groups_per_step, seed=seed, save_every=0,
                  **{**arm.train, **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})})
-    return ckpt.latest_checkpoint(run_dir), cost if child else {}
+    # a LoRA checkpoint holds the adapter only: the model is final/ (the adapter merged into the base)
+    model = run_dir / ckpt.FINAL_DIR if arm.train.get("lora_r") else ckpt.latest_checkpoint(run_dir)
+    return model, cost if child else {}
 
 
 # --------------------------------------------------------------------------------------------
