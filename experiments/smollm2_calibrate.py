@@ -63,7 +63,7 @@ CANDIDATES: dict[str, Candidate] = {
     "story-teens": Candidate(((1, 19), (1, 19)), template=STORY, story=True),
     "sums9": Candidate((), task="sums9"),  # the chosen task: the built-in one, 12 wordings
     "sums9-test": Candidate((), task="sums9", split="test"),
-    "sums19-test": Candidate((), task="sums19", split="test"),  # its OOD split
+    "sums9-ood": Candidate((), task="sums9", split="ood"),  # every pair of sums19: one operand two-digit
 }
 
 
