@@ -15,6 +15,10 @@ pass@8 on the test prompts, greedy on the validation prompts; peers.py, mixture.
 curve of its checkpoints (`score_checkpoints`; logged.py). The learning rate is chosen on validation alone
 (`summarize`: mean over the seeds run at each lr, test numbers of that choice with 95% intervals).
 
+An experiment on another model and task gives `start` its own data and default policy (smollm2_arms.py:
+SmolLM2-135M-Instruct's samples of sums9), `run_final` its own scorer, and may train each arm in a child process
+(`train(child=True)`, `offline-rec train --config`: the run's own peak memory, read by `cli`).
+
 Results are JSON Lines, one line per finished run (`append_run`); a rerun skips the finished ones
 (`finished_runs`), so an interrupted grid continues where it stopped.
 """
