@@ -114,7 +114,7 @@ def train_logger_b(out: Path, paths: dict, policy: str, scale: Scale, log) -> tu
     log(f"training logger B: peers.py {name}, lr {lr:g}, on A's logs")
     run_dir = out / "logger-b"
     started = time.monotonic()
-    model = harness.train_final(name, arm, lr, 0, run_dir, paths["k8"], policy, scale)
+    model, _ = harness.train_final(name, arm, lr, 0, run_dir, paths["k8"], policy, scale)
     saved = {"model": str(model), "train_seconds": round(time.monotonic() - started, 1), "recipe": [name, lr],
              **harness.score_final(model, run_dir, paths["validation"], scale.eval_prompts)}
     scores_path.write_text(json.dumps(saved))

@@ -44,7 +44,7 @@ table.md, arms.png.
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 from experiments import harness
@@ -137,14 +137,9 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.experiment_parser(__doc__, "runs/peers", "toy sizes: 32 prompts, one pass", ARMS,
                                        "write table.md from the finished runs only")
-    parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-4)")
-    parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
+    harness.add_grid_options(parser, "3e-4", "0")
     args = parser.parse_args(argv)
-    scale = QUICK if args.quick else Scale()
-    if args.lrs:
-        scale = replace(scale, lrs=harness.numbers(args.lrs))
-    if args.seeds:
-        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
+    scale = harness.grid_scale(args, QUICK if args.quick else Scale())
     arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 
