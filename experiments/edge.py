@@ -188,7 +188,7 @@ def run_one(name: str, lr: float, seed: int, out: Path, paths: dict, policy: str
     if name == BEHAVIOR:
         model = Path(policy)
     else:
-        model = harness.train_final(name, ARMS[name], lr, seed, run_dir, paths["k8"], policy, scale)
+        model, _ = harness.train_final(name, ARMS[name], lr, seed, run_dir, paths["k8"], policy, scale)
     trained, cpu = time.monotonic() - started, cpu_seconds() - cpu_before
     timing = {"train_seconds": round(trained, 1), "train_cpu_seconds": round(cpu, 1),
               "load": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
@@ -478,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fill-entropy", action="store_true",
                         help="add the mean token entropy of every kept model to --results (needs eval --entropy)")
     args = parser.parse_args(argv)
-    scale = harness.with_grid_options(QUICK if args.quick else EdgeScale(), args)
+    scale = harness.grid_scale(args, QUICK if args.quick else EdgeScale())
     results = Path(args.results) if args.results else None
     if args.fill_entropy:
         return {"filled": fill_entropy(Path(args.out), results)}

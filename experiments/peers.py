@@ -137,10 +137,9 @@ def plot(rows: list[dict], path: Path, scale: Scale) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.experiment_parser(__doc__, "runs/peers", "toy sizes: 32 prompts, one pass", ARMS,
                                        "write table.md from the finished runs only")
-    parser.add_argument("--lrs", help="comma-separated learning rates (default 3e-4)")
-    parser.add_argument("--seeds", help="comma-separated training seeds (default 0; the data stays seed 0's)")
+    harness.add_grid_options(parser, "3e-4", "0")
     args = parser.parse_args(argv)
-    scale = harness.with_grid_options(QUICK if args.quick else Scale(), args)
+    scale = harness.grid_scale(args, QUICK if args.quick else Scale())
     arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only)
 

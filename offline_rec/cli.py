@@ -27,6 +27,7 @@ from offline_rec.preemption import Preempted
 from offline_rec.record.settings import ProxyOptions, RecordConfig
 from offline_rec.rewards.config import JudgeOptions, RewardConfig
 from offline_rec.rollout.config import CollectConfig
+from offline_rec.rounds.config import RoundsConfig
 from offline_rec.training.config import CacheClearConfig, RowCacheConfig, TrainConfig, TrainLayers
 from offline_rec.view.config import ViewConfig
 
@@ -389,6 +390,25 @@ def demo(options: DemoOptions) -> None:
     summary = run_demo(options.out, options.settings(), model=options.model, overwrite=options.overwrite,
                        threads=options.threads)
     typer.echo(f"summary: {Path(summary['paths']['out']) / 'summary.json'}")
+
+
+# --------------------------------------------------------------------------------------------
+# rounds  (owned by offline_rec/rounds/round_loop.py)
+
+
+@command(app, config=RoundsConfig, output=shared("quiet", "as_json"),
+         order=("model", "task", "rounds", "prompts_per_round", "num_samples", "out", "recipe", "algorithm", "sets",
+                "replay", "backend", "logs"))
+def rounds(config: RoundsConfig, output: Output) -> None:
+    """Deploy, log, train, deploy again: R rounds of collect (or --logs), train on the last W rounds' data, choose
+    the next policy on validation, evaluate; resumable (rerun the same command)."""
+    from offline_rec.rounds.round_loop import run_rounds
+    from offline_rec.summaries import rounds_lines
+
+    summary = run_rounds(config)
+    if output.as_json:
+        return _print_json(summary)
+    _echo(rounds_lines(summary))
 
 
 class ExitWithoutTeardown(SystemExit):

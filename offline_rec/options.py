@@ -101,7 +101,7 @@ def flags_of(field: dataclasses.Field) -> tuple[str, ...]:
     return (f"{flag}/--no-{flag[2:]}",) if field.type in (bool, "bool") else (flag,)
 
 
-def nested(cls: type, *, after: dict[str, tuple[str, ...]] | None = None) -> Any:
+def nested(cls: type, *, after: dict[str, tuple[str, ...]] | None = None, without: tuple[str, ...] = ()) -> Any:
     """A field holding a group of options that several configs share (a dataclass `cls`), flattened: its
     fields are options of the outer command under their own flags (no prefix; the outer config may have no
     field of the same name) and, through `flattened`, keyword arguments and attributes of the outer config.
@@ -109,8 +109,14 @@ def nested(cls: type, *, after: dict[str, tuple[str, ...]] | None = None) -> Any
     after: where the group's options stand in --help: an outer field -> the group's fields shown right after
     it (the others stand at this field's place). It keeps the order users know where a group was drawn out
     of options that were not side by side.
+    without: the group's fields this command does not take: no flag, no keyword argument; the attribute reads
+    the group's default.
     """
+    unknown = set(without) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise TypeError(f"nested(without=...) names no option of {cls.__name__}: {sorted(unknown)}")
     return dataclasses.field(default_factory=cls, metadata={"nested": cls, "after": after or {},
+                                                            "without": tuple(without),
                                                             "help": cls.__doc__.splitlines()[0]})
 
 
@@ -124,6 +130,7 @@ def flattened(cls: type) -> type:
     group with that value (beside `Config(group=Group(...))`, whose values it updates), and `config.top_p`
     reads the group's. So the Python API keeps one flat set of names, as the command line does."""
     groups = _nested_fields(cls)
+    left_out = {f.name: f.metadata["without"] for f in dataclasses.fields(cls) if "nested" in f.metadata}
     group_of: dict[str, str] = {}
     own = {f.name for f in dataclasses.fields(cls)}
     for group_name, group in groups.items():
@@ -131,7 +138,8 @@ def flattened(cls: type) -> type:
             if inner.name in own or inner.name in group_of:
                 raise TypeError(f"{cls.__name__}: the option {inner.name!r} of {group.__name__} has the name of "
                                 f"another option of the config")
-            group_of[inner.name] = group_name
+            if inner.name not in left_out[group_name]:
+                group_of[inner.name] = group_name
             setattr(cls, inner.name, property(operator.attrgetter(f"{group_name}.{inner.name}"),
                                               doc=inner.metadata.get("help")))
     init = cls.__init__
@@ -160,7 +168,7 @@ def cli_fields(cls: type) -> list[dataclasses.Field]:
         if "nested" in field.metadata:
             placements.update(field.metadata["after"])
             placed = {name for group in field.metadata["after"].values() for name in group}
-            inner = cli_fields(field.metadata["nested"])
+            inner = [f for f in cli_fields(field.metadata["nested"]) if f.name not in field.metadata["without"]]
             by_name.update((f.name, f) for f in inner)
             names += [f.name for f in inner if f.name not in placed]
         elif "flags" in field.metadata or field.metadata.get("argument"):

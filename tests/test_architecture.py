@@ -25,7 +25,7 @@ LAYERS = [
     {"offline_rec.rollout", "offline_rec.record"},
     {"offline_rec.training"},
     {"offline_rec.eval", "offline_rec.view"},
-    {"offline_rec.demo"},
+    {"offline_rec.demo", "offline_rec.rounds"},  # the whole loop: rollout, training and eval together
     {"offline_rec.cli", "offline_rec.display", "offline_rec.summaries", "offline_rec.__main__"},
 ]
 

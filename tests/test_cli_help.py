@@ -17,7 +17,7 @@ from offline_rec.cli import app
 
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "cli_help"
 COMMANDS = ("", "validate", "inspect", "view", "import", "filter", "reward", "train", "push", "pull", "collect",
-            "merge", "cache", "cache list", "cache clear", "eval", "record", "report", "demo")
+            "merge", "cache", "cache list", "cache clear", "eval", "record", "report", "demo", "rounds")
 
 
 def help_text(command: str) -> str:

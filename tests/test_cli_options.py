@@ -36,7 +36,7 @@ from offline_rec.options import (
 )
 
 BUILT = ("validate", "inspect", "import", "filter", "reward", "train", "push", "pull", "collect", "merge",
-         "cache list", "cache clear", "eval", "record", "view", "report", "demo")
+         "cache list", "cache clear", "eval", "record", "view", "report", "demo", "rounds")
 
 
 def all_commands(group=None, prefix="") -> dict:
@@ -259,6 +259,7 @@ def test_an_order_naming_no_parameter_is_refused():
 @pytest.mark.parametrize("quiet", [False, True])
 @pytest.mark.parametrize(("command_name", "module", "function"), [
     ("collect", "offline_rec.rollout.collect", "collect"), ("eval", "offline_rec.eval.rollouts", "evaluate"),
+    ("rounds", "offline_rec.rounds.round_loop", "run_rounds"),
 ])
 def test_collect_and_eval_receive_a_config_built_with_progress_from_quiet(monkeypatch, tmp_path, quiet, command_name,
                                                                            module, function):
@@ -341,6 +342,23 @@ def test_a_group_option_named_like_an_option_of_the_config_is_refused():
         class Clashing:
             count: int = option(3, "--count", help="How many.")
             group: Counted = nested(Counted)
+
+
+@flattened
+@dataclasses.dataclass
+class Narrowed:
+    count: int = option(3, "--count", help="How many.")
+    sampling: Sampling = nested(Sampling, without=("seed",))
+
+
+def test_a_nested_group_can_leave_options_out():
+    """`without`: no flag and no keyword argument for them; the attribute reads the group's default."""
+    assert [f.name for f in cli_fields(Narrowed)] == ["count", "top_p", "greedy_too"]
+    assert Narrowed(top_p=0.5).seed == 0 and Narrowed(top_p=0.5).top_p == 0.5
+    with pytest.raises(TypeError):
+        Narrowed(seed=4)
+    with pytest.raises(TypeError, match=r"names no option of Sampling: \['sede'\]"):
+        nested(Sampling, without=("sede",))
 
 
 def test_an_after_naming_no_option_is_refused():

@@ -7,7 +7,7 @@ that each experiment's protocol runs end to end, chooses on validation only and 
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +17,18 @@ import pytest
 from support.datagen import make_rows, write_dataset
 from support.paths import REPO
 
-from experiments import edge, harness, logged, mixture, paper, peers
+from experiments import (
+    edge,
+    harness,
+    logged,
+    mixture,
+    paper,
+    peers,
+    rounds,
+    smollm2_arms,
+    smollm2_calibrate,
+    smollm2_cost,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +45,8 @@ def test_an_experiment_runs_as_a_module_from_the_repository_root():
     assert done.returncode == 0 and done.stdout.startswith("usage: "), done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper", "edge"])
+@pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper", "rounds",
+                                  "smollm2_calibrate", "smollm2_cost", "smollm2_arms", "edge"])
 def test_every_experiment_parses_its_options(name, capsys):
     """Each experiment's `main` (what `python -m experiments.NAME` calls) parses its options; here, in this process."""
     import importlib
@@ -149,15 +161,6 @@ def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
     assert edge.plan(["rec-logged"], seeds, done, True, (0,)) == [("rec-logged", 1e-3, 1), ("rec-logged", 1e-3, 2)]
     with pytest.raises(SystemExit, match="no grid results yet for w-reinforce"):
         edge.plan(["rec-logged", "w-reinforce"], seeds, done, True, (0,))
-
-
-def test_grid_options_replace_only_what_was_given():
-    """--lrs and --seeds replace the scale's; an option not given, or not in the parser (mixture has no --lrs), keeps
-    the scale's value."""
-    given = harness.with_grid_options(edge.EdgeScale(), argparse.Namespace(lrs="3e-4,6e-4", seeds="0,2"))
-    assert (given.lrs, given.seeds) == ((3e-4, 6e-4), (0, 2))
-    kept = harness.with_grid_options(edge.EdgeScale(), argparse.Namespace(seeds=None))
-    assert kept == edge.EdgeScale()
 
 
 def test_edge_paired_table_by_hand():
@@ -420,3 +423,125 @@ def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_po
     restart = paper.Scale(**{**paper.asdict(scale), "optimizer": "restart"})
     assert paper.read_results(tmp_path / "paper", restart) == []  # results of one choice never stand for the other
     assert len(paper.read_results(tmp_path / "paper", scale)) == 1
+
+
+@pytest.mark.slow
+def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path):
+    """experiments/rounds.py --quick (cut to one round here: the loop itself is tests/rounds/'s): rec-logged and
+    filtered-SFT on the same prompts and samples; the table's means are the runs' own lines; a rerun has nothing
+    left to do."""
+    import yaml
+
+    scale = dataclasses.replace(rounds.QUICK, rounds=1)
+    outcome = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], scale, log=lambda message: None)
+    lines = {arm: [json.loads(line) for line in (rounds.run_dir(tmp_path, arm, 0) / "rounds.jsonl").open()]
+             for arm in ("rec-logged", "filtered-sft")}
+    results = harness.read_results(tmp_path / rounds.RESULTS_FILE)
+    assert [(r["arm"], r["seed"]) for r in results] == [("rec-logged", 0), ("filtered-sft", 0)]
+    for arm, arm_lines in lines.items():
+        assert [line["collect_samples_total"] for line in arm_lines] == [0, 64]  # 16 prompts x 4
+        table_rows = [row for row in outcome["rows"] if row["arm"] == arm]
+        assert [row["greedy"] for row in table_rows] == [100 * line["greedy_accuracy"] for line in arm_lines]
+    prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-1" / "prompts.jsonl").read_text() for arm in lines]
+    assert prompts[0] == prompts[1]  # the same prompts for every arm
+    sft = yaml.safe_load((rounds.run_dir(tmp_path, "filtered-sft", 0) / "round-1" / "run" / "config.yaml").read_text())
+    assert (sft["algorithm"], sft["baseline"], sft["group_mean"], sft["lr"]) == ("reinforce", "constant", False, 1e-3)
+    assert (tmp_path / rounds.PLOT_FILE).stat().st_size > 0 and "| filtered-sft | 1 | 1 | 64 |" in outcome["table"]
+    watched = rounds.run_dir(tmp_path, "rec-logged", 0) / "rounds.jsonl"
+    before = watched.stat().st_mtime_ns
+    again = rounds.run(tmp_path, ["rec-logged", "filtered-sft"], scale, log=lambda message: None)
+    assert watched.stat().st_mtime_ns == before and again["table"] == outcome["table"]  # nothing run again
+    assert len(harness.read_results(tmp_path / rounds.RESULTS_FILE)) == 2
+
+
+# SmolLM2-135M-Instruct (experiments/smollm2_*.py; their numbers in docs/paper.md "A real model"), on a tiny chat model
+
+
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> str:
+    """A tiny llama with a chat template: SmolLM2's scripts at tiny sizes."""
+    from support.train_support import tiny_model
+
+    return tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.slow
+def test_calibration_measures_a_candidate_and_resumes(tmp_path, chat_model):
+    results = tmp_path / "calibration.jsonl"
+    argv = ["--quick", "--model", chat_model, "--out", str(tmp_path / "cal"), "--candidates", "one-digit,sums9",
+            "--results", str(results)]
+    smollm2_calibrate.main(argv)
+    first = jsonl(results)
+    assert [line["candidate"] for line in first] == ["one-digit", "sums9"]
+    for line in first:
+        assert line["prompts"] == 4 and line["k"] == 4 and 0 <= line["t1_accuracy"] <= 1
+        assert 0 <= line["all_equal_k4"] <= 1 and line["all_equal_k8"] is None  # 4 samples: no group of 8
+    assert smollm2_calibrate.main(argv) == [] and jsonl(results) == first  # measured already: skipped
+
+
+def test_spread_and_carries_by_hand():
+    assert smollm2_calibrate.spread([[1, 1, 1, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]], 4) == pytest.approx(2 / 3)
+    assert smollm2_calibrate.spread([[1, 1, 1, 1, 0], [0, 0, 0, 0, 0], [1, 0, 1, 1, 1]], 5) == pytest.approx(1 / 3)
+    assert smollm2_calibrate.spread([[1, 0]], 4) is None
+    assert smollm2_calibrate.carries((5, 5)) and smollm2_calibrate.carries((15, 91)) and not smollm2_calibrate.carries(
+        (23, 14))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~6 min on a loaded machine: 4 trainings, 7 evaluations, each a child process
+def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model):
+    results = tmp_path / "arms.jsonl"
+    argv = ["--quick", "--model", chat_model, "--out", str(tmp_path / "arms"), "--arms",
+            "filtered-sft,filtered-sft-lora", "--lrs", "1e-3,1e-2", "--results", str(results)]
+    outcome = smollm2_arms.main(argv)
+    by_arm = {}
+    for line in jsonl(results):
+        by_arm.setdefault(line["arm"], []).append(line)
+    (base,) = by_arm.pop("base")
+    assert {"validation", "greedy", "t1", "ood_greedy", "test_pass@4", "ood_pass@4"} <= set(base)
+    validation = jsonl(tmp_path / "arms" / "validation.jsonl")
+    from offline_rec.dataset.format import open_dataset
+
+    data = tmp_path / "arms" / "data-k8"
+    meta = [json.loads(group[0]["meta"]) for group in open_dataset(data).iter_groups(["meta"])]
+    assert len(meta) == 8 and sum(1 for group in open_dataset(data).iter_groups() for _ in group) == 8 * 4
+    asked = {(tuple(fields["operands"]), fields["wording"]) for fields in meta}
+    assert len(validation) == 4 and not asked & {(tuple(row["operands"]), row["wording"]) for row in validation}
+    assert set(by_arm) == {"filtered-sft", "filtered-sft-lora"}
+    for arm, runs in by_arm.items():
+        assert sorted(run["lr"] for run in runs) == [1e-3, 1e-2]
+        for run in runs:
+            assert run["peak_rss_mib"] > 100 and run["steps"] >= 1 and run["rows"] >= 1
+            assert {"test_accuracy", "test_pass@1", "test_pass@4", "ood_accuracy", "ood_pass@4"} <= set(run)
+            assert not (tmp_path / "arms" / "runs" / f"{arm}-lr{run['lr']:g}-seed0").exists()  # numbers kept only
+        (row,) = [row for row in outcome["rows"] if row["arm"] == arm]
+        assert row["lr"] == max(runs, key=lambda run: run["validation"])["lr"]  # one seed: its validation chooses
+    lora_spec = by_arm["filtered-sft-lora"][0]["arm_spec"]["train"]
+    assert lora_spec["lora_r"] == 16 and lora_spec["skip_zero_advantage"] is True
+    assert smollm2_arms.main(argv)["rows"] == outcome["rows"] and len(jsonl(results)) == 5  # resumed: nothing rerun
+    assert "| filtered-sft-lora |" in outcome["table"] and "| base (untrained) |" in outcome["table"]
+
+
+@pytest.mark.slow
+def test_cost_of_training_steps(tmp_path, chat_model):
+    from support.train_support import write_dataset as write_train_dataset
+
+    data = write_train_dataset(tmp_path / "data", chat_model, num_groups=4, group_size=4)
+    results = tmp_path / "cost.jsonl"
+    measured = smollm2_cost.main(["--what", "train", "--quick", "--model", chat_model, "--data", data, "--out",
+                                  str(tmp_path / "cost"), "--kinds", "full,lora-r8", "--results", str(results)])
+    assert [line["kind"] for line in measured] == ["full", "lora-r8"]
+    for line in measured:
+        assert line["steps"] == 2 and line["step_seconds"] > 0 and line["peak_rss_mib"] > 100
+    assert jsonl(results) == [{**line, "model": chat_model} for line in measured]
+
+
+def test_steady_rates_by_hand():
+    runs = [{"backend": "vllm", "repeat": 0, "samples": 16, "completion_tokens": 160, "seconds": 30.0},
+            {"backend": "vllm", "repeat": 0, "samples": 116, "completion_tokens": 1160, "seconds": 40.0},
+            {"backend": "hf", "repeat": 0, "samples": 16, "completion_tokens": 100, "seconds": 10.0}]
+    assert smollm2_cost.steady_rates(runs) == {"vllm": {"samples_per_s": 10.0, "tokens_per_s": 100.0}}

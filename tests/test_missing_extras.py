@@ -110,6 +110,16 @@ def test_collect_on_vllm(policy, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "ds").exists()
 
 
+def test_rounds_on_vllm(policy, tmp_path, capsys, monkeypatch):
+    missing(monkeypatch, "vllm")
+    code, _, err = run_cli(capsys, "rounds", "--model", policy, "--task", "arith", "--backend", "vllm",
+                           "--out", tmp_path / "run", "-q")
+    assert code == 2
+    assert one_error_line(err) == ("error: --backend vllm: vLLM cannot be imported (ModuleNotFoundError: import of "
+                                   f"vllm halted; None in sys.modules); {VLLM_LINE}, or use --backend hf")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("case, module, expected", [
     ("lora", "peft", 'error: lora_r > 0 needs peft: pip install "offline-rec[lora]"'),
     ("deepspeed", "deepspeed",

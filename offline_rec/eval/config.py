@@ -96,6 +96,10 @@ class EvalConfig:
         16, "--batch-size",
         help="Prompts per generate call; --offline: sequences per forward pass.",
     )
+    entropy: bool = option(
+        False, "--entropy/--no-entropy",
+        help="Also the mean token entropy of the distribution sampled from (one transformers pass over the rollouts).",
+    )
     success_threshold: float = option(
         SUCCESS_THRESHOLD, "--success-threshold",
         help="A sample is correct when its reward is above this (accuracy, pass@k).",
@@ -140,8 +144,9 @@ class EvalConfig:
         if self.data_parallel_size < 1:
             raise UserError(f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.mode == "offline":
-            if self.resume:
-                raise UserError("--resume continues a rollout evaluation; eval --offline samples nothing")
+            if self.resume or self.entropy:
+                raise UserError(f"{'--resume' if self.resume else '--entropy'} goes with a rollout evaluation; "
+                                "eval --offline samples nothing")
             if not self.model and not self.run:
                 raise UserError("eval --offline needs --model (or --run, whose final model is used)")
             if not self.data and not self.run:
@@ -149,6 +154,8 @@ class EvalConfig:
             return
         if self.data or self.run:
             raise UserError("--data and --run go with --offline (an estimate from logged data)")
+        if self.entropy and self.sampling_temperature == 0:
+            raise UserError("--entropy measures the distribution sampled from; at --temperature 0 (greedy) it is 0")
         for value, flag in ((self.model, "--model"), (self.task, "--task"), (self.out, "--out")):
             if not value:
                 raise UserError(f"eval needs {flag} (or --offline to estimate from logged data)")

@@ -4,7 +4,9 @@ Sources, any number and mix of them:
 - a train RUN folder: RUN/metrics.jsonl (one flat JSON object per optimizer step; evaluation steps
   also carry `eval/...` keys) and RUN/config.yaml (its `algorithm` names the run in legends);
 - an evaluation: an EVAL folder or its summary.json, as written by `offline-rec eval` (rollouts or
-  --offline), e.g. the policy before and after training.
+  --offline), e.g. the policy before and after training;
+- a rounds RUN folder (`offline-rec rounds`): RUN/rounds.jsonl, one flat line per round
+  (offline_rec/rounds/records.py says what each key holds).
 
 Written into OUT:
 - training.png  training curves over steps (loss, batch reward, clip fraction, KL to behavior,
@@ -12,8 +14,13 @@ Written into OUT:
 - eval.png      every `eval/...` metric over steps, runs overlaid (held-out accuracy over training)
 - evals.png     the evaluations side by side: one group of bars per metric, one bar per evaluation
                 (with the bootstrap interval of offline estimates)
+- rounds.png    every rounds run side by side, one panel per metric over rounds (held-out greedy accuracy, at
+                T=1, pass@k at the largest k, entropy, OOD accuracy, the reward and all-equal share of each
+                round's logs, staleness and importance-weight ESS of the trained rows); round 0 is the start
+- passk.png     pass@k against k on the held-out prompts: each rounds run's start (dashed) and last round
 - summary.md    tables: per run its steps and final training metrics; per run and eval metric its
-                final and best value (and the step of the best); the evaluations' metrics side by side
+                final and best value (and the step of the best); the evaluations' metrics side by side;
+                per rounds run, a line per round (scores, what its data held, what it cost)
 Only the figures that have something to show are written.
 """
 
@@ -34,6 +41,19 @@ from offline_rec.errors import UserError  # noqa: E402
 from offline_rec.training import checkpoint as ckpt  # noqa: E402
 
 EVAL_PREFIX = "eval/"
+ROUNDS_FILE = "rounds.jsonl"
+"""A rounds run's lines, one per round (written by offline_rec/rounds/records.py)."""
+ROUND_CURVES = (
+    ("greedy_accuracy", "held-out greedy accuracy"),
+    ("accuracy", "held-out accuracy at T=1"),
+    ("pass@max", "held-out pass@k, largest k"),
+    ("entropy_mean", "mean token entropy at T=1 (nats)"),
+    ("ood_greedy_accuracy", "OOD greedy accuracy"),
+    ("data_reward_mean", "reward of the round's logs"),
+    ("data_all_equal_share", "share of all-equal groups in the logs"),
+    ("staleness_mean", "staleness of the trained rows (versions)"),
+    ("ess_mean", "importance-weight ESS of the steps"),
+)
 TRAINING_CURVES = (
     ("loss", "loss"),
     ("reward_mean", "reward of the batches"),
@@ -72,6 +92,8 @@ class Source:
     """run: metrics.jsonl lines sorted by step (a repeated step keeps its last line)."""
     eval_metrics: dict = field(default_factory=dict)
     """eval: summary.json's flat metrics."""
+    rounds: list[dict] = field(default_factory=list)
+    """rounds: rounds.jsonl's lines, round 0 (the start) first."""
     algorithm: str | None = None
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
@@ -89,6 +111,11 @@ def load_source(path: str | Path) -> Source:
     path = Path(path)
     if path.is_file() and path.suffix == ".json":
         return _eval_source(path, path.parent.name)
+    if path.is_dir() and (path / ROUNDS_FILE).is_file():
+        lines = [line for line in read_metrics(path / ROUNDS_FILE, key="round")]
+        if not lines:
+            raise UserError(f"{path / ROUNDS_FILE} holds no finished round yet")
+        return Source(label=path.name, path=path, kind="rounds", rounds=lines)
     if path.is_dir() and (path / ckpt.METRICS_FILE).is_file():
         return Source(label=path.name, path=path, kind="run", steps=read_metrics(path / ckpt.METRICS_FILE),
                       algorithm=_run_algorithm(path))
@@ -99,16 +126,17 @@ def load_source(path: str | Path) -> Source:
     raise UserError(f"{path} is neither a train run folder (with {ckpt.METRICS_FILE}) nor an evaluation (summary.json)")
 
 
-def read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl lines with an integer step, sorted by step; a line cut by a crash is skipped."""
+def read_metrics(path: Path, key: str = "step") -> list[dict]:
+    """metrics.jsonl lines with an integer step (or other `key`: rounds.jsonl's round), sorted by it, a repeated one
+    keeping its last line; a line cut by a crash is skipped."""
     by_step: dict[int, dict] = {}
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            by_step[record["step"]] = record
+        if isinstance(record, dict) and isinstance(record.get(key), int):
+            by_step[record[key]] = record
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -368,6 +396,64 @@ def _colors():
     return plt.get_cmap("tab10").colors * 10
 
 
+def _pass_keys(line: dict) -> list[str]:
+    """A line's pass@k keys (no prefix), by k."""
+    return sorted((key for key in line if key.startswith("pass@") and key[5:].isdigit()), key=lambda key: int(key[5:]))
+
+
+def round_series(source: Source, key: str) -> tuple[list[int], list[float]]:
+    """(rounds, values) of `key` in a rounds run's lines that have a number for it; "pass@max": the largest k of
+    the run's evaluations."""
+    if key == "pass@max":
+        keys = _pass_keys(source.rounds[-1])
+        key = keys[-1] if keys else key
+    points = [(line["round"], line[key]) for line in source.rounds if _is_number(line.get(key))]
+    return [r for r, _ in points], [float(v) for _, v in points]
+
+
+def plot_rounds(runs: list[Source], path: Path) -> bool:
+    """rounds.png: one panel per ROUND_CURVES metric any run has, runs overlaid; False if there is none."""
+    curves = [(key, title) for key, title in ROUND_CURVES if any(round_series(run, key)[0] for run in runs)]
+    if not curves:
+        return False
+    figure, axes = _panels(len(curves))
+    for axis, (key, title) in zip(axes, curves):
+        shown = []
+        for color, run in zip(_colors(), runs):
+            rounds, values = round_series(run, key)
+            if key == "pass@max" and rounds:
+                title = f"held-out {_pass_keys(run.rounds[-1])[-1]}"
+            shown += values
+            axis.plot(rounds, values, color=color, linewidth=1.5, marker="o", markersize=4, label=run.label)
+        _style_axis(axis, key if key != "pass@max" else "pass@", title, shown)
+        axis.set_xlabel("round (0: the start policy)", fontsize=9)
+    _finish(figure, axes, "rounds", path)
+    return True
+
+
+def plot_pass_at_k(runs: list[Source], path: Path) -> bool:
+    """passk.png: pass@k against k (log2 axis) on the held-out prompts, each run's start dashed and its last round
+    solid; False when no run has pass@k beyond k = 1."""
+    if not any(len(_pass_keys(run.rounds[-1])) > 1 for run in runs):
+        return False
+    figure, axis = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    for color, run in zip(_colors(), runs):
+        last = run.rounds[-1]
+        for line, style, which in ((run.rounds[0], "--", "start"), (last, "-", f"round {last['round']}")):
+            keys = _pass_keys(line)
+            axis.plot([int(k[5:]) for k in keys], [line[k] for k in keys], linestyle=style, color=color, marker="o",
+                      markersize=3, label=f"{run.label}: {which}")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("k (samples per prompt)")
+    axis.set_ylabel("pass@k, held-out prompts")
+    axis.set_ylim(-0.03, 1.03)
+    axis.grid(True, alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # the markdown table
 
@@ -389,8 +475,9 @@ def _best(steps: list[int], values: list[float], key: str) -> tuple[float, int]:
     return best, steps[values.index(best)]
 
 
-def summary_markdown(runs: list[Source], evals: list[Source]) -> str:
-    """summary.md: training runs, evaluations during training (final and best), evaluations side by side."""
+def summary_markdown(runs: list[Source], evals: list[Source], rounds_runs: list[Source] = ()) -> str:
+    """summary.md: training runs, evaluations during training (final and best), rounds runs, evaluations side by
+    side."""
     lines = ["# Summary", ""]
     if runs:
         training_keys = [key for key, _ in TRAINING_CURVES if any(run.series(key)[0] for run in runs)]
@@ -422,6 +509,8 @@ def summary_markdown(runs: list[Source], evals: list[Source]) -> str:
                     cells += [format_number(values[-1]), f"{format_number(best)} ({best_step})"]
                 lines.append(f"| {key} | " + " | ".join(cells) + " |")
             lines.append("")
+    for run in rounds_runs:
+        lines += rounds_table(run)
     if evals:
         keys = _ordered_metrics({key for e in evals for key in e.eval_metrics})
         lines += ["## Evaluations", "", "| metric | " + " | ".join(e.label for e in evals) + " |",
@@ -432,13 +521,32 @@ def summary_markdown(runs: list[Source], evals: list[Source]) -> str:
     return "\n".join(lines)
 
 
+def rounds_table(run: Source) -> list[str]:
+    """summary.md's table of a rounds run: a line per round."""
+    top = (_pass_keys(run.rounds[-1]) or ["pass@1"])[-1]
+    columns = (("greedy_accuracy", "greedy"), ("accuracy", "T=1"), (top, top), ("entropy_mean", "entropy"),
+               ("ood_greedy_accuracy", "OOD greedy"), ("data_reward_mean", "logs reward"),
+               ("data_all_equal_share", "all-equal"), ("train_steps", "steps"), ("train_rows", "rows"),
+               ("staleness_mean", "staleness"), ("ess_mean", "ESS"), ("chosen_step", "chosen step"),
+               ("collect_samples", "collect samples"), ("eval_samples", "eval samples"), ("seconds", "seconds"))
+    columns = tuple((key, name) for key, name in columns if any(line.get(key) is not None for line in run.rounds))
+    lines = [f"## Rounds: {run.label}", "", "| round | " + " | ".join(name for _, name in columns) + " |",
+             "|---:|" + "---:|" * len(columns)]
+    for line in run.rounds:
+        cells = [format_number(line.get(key)) for key, _ in columns]
+        lines.append(f"| {line['round']}{'' if line.get('trained', True) else ' (skipped)'} | " + " | ".join(cells)
+                     + " |")
+    return lines + [""]
+
+
 # --------------------------------------------------------------------------------------------
 
 
 def report_runs(run_dirs, out_dir, smoothing: float = 0.0) -> dict[str, Path]:
     """Read every source (see the module docstring), write the figures and summary.md into `out_dir`.
 
-    Returns {"training": ..., "eval": ..., "evals": ..., "summary": ...} for the files written.
+    Returns {"training": ..., "eval": ..., "evals": ..., "rounds": ..., "passk": ..., "summary": ...} for the
+    files written.
     """
     if not run_dirs:
         raise UserError("report needs at least one run or evaluation folder")
@@ -447,6 +555,7 @@ def report_runs(run_dirs, out_dir, smoothing: float = 0.0) -> dict[str, Path]:
     _unique_labels(sources)
     runs = [s for s in sources if s.kind == "run"]
     evals = [s for s in sources if s.kind == "eval"]
+    rounds_runs = [s for s in sources if s.kind == "rounds"]
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--out {out_dir} is a file; give a directory")
@@ -458,7 +567,11 @@ def report_runs(run_dirs, out_dir, smoothing: float = 0.0) -> dict[str, Path]:
         written["eval"] = out_dir / "eval.png"
     if evals and plot_evaluations(evals, out_dir / "evals.png"):
         written["evals"] = out_dir / "evals.png"
+    if rounds_runs and plot_rounds(rounds_runs, out_dir / "rounds.png"):
+        written["rounds"] = out_dir / "rounds.png"
+    if rounds_runs and plot_pass_at_k(rounds_runs, out_dir / "passk.png"):
+        written["passk"] = out_dir / "passk.png"
     summary_path = out_dir / "summary.md"
-    summary_path.write_text(summary_markdown(runs, evals), encoding="utf-8")
+    summary_path.write_text(summary_markdown(runs, evals, rounds_runs), encoding="utf-8")
     written["summary"] = summary_path
     return written

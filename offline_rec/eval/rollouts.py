@@ -18,7 +18,14 @@ offline_rec.eval.offline):
    - pass@k for k = 1, 2, 4, ... and K: the unbiased estimator 1 - C(n-c, k) / C(n, k) of "at
      least one of k samples is correct" per prompt (n samples, c correct), averaged over prompts
    - length_mean / length_p50 / length_max (completion tokens), truncation_rate (finish "length")
-   All rates are fractions in [0, 1].
+   - with `entropy`: entropy_mean, the mean over every sampled completion token (all prompts, all samples) of
+     H = -sum_v p(v) log p(v), p the distribution that token was sampled from (softmax(logits / T) after top-k
+     and top-p, `models.teacher_forced.sampled_distribution_entropy`; at the default T=1, no truncation: the
+     policy's own next-token distribution), in nats; per prompt too. It is computed by one teacher-forced
+     transformers pass over the rollouts in the sampling dtype, after sampling, whatever the backend (vLLM
+     returns the sampled token's log-prob, not the distribution), so both backends report the same quantity.
+   All rates are fractions in [0, 1]. summary.json's `generated` counts what the evaluation sampled: samples
+   (K per prompt, plus one greedy completion per prompt) and their completion tokens, its cost at equal budgets.
 
 During training (`evaluate_checkpoint`, the hook `train --eval-every` gets): each checkpoint is
 evaluated into RUN/eval/step-NNNNNN with the EvalConfig that `training_eval_config` makes of the
@@ -66,6 +73,9 @@ TRAINING_EVAL_MAX_NEW_TOKENS = 128
 TRAINING_EVAL_TEMPERATURE = 1.0
 TRAINING_EVAL_BATCH_SIZE = 32
 TRAINING_EVAL_GPU_SHARE = 0.3  # vLLM's share of the GPU: the trainer holds the rest (CUDA only)
+ENTROPY_LOGITS = 1 << 25
+"""The entropy pass's batches: at most this many logits (128 MiB in float32) and ENTROPY_MAX_ROWS rows."""
+ENTROPY_MAX_ROWS = 512
 CHILD_OUTPUT_LINES = 20
 """Lines of a failed child evaluation's output repeated in the warning."""
 
@@ -203,19 +213,26 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         groups = _read_groups(rollouts)
         greedy_samples = _greedy_pass(engines, collect_config, groups) if config.greedy else None
         engine = engines.info["engine"]
+        dtype = engines.info["dtype"]
     threshold = config.success_threshold
+    entropies = rollout_entropies(groups, model, dtype, collect_config.sampling) if config.entropy else None
     per_prompt, lengths = [], []
     for index, group in enumerate(groups):
         metrics = prompt_metrics(group["rewards"], group["lengths"], group["finish_reasons"], threshold)
         lengths.extend(group["lengths"])
         entry = {"group_id": group["group_id"], "prompt": group["prompt"], "fields": group["fields"],
                  "rewards": group["rewards"], **metrics}
+        if entropies is not None:
+            entry["entropy_mean"] = _mean(entropies[index])
         if greedy_samples is not None:
             entry.update(greedy_samples[index])
         per_prompt.append(entry)
     metrics = aggregate_metrics(
         per_prompt, lengths, [g["greedy_reward"] for g in greedy_samples] if greedy_samples else None, threshold
     )
+    if entropies is not None:
+        metrics["entropy_mean"] = _mean([h for group in entropies for h in group])
+    greedy_lengths = [g["greedy_length"] for g in greedy_samples or ()]
     manifest = open_dataset(rollouts).manifest
     summary = {
         "kind": "rollout",
@@ -230,11 +247,34 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
         "success_threshold": threshold,
         "rollouts": str(rollouts),
         "reward_stats": (manifest.get(S.M_STATS) or {}).get("reward"),
+        "generated": {"samples": len(lengths) + len(greedy_lengths), "tokens": sum(lengths) + sum(greedy_lengths)},
         "metrics": metrics,
     }
     atomic_write_text(out / PER_PROMPT_FILE, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in per_prompt))
     atomic_write_json(out / SUMMARY_FILE, summary)
     return summary
+
+
+def rollout_entropies(groups: list[dict], model: str, dtype: str, sampling) -> list[list[float]]:
+    """Per group, the entropy (nats) of the sampling distribution at each of its completion tokens, every sample
+    after the other (see the module docstring): `model` loaded with transformers in `dtype`, teacher-forced."""
+    from offline_rec.models.loading import load_model, load_tokenizer
+    from offline_rec.models.teacher_forced import teacher_forced_entropies
+
+    policy = load_model(model, dtype=dtype, device="cuda" if cuda_available() else None)
+    prompts = [group["prompt_ids"] for group in groups for _ in group["completion_ids"]]
+    completions = [ids for group in groups for ids in group["completion_ids"]]
+    longest = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    vocabulary = policy.get_output_embeddings().weight.shape[0]
+    rows = max(1, min(ENTROPY_MAX_ROWS, ENTROPY_LOGITS // (longest * vocabulary)))  # a batch's logits in budget
+    per_row = iter(teacher_forced_entropies(policy, load_tokenizer(model), prompts, completions, batch_size=rows,
+                                            temperature=sampling.temperature, top_k=sampling.top_k,
+                                            top_p=sampling.top_p))
+    return [[h for _ in group["completion_ids"] for h in next(per_row)] for group in groups]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def rollout_config(config: EvalConfig, model: str):
@@ -291,7 +331,9 @@ def evaluate_greedy(config: EvalConfig, backend) -> dict:
                **greedy_metrics([g["greedy_reward"] for g in greedy], config.success_threshold)}
     summary = {"kind": "greedy", "model": model, "task": task_spec.name, "backend": backend.engine,
                "prompts": str(config.prompts) if config.prompts else f"builtin:{task_spec.name}/{config.split}",
-               "success_threshold": config.success_threshold, "metrics": metrics}
+               "success_threshold": config.success_threshold,
+               "generated": {"samples": len(greedy), "tokens": sum(g["greedy_length"] for g in greedy)},
+               "metrics": metrics}
     clear_out(out)
     atomic_write_text(out / PER_PROMPT_FILE, "".join(
         json.dumps({"prompt": text, "fields": fields, **g}, ensure_ascii=False) + "\n"
@@ -342,6 +384,7 @@ def _read_groups(rollouts: Path) -> list[dict]:
             "prompt_ids": rows[0][S.PROMPT_IDS],
             "fields": json.loads(rows[0][S.META]),
             "rewards": [row[S.REWARD] for row in rows],
+            "completion_ids": [row[S.COMPLETION_IDS] for row in rows],
             "lengths": [len(row[S.COMPLETION_IDS]) for row in rows],
             "finish_reasons": [row[S.FINISH_REASON] for row in rows],
         })
@@ -361,7 +404,8 @@ def _greedy_pass(engines, collect_config, groups: list[dict]) -> list[dict]:
     results = sample_greedy(engines, collect_config, [(g["prompt"], g["prompt_ids"], g["fields"]) for g in groups],
                             unit_size=collect_config.batch_size if batches else 1)
     return [{"greedy_completion": r.samples[0].text, "greedy_reward": r.rewards[0],
-             "greedy_finish_reason": r.samples[0].finish_reason} for r in results]
+             "greedy_finish_reason": r.samples[0].finish_reason, "greedy_length": len(r.samples[0].completion_ids)}
+            for r in results]
 
 
 # --------------------------------------------------------------------------------------------

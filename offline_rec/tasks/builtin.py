@@ -7,6 +7,9 @@ the flat registry `TASKS`:
 - ``arith``: synthetic "What is a+b? " prompts (a, b in 10..99) with a fixed train/test split.
 - ``add3`` .. ``add6``: the same question with d-digit a and b (the family's difficulty knob), and a third split,
   ``ood``: the sums whose carry runs through every column, a step harder than any train or test prompt.
+- ``sums9``, ``sums19``: small sums (a, b in 1..9; in 1..19 with a two-digit one) in twelve wordings, the
+  edge of a small instruct model; split ood: the next level's pairs; reward = the completion states the sum and
+  no other result.
 - ``gsm8k``: grade-school word problems from a file (--prompts); reward = final number is right.
 - ``math``: competition problems from a file; reward = the final answer is right.
 
@@ -451,6 +454,96 @@ ADD_TASKS = {
 
 
 # ---------------------------------------------------------------------------------------------
+# sums9, sums19: small sums at a small instruct model's edge (SmolLM2-135M-Instruct; issue 47)
+#
+# The knob is the largest operand, one level per entry of SUM_LEVELS: sums9 asks a+b with a, b in 1..9; sums19, one
+# step harder, a, b in 1..19 with at least one of them two-digit (a level never asks the pairs of the level below).
+# Each pair is asked in every one of SUM_WORDINGS, so that a split holds many distinct prompts. Splits, fixed by the
+# pair alone: "ood" is every pair of the next level (sums9's ood is sums19's pairs, all of them); of the level's own
+# pairs, a hash (`arith_split`) puts about 20% in "test", the rest in "train", so no wording of a test pair is ever
+# in "train". Operands start at 1, so the sum is never an operand (`stated_sum_reward`). docs/paper.md, "A real
+# model: SmolLM2-135M-Instruct", has the calibration.
+
+SUM_LEVELS = (9, 19, 39)
+"""The largest operand of each level; the last one is only the ood split of the one before."""
+SUM_LARGEST = SUM_LEVELS[:-1]
+"""The family's tasks: sums{n} for each largest operand n."""
+SUM_WORDINGS = (
+    "What is {a}+{b}? ", "What is {a} + {b}? ", "What is {a} plus {b}? ", "What is the sum of {a} and {b}? ",
+    "What do you get when you add {a} and {b}? ", "Add {a} and {b}. ", "Add {b} to {a}. ", "Calculate {a} + {b}. ",
+    "Compute {a}+{b}. ", "How much is {a} plus {b}? ", "Find the sum of {a} and {b}. ", "{a} + {b} = ? ",
+)
+
+
+def sum_level_pairs(largest: int) -> list[tuple[int, int]]:
+    """Every (a, b) of level `largest` (an entry of SUM_LEVELS), in (a, b) order: a, b in 1..largest with
+    max(a, b) above the level below's largest."""
+    below = ([0, *SUM_LEVELS])[SUM_LEVELS.index(largest)]
+    return [(a, b) for a in range(1, largest + 1) for b in range(1, largest + 1) if max(a, b) > below]
+
+
+@cache
+def sum_pairs(largest: int, split: str) -> tuple[tuple[int, int], ...]:
+    """The (a, b) of task sums{largest} in `split`: its own level's pairs split by `arith_split` for train and test
+    (sums9: 63 train, 18 test; sums19: 235 train, 45 test), the next level's pairs for ood (sums9: 280, the pairs of
+    sums19; sums19: 1160)."""
+    if largest not in SUM_LARGEST:
+        raise one_of("sums task", f"sums{largest}", [f"sums{n}" for n in SUM_LARGEST])
+    if split not in SPLITS:
+        raise one_of(f"sums{largest} split", split, SPLITS)
+    if split == "ood":
+        return tuple(sum_level_pairs(SUM_LEVELS[SUM_LEVELS.index(largest) + 1]))
+    return tuple(pair for pair in sum_level_pairs(largest) if arith_split(*pair) == split)
+
+
+def sum_prompts(n: int, seed: int = 0, split: str = "train", largest: int = 9) -> list[PromptItem]:
+    """`n` distinct prompts of task sums{largest} from `split` (every pair in every wording), the same ones for the
+    same seed."""
+    pool = [(a, b, wording) for a, b in sum_pairs(largest, split) for wording in range(len(SUM_WORDINGS))]
+    if not 0 <= n <= len(pool):
+        raise UserError(f"sums{largest}: asked for {n} prompts but the {split} split has {len(pool)} distinct ones")
+    return [
+        PromptItem(prompt=SUM_WORDINGS[wording].format(a=a, b=b),
+                   fields={"operands": [a, b], "answer": a + b, "wording": wording},
+                   id=f"sums{largest}-{split}-{a}+{b}-w{wording}")
+        for a, b, wording in random.Random(seed).sample(pool, n)
+    ]
+
+
+def sum_operands(fields: dict) -> list[int]:
+    """The operands of a sum prompt: its `operands` field, else its `a` and `b` (arith's fields)."""
+    return [int(x) for x in fields["operands"]] if "operands" in fields else [int(fields["a"]), int(fields["b"])]
+
+
+def stated_sum_reward(prompt: str, completion: str, fields: dict) -> float:
+    """1.0 iff the completion writes the sum and no other result: the sum is among its numbers and every
+    number it writes is the sum or an operand. "17 + 25 = 42." and "42" score 1; "42 or 43", "40, 41, 42",
+    "17 + 25 = 42, 42 + 1 = 43" and a bare "17 + 25" score 0. Numbers in words are not read. With operands
+    of at least 1 (as every built-in prompt has), the sum is never an operand, so echoing the question
+    cannot score."""
+    operands = sum_operands(fields)
+    total = int(fields["answer"]) if "answer" in fields else sum(operands)
+    numbers = parse_numbers(completion)
+    return 1.0 if total in numbers and all(n == total or n in operands for n in numbers) else 0.0
+
+
+SUM_TASKS = {
+    f"sums{largest}": Task(
+        name=f"sums{largest}",
+        reward_fn=stated_sum_reward,
+        reward_name=function_name(stated_sum_reward),
+        prompts=functools.partial(sum_prompts, largest=largest),
+        splits=SPLITS,
+        chat_instruction=ARITH_CHAT_INSTRUCTION,
+        description=f"synthetic a+b in {len(SUM_WORDINGS)} wordings, a, b in 1..{largest}"
+                    + (" (one of them two-digit)" if largest > 9 else "")
+                    + "; split ood: the next level's pairs; the completion states the sum and no other result",
+    )
+    for largest in SUM_LARGEST
+}
+
+
+# ---------------------------------------------------------------------------------------------
 # registry
 
 TASKS: dict[str, Task] = {
@@ -480,6 +573,7 @@ TASKS: dict[str, Task] = {
         description="MATH-style {problem, answer | solution} file (--prompts); the stated answer must match",
     ),
     **ADD_TASKS,
+    **SUM_TASKS,
 }
 
 

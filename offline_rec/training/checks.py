@@ -220,3 +220,29 @@ def check_learning_signal(config: TrainConfig, index: group_index.GroupIndex, sc
                     f"{stats['singleton_groups']} groups of one response and {stats['zero_variance_groups']} "
                     "groups whose rewards are all equal; for the singletons, "
                     + SINGLETON_FIX.removeprefix("give them "))
+
+
+def learning_signal(config: TrainConfig, dataset: str | Path) -> dict:
+    """What `config`'s loss would learn from `dataset` alone, read from its rewards (no row store, no model):
+    rows, groups, reward_mean, all_equal_groups (groups of >= 2 rows whose rewards are all equal), singleton_groups
+    and signal_rows
+    (rows of advantage != 0 under config's algorithm, the data taken as one step, as `check_learning_signal`
+    counts them). `offline-rec rounds` skips a round whose data has no signal_rows instead of training on it."""
+    import torch
+
+    from offline_rec.loss.advantages import advantage_stats, group_advantages
+
+    objective = dataclasses.replace(config.objective, drop="none")  # RED-Drop's draws left out, as the check does
+    rewards, keys = [], []
+    for number, group in enumerate(open_dataset(dataset).iter_groups([S.REWARD])):
+        rewards += [row[S.REWARD] for row in group]
+        keys += [number] * len(group)
+    if not rewards or any(reward is None for reward in rewards):
+        raise UserError(f"{dataset}: {'no rows' if not rewards else 'rows without a reward'}: nothing to learn "
+                        "from; reward it first (offline-rec reward)")
+    values = torch.tensor(rewards, dtype=torch.float64)  # [N]
+    advantages, _ = group_advantages(objective, values, keys, dataset_moments=RewardMoments.of(rewards))
+    stats = advantage_stats(values, keys)
+    return {"rows": len(rewards), "groups": stats["num_groups"], "reward_mean": float(values.mean()),
+            "all_equal_groups": stats["zero_variance_groups"], "singleton_groups": stats["singleton_groups"],
+            "signal_rows": int((advantages != 0).sum())}

@@ -311,7 +311,7 @@ def test_the_child_command_line_gives_the_cli_the_same_config(tmp_path, monkeypa
                    prompt_column="q", split="train", reward="mod:fn", temperature=0.5, top_p=0.9, top_k=7,
                    max_new_tokens=9, batch_size=2, dtype="bfloat16", chat_template=False, success_threshold=0.25,
                    gpu_memory_utilization=0.4, reward_timeout_s=0, data_parallel_size=2, ray_address="auto",
-                   resume=True),
+                   resume=True, entropy=True),
         EvalConfig(offline=True, model="m", data=["a", "b"], run="r", num_bootstrap=5, temperature=0.3),
     ]
     for field in cli_fields(EvalConfig):  # between them, the configs move every option off its default

@@ -110,3 +110,25 @@ def test_eval_of_long_chat_prompts_with_a_seed(tmp_path, capsys, vllm_tiny_model
     assert run_cli(capsys, *argv, "--out", tmp_path / "again")[0] == 0
     again = [row for group in open_dataset(tmp_path / "again" / "rollouts").iter_groups() for row in group]
     assert [r[S.COMPLETION_IDS] for r in again] == [r[S.COMPLETION_IDS] for r in rows]
+
+
+def test_both_backends_report_the_same_entropy_of_the_same_model(tmp_path, backend, vllm_tiny_model):
+    """eval --entropy: the mean token entropy of the distribution sampled from, by one teacher-forced pass after
+    sampling whatever the backend; vLLM's and transformers' samples of the same model (T=1) visit the same
+    distribution of prefixes, so their means agree within the sampling noise (4 standard errors over prompts)."""
+    import statistics
+
+    from offline_rec.rollout.backends.hf import HFBackend
+
+    def entropies(which, engine):
+        config = EvalConfig(model=vllm_tiny_model, task="arith", out=tmp_path / which, num_prompts=16, num_samples=16,
+                            max_new_tokens=12, greedy=False, entropy=True, seed=3, show_progress=False)
+        summary = evaluate(config, backend=engine)
+        per_prompt = [json.loads(line)["entropy_mean"] for line in (tmp_path / which / "per_prompt.jsonl").open()]
+        return summary["metrics"]["entropy_mean"], per_prompt
+
+    vllm_mean, vllm_prompts = entropies("vllm", backend)
+    hf_mean, hf_prompts = entropies("hf", HFBackend(vllm_tiny_model))
+    noise = (statistics.variance(vllm_prompts) / 16 + statistics.variance(hf_prompts) / 16) ** 0.5
+    assert vllm_mean > 0.5 and hf_mean > 0.5  # a random model: far from deterministic
+    assert abs(vllm_mean - hf_mean) <= 4 * noise + 1e-3, (vllm_mean, hf_mean, noise)

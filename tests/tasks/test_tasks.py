@@ -542,7 +542,7 @@ def test_gsm8k_prompt_rendered_through_a_chat_template():
 
 
 def test_registry_names_and_reward_names():
-    assert set(TASKS) == {"arith", "gsm8k", "math", "add3", "add4", "add5", "add6"}
+    assert set(TASKS) == {"arith", "gsm8k", "math", "add3", "add4", "add5", "add6", "sums9", "sums19"}
     assert TASKS["arith"].reward_name == "offline_rec.tasks.builtin:arith_answer_reward"
     assert TASKS["math"].reward_name == "offline_rec.tasks.builtin:math_answer_reward"
     assert TASKS["gsm8k"].prompt_column == "question"

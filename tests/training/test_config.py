@@ -293,4 +293,17 @@ def test_wide_clip_and_gpu_configs():
     gpu = build_config(CONFIGS / "gsm8k-qwen2.5-1.5b.yaml", {"data": ["d"], "out": "r"})
     assert (gpu.model, gpu.prompts_per_step, gpu.lr, gpu.max_grad_norm, gpu.mixed_precision) == (
         "Qwen/Qwen2.5-1.5B-Instruct", 96, 1e-6, 1.0, "bf16")
-    assert len(list(CONFIGS.glob("*.yaml"))) == len(PRESETS) + 2  # + the wide clip and the GPU recipe
+    assert len(list(CONFIGS.glob("*.yaml"))) == len(PRESETS) + 3  # + the wide clip, the GPU and filtered-SFT
+
+
+def test_the_filtered_sft_recipe_trains_on_the_positives_alone():
+    """configs/filtered-sft.yaml: A = r (no group mean, baseline 0): with 0/1 rewards the positives get A = 1 and
+    the negatives A = 0, which the recipe's skip leaves out of the step: SFT on the positives."""
+    import torch
+
+    from offline_rec.loss.advantages import group_advantages
+
+    config = build_config(CONFIGS / "filtered-sft.yaml", {"data": ["d"], "model": "m", "out": "r"})
+    advantages, keep = group_advantages(config.objective, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]), [0, 0, 0, 1, 1])
+    assert advantages.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0] and keep.all()
+    assert (config.batching, config.skip_zero_advantage, config.rows_per_step) == ("rows", True, 32)

@@ -18,6 +18,9 @@ earlier prompts are still being sampled::
 vLLM runs one engine step per `step` (see backends/vllm.py for what its seeds make
 reproducible); transformers samples everything added since the last step as one batch.
 
+`backend.load_weights(folder)` swaps in a checkpoint of the same model without rebuilding the engine (vLLM:
+`reload_weights` into the running engine): how `offline-rec rounds` deploys each round's policy.
+
 The log-prob contract, the same for both: `Sample.logprobs[t]` is the log-probability of
 `completion_ids[t]` under the distribution it was actually sampled from, i.e. after temperature,
 top-k and top-p (renormalized over the kept tokens). At temperature 1 without truncation that is

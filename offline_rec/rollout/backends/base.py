@@ -95,6 +95,12 @@ class Backend(Protocol):
 
     def default_window(self, num_samples: int) -> int: ...
 
+    def load_weights(self, model: str) -> None:
+        """Sample from the weights of `model` from now on: a folder of the same architecture and tokenizer (a
+        checkpoint of the loaded model), swapped in without rebuilding the engine (`rounds` deploys each
+        round's policy so); `model_name` becomes `model`."""
+        ...
+
 
 # --------------------------------------------------------------------------------------------
 # shared helpers

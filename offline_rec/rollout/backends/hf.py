@@ -127,6 +127,12 @@ class HFBackend:
         """One batch in flight: `generate` blocks until the whole batch is sampled."""
         return 1
 
+    def load_weights(self, model: str) -> None:
+        """`model` (same architecture and tokenizer) loaded in this backend's dtype and device in place of the
+        current model."""
+        self.model = load_model(str(model), dtype=self.dtype, device=str(self.device))
+        self.model_name = str(model)
+
     def stream(self, num_samples: int, sampling: SamplingSettings, *, seed: int | None = None,
                per_request_seeds: bool = False) -> HFStream:
         """An `HFStream`; batches are always seeded from their prompts' seeds (`seed` and

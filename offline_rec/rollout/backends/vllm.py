@@ -146,6 +146,14 @@ class VLLMBackend:
         """Prompts to keep in flight so that the engine never drains (see WINDOW_FACTOR)."""
         return max(MIN_WINDOW, WINDOW_FACTOR * math.ceil(self.max_num_seqs / max(num_samples, 1)))
 
+    def load_weights(self, model: str) -> None:
+        """`model`'s weights (same architecture and tokenizer) loaded into the running engine in place (vLLM's
+        `reload_weights` on every worker; its loader casts them to the engine's dtype), and the prefix cache
+        emptied: its blocks were computed by the old weights. Seconds, where a new engine takes tens."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": model_source(str(model))})
+        self.llm.reset_prefix_cache()
+        self.model_name = str(model)
+
     def stream(self, num_samples: int, sampling: SamplingSettings, *, seed: int | None = None,
                per_request_seeds: bool = False) -> VLLMStream:
         """A `VLLMStream` (use it as a context manager): `seed` seeds the run's sampler (see the module docstring)."""
