@@ -59,6 +59,8 @@ class Arm:
     train: dict = field(default_factory=dict)
     peer: str = ""
     """trl_peers.py --trainer (sft, dpo, kto) for a TRL arm."""
+    of_positives: bool = False
+    """Its steps take `Scale.positives_per_step` rows, as FILTERED_SFT's (an arm whose rows are the positives alone)."""
 
 
 ROWS = {"batching": "rows"}
@@ -120,25 +122,36 @@ def smollm2_policy() -> str:
     return str(Path(spec.origin).parent)
 
 
-def shipped_policy(policy: str | None = None) -> str:
-    """`policy`, or the shipped demo policy (built into the cache once if missing)."""
+def shipped_policy(policy: str | None = None, task: str = "arith") -> str:
+    """`policy`, or the shipped policy of `task` (built into the cache once if missing)."""
     from offline_rec.demo.inputs import ensure_demo_policy
 
-    return policy or ensure_demo_policy(progress=False)
+    return policy or ensure_demo_policy(progress=False, task=task)
 
 
-def demo_data(out: Path, policy: str, num_prompts: int, validation_prompts: int, log) -> dict[str, str]:
-    """OUT/data-k8 (the demo's collect), OUT/data-singletons (its cut to sample_index 0) and OUT/validation.jsonl,
-    each made once."""
+def task_settings(task: str = "arith", **fields) -> DemoSettings:
+    """The demo's settings for `task` as `demo --task` runs its shipped policy (its reward, answer budget, raw
+    prompts: `offline_rec.demo.config.task_variant`), with `fields` (DemoSettings fields) over them."""
+    from offline_rec.demo.config import task_variant
+
+    return DemoSettings(**{**task_variant(task), **fields})
+
+
+def demo_data(out: Path, policy: str, num_prompts: int, validation_prompts: int, log, task: str = "arith",
+              seed: int = 0, singletons: bool = True) -> dict[str, str]:
+    """OUT/data-k8 (the demo's collect of `task`'s train split, collect seed `seed`), OUT/data-singletons (its cut to
+    sample_index 0; with `singletons`) and OUT/validation.jsonl (the seed's validation prompts), each made once."""
     from offline_rec.dataset.format import DatasetWriter, open_dataset, read_manifest
     from offline_rec.demo.inputs import collect_dataset, write_validation_prompts
 
-    settings = DemoSettings(num_prompts=num_prompts, validation_prompts=validation_prompts)
-    paths = {"k8": out / "data-k8", "singletons": out / "data-singletons", "validation": out / "validation.jsonl"}
+    settings = task_settings(task, num_prompts=num_prompts, validation_prompts=validation_prompts, seed=seed)
+    paths = {"k8": out / "data-k8", "validation": out / "validation.jsonl"}
+    if singletons:
+        paths["singletons"] = out / "data-singletons"
     if not (paths["k8"] / "manifest.json").is_file():
-        log(f"collecting {num_prompts} prompts x 8 samples -> {paths['k8']}")
+        log(f"collecting {num_prompts} {task} prompts x 8 samples (seed {seed}) -> {paths['k8']}")
         collect_dataset(policy, paths["k8"], settings, progress=False)
-    if not (paths["singletons"] / "manifest.json").is_file():
+    if singletons and not (paths["singletons"] / "manifest.json").is_file():
         manifest = read_manifest(paths["k8"])
         with DatasetWriter(paths["singletons"], behavior=manifest["behavior"], task=manifest["task"],
                            atomic=True) as writer:
@@ -148,10 +161,13 @@ def demo_data(out: Path, policy: str, num_prompts: int, validation_prompts: int,
     return {name: str(path) for name, path in paths.items()}
 
 
-def heldout_template(eval_prompts: int, policy: str, out: Path, num_samples: int = 1):
-    """The demo's evaluation of `policy` on `eval_prompts` held-out test prompts (greedy plus `num_samples` samples
-    at T=1, seed 0) into `out`: the template `offline_rec.eval.selection` varies."""
-    return heldout_evaluation(DemoSettings(eval_prompts=eval_prompts), policy, out, num_samples, progress=False)
+def heldout_template(eval_prompts: int, policy: str, out: Path, num_samples: int = 1, task: str = "arith",
+                     split: str = "test"):
+    """The demo's evaluation of `policy` on `eval_prompts` held-out prompts of `task`'s `split` (test, or ood where
+    the task has one; greedy plus `num_samples` samples at T=1, seed 0) into `out`: the template
+    `offline_rec.eval.selection` varies."""
+    return heldout_evaluation(task_settings(task, eval_prompts=eval_prompts), policy, out, num_samples,
+                              progress=False, split=split)
 
 
 def open_groups(data):
@@ -249,9 +265,10 @@ def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: 
                 scale: Scale, child: bool = False) -> tuple[Path, dict]:
     """Train arm `name` (`arm`) at `lr` with `seed` on `data` for `scale.epochs` passes; (the folder of its final
     model, with `child` its process's {"seconds", "peak_rss_mib"} (`train`), else {}). Steps:
-    `scale.groups_per_step` whole groups, or with `batching: rows` `scale.rows_per_step` rows (FILTERED_SFT and
-    arms named FILTERED_SFT-*: `scale.positives_per_step`); a TRL arm as many steps of its examples
-    (positives_per_step of them, kto rows_per_step)."""
+    `scale.groups_per_step` whole groups, or with `batching: rows` `scale.rows_per_step` rows (FILTERED_SFT, arms
+    named FILTERED_SFT-* and an arm `of_positives`: `scale.positives_per_step`); the arm's own `train` values (its
+    epochs, its rows per step) over these; a TRL arm as many steps of its examples (positives_per_step of them, kto
+    rows_per_step)."""
     from offline_rec.training import checkpoint as ckpt
 
     if arm.peer:
@@ -259,11 +276,12 @@ def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: 
         steps = scale.epochs * -(-peer_examples(data, arm.peer) // batch)
         train_peer(arm.peer, data, policy, run_dir, lr, steps, steps, batch, seed)
         return run_dir / f"checkpoint-{steps}", {}
-    on_positives = name == FILTERED_SFT or name.startswith(FILTERED_SFT + "-")
+    on_positives = name == FILTERED_SFT or name.startswith(FILTERED_SFT + "-") or arm.of_positives
     rows = scale.positives_per_step if on_positives else scale.rows_per_step
+    steps = {"epochs": scale.epochs, "prompts_per_step": scale.groups_per_step,
+             **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})}
     cost = train(policy, data, run_dir, child=child, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides),
-                 lr=lr, epochs=scale.epochs, prompts_per_step=scale.groups_per_step, seed=seed, save_every=0,
-                 **{**arm.train, **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})})
+                 lr=lr, seed=seed, save_every=0, **{**steps, **arm.train})
     # a LoRA checkpoint holds the adapter only: the model is final/ (the adapter merged into the base)
     model = run_dir / ckpt.FINAL_DIR if arm.train.get("lora_r") else ckpt.latest_checkpoint(run_dir)
     return model, cost if child else {}
@@ -313,12 +331,15 @@ def run_final(name: str, arms: dict[str, Arm], lr: float, seed: int, out: Path, 
 
 
 SCORES = ("greedy", "t1", "pass8", "validation")
+"""The scores `summarize` gives a mean and an interval by default (fractions in a result, percent in its rows)."""
 
 
-def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES) -> list[dict]:
+def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
+              choice_seeds: tuple[int, ...] | None = None) -> list[dict]:
     """Per arm of `arms`: the lr with the best validation score, averaged over the seeds run at that lr (one lucky
-    seed must not choose); over that lr's seeds, the mean and the 95% interval (t quantile) of each of `scores`
-    (percent; test greedy, T=1, pass@8 and validation by default)."""
+    seed must not choose; with `choice_seeds`, over those of them alone, so that every lr is judged on the same
+    seeds however many more ran at one of them); over that lr's seeds, the mean and the 95% interval (t
+    quantile) of each of `scores` (percent; test greedy, T=1, pass@8 and validation by default)."""
     rows = []
     for arm in arms:
         runs = [r for r in results if r["arm"] == arm]
@@ -327,19 +348,33 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES) -> li
         by_lr: dict[float, list[dict]] = {}
         for r in runs:
             by_lr.setdefault(r["lr"], []).append(r)
-        lr = max(by_lr, key=lambda x: statistics.mean(r["validation"] for r in by_lr[x]))
+        judged = {x: [r for r in rs if choice_seeds is None or r["seed"] in choice_seeds] for x, rs in by_lr.items()}
+        judged = {x: rs for x, rs in judged.items() if rs} or by_lr
+        lr = max(judged, key=lambda x: statistics.mean(r["validation"] for r in judged[x]))
         chosen = by_lr[lr]
         row = {"arm": arm, "lr": lr, "seeds": len(chosen),
-               "by_lr": {x: (statistics.mean(r["greedy"] for r in rs), len(rs)) for x, rs in by_lr.items()},
+               "by_lr": {x: (mean_of(rs, "greedy"), len(rs)) for x, rs in by_lr.items()},
                "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
                "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
         for key in scores:
-            values = [100 * r[key] for r in chosen if r.get(key) is not None]
-            row[key] = statistics.mean(values) if values else None
-            row[key + "_ci"] = (T95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5
-                                if len(values) > 1 else None)
+            row[key], row[key + "_ci"] = mean_interval([100 * r[key] for r in chosen if r.get(key) is not None])
         rows.append(row)
     return rows
+
+
+def mean_interval(values: list[float]) -> tuple[float | None, float | None]:
+    """(the mean of `values`, the half-width of its 95% interval: t quantile x standard error), None where there
+    are no values / fewer than two."""
+    if not values:
+        return None, None
+    half = T95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None
+    return statistics.mean(values), half
+
+
+def mean_of(runs: list[dict], key: str) -> float | None:
+    """The mean of `key` over the runs that have it (None if none has)."""
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.mean(values) if values else None
 
 
 def cell(row: dict, key: str, digits: int = 1) -> str:

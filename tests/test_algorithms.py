@@ -42,6 +42,8 @@ EXTRA_SPECS = {
     # rec-logged's eps_low 0.6 keeps every negative of the random batch: this one drops some (rho < 0.8)
     "negatives-clip-is": Objective(clip="one-side-negatives", weight="is", eps_low=0.2,
                                        negative_weight=0.5),
+    "both-sides-weighted": Objective(clip="one-side-negatives", eps_low=0.2, negative_weight=0.25,
+                                     positive_weight=0.5),
 }
 # Presets whose band the random batch (ratios 0.18 to 5.6, few negatives far down) does not cross.
 KEEPS_EVERY_TOKEN_OF_THE_RANDOM_BATCH = {"rec-logged"}
@@ -157,7 +159,7 @@ def naive_loss(spec, logp, blogp, advantages, mask):
                 "forward-kl": -spec.reg_coef * logp[i, t],
                 "k3": spec.reg_coef * ((logp[i, t] - float(blogp[i, t])).exp() - 1 - (logp[i, t] - float(blogp[i, t]))),
             }[spec.regularizer]
-            lam = spec.negative_weight if A < 0 else 1.0
+            lam = spec.negative_weight if A < 0 else spec.positive_weight if A > 0 else 1.0
             row = row + (-float(M) * W * lam * A * logp[i, t] + R)
             num_clipped += not M
         total = total + row
@@ -234,7 +236,7 @@ def test_get_algorithm_applies_and_coerces_overrides():
 
 
 def test_unknown_algorithm_lists_valid_names():
-    valid = r"valid: asymre, cispo, dapo, dr-grpo, dual-clip, gmpo, grpo, icepop, icepop-seq, m2po, opmd, opsm"
+    valid = r"valid: asymre, cispo, dapo, dr-grpo, dual-clip, gmpo, grpo, icepop, icepop-seq, m2po, nsr, opmd"
     with pytest.raises(errors.UserError, match=r"unknown algorithm 'ppo'; " + valid):
         get_objective("ppo")
 
@@ -860,24 +862,101 @@ def test_bandit_reinforce_collapses_to_arm_2_while_regularized_keep_arm_3():
     assert opmd[2] > 0.15
 
 
-@pytest.mark.parametrize("negative_weight, expected", [
-    # per_token = -lambda_i * A_i * logp: row 0 (A = 1): 1 + 2 = 3; row 1 (A = -2): lambda * -2 * (0.5 + 1.5)
-    (1.0, (3 - 4) / 4),
-    (0.5, (3 - 2) / 4),
-    (0.0, (3 - 0) / 4),  # the negatives' term gone: fine-tuning on the positive alone
+@pytest.mark.parametrize("knob, value, expected", [
+    # per_token = -lambda_i * A_i * logp: row 0 (A = 1): lambda+ * (1 + 2); row 1 (A = -2): lambda- * -2 * (0.5 + 1.5)
+    ("negative_weight", 1.0, (3 - 4) / 4),
+    ("negative_weight", 0.5, (3 - 2) / 4),
+    ("negative_weight", 0.0, (3 - 0) / 4),  # the negatives' term gone: fine-tuning on the positive alone
+    ("positive_weight", 0.1, (0.3 - 4) / 4),
+    ("positive_weight", 0.0, (0 - 4) / 4),  # the positives' term gone: the negatives alone
 ])
-def test_negative_weight_scales_the_negative_rows_term_by_hand(negative_weight, expected):
-    spec = dataclasses.replace(PRESET_OBJECTIVES["reinforce"], negative_weight=negative_weight)
+def test_signed_weights_scale_their_rows_term_by_hand(knob, value, expected):
+    """negative_weight multiplies the term of the rows with A < 0, positive_weight of those with A > 0."""
+    spec = dataclasses.replace(PRESET_OBJECTIVES["reinforce"], **{knob: value})
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]], requires_grad=True)
     loss, _ = loss_and_metrics(spec, logp, logp.detach(), torch.tensor([1.0, -2.0]), torch.ones(2, 2))
     assert loss.item() == pytest.approx(expected)
     (grad,) = torch.autograd.grad(loss, logp)  # d loss / d logp = -lambda_i * A_i / N
-    torch.testing.assert_close(grad, torch.tensor([[-1.0, -1.0], [2 * negative_weight] * 2]) / 4)
+    positive, negative = (value, 1.0) if knob == "positive_weight" else (1.0, value)
+    torch.testing.assert_close(grad, torch.tensor([[-positive] * 2, [2 * negative] * 2]) / 4)
 
 
 def test_negative_weight_must_be_a_finite_non_negative_number():
     with pytest.raises(errors.UserError, match="negative_weight must be finite and >= 0"):
         get_objective("reinforce", negative_weight=-0.5)
+
+
+def test_positive_weight_must_be_a_finite_non_negative_number():
+    with pytest.raises(errors.UserError, match="positive_weight must be finite and >= 0"):
+        get_objective("reinforce", positive_weight=float("inf"))
+
+
+def zhu_batch():
+    """Zhu et al.'s arms on one group of three: rewards [1, 0, 0], one token each, logp -1, and the behavior's
+    log-prob such that the ratios are 1.5 (the positive: past PPO's 1 + 0.2), 1.0 and 0.5 (a negative below
+    1 - 0.2); plus a fourth row, a positive at ratio 1.1 inside the band. Returns (logp, blogp, rewards, mask)."""
+    rho = torch.tensor([[1.5], [1.0], [0.5], [1.1]], dtype=torch.float64)
+    logp = torch.full((4, 1), -1.0, dtype=torch.float64, requires_grad=True)
+    return logp, logp.detach() - rho.log(), torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=torch.float64), torch.ones(4, 1)
+
+
+@pytest.mark.parametrize("name, advantages, coefficients", [
+    # A from the rewards [1, 0, 0, 1] (no group mean: a fixed split), then per row M * W * lambda * A with one-side
+    # 0.2/0.2 (A >= 0 kept while rho <= 1.2, A <= 0 while rho >= 0.8) and W = rho:
+    #   psr          A = r:        row 0 masked (1.5 > 1.2); row 3: 1.1 * 1 = 1.1; the negatives have A = 0
+    ("psr", [1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.1]),
+    #   nsr          A = r - 1:    row 1: 1.0 * -1; row 2 masked (0.5 < 0.8); the positives have A = 0
+    ("nsr", [0.0, -1.0, -1.0, 0.0], [0.0, -1.0, 0.0, 0.0]),
+    #   w-reinforce  A = r - 0.5, the positives' term x 0.1: row 3: 1.1 * 0.1 * 0.5; row 1: 1.0 * -0.5
+    ("w-reinforce", [0.5, -0.5, -0.5, 0.5], [0.0, -0.5, 0.0, 0.055]),
+])
+def test_zhu_et_al_arms_by_hand(name, advantages, coefficients):
+    """PSR, NSR and W-REINFORCE (Zhu et al. 2025): the advantages of 0/1 rewards and the loss -sum(coef * logp) / N
+    with N = 4 tokens; logp = -1 everywhere, so the loss is sum(coef) / 4 and d loss / d logp = -coef / 4."""
+    spec = PRESET_OBJECTIVES[name]
+    logp, blogp, rewards, mask = zhu_batch()
+    adv, keep = group_advantages(spec, rewards, [0, 0, 0, 1])
+    torch.testing.assert_close(adv, torch.tensor(advantages, dtype=torch.float64))
+    assert keep.all()
+    loss, metrics = loss_and_metrics(spec, logp, blogp, adv, mask)
+    assert loss.item() == pytest.approx(sum(coefficients) / 4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, -torch.tensor(coefficients, dtype=torch.float64)[:, None] / 4)
+    # W-REINFORCE's direction is Zhu et al.'s A = +0.1 / -1 (their verl code: r * 0.1 on the positives, r - 1 on
+    # the negatives) at half the scale
+    if name == "w-reinforce":
+        zhu = torch.tensor([0.1, -1.0, -1.0, 0.1], dtype=torch.float64)
+        plain = dataclasses.replace(spec, positive_weight=1.0)
+        zhu_loss, _ = loss_and_metrics(plain, logp, blogp, zhu, mask)
+        assert loss.item() == pytest.approx(zhu_loss.item() / 2)
+
+
+def test_zhu_et_al_dual_clip_by_hand():
+    """verl's dual clip (Zhu et al.'s code): a negative whose ratio passed c = 3 gets no gradient, one at ratio 2 gets
+    W * lambda * A = 2 * -0.5; the positive at ratio 4 is PPO-clipped (> 1.2), the one at 1.1 kept: 1.1 * 0.1 * 0.5.
+    One token per row, logp = -1: loss = sum(coef) / 4."""
+    rho = torch.tensor([[4.0], [2.0], [4.0], [1.1]], dtype=torch.float64)
+    logp = torch.full((4, 1), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([-0.5, -0.5, 0.5, 0.5], dtype=torch.float64)
+    loss, _ = loss_and_metrics(PRESET_OBJECTIVES["w-reinforce"], logp, logp.detach() - rho.log(), adv, torch.ones(4, 1))
+    coefficients = [0.0, -1.0, 0.0, 0.055]
+    assert loss.item() == pytest.approx(sum(coefficients) / 4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, -torch.tensor(coefficients, dtype=torch.float64)[:, None] / 4)
+
+
+def test_zhu_et_al_presets_and_their_steps():
+    """The three presets: one-side 0.2/0.2 with W = rho (PPO's clipped surrogate) and verl's dual clip c = 3, a fixed
+    constant baseline with no group mean, W-REINFORCE's lambda 0.1 on the positives; steps of 128 rows with the rows
+    of A = 0 skipped."""
+    for name, baseline_value, positive_weight in (("psr", 0.0, 1.0), ("nsr", 1.0, 1.0), ("w-reinforce", 0.5, 0.1)):
+        spec = PRESET_OBJECTIVES[name]
+        assert (spec.clip, spec.weight, spec.eps_low, spec.eps_high) == ("one-side", "is", 0.2, 0.2), name
+        assert spec.dual_clip_c == 3.0, name
+        assert (spec.baseline, spec.baseline_value, spec.group_mean) == ("constant", baseline_value, False), name
+        assert (spec.positive_weight, spec.negative_weight) == (positive_weight, 1.0), name
+        steps = PRESETS[name].steps
+        assert (steps.batching, steps.rows_per_step, steps.skip_zero_advantage) == ("rows", 128, True), name
 
 
 @pytest.mark.parametrize("scale, expected", [

@@ -11,12 +11,24 @@ import dataclasses
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from support.datagen import make_rows, write_dataset
 from support.paths import REPO
 
-from experiments import harness, logged, mixture, paper, peers, rounds, smollm2_arms, smollm2_calibrate, smollm2_cost
+from experiments import (
+    edge,
+    harness,
+    logged,
+    mixture,
+    paper,
+    peers,
+    rounds,
+    smollm2_arms,
+    smollm2_calibrate,
+    smollm2_cost,
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +46,7 @@ def test_an_experiment_runs_as_a_module_from_the_repository_root():
 
 
 @pytest.mark.parametrize("name", ["logged", "peers", "mixture", "rare_positives", "paper", "rounds",
-                                  "smollm2_calibrate", "smollm2_cost", "smollm2_arms"])
+                                  "smollm2_calibrate", "smollm2_cost", "smollm2_arms", "edge"])
 def test_every_experiment_parses_its_options(name, capsys):
     """Each experiment's `main` (what `python -m experiments.NAME` calls) parses its options; here, in this process."""
     import importlib
@@ -116,6 +128,115 @@ def test_the_interval_over_seeds_takes_the_t_quantile_of_their_number():
     assert row["validation_ci"] == pytest.approx(0.0)
     (two,) = harness.summarize([run(0, 0.8), run(1, 0.9)], ["rows-skip"])
     assert two["greedy_ci"] == pytest.approx(12.71 * 50 ** 0.5 / 2 ** 0.5)
+
+
+def test_the_lr_is_chosen_on_the_choice_seeds_alone():
+    """lr 1e-3 ran seeds 0 and 1 (validation 0.80, 0.95; the seeds stage added seed 1 later), lr 3e-4 seed 0 alone
+    (0.85): judged on seed 0, which every lr ran, 3e-4 wins (0.85 > 0.80); judged on every seed, 1e-3's mean
+    0.875 would. The chosen lr's row is the mean over its seeds."""
+    def run(lr, seed, validation):
+        return {"arm": "rec-logged", "lr": lr, "seed": seed, "validation": validation, "greedy": validation,
+                "train_seconds": 1.0}
+
+    results = [run(1e-3, 0, 0.80), run(1e-3, 1, 0.95), run(3e-4, 0, 0.85)]
+    (on_seed_0,) = harness.summarize(results, ["rec-logged"], ("greedy", "validation"), choice_seeds=(0,))
+    (on_all,) = harness.summarize(results, ["rec-logged"], ("greedy", "validation"))
+    assert (on_seed_0["lr"], on_seed_0["seeds"], on_seed_0["greedy"]) == (3e-4, 1, pytest.approx(85.0))
+    assert (on_all["lr"], on_all["seeds"], on_all["greedy"]) == (1e-3, 2, pytest.approx(87.5))
+
+
+def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
+    """The grid: every (arm, lr, seed) not finished, the untrained behavior at lr 0 once per seed; --chosen-lr:
+    seeds at the lr validation chose on the grid seed, refused for an arm whose grid never ran."""
+    scale = replace(edge.QUICK, lrs=(3e-4, 1e-3), seeds=(0,))
+    def run(lr, validation):
+        return {"arm": "rec-logged", "lr": lr, "seed": 0, "validation": validation, "greedy": validation,
+                "train_seconds": 1.0}
+
+    done = [run(3e-4, 0.5)]
+    assert edge.plan(["behavior", "rec-logged"], scale, done, False, (0,)) == [
+        ("behavior", 0.0, 0), ("rec-logged", 1e-3, 0)]
+    done.append(run(1e-3, 0.6))
+    seeds = replace(scale, seeds=(0, 1, 2))
+    assert edge.plan(["rec-logged"], seeds, done, True, (0,)) == [("rec-logged", 1e-3, 1), ("rec-logged", 1e-3, 2)]
+    with pytest.raises(SystemExit, match="no grid results yet for w-reinforce"):
+        edge.plan(["rec-logged", "w-reinforce"], seeds, done, True, (0,))
+
+
+def test_edge_paired_table_by_hand():
+    """The paired differences: per seed a - b at each arm's chosen lr (another lr's runs and a grid run without
+    held-out scores ignored), over the seeds both have; mean ± t(4 seeds: 3.18) x sd / 2; a pair with an arm that
+    has no row left out."""
+    def run(arm, lr, seed, greedy, held_out=True):
+        return {"arm": arm, "lr": lr, "seed": seed, "held_out": held_out, "greedy": greedy}
+
+    results = [run("rec-logged", 3e-4, s, g) for s, g in enumerate((0.60, 0.62, 0.61, 0.63))]
+    results += [run("rft-trl", 6e-4, s, g) for s, g in enumerate((0.59, 0.60, 0.61, 0.60, 0.70))]
+    results += [run("rft-trl", 1e-3, 0, 0.99), run("rec-logged", 3e-4, 7, 0.5, held_out=False)]
+    rows = [{"arm": "rec-logged", "lr": 3e-4}, {"arm": "rft-trl", "lr": 6e-4}]
+    table = edge.paired_table(results, rows, keys=("greedy",)).splitlines()
+    # differences 1, 2, 0, 3 points: mean 1.5, sd 1.291, half-width 3.18 * 1.291 / 2 = 2.05
+    assert table == ["| a - b | seeds | greedy |", "|---|---:|---:|", "| rec-logged - rft-trl | 4 | +1.5 ± 2.1 |"]
+
+
+def test_edge_grid_table_by_hand():
+    """The lr grid as a table: every lr any arm ran as a column, the chosen lr's cell in bold, the count of choice
+    seeds where more than one, an lr an arm did not run left empty; the untrained behavior left out."""
+    rows = [{"arm": "rft-trl", "lr": 6e-4, "by_lr_validation": {3e-4: (0.5975, 1), 6e-4: (0.609375, 1)}},
+            {"arm": "nsr", "lr": 1e-3, "by_lr_validation": {6e-4: (0.0, 2), 1e-3: (0.125, 2)}},
+            {"arm": "behavior", "lr": 0.0, "by_lr_validation": {0.0: (0.43, 1)}}]
+    assert edge.grid_table(rows).splitlines() == [
+        "| arm | lr 0.0003 | lr 0.0006 | lr 0.001 |", "|---|---:|---:|---:|",
+        "| rft-trl | 59.8 | **60.9** |  |", "| nsr |  | 0.0 (2) | **12.5 (2)** |"]
+
+
+@pytest.mark.slow  # 1-5 min: one collect, 3 trainings, 4 models scored on 3 prompt sets
+def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_path):
+    """experiments/edge.py --quick without the TRL arms: seed 0's add3 logs from the shipped add3 policy; the grid
+    scores three arms on validation alone and keeps their final models (the untrained policy on everything); the
+    seeds stage at the chosen lr scores the kept models on test and ood (greedy, T=1, pass@1..4 of 4 samples) with
+    their per-prompt counts; a rerun runs nothing; fill_entropy fills each line once with what its measure gives."""
+    arms = ["behavior", "filtered-sft", "nsr", "w-reinforce"]
+    edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None)
+    grid = harness.read_results(tmp_path / edge.RESULTS_FILE)
+    assert [r["held_out"] for r in grid] == [True, False, False, False] and "ood_greedy" not in grid[1]
+    assert all((tmp_path / r["model"] / "model.safetensors").is_file() and 0 <= r["validation"] <= 1 for r in grid)
+    outcome = edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None, chosen_lr=True)
+    results = harness.read_results(tmp_path / edge.RESULTS_FILE)
+    assert all(r["held_out"] for r in results)  # the grid's own numbers kept, the held-out scores added
+    assert all(r[key] == g[key] for r, g in zip(results, grid) for key in ("arm", "lr", "seed", "validation", "rows"))
+    assert [(r["arm"], r["lr"], r["seed"]) for r in results] == [("behavior", 0.0, 0)] + [
+        (arm, 6e-4, 0) for arm in arms[1:]]
+    rewards = [[row["reward"] for row in g] for g in harness.open_groups(tmp_path / "data-seed0" / "data-k8")]
+    assert len(rewards) == 32 and all(len(g) == 8 for g in rewards)
+    positives = sum(r > 0 for g in rewards for r in g)
+    by_arm = {r["arm"]: r for r in results}
+    assert by_arm["behavior"]["rows"] == 0 and by_arm["filtered-sft"]["rows"] == positives  # A = r: positives alone
+    assert by_arm["nsr"]["rows"] == 256 - positives and by_arm["w-reinforce"]["rows"] == 256  # A = r - 1; none 0
+    for result in results:
+        for prefix in ("", "ood_"):
+            scores = [result[prefix + key] for key in ("greedy", "t1", "pass1", "pass2", "pass4")]
+            assert all(0 <= value <= 1 for value in scores) and result[prefix + "pass1"] == result[prefix + "t1"]
+            assert result[prefix + "pass1"] <= result[prefix + "pass2"] <= result[prefix + "pass4"]
+        kept = tmp_path / result["model"]
+        counts = json.loads((kept / "scores.json").read_text())
+        assert (kept / "model.safetensors").is_file() and len(counts["ood"]["correct"]) == 16
+        assert sum(counts["test"]["correct"]) / 64 == pytest.approx(result["t1"])
+        assert result["train_cpu_seconds"] >= 0 and len(result["load"]) == 2
+    assert [row["arm"] for row in outcome["rows"]] == arms and "| nsr | 0.0006 | 1 |" in outcome["table"]
+    assert (tmp_path / edge.PLOT_FILE).stat().st_size > 0 and "| nsr |" in (tmp_path / edge.GRID_FILE).read_text()
+    assert "| filtered-sft - rft-trl |" not in (tmp_path / edge.PAIRED_FILE).read_text()  # no rft-trl without peers
+    for chosen_lr in (False, True):  # nothing left to run
+        edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None, chosen_lr=chosen_lr)
+    assert harness.read_results(tmp_path / edge.RESULTS_FILE) == results
+
+    def measure(model, split, scale, work):
+        return {"test": 0.5, "ood": 0.25}[split] + (model.name == "behavior-lr0-seed0")
+
+    assert edge.fill_entropy(tmp_path, measure=measure, log=lambda message: None) == 4
+    filled = harness.read_results(tmp_path / edge.RESULTS_FILE)
+    assert [(r["entropy"], r["ood_entropy"]) for r in filled] == [(1.5, 1.25)] + [(0.5, 0.25)] * 3
+    assert edge.fill_entropy(tmp_path, measure=measure, log=lambda message: None) == 0
 
 
 def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():

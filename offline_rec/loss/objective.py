@@ -6,7 +6,8 @@ the valid values) and the parameters its entries read:
     ratio        ratio_level                       what M, its bounds and W read: rho, s_i or prod_t rho_t
     clip         clip, eps_*, m2_threshold, ...    M, the tokens whose policy-gradient term is kept
     bounds       dual_clip_c, mask_low/high        M's bounds, whatever the clip (off by default)
-    weight       weight, temp, sapo_tau_*, weight_min/max, negative_weight      W, and lambda on A < 0
+    weight       weight, temp, sapo_tau_*, weight_min/max, negative_weight, positive_weight
+                                                   W, and lambda on A < 0 (A > 0)
     regularizer  regularizer, reg_coef             R, on every completion token
     kl           kl_to_initial, kl_estimator       the KL to the initial policy, on every completion token
     aggregation  aggregation, max_completion_length
@@ -81,6 +82,9 @@ class Objective:
     negative_weight: float = api_only(
         1.0, help="lambda: the policy-gradient term of rows with A < 0 multiplied by it (< 1 weighs the negatives "
                   "less than the positives)")
+    positive_weight: float = api_only(
+        1.0, help="lambda+: the policy-gradient term of rows with A > 0 multiplied by it (W-REINFORCE's 0.1 weighs the "
+                  "positives less than the negatives)")
     # -- regularizer
     regularizer: str = api_only(
         "none", help="regularizer R on every completion token: " + " | ".join(REGULARIZERS))
@@ -192,7 +196,7 @@ _CHOICES = {"ratio_level": RATIO_LEVELS, "clip": CLIPS, "weight": WEIGHTS, "regu
             "kl_estimator": tuple(KL_ESTIMATORS), "aggregation": AGGREGATIONS, "baseline": BASELINES, "drop": DROPS}
 _NON_NEGATIVE = ("eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "m2_threshold", "opsm_delta",
                  "dual_clip_c", "mask_low", "mask_high", "weight_min", "weight_max", "temp", "sapo_tau_pos",
-                 "sapo_tau_neg", "negative_weight", "reg_coef", "kl_to_initial", "group_mean_scale")
+                 "sapo_tau_neg", "negative_weight", "positive_weight", "reg_coef", "kl_to_initial", "group_mean_scale")
 _UNBOUNDED = ("dual_clip_c", "mask_high", "weight_max")
 """Bounds whose off value is inf."""
 # ratio_level sequence or row: the clips and weights that read nothing but each token's own ratio.
@@ -203,7 +207,8 @@ AXES: dict[str, tuple[str, ...]] = {
     "ratio": ("ratio_level",),
     "clip": ("clip", "eps_low", "eps_high", "eps_low_prime", "eps_high_prime", "m2_threshold", "opsm_delta"),
     "bounds": ("dual_clip_c", "mask_low", "mask_high"),
-    "weight": ("weight", "weight_min", "weight_max", "temp", "sapo_tau_pos", "sapo_tau_neg", "negative_weight"),
+    "weight": ("weight", "weight_min", "weight_max", "temp", "sapo_tau_pos", "sapo_tau_neg", "negative_weight",
+               "positive_weight"),
     "regularizer": ("regularizer", "reg_coef"),
     "kl": ("kl_to_initial", "kl_estimator"),
     "aggregation": ("aggregation", "max_completion_length"),

@@ -3,7 +3,7 @@
 After Yao et al., "Group-Relative REINFORCE Is Secretly an Off-Policy Algorithm" (arXiv 2509.24203):
 
     rho       = exp(clamp(logp - blogp, +-EXPONENT_LIMIT))            detached, [B, T] (`loss.ratios`)
-    per_token = -M * W * lambda * A * logp + R                        M, W detached; lambda = negative_weight if A < 0
+    per_token = -M * W * lambda * A * logp + R     M, W detached; lambda: negative_weight (A<0), positive_weight (A>0)
     loss      = aggregate(per_token, m, N, S) + kl_to_initial * sum(K * m) / N
 with M = the clip's mask AND its bounds AND m, W the weight within its bounds, R the regularizer on every completion
 token m, K the KL estimator of the initial policy, N and S the step's completion tokens and rows (all micro-batches,
@@ -120,8 +120,7 @@ def policy_loss(objective: Objective, batch: TokenBatch, num_tokens: float | tor
     clipped, kept = _masks(objective, r, ratio, adv)  # [B, T], [B, T]
     weight = bounded_weight(TOKEN_WEIGHTS[objective.weight](objective, ratio, r.seq_ratio, adv, mask),
                             weight_min=objective.weight_min, weight_max=objective.weight_max)  # [B, T]
-    lam = objective.negative_weight
-    signed = torch.where(adv < 0, adv * lam, adv) if lam != 1 else adv  # [B, 1]
+    signed = _signed_advantages(objective, adv)  # [B, 1], lambda * A
     # where, not M * W: a clipped token with an overflowing ratio (W = inf) must give 0, not nan.
     coef = torch.where(kept, weight * signed, 0.0)  # [B, T], M * W * lambda * A, detached
     pg = -coef * logp  # [B, T]
@@ -149,6 +148,18 @@ def policy_loss(objective: Objective, batch: TokenBatch, num_tokens: float | tor
     if kl is not None:
         loss = loss + objective.kl_to_initial * kl
     return loss, totals
+
+
+def _signed_advantages(objective: Objective, adv: torch.Tensor) -> torch.Tensor:
+    """lambda * A [B, 1] from A [B, 1]: A * negative_weight where A < 0, A * positive_weight where A > 0."""
+    import torch
+
+    signed = adv
+    if objective.negative_weight != 1:
+        signed = torch.where(adv < 0, adv * objective.negative_weight, signed)
+    if objective.positive_weight != 1:
+        signed = torch.where(adv > 0, adv * objective.positive_weight, signed)
+    return signed
 
 
 def _kl_to_initial(objective: Objective, batch: TokenBatch, mask: torch.Tensor, num_tokens) -> torch.Tensor:

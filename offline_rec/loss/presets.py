@@ -103,6 +103,20 @@ PRESETS: dict[str, Recipe] = {
         # prompts without the rows of advantage 0, trained as it was measured (REC_LOGGED_MEASURED).
         _recipe("rec-logged", StepRecipe("rows", 128, True), REC_LOGGED_MEASURED,
                 clip="one-side-negatives", eps_low=0.6, negative_weight=0.25),
+        # Zhu et al. 2025 ("The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", arXiv
+        # 2506.01347; their code github.com/TianHongZXY/RLVR-Decomposed, verl's PPO loss with clip 0.2): no group,
+        # a fixed split of 0/1 rewards into positives and negatives, PPO's clipped surrogate (one-side, W = rho)
+        # with verl's dual clip at c = 3 (its compute_policy_loss: a negative's term capped at -3 A, no gradient).
+        # PSR A = r (the positives alone), NSR A = r - 1 (the negatives alone), W-REINFORCE A = +lambda on the
+        # positives and -1 on the negatives, lambda 0.1; here A = r - 0.5 with the positives' term times 0.1: the
+        # same direction, half the scale (Adam's step ignores a constant factor). On steps of rows, the rows of
+        # A = 0 (the other sign, for PSR and NSR) skipped.
+        _recipe("psr", StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
+                baseline="constant", baseline_value=0.0, group_mean=False),
+        _recipe("nsr", StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
+                baseline="constant", baseline_value=1.0, group_mean=False),
+        _recipe("w-reinforce", StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
+                baseline="constant", baseline_value=0.5, group_mean=False, positive_weight=0.1),
         # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group. Its
         # positives/negatives are split by a reward threshold (REINFORCE's baseline), never a group mean; the
         # training rewards' mean gives positives and negatives equal total weight whatever their count (with a share
@@ -124,7 +138,8 @@ PRESETS: dict[str, Recipe] = {
         _recipe("dr-grpo", clip="one-side", weight="is", aggregation="dr-grpo", max_completion_length=1024),
     )
 }
-"""The paper's variants with the reference implementation's defaults, TOPR, rec-logged and the peers' objectives.
+"""The paper's variants with the reference implementation's defaults, rec-logged, Zhu et al.'s PSR / NSR /
+W-REINFORCE, TOPR and the peers' objectives.
 
 The peers' objectives, each in the REC form -M * W * A * logp (M, W detached) whose GRADIENT equals
 the gradient of the authors' objective (tests/test_objectives.py checks each against autograd on
