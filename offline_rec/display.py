@@ -60,6 +60,16 @@ def _signal_rows(signal: dict | None) -> dict:
     }
 
 
+def _recipe_rows(recipe: dict | None) -> dict:
+    """inspect's lines on the recipe measured best for data of this shape (dataset/recipe_advice.py)."""
+    if not recipe:
+        return {}
+    return {
+        f"recipe measured for {recipe['regime']}": f"offline-rec train {recipe['train_options']}",
+        "what it measured": f"{recipe['measured']} ({recipe['evidence']})",
+    }
+
+
 def print_description(console: Console, stats: dict) -> None:
     console.print(key_value_table(
         f"dataset {stats['path']}",
@@ -80,6 +90,7 @@ def print_description(console: Console, stats: dict) -> None:
                 f"({stats.get('all_equal_reward_group_fraction', 0.0):.1%} of the groups)"
             ),
             **_signal_rows(stats.get("signal")),
+            **_recipe_rows(stats.get("recipe")),
             "finish reasons": stats.get("finish_reasons", {}),
             "policy versions (version: rows)": stats.get("policy_versions", {}),
         },

@@ -1,4 +1,4 @@
-"""Describe a dataset (`offline-rec inspect`): sizes, lengths, rewards, learning signal, provenance.
+"""Describe a dataset (`offline-rec inspect`): sizes, lengths, rewards, learning signal, provenance, the recipe.
 
 Computed with polars lazy scans over the shards the manifest lists (streaming engine), so the
 dataset is never loaded whole. `warnings` lists what the user should know before loading the
@@ -13,13 +13,14 @@ from pathlib import Path
 from offline_rec import schema as S
 from offline_rec.dataset.card import card_problem
 from offline_rec.dataset.format import SHARD_READ_ERRORS, Dataset, open_dataset
+from offline_rec.dataset.recipe_advice import recommend_recipe
 from offline_rec.errors import DataError
 
 PERCENTILES = (0.5, 0.9, 0.99)
 REWARD_BINS = 10
 SUMMARY_KEYS = ("rows", "groups", "group_size_histogram", "tokens", "prompt_length", "completion_length", "reward",
                 "all_equal_reward_groups", "all_equal_reward_group_fraction", "signal", "finish_reasons",
-                "policy_versions", "behaviors")
+                "policy_versions", "behaviors", "recipe")
 """The order of a non-empty dataset's statistics after the manifest's blocks (as `inspect --json` prints them)."""
 
 
@@ -161,6 +162,7 @@ def _describe(ds: Dataset, path: str | Path) -> dict:
     row_stats = _row_stats(lf)
     parts = {**_sizes_and_lengths(row_stats), "reward": _reward_stats(lf, row_stats), **_group_stats(lf, row_stats),
              **_breakdowns(lf)}
+    parts["recipe"] = recommend_recipe(parts)
     return {**base, **{key: parts[key] for key in SUMMARY_KEYS}}
 
 
