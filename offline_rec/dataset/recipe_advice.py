@@ -51,8 +51,8 @@ REGIMES = {
         "groups from one logger",
         "--algorithm rec-logged",
         'docs/paper.md, "At the edge of competence (add3)"',
-        "level with RFT on greedy accuracy, ahead on pass@64 (+2.3 +- 0.8 points) and out of distribution, behind "
-        "at T=1 (-4.7 +- 1.2; for one sample at T=1, --config configs/filtered-sft.yaml); 5 seeds",
+        "level with RFT on greedy accuracy, ahead on pass@64 (+2.0 +- 0.8 points; ood +6.9 +- 2.6), behind at T=1 "
+        "(-4.5 +- 0.7; for one sample at T=1, --config configs/filtered-sft.yaml); 10 seeds, one round",
     ),
 }
 
