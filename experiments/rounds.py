@@ -47,7 +47,8 @@ ROW_STEPS = ("batching=rows", "rows_per_step=128")
 LINE_KEYS = ("round", "greedy_accuracy", "accuracy", "entropy_mean", "chosen_step", "validation_greedy_accuracy",
              "collect_samples_total", "eval_samples", "train_rows", "train_steps", "seconds_train", "seconds",
              "data_reward_mean", "data_all_equal_share", "staleness_mean", "staleness_max")
-"""What a result keeps of each round's line (besides every pass@k): its held-out scores and its costs."""
+"""What a result keeps of each round's line (besides every pass@k): its held-out scores and its costs; the same
+scores on the OOD split (`ood_` + key) where the task has one."""
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,15 @@ def run_dir(out: Path, arm: str, seed: int) -> Path:
 
 
 def result_of(arm: str, seed: int, folder: Path, scale: Scale) -> dict:
-    """A finished run's result line: per round its held-out scores and costs (LINE_KEYS, every pass@k)."""
+    """A finished run's result line: per round its held-out scores and costs (LINE_KEYS, every pass@k), on the test
+    split and, where the task has one, the OOD split."""
     from offline_rec.rounds.records import read_lines
 
-    rounds = [{key: value for key, value in line.items() if key in LINE_KEYS or key.startswith("pass@")}
-              for line in read_lines(folder)]
+    def kept(key: str) -> bool:
+        score = key.removeprefix("ood_")
+        return score in LINE_KEYS or score.startswith("pass@")
+
+    rounds = [{key: value for key, value in line.items() if kept(key)} for line in read_lines(folder)]
     return {"arm": arm, "seed": seed, "rounds": rounds, "scale": asdict(scale), "arm_spec": asdict(ARMS[arm])}
 
 

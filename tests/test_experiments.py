@@ -425,6 +425,22 @@ def test_paper_grid_can_continue_the_optimizer_across_segments(tmp_path, tiny_po
     assert len(paper.read_results(tmp_path / "paper", scale)) == 1
 
 
+def test_a_rounds_result_keeps_the_test_and_ood_scores_and_costs_of_each_round(tmp_path):
+    from offline_rec.files import atomic_write_json
+    from offline_rec.rounds.run_folder import RECORD_FILE, round_dir
+
+    scores = {"greedy_accuracy": 0.5, "accuracy": 0.4, "pass@1": 0.4, "pass@64": 0.9, "entropy_mean": 0.3}
+    recorded = {"round": 1, "train_rows": 128, "seconds_train": 2.0, **scores, "length_mean": 4.0,
+                **{f"ood_{key}": value / 2 for key, value in scores.items()}, "ood_truncation_rate": 0.0}
+    for number, line in ((0, {"round": 0, **scores}), (1, recorded)):
+        round_dir(tmp_path, number).mkdir()
+        atomic_write_json(round_dir(tmp_path, number) / RECORD_FILE, line)
+    result = rounds.result_of("rec-logged", 0, tmp_path, rounds.QUICK)
+    assert result["rounds"][0] == {"round": 0, **scores}
+    left_out = {"length_mean", "ood_truncation_rate"}  # neither a score nor a cost of the table
+    assert result["rounds"][1] == {key: value for key, value in recorded.items() if key not in left_out}
+
+
 @pytest.mark.slow
 def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path):
     """experiments/rounds.py --quick (cut to one round here: the loop itself is tests/rounds/'s): rec-logged and
