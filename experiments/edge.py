@@ -375,14 +375,9 @@ def paired_table(results: list[dict], rows: list[dict], pairs=PAIRS, keys=PAIRED
             continue
         by_seed = {arm: {r["seed"]: r for r in results if r["arm"] == arm and r["lr"] == chosen[arm]
                          and r.get("held_out", True)} for arm in (a, b)}
-        seeds = sorted(by_seed[a].keys() & by_seed[b].keys())
-        if not seeds:
-            continue
-        cells = []
-        for key in keys:
-            mean, half = harness.mean_interval([100 * (by_seed[a][s][key] - by_seed[b][s][key]) for s in seeds])
-            cells.append(f"{mean:+.1f}" + (f" ± {half:.1f}" if half is not None else ""))
-        lines.append(f"| {a} - {b} | {len(seeds)} | " + " | ".join(cells) + " |")
+        row = harness.paired_row(f"{a} - {b}", by_seed[a], by_seed[b], keys)
+        if row:
+            lines.append(row)
     return "\n".join(lines) + "\n"
 
 

@@ -362,6 +362,22 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
     return rows
 
 
+def paired_row(label: str, a: dict[int, dict], b: dict[int, dict], keys, scales=None) -> str | None:
+    """One markdown row `| label | seeds | ... |`: per key, the difference a - b seed by seed (`a`, `b`: each seed's
+    scores), over the seeds both have, as its mean ± 95% interval, in points (x 100, or x scales[key]); None where
+    no seed is in both. Both arms of a seed saw the same prompts and samples, so the difference is paired."""
+    seeds = sorted(a.keys() & b.keys())
+    if not seeds:
+        return None
+    cells = []
+    for key in keys:
+        scale = (scales or {}).get(key, 100)
+        mean, half = mean_interval([scale * (a[s][key] - b[s][key]) for s in seeds])
+        digits = 1 if scale == 100 else 3
+        cells.append(f"{mean:+.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else ""))
+    return f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |"
+
+
 def mean_interval(values: list[float]) -> tuple[float | None, float | None]:
     """(the mean of `values`, the half-width of its 95% interval: t quantile x standard error), None where there
     are no values / fewer than two."""

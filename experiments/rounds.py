@@ -40,7 +40,10 @@ from experiments import harness
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_ARMS = ("rec-logged", "filtered-sft")
-RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.jsonl", "table.md", "arms.png"
+RESULTS_FILE, TABLE_FILE, PAIRED_FILE, PLOT_FILE = "results.jsonl", "table.md", "paired.md", "arms.png"
+PAIRED_KEYS = ("greedy_accuracy", "accuracy", "pass@8", "pass@64", "entropy_mean", "ood_greedy_accuracy",
+               "ood_accuracy", "ood_pass@64")
+"""The last round's scores compared seed by seed (`paired_table`), those the runs have."""
 ROUND_SETS = ("epochs=2", "save_every=25")
 """Each round: two passes over its data, a checkpoint for the choice every 25 steps."""
 ROW_STEPS = ("batching=rows", "rows_per_step=128")
@@ -165,6 +168,20 @@ def markdown_table(rows: list[dict], scale: Scale) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(results: list[dict], arms) -> str:
+    """The last round of the first arm against each other arm, seed by seed (`harness.paired_row`; both arms of a
+    seed asked the same prompts), on the PAIRED_KEYS every run has: points, entropy in nats; "" without a pair."""
+    last = {arm: {r["seed"]: r["rounds"][-1] for r in results if r["arm"] == arm} for arm in arms}
+    keys = [key for key in PAIRED_KEYS if all(key in line for arm in arms for line in last[arm].values())]
+    rows = [harness.paired_row(f"{arms[0]} - {other}", last[arms[0]], last[other], keys, scales={"entropy_mean": 1})
+            for other in arms[1:]]
+    rows = [row for row in rows if row]
+    if not rows:
+        return ""
+    return "\n".join(["| a - b (last round) | seeds | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys),
+                      *rows]) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     """Per arm: each held-out score over rounds (the mean over seeds, its 95% interval shaded)."""
     plt = harness.pyplot()
@@ -220,12 +237,14 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     rows = summarize([r for r in done if r["arm"] in arms], arms)
     table = markdown_table(rows, scale)
     (out / TABLE_FILE).write_text(table)
+    paired = paired_table([r for r in done if r["arm"] in arms], list(arms))
+    (out / PAIRED_FILE).write_text(paired)
     if rows:
         plot(rows, out / PLOT_FILE)
     folders = [run_dir(out, r["arm"], r["seed"]) for r in done if r["arm"] in arms]
     if any(folder.is_dir() for folder in folders):
         report_runs([folder for folder in folders if folder.is_dir()], out / "report")
-    return {"table": table, "rows": rows, "out": str(out), "scale": asdict(scale)}
+    return {"table": table, "paired": paired, "rows": rows, "out": str(out), "scale": asdict(scale)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -441,6 +441,23 @@ def test_a_rounds_result_keeps_the_test_and_ood_scores_and_costs_of_each_round(t
     assert result["rounds"][1] == {key: value for key, value in recorded.items() if key not in left_out}
 
 
+def test_rounds_paired_table_by_hand():
+    # seed 0: 0.6 - 0.5, seed 1: 0.7 - 0.5 -> +10, +20 points: mean 15, half-width 12.71 x stdev 7.07 / sqrt 2 =
+    # 63.55 (printed 63.5: a binary float just under); entropy in nats: 0.3 - 0.1, 0.2 - 0.1 -> 0.15 ± 0.6355
+    # (0.635); a key one run lacks is left out; seed 2 has one arm
+    def result(arm, seed, greedy, entropy, **more):
+        return {"arm": arm, "seed": seed, "rounds": [{"round": 0}, {"greedy_accuracy": greedy, "entropy_mean": entropy,
+                                                                     **more}]}
+
+    results = [result("rec-logged", 0, 0.6, 0.3, ood_accuracy=0.2), result("rec-logged", 1, 0.7, 0.2),
+               result("filtered-sft", 0, 0.5, 0.1), result("filtered-sft", 1, 0.5, 0.1),
+               result("rec-logged", 2, 0.9, 0.9)]
+    lines = rounds.paired_table(results, ["rec-logged", "filtered-sft"]).splitlines()
+    assert lines[0] == "| a - b (last round) | seeds | greedy_accuracy | entropy_mean |"
+    assert lines[2] == "| rec-logged - filtered-sft | 2 | +15.0 ± 63.5 | +0.150 ± 0.635 |"
+    assert rounds.paired_table(results, ["rec-logged"]) == ""
+
+
 @pytest.mark.slow
 def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path):
     """experiments/rounds.py --quick (cut to one round here: the loop itself is tests/rounds/'s): rec-logged and
