@@ -21,7 +21,6 @@ RARE_POSITIVES = 0.1
 
 @dataclass(frozen=True)
 class Regime:
-    name: str
     train_options: str  # what follows `offline-rec train --data D --model M --out RUN`
     evidence: str  # the docs/paper.md section
     measured: str  # what that section measured against RFT, in one sentence
@@ -29,26 +28,22 @@ class Regime:
 
 REGIMES = {
     "several loggers": Regime(
-        "several loggers",
         "--algorithm rec-oneside-nois --set batching=rows --set skip_zero_advantage=true --set group_mean_scale=0.5",
         'docs/paper.md, "Logs from several behavior policies"',
         "no importance weights, half the group mean; fine-tuning on the positives still wins when the stronger "
         "logger is itself good",
     ),
     "one response per prompt": Regime(
-        "one response per prompt",
         f"--config {LOGGED_RECIPE}",
         'docs/paper.md, "One response per prompt"',
         "the training rewards' mean as the baseline; level with TRL's SFT on the positives (one seed)",
     ),
     "rare positives": Regime(
-        "rare positives",
         "--algorithm rec-logged",
         'docs/paper.md, "Rare positives"',
         "ahead of SFT on the positives on greedy and T=1 accuracy by 1.5 points, the 3 seeds' intervals overlapping",
     ),
     "groups from one logger": Regime(
-        "groups from one logger",
         "--algorithm rec-logged",
         'docs/paper.md, "At the edge of competence (add3)"',
         "level with RFT on greedy accuracy, ahead on pass@64 (+2.0 +- 0.8 points; ood +6.9 +- 2.6), behind at T=1 "
