@@ -265,13 +265,16 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     log(f"{len(done)} run(s) done, {len(todo)} to go")
     for number, (arm, lr, seed) in enumerate(todo, start=1):
         grid_run = next((r for r in done if (r["arm"], r["lr"], r["seed"]) == (arm, lr, seed)), None)
-        if grid_run is not None:  # scored on validation alone in the grid: now on the held-out splits
+        if grid_run is not None and (out / grid_run["model"]).is_dir():
+            # scored on validation alone in the grid: now on the held-out splits
             result = score_held_out(grid_run, out, scale)
+        else:  # a new run, or a grid run whose kept model is gone (another OUT): trained again, same seed
+            paths = seed_data(out, policy, seed, scale, log)
+            result = run_one(arm, lr, seed, out, paths, policy, scale, held_out=chosen_lr or arm == BEHAVIOR)
+        if grid_run is not None:
             done[done.index(grid_run)] = result
             rewrite(results_path, grid_run, result)
         else:
-            paths = seed_data(out, policy, seed, scale, log)
-            result = run_one(arm, lr, seed, out, paths, policy, scale, held_out=chosen_lr or arm == BEHAVIOR)
             harness.append_run(results_path, result)
             done.append(result)
         if not result["held_out"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -195,12 +196,14 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
     """experiments/edge.py --quick without the TRL arms: seed 0's add3 logs from the shipped add3 policy; the grid
     scores three arms on validation alone and keeps their final models (the untrained policy on everything); the
     seeds stage at the chosen lr scores the kept models on test and ood (greedy, T=1, pass@1..4 of 4 samples) with
-    their per-prompt counts; a rerun runs nothing; fill_entropy fills each line once with what its measure gives."""
+    their per-prompt counts, and trains a grid run whose model is gone again, to the same numbers (same seed); a
+    rerun runs nothing; fill_entropy fills each line once with what its measure gives."""
     arms = ["behavior", "filtered-sft", "nsr", "w-reinforce"]
     edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None)
     grid = harness.read_results(tmp_path / edge.RESULTS_FILE)
     assert [r["held_out"] for r in grid] == [True, False, False, False] and "ood_greedy" not in grid[1]
     assert all((tmp_path / r["model"] / "model.safetensors").is_file() and 0 <= r["validation"] <= 1 for r in grid)
+    shutil.rmtree(tmp_path / grid[2]["model"])  # a grid model gone (another OUT): trained again, the same numbers
     outcome = edge.run(tmp_path, arms, edge.QUICK, log=lambda message: None, chosen_lr=True)
     results = harness.read_results(tmp_path / edge.RESULTS_FILE)
     assert all(r["held_out"] for r in results)  # the grid's own numbers kept, the held-out scores added
