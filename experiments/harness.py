@@ -426,15 +426,17 @@ def append_run(results_path: Path, result: dict) -> None:
 
 
 def experiment_parser(doc: str, out: str, quick: str, arms, table_only: str,
-                      model: str = "behavior policy folder (default: the demo policy)") -> argparse.ArgumentParser:
+                      model: str = "behavior policy folder (default: the demo policy)",
+                      peers: bool = True) -> argparse.ArgumentParser:
     """The options every experiment takes: --out, --quick, --model, --table-only; with `arms` (not None) also
-    --arms and --no-peers."""
+    --arms, and --no-peers where the experiment has peer arms (`peers`)."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=out, help="output folder (finished runs in it are kept)")
     parser.add_argument("--quick", action="store_true", help=quick)
     if arms is not None:
         parser.add_argument("--arms", help=f"comma-separated, from: {', '.join(arms)}")
-        parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
+        if peers:
+            parser.add_argument("--no-peers", action="store_true", help="leave out the TRL arms (no venv needed)")
     parser.add_argument("--model", help=model)
     parser.add_argument("--table-only", action="store_true", help=table_only)
     return parser
@@ -456,9 +458,10 @@ def grid_scale(args: argparse.Namespace, scale):
 
 
 def chosen_arms(args: argparse.Namespace, arms, is_peer) -> list[str]:
-    """The arms --arms names (all of `arms` by default), without the peers (`is_peer(name)`) with --no-peers."""
+    """The arms --arms names (all of `arms` by default), without the peers (`is_peer(name)`) with --no-peers
+    (an experiment without peer arms has no --no-peers)."""
     names = args.arms.split(",") if args.arms else list(arms)
-    return [name for name in names if not (args.no_peers and is_peer(name))]
+    return [name for name in names if not (getattr(args, "no_peers", False) and is_peer(name))]
 
 
 def numbers(text: str, kind=float) -> tuple:

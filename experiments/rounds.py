@@ -250,7 +250,7 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.experiment_parser(__doc__, "runs/rounds", "toy sizes: 2 rounds of 16 prompts x 4", ARMS,
                                        "write table.md and arms.png from results.jsonl in --out, running nothing",
-                                       model="start policy folder (default: the demo policy)")
+                                       model="start policy folder (default: the demo policy)", peers=False)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (prompts, sampling, training)")
     parser.add_argument("--rounds", type=int, help="rounds (default 4; 1 with --prompts-per-round 4096: one big "
                                                    "round of the same samples)")

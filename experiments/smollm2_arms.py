@@ -194,7 +194,7 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.experiment_parser(__doc__, "runs/smol-arms", "tiny sizes (8 prompts x 4, transformers)", ARMS,
                                        "print the table of the finished runs only",
-                                       model="behavior policy folder (default: SmolLM2-135M-Instruct)")
+                                       model="behavior policy folder (default: SmolLM2-135M-Instruct)", peers=False)
     harness.add_grid_options(parser, "each arm's LRS, for every arm named", "0,1")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON Lines file of finished runs")
     args = parser.parse_args(argv)

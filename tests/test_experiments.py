@@ -7,6 +7,7 @@ that each experiment's protocol runs end to end, chooses on validation only and 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
@@ -581,3 +582,12 @@ def test_steady_rates_by_hand():
             {"backend": "vllm", "repeat": 0, "samples": 116, "completion_tokens": 1160, "seconds": 40.0},
             {"backend": "hf", "repeat": 0, "samples": 16, "completion_tokens": 100, "seconds": 10.0}]
     assert smollm2_cost.steady_rates(runs) == {"vllm": {"samples_per_s": 10.0, "tokens_per_s": 100.0}}
+
+
+@pytest.mark.parametrize("module", [rounds, smollm2_arms])
+def test_an_experiment_without_peer_arms_has_no_no_peers_option(module, tmp_path, capsys):
+    """--no-peers is offered only where an experiment has TRL arms to leave out: elsewhere it is refused."""
+    with pytest.raises(SystemExit):
+        module.main(["--no-peers", "--table-only", "--out", str(tmp_path)])
+    assert "unrecognized arguments: --no-peers" in capsys.readouterr().err
+    assert harness.chosen_arms(argparse.Namespace(arms="a,b"), ["a", "b"], lambda arm: True) == ["a", "b"]
