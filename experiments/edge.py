@@ -3,6 +3,7 @@
     python -m experiments.edge --arms rft-trl,rec-logged --lrs 3e-4,1e-3,2e-3 --seeds 0,1   # the lr grid
     python -m experiments.edge --arms rft-trl,rec-logged --chosen-lr --seeds 0,1,2,3,4     # seeds at the choice
     python -m experiments.edge --table-only                            # table.md, grid.md, paired.md, edge.png
+    python -m experiments.edge --arms filtered-sft,rec-logged --timing 3   # training time alone, interleaved
     python -m experiments.edge --quick --no-peers                                          # toy sizes (a minute)
 
 A SEED is the whole pipeline: seed s collects its own logs (`harness.demo_data`: the shipped add3 policy,
@@ -67,6 +68,7 @@ from offline_rec.loss.presets import WIDE_CLIP
 
 RESULTS_FILE, TABLE_FILE, GRID_FILE, PAIRED_FILE, PLOT_FILE = ("results.jsonl", "table.md", "grid.md", "paired.md",
                                                              "edge.png")
+TIMING_FILE, TIMING_TABLE = "timing.jsonl", "timing.md"
 PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"))
 """The arms compared seed by seed (`paired_table`): the recipe against both forms of RFT, and those two."""
 PAIRED_KEYS = ("greedy", "t1", "pass8", "pass64", "ood_greedy", "ood_t1", "ood_pass64")
@@ -182,6 +184,27 @@ def run_one(name: str, lr: float, seed: int, out: Path, paths: dict, policy: str
     """One (arm, lr, seed): trained on seed's logs, its final model kept in OUT/models, scored (on validation, and
     with `held_out` on the held-out splits: `score`); the result line."""
     run_dir = out / "runs" / f"{name}-lr{lr:g}-seed{seed}"
+    started = time.monotonic()
+    model, timing = train_timed(name, lr, seed, run_dir, paths, policy, scale)
+    kept = out / "models" / run_dir.name
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for file in MODEL_FILES:
+        if (model / file).is_file():
+            shutil.copy2(model / file, kept / file)
+    scores, per_prompt = score(kept, run_dir, paths["validation"], scale, held_out)
+    (kept / "scores.json").write_text(json.dumps(per_prompt) + "\n")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {"arm": name, "lr": lr, "seed": seed, **scores, **timing, "held_out": held_out,
+            "model": str(kept.relative_to(out)), "seconds": round(time.monotonic() - started, 1),
+            "scale": asdict(scale), "arm_spec": asdict(ARMS[name])}
+
+
+def train_timed(name: str, lr: float, seed: int, run_dir: Path, paths: dict, policy: str,
+                scale: EdgeScale) -> tuple[Path, dict]:
+    """(the final model of one (arm, lr, seed) trained in a fresh `run_dir`, its timing): the wall seconds of the
+    training call, the CPU seconds of this process and its children during it, the optimizer steps' seconds, steps
+    and rows, the 1-minute load average before and after."""
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     load_before, cpu_before, started = os.getloadavg()[0], cpu_seconds(), time.monotonic()
@@ -201,18 +224,7 @@ def run_one(name: str, lr: float, seed: int, out: Path, paths: dict, policy: str
     else:  # a TRL arm: its checkpoint-STEPS, its train() call's seconds
         peer = json.loads((run_dir / "peer.json").read_text())
         timing.update(steps=int(model.name.split("-")[1]), step_seconds=round(peer["seconds"], 1))
-    kept = out / "models" / run_dir.name
-    shutil.rmtree(kept, ignore_errors=True)
-    kept.mkdir(parents=True)
-    for file in MODEL_FILES:
-        if (model / file).is_file():
-            shutil.copy2(model / file, kept / file)
-    scores, per_prompt = score(kept, run_dir, paths["validation"], scale, held_out)
-    (kept / "scores.json").write_text(json.dumps(per_prompt) + "\n")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return {"arm": name, "lr": lr, "seed": seed, **scores, **timing, "held_out": held_out,
-            "model": str(kept.relative_to(out)), "seconds": round(time.monotonic() - started, 1),
-            "scale": asdict(scale), "arm_spec": asdict(ARMS[name])}
+    return model, timing
 
 
 def score_held_out(result: dict, out: Path, scale: EdgeScale) -> dict:
@@ -462,6 +474,58 @@ def fill_entropy(out: Path, results_path: Path | None = None, measure=entropy_of
     return filled
 
 
+def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy: str | None = None, log=print,
+              choice_seeds: tuple[int, ...] = (0,), results_path: Path | None = None) -> str:
+    """Training time alone, interleaved (item 5): `repeats` rounds, each training every arm of `arms` in turn at its
+    lr chosen on validation, on seed `seed`'s logs, nothing scored; one line per training in OUT/timing.jsonl
+    (resumable: a rerun runs the (arm, round) not yet in it); OUT/timing.md: `timing_table`, the first arm the
+    reference. Within a round the arms run back to back, so that a ratio compares the same machine state."""
+    policy = harness.shipped_policy(policy, scale.task)
+    lrs = chosen_lrs(harness.read_results(results_path or out / RESULTS_FILE), arms, choice_seeds)
+    missing = [arm for arm in arms if arm not in lrs]
+    if missing:
+        raise SystemExit(f"--timing: no grid results yet for {', '.join(missing)}: run its lr grid first")
+    timing_path = out / TIMING_FILE
+    lines = harness.read_results(timing_path) if timing_path.is_file() else []
+    paths = seed_data(out, policy, seed, scale, log)
+    for round_number in range(repeats):
+        for arm in arms:
+            if any((line["arm"], line["round"], line["seed"]) == (arm, round_number, seed) for line in lines):
+                continue
+            _, timing = train_timed(arm, lrs[arm], seed, out / "runs" / f"timing-{arm}", paths, policy, scale)
+            line = {"arm": arm, "lr": lrs[arm], "seed": seed, "round": round_number, **timing}
+            harness.append_run(timing_path, line)
+            lines.append(line)
+            log(f"round {round_number + 1}/{repeats} {arm:<18} {timing['train_cpu_seconds']:.1f} CPU s, "
+                f"{timing['train_seconds']:.1f} s wall, {timing['step_seconds']:.1f} s of steps, {timing['rows']} rows")
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    table = timing_table([line for line in lines if line["seed"] == seed and line["arm"] in arms], arms)
+    (out / TIMING_TABLE).write_text(table)
+    return table
+
+
+def timing_table(lines: list[dict], arms) -> str:
+    """Per arm: rows and steps, the median over rounds of its training's CPU seconds, wall seconds and optimizer
+    steps' seconds, and the median over rounds of its CPU seconds over the first arm's in the same round."""
+    reference = arms[0]
+    by_arm = {arm: {line["round"]: line for line in lines if line["arm"] == arm} for arm in arms}
+    out = [f"| arm | lr | rounds | rows | steps | train CPU s | train wall s | step s | CPU / {reference} |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for arm in arms:
+        runs = by_arm[arm]
+        if not runs:
+            continue
+        ratios = [run["train_cpu_seconds"] / by_arm[reference][n]["train_cpu_seconds"]
+                  for n, run in runs.items() if n in by_arm[reference]]
+        median = {key: statistics.median(run[key] for run in runs.values())
+                  for key in ("train_cpu_seconds", "train_seconds", "step_seconds")}
+        first, ratio = next(iter(runs.values())), f"{statistics.median(ratios):.2f}" if ratios else ""
+        out.append(f"| {arm} | {first['lr']:g} | {len(runs)} | {first['rows'] or ''} | {first['steps']} | "
+                   f"{median['train_cpu_seconds']:.1f} | {median['train_seconds']:.1f} | {median['step_seconds']:.1f} "
+                   f"| {ratio} |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = harness.experiment_parser(__doc__, "runs/edge", "toy sizes: 32 prompts, one pass, 16 + 16 eval prompts",
                                        ARMS, "write table.md and edge.png from the finished runs only",
@@ -475,12 +539,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results", help="results file (default OUT/results.jsonl)")
     parser.add_argument("--fill-entropy", action="store_true",
                         help="add the mean token entropy of every kept model to --results (needs eval --entropy)")
+    parser.add_argument("--timing", type=int, metavar="ROUNDS",
+                        help="time the training alone: ROUNDS rounds of every --arms in turn at its chosen lr on the "
+                             "first --seeds' logs, nothing scored (OUT/timing.jsonl, OUT/timing.md; the first arm is "
+                             "the reference of the ratio)")
     args = parser.parse_args(argv)
     scale = harness.grid_scale(args, QUICK if args.quick else EdgeScale())
     results = Path(args.results) if args.results else None
     if args.fill_entropy:
         return {"filled": fill_entropy(Path(args.out), results)}
     arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
+    if args.timing:
+        table = time_arms(Path(args.out), arms, scale.seeds[0], args.timing, scale, args.model,
+                          choice_seeds=harness.numbers(args.choice_seeds, int), results_path=results)
+        print(table)
+        return {"table": table}
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only,
                                  chosen_lr=args.chosen_lr, choice_seeds=harness.numbers(args.choice_seeds, int),
                                  results_path=results)

@@ -242,6 +242,33 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
     assert [(r["entropy"], r["ood_entropy"]) for r in filled] == [(1.5, 1.25)] + [(0.5, 0.25)] * 3
     assert edge.fill_entropy(tmp_path, measure=measure, log=lambda message: None) == 0
 
+    # --timing: every arm in turn at its chosen lr on seed 0's logs, two rounds, resumable, nothing scored
+    table = edge.time_arms(tmp_path, ["filtered-sft", "nsr"], 0, 2, edge.QUICK, log=lambda message: None)
+    lines = harness.read_results(tmp_path / edge.TIMING_FILE)
+    assert [(line["arm"], line["round"], line["lr"]) for line in lines] == [
+        ("filtered-sft", 0, 6e-4), ("nsr", 0, 6e-4), ("filtered-sft", 1, 6e-4), ("nsr", 1, 6e-4)]
+    assert [line["rows"] for line in lines] == [by_arm["filtered-sft"]["rows"], by_arm["nsr"]["rows"]] * 2
+    assert "| filtered-sft | 0.0006 | 2 |" in table and (tmp_path / edge.TIMING_TABLE).read_text() == table
+    assert edge.time_arms(tmp_path, ["filtered-sft", "nsr"], 0, 2, edge.QUICK, log=lambda message: None) == table
+    assert len(harness.read_results(tmp_path / edge.TIMING_FILE)) == 4
+    with pytest.raises(SystemExit, match="no grid results yet for psr"):
+        edge.time_arms(tmp_path, ["filtered-sft", "psr"], 0, 1, edge.QUICK, log=lambda message: None)
+
+
+def test_edge_timing_table_by_hand():
+    """Medians over rounds; the ratio is the median of the per-round CPU ratios to the first arm (here 2.0 and 1.0
+    -> 1.5, where the ratio of the medians would be 1.33); an arm without a reference round has no ratio."""
+    def line(arm, round_number, cpu, wall=10.0, step=5.0):
+        return {"arm": arm, "lr": 3e-4, "round": round_number, "rows": 100, "steps": 4, "train_cpu_seconds": cpu,
+                "train_seconds": wall, "step_seconds": step}
+
+    lines = [line("a", 0, 10.0), line("b", 0, 20.0, 30.0), line("a", 1, 20.0), line("b", 1, 20.0, 20.0),
+             line("c", 5, 1.0)]
+    assert edge.timing_table(lines, ["a", "b", "c", "d"]).splitlines()[2:] == [
+        "| a | 0.0003 | 2 | 100 | 4 | 15.0 | 10.0 | 5.0 | 1.00 |",
+        "| b | 0.0003 | 2 | 100 | 4 | 20.0 | 25.0 | 5.0 | 1.50 |",
+        "| c | 0.0003 | 1 | 100 | 4 | 1.0 | 10.0 | 5.0 |  |"]
+
 
 def test_dpo_peer_pairs_each_positive_with_a_negative_of_its_prompt():
     """experiments/trl_peers.py's pairs: prompt a (2 right, 1 wrong) gives 2 pairs sharing the one negative;
