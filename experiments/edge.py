@@ -39,6 +39,8 @@ prompts, 128 a step; `skip` = rows of advantage 0 left out):
   rec-logged-k0.5    + group_mean_scale 0.5 (an all-correct group keeps A = 0.5)
   rec-logged-drop    + RED-Drop's balance: a group's surplus negatives dropped (about as many negatives as
                      positives train: fewer rows, item 5)
+  rec-logged-drop-neg0.5   the same with the kept negatives weighted 0.5: about the negatives' total weight of
+                     rec-logged (drop keeps ~45% of them on add3's logs)
   rec-logged-1ep     one pass instead of two (item 5: RFT's time)
   filtered-sft-4ep, rec-logged-4ep     four passes instead of two (more epochs on the same samples)
   dpo-pairs          TRL's DPOTrainer on (positive, negative) pairs of a prompt, 32 pairs a step: the reference
@@ -69,8 +71,10 @@ from offline_rec.loss.presets import WIDE_CLIP
 RESULTS_FILE, TABLE_FILE, GRID_FILE, PAIRED_FILE, PLOT_FILE = ("results.jsonl", "table.md", "grid.md", "paired.md",
                                                              "edge.png")
 TIMING_FILE, TIMING_TABLE = "timing.jsonl", "timing.md"
-PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"))
-"""The arms compared seed by seed (`paired_table`): the recipe against both forms of RFT, and those two."""
+PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"),
+         ("rec-logged-drop", "rft-trl"), ("rec-logged-drop", "filtered-sft"), ("rec-logged-drop", "rec-logged"))
+"""The arms compared seed by seed (`paired_table`): the recipe against both forms of RFT, and those two; its cheaper
+variant (item 5) against both and against the recipe."""
 PAIRED_KEYS = ("greedy", "t1", "pass8", "pass64", "ood_greedy", "ood_t1", "ood_pass64")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
@@ -97,6 +101,7 @@ ARMS: dict[str, Arm] = {
     "rec-logged-neg1": Arm("rec-logged", {"negative_weight": 1.0}, SKIP),
     "rec-logged-k0.5": Arm("rec-logged", {"group_mean_scale": 0.5}, SKIP),
     "rec-logged-drop": Arm("rec-logged", {"drop": "balance"}, SKIP),
+    "rec-logged-drop-neg0.5": Arm("rec-logged", {"drop": "balance", "negative_weight": 0.5}, SKIP),
     "rec-logged-1ep": Arm("rec-logged", {}, {**SKIP, "epochs": 1}),
     "filtered-sft-4ep": replace(harness.FILTERED_SFT_ARM, train={**SKIP, "epochs": 4}, of_positives=True),
     "rec-logged-4ep": Arm("rec-logged", {}, {**SKIP, "epochs": 4}),
