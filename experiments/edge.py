@@ -502,7 +502,7 @@ def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy
             harness.append_run(timing_path, line)
             lines.append(line)
             log(f"round {round_number + 1}/{repeats} {arm:<18} {timing['train_cpu_seconds']:.1f} CPU s, "
-                f"{timing['train_seconds']:.1f} s wall, {timing['step_seconds']:.1f} s of steps, {timing['rows']} rows")
+                f"{timing['train_seconds']:.1f} s wall, {timing['step_seconds']:.1f} s of steps, {timing.get('rows', 'its')} rows")
     shutil.rmtree(out / "runs", ignore_errors=True)
     table = timing_table([line for line in lines if line["seed"] == seed and line["arm"] in arms], arms)
     (out / TIMING_TABLE).write_text(table)
@@ -525,7 +525,7 @@ def timing_table(lines: list[dict], arms) -> str:
         median = {key: statistics.median(run[key] for run in runs.values())
                   for key in ("train_cpu_seconds", "train_seconds", "step_seconds")}
         first, ratio = next(iter(runs.values())), f"{statistics.median(ratios):.2f}" if ratios else ""
-        out.append(f"| {arm} | {first['lr']:g} | {len(runs)} | {first['rows'] or ''} | {first['steps']} | "
+        out.append(f"| {arm} | {first['lr']:g} | {len(runs)} | {first.get('rows') or ''} | {first['steps']} | "
                    f"{median['train_cpu_seconds']:.1f} | {median['train_seconds']:.1f} | {median['step_seconds']:.1f} "
                    f"| {ratio} |")
     return "\n".join(out) + "\n"

@@ -254,6 +254,8 @@ def test_unknown_field_lists_valid_fields():
         (dict(weight="vtrace"), r"unknown weight 'vtrace'; valid: none, is, gspo-is, advantage"),
         (dict(regularizer="l2"), r"unknown regularizer 'l2'; valid: none, k2, forward-kl"),
         (dict(drop="all"), r"unknown drop 'all'; valid: none, balance"),
+        (dict(negative_share=0.0), r"negative_share must be in \(0, 1\], got 0.0"),
+        (dict(negative_share=1.5), r"negative_share must be in \(0, 1\], got 1.5"),
         (dict(eps_low=-0.1), r"eps_low must be finite and >= 0"),
         (dict(reg_coef="nan"), r"reg_coef must be finite and >= 0"),
         (dict(temp=0), r"temp must be > 0"),
@@ -804,6 +806,36 @@ def test_red_drop_choice_follows_the_generator():
     _, default_1 = group_advantages(spec, rewards, [0] * 8)
     _, default_2 = group_advantages(spec, rewards, [0] * 8)
     assert torch.equal(default_1, default_2)  # fixed default generator: reproducible
+
+
+def test_negative_share_keeps_m_of_n_negatives_scaled_by_n_over_m():
+    # groups [1, 0, 0, 0] and [1, 1, 0, 0]: A = [.75, -.25, -.25, -.25] and [.5, .5, -.5, -.5]; 5 negatives,
+    # share 0.5 -> m = round(2.5) = 2 kept, each A * 5/2; the other 3: A = 0, keep False; positives untouched.
+    rewards, groups = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]), [0, 0, 0, 0, 1, 1, 1, 1]
+    full, _ = group_advantages(Objective(), rewards, groups)
+    for seed in range(10):
+        adv, keep = group_advantages(Objective(negative_share=0.5), rewards, groups,
+                                     generator=torch.Generator().manual_seed(seed))
+        negative = full < 0
+        assert keep[~negative].all() and torch.equal(adv[~negative], full[~negative])
+        assert int(keep[negative].sum()) == 2 and (adv[negative & ~keep] == 0).all()
+        torch.testing.assert_close(adv[negative & keep], full[negative & keep] * 2.5)
+    # share 0.01 keeps one negative (never none); share 1 is the default (nothing drawn)
+    _, keep = group_advantages(Objective(negative_share=0.01), rewards, groups)
+    assert int(keep.sum()) == 4
+    assert torch.equal(group_advantages(Objective(negative_share=1.0), rewards, groups)[0], full)
+
+
+def test_negative_share_is_unbiased_over_draws():
+    """E[A_kept] = A: the mean of the advantages over many draws approaches the full advantages (each negative is
+    kept with chance m / n and scaled by n / m)."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 0, 1, 1, 0, 0.5, 0.2])
+    groups = [0, 0, 0, 0, 0, 1, 1, 1, 2, 2]
+    full, _ = group_advantages(Objective(), rewards, groups)
+    draws = torch.stack([group_advantages(Objective(negative_share=0.4), rewards, groups,
+                                          generator=torch.Generator().manual_seed(seed))[0]
+                         for seed in range(4000)])
+    torch.testing.assert_close(draws.mean(0), full.to(draws.dtype), atol=0.02, rtol=0)
 
 
 def test_red_drop_leaves_loss_and_normalizer():

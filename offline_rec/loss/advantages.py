@@ -1,4 +1,5 @@
-"""Advantages from rewards: group-relative centring, the baselines of rows no group centres, RED-Drop.
+"""Advantages from rewards: group-relative centring, the baselines of rows no group centres, RED-Drop, a share of
+the negatives.
 
 `group_advantages` is the one computation of A from rewards: the trainer's step sources, its checks and the data
 viewer call it. A group of one response cannot centre itself: it gets A = 0 under the group baseline, or the
@@ -153,7 +154,11 @@ def group_advantages(
     r < mean, the rest positives; if negatives outnumber positives, randomly chosen negatives (drawn
     with `generator`, default a fixed seed) are dropped until the counts match, and mean and std are
     recomputed over the KEPT rows (negatives stay r < mean whatever k). Dropped rows get A = 0 and
-    keep = False: exclude them from the loss and from N. Without drop, keep is all True. Computed in
+    keep = False: exclude them from the loss and from N. Without drop, keep is all True.
+    negative_share q < 1 (after all of the above): of the n kept rows with A < 0, m = max(1, round(q n)) drawn
+    uniformly without replacement (with `generator`) stay, each with A * n / m, the others get A = 0 and keep =
+    False; each negative is kept with probability m / n, so E[kept A] = A: the expected gradient is unchanged on
+    fewer rows (the variance is larger). Computed in
     float64 (equal rewards give an exact 0), returned in the rewards' float dtype. Zero-variance and
     singleton groups: see `advantage_stats`.
     """
@@ -178,7 +183,29 @@ def group_advantages(
     grouped = keep & (count[codes] > 1) if objective.group_mean else torch.zeros_like(keep)  # [N]
     fallback = BASELINE_RULES[objective.baseline](objective, values, keep, dataset_moments)  # [N], float64
     advantages = torch.where(grouped, centred, torch.where(keep, fallback, 0.0))  # [N]
+    if objective.negative_share < 1:
+        advantages, keep = _share_negatives(advantages, keep, objective.negative_share, generator)
     return advantages.to(out_dtype), keep
+
+
+def _share_negatives(advantages, keep, share: float, generator):
+    """negative_share: m = max(1, round(share * n)) of the n kept rows with A < 0 kept, drawn uniformly without
+    replacement, their A scaled by n / m (the inverse of each one's chance to be kept); the others dropped."""
+    import torch
+
+    negatives = (keep & (advantages < 0)).nonzero().flatten()  # [n]
+    n = len(negatives)
+    if n == 0:
+        return advantages, keep
+    m = max(1, round(share * n))
+    if generator is None:
+        generator = torch.Generator().manual_seed(DEFAULT_DROP_SEED)
+    order = torch.randperm(n, generator=generator, device=generator.device).to(negatives.device)
+    dropped, kept = negatives[order[m:]], negatives[order[:m]]
+    advantages, keep = advantages.clone(), keep.clone()
+    advantages[kept] *= n / m
+    advantages[dropped], keep[dropped] = 0.0, False
+    return advantages, keep
 
 
 def advantage_stats(rewards: torch.Tensor, group_ids: Sequence[Hashable]) -> dict[str, int]:

@@ -114,6 +114,9 @@ class Objective:
     population_std: bool = api_only(
         False, help="with std_normalize, the population std (ddof 0, Trinity-RFT's REC) instead of the sample std")
     drop: str = api_only("none", help="data shaping: none | balance (RED-Drop: surplus negatives of a group dropped)")
+    negative_share: float = api_only(
+        1.0, help="in (0, 1]: train this share of the rows with A < 0, drawn anew each epoch (rows batching) or step "
+                  "(groups), their A divided by the share drawn: the same expected gradient on fewer rows")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -139,6 +142,8 @@ class Objective:
             raise ValueError("temp must be > 0")
         if self.group_mean_scale > 1:
             raise ValueError(f"group_mean_scale must be in [0, 1], got {self.group_mean_scale}")
+        if not 0 < self.negative_share <= 1:
+            raise ValueError(f"negative_share must be in (0, 1], got {self.negative_share}")
         self._check_advantage()
         self._check_clip_and_weight()
 
@@ -213,7 +218,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "kl": ("kl_to_initial", "kl_estimator"),
     "aggregation": ("aggregation", "max_completion_length"),
     "advantage": ("baseline", "baseline_value", "group_mean", "group_mean_scale", "std_normalize", "population_std",
-                  "drop"),
+                  "drop", "negative_share"),
 }
 """Every field of `Objective` by the axis it belongs to (train's --list-options groups them so)."""
 

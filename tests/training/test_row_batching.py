@@ -82,6 +82,23 @@ def test_red_drop_rows_leave_the_epoch(data):
     assert sorted(rows.rows.tolist()) == sorted(drawn.rows[drawn.keep].tolist())  # the same draws
 
 
+def test_a_share_of_the_negatives_trains_each_epoch_drawn_anew(tmp_path, model_dir, data):
+    """negative_share 0.5: of the 8 negatives (3 + 1 + 3 + 1), 4 train an epoch with A x 2, drawn anew each epoch;
+    the 4 positives train every epoch: 8 rows an epoch, two steps of 4 rows each."""
+    _, advantages = rows_of(data)
+    steps = source(data, True)
+    steps.how = Advantages(get_objective("rec-oneside-nois", negative_share=0.5), None, True)
+    first, second = steps.epoch(0), steps.epoch(1)
+    for rows in (first, second):
+        negatives = rows.advantages < 0
+        assert int(negatives.sum()) == 4 and int((rows.advantages > 0).sum()) == 4
+        np.testing.assert_allclose(rows.advantages[negatives], 2 * np.array(advantages)[rows.rows[negatives]])
+    assert set(first.rows[first.advantages < 0]) != set(second.rows[second.advantages < 0])
+    train(config(tmp_path, model_dir, data, batching="rows", rows_per_step=4, skip_zero_advantage=True, epochs=2,
+                 negative_share=0.5))
+    assert [step["rows"] for step in metrics_of(tmp_path / "run")] == [4, 4, 4, 4]
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_loss_of_a_row_step_equals_the_hand_computed_value(tmp_path, model_dir, data, skip):
     """One step of 5 rows; skipped rows (advantage 0) count neither in the loss nor in N."""
