@@ -41,6 +41,8 @@ prompts, 128 a step; `skip` = rows of advantage 0 left out):
                      positives train: fewer rows, item 5)
   rec-logged-drop-neg0.5   the same with the kept negatives weighted 0.5: about the negatives' total weight of
                      rec-logged (drop keeps ~45% of them on add3's logs)
+  rec-logged-share0.5, rec-logged-share0.25   negative_share: half / a quarter of the negatives an epoch, drawn
+                     anew, their A x 2 / x 4: rec-logged's expected gradient on fewer rows (item 5)
   rec-logged-1ep     one pass instead of two (item 5: RFT's time)
   filtered-sft-4ep, rec-logged-4ep     four passes instead of two (more epochs on the same samples)
   dpo-pairs          TRL's DPOTrainer on (positive, negative) pairs of a prompt, 32 pairs a step: the reference
@@ -102,6 +104,8 @@ ARMS: dict[str, Arm] = {
     "rec-logged-k0.5": Arm("rec-logged", {"group_mean_scale": 0.5}, SKIP),
     "rec-logged-drop": Arm("rec-logged", {"drop": "balance"}, SKIP),
     "rec-logged-drop-neg0.5": Arm("rec-logged", {"drop": "balance", "negative_weight": 0.5}, SKIP),
+    "rec-logged-share0.5": Arm("rec-logged", {"negative_share": 0.5}, SKIP),
+    "rec-logged-share0.25": Arm("rec-logged", {"negative_share": 0.25}, SKIP),
     "rec-logged-1ep": Arm("rec-logged", {}, {**SKIP, "epochs": 1}),
     "filtered-sft-4ep": replace(harness.FILTERED_SFT_ARM, train={**SKIP, "epochs": 4}, of_positives=True),
     "rec-logged-4ep": Arm("rec-logged", {}, {**SKIP, "epochs": 4}),
@@ -502,7 +506,8 @@ def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy
             harness.append_run(timing_path, line)
             lines.append(line)
             log(f"round {round_number + 1}/{repeats} {arm:<18} {timing['train_cpu_seconds']:.1f} CPU s, "
-                f"{timing['train_seconds']:.1f} s wall, {timing['step_seconds']:.1f} s of steps, {timing.get('rows', 'its')} rows")
+                f"{timing['train_seconds']:.1f} s wall, {timing['step_seconds']:.1f} s of steps, "
+                f"{timing.get('rows', 'its')} rows")
     shutil.rmtree(out / "runs", ignore_errors=True)
     table = timing_table([line for line in lines if line["seed"] == seed and line["arm"] in arms], arms)
     (out / TIMING_TABLE).write_text(table)
