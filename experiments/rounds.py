@@ -169,17 +169,28 @@ def markdown_table(rows: list[dict], scale: Scale) -> str:
 
 
 def paired_table(results: list[dict], arms) -> str:
-    """The last round of the first arm against each other arm, seed by seed (`harness.paired_row`; both arms of a
-    seed asked the same prompts), on the PAIRED_KEYS every run has: points, entropy in nats; "" without a pair."""
+    """The last round of each arm (mean ± 95% interval over its seeds), then the first arm against each other arm,
+    seed by seed (`harness.paired_row`; both arms of a seed asked the same prompts), on the PAIRED_KEYS every run
+    has: points, entropy in nats; "" without a pair."""
     last = {arm: {r["seed"]: r["rounds"][-1] for r in results if r["arm"] == arm} for arm in arms}
     keys = [key for key in PAIRED_KEYS if all(key in line for arm in arms for line in last[arm].values())]
-    rows = [harness.paired_row(f"{arms[0]} - {other}", last[arms[0]], last[other], keys, scales={"entropy_mean": 1})
+    scales = {"entropy_mean": 1}
+    rows = [harness.paired_row(f"{arms[0]} - {other}", last[arms[0]], last[other], keys, scales)
             for other in arms[1:]]
     rows = [row for row in rows if row]
     if not rows:
         return ""
-    return "\n".join(["| a - b (last round) | seeds | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys),
-                      *rows]) + "\n"
+    own = []
+    for arm in arms:
+        cells = []
+        for key in keys:
+            scale = scales.get(key, 100)
+            mean, half = harness.mean_interval([scale * line[key] for line in last[arm].values()])
+            digits = 1 if scale == 100 else 3
+            cells.append(f"{mean:.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else ""))
+        own.append(f"| {arm} | {len(last[arm])} | " + " | ".join(cells) + " |")
+    return "\n".join(["| arm, or a - b (last round) | seeds | " + " | ".join(keys) + " |",
+                      "|---|---:|" + "---:|" * len(keys), *own, *rows]) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -475,7 +475,8 @@ def test_a_rounds_result_keeps_the_test_and_ood_scores_and_costs_of_each_round(t
 def test_rounds_paired_table_by_hand():
     # seed 0: 0.6 - 0.5, seed 1: 0.7 - 0.5 -> +10, +20 points: mean 15, half-width 12.71 x stdev 7.07 / sqrt 2 =
     # 63.55 (printed 63.5: a binary float just under); entropy in nats: 0.3 - 0.1, 0.2 - 0.1 -> 0.15 ± 0.6355
-    # (0.635); a key one run lacks is left out; seed 2 has one arm
+    # (0.635); a key one run lacks is left out; seed 2 has one arm. Each arm's own last round first: rec-logged's
+    # greedy 60, 70, 90 -> 73.3 ± 4.30 x 15.28 / sqrt 3 = 37.9; entropy 0.3, 0.2, 0.9 -> 0.467 ± 0.940
     def result(arm, seed, greedy, entropy, **more):
         return {"arm": arm, "seed": seed, "rounds": [{"round": 0}, {"greedy_accuracy": greedy, "entropy_mean": entropy,
                                                                      **more}]}
@@ -484,8 +485,10 @@ def test_rounds_paired_table_by_hand():
                result("filtered-sft", 0, 0.5, 0.1), result("filtered-sft", 1, 0.5, 0.1),
                result("rec-logged", 2, 0.9, 0.9)]
     lines = rounds.paired_table(results, ["rec-logged", "filtered-sft"]).splitlines()
-    assert lines[0] == "| a - b (last round) | seeds | greedy_accuracy | entropy_mean |"
-    assert lines[2] == "| rec-logged - filtered-sft | 2 | +15.0 ± 63.5 | +0.150 ± 0.635 |"
+    assert lines[0] == "| arm, or a - b (last round) | seeds | greedy_accuracy | entropy_mean |"
+    assert lines[2:] == ["| rec-logged | 3 | 73.3 ± 37.9 | 0.467 ± 0.940 |",
+                         "| filtered-sft | 2 | 50.0 ± 0.0 | 0.100 ± 0.000 |",
+                         "| rec-logged - filtered-sft | 2 | +15.0 ± 63.5 | +0.150 ± 0.635 |"]
     assert rounds.paired_table(results, ["rec-logged"]) == ""
 
 
