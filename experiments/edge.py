@@ -74,9 +74,10 @@ RESULTS_FILE, TABLE_FILE, GRID_FILE, PAIRED_FILE, PLOT_FILE = ("results.jsonl", 
                                                              "edge.png")
 TIMING_FILE, TIMING_TABLE = "timing.jsonl", "timing.md"
 PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"),
-         ("rec-logged-drop", "rft-trl"), ("rec-logged-drop", "filtered-sft"), ("rec-logged-drop", "rec-logged"))
+         *((cheaper, other) for cheaper in ("rec-logged-drop", "rec-logged-share0.5", "rec-logged-share0.25")
+           for other in ("rft-trl", "filtered-sft", "rec-logged")))
 """The arms compared seed by seed (`paired_table`): the recipe against both forms of RFT, and those two; its cheaper
-variant (item 5) against both and against the recipe."""
+variants (item 5) against both and against the recipe."""
 PAIRED_KEYS = ("greedy", "t1", "pass8", "pass64", "ood_greedy", "ood_t1", "ood_pass64")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")

@@ -621,3 +621,17 @@ def test_an_experiment_without_peer_arms_has_no_no_peers_option(module, tmp_path
         module.main(["--no-peers", "--table-only", "--out", str(tmp_path)])
     assert "unrecognized arguments: --no-peers" in capsys.readouterr().err
     assert harness.chosen_arms(argparse.Namespace(arms="a,b"), ["a", "b"], lambda arm: True) == ["a", "b"]
+
+
+def test_the_fast_recipe_file_is_the_measured_edge_arm():
+    """configs/rec-logged-fast.yaml trains what experiments/edge.py's rec-logged-share0.5 measured (harness.
+    train_final's options for it); the lr aside: the arm's 6e-4 was chosen on validation, the file leaves lr to
+    the size rule, which gives the same 6e-4 to a model this small."""
+    from offline_rec.training.config import build_config
+
+    given = {"data": ["d"], "model": str(REPO / "offline_rec" / "demo" / "add3_policy"), "out": "r"}
+    arm, scale = edge.ARMS["rec-logged-share0.5"], edge.EdgeScale()
+    measured = build_config(None, {**given, **harness.RECIPE_BASE, "algorithm": arm.preset, **arm.overrides,
+                                   "lr": 6e-4, "epochs": scale.epochs, "prompts_per_step": scale.groups_per_step,
+                                   "rows_per_step": scale.rows_per_step, **arm.train})
+    assert build_config(REPO / "configs" / "rec-logged-fast.yaml", given) == measured

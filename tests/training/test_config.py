@@ -293,7 +293,8 @@ def test_wide_clip_and_gpu_configs():
     gpu = build_config(CONFIGS / "gsm8k-qwen2.5-1.5b.yaml", {"data": ["d"], "out": "r"})
     assert (gpu.model, gpu.prompts_per_step, gpu.lr, gpu.max_grad_norm, gpu.mixed_precision) == (
         "Qwen/Qwen2.5-1.5B-Instruct", 96, 1e-6, 1.0, "bf16")
-    assert len(list(CONFIGS.glob("*.yaml"))) == len(PRESETS) + 3  # + the wide clip, the GPU and filtered-SFT
+    # + the wide clip, the GPU, filtered-SFT and rec-logged-fast (tests/test_experiments.py: the measured arm)
+    assert len(list(CONFIGS.glob("*.yaml"))) == len(PRESETS) + 4
 
 
 def test_the_filtered_sft_recipe_trains_on_the_positives_alone():
