@@ -502,14 +502,15 @@ def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy
         for arm in arms:
             if any((line["arm"], line["round"], line["seed"]) == (arm, round_number, seed) for line in lines):
                 continue
-            _, timing = train_timed(arm, lrs[arm], seed, out / "runs" / f"timing-{arm}", paths, policy, scale)
+            run_dir = out / "runs" / f"timing-{arm}"
+            _, timing = train_timed(arm, lrs[arm], seed, run_dir, paths, policy, scale)
+            shutil.rmtree(run_dir, ignore_errors=True)  # only its own folder: another run may share OUT
             line = {"arm": arm, "lr": lrs[arm], "seed": seed, "round": round_number, **timing}
             harness.append_run(timing_path, line)
             lines.append(line)
             log(f"round {round_number + 1}/{repeats} {arm:<18} {timing['train_cpu_seconds']:.1f} CPU s, "
                 f"{timing['train_seconds']:.1f} s wall, {timing['step_seconds']:.1f} s of steps, "
                 f"{timing.get('rows', 'its')} rows")
-    shutil.rmtree(out / "runs", ignore_errors=True)
     table = timing_table([line for line in lines if line["seed"] == seed and line["arm"] in arms], arms)
     (out / TIMING_TABLE).write_text(table)
     return table

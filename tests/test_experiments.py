@@ -243,7 +243,10 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
     assert edge.fill_entropy(tmp_path, measure=measure, log=lambda message: None) == 0
 
     # --timing: every arm in turn at its chosen lr on seed 0's logs, two rounds, resumable, nothing scored
+    (tmp_path / "runs" / "another-run").mkdir(parents=True)  # another experiment's run in the same OUT
     table = edge.time_arms(tmp_path, ["filtered-sft", "nsr"], 0, 2, edge.QUICK, log=lambda message: None)
+    left = [path.name for path in (tmp_path / "runs").iterdir() if path.is_dir()]
+    assert left == ["another-run"]  # its own run folders removed (their logs kept), another run's not
     lines = harness.read_results(tmp_path / edge.TIMING_FILE)
     assert [(line["arm"], line["round"], line["lr"]) for line in lines] == [
         ("filtered-sft", 0, 6e-4), ("nsr", 0, 6e-4), ("filtered-sft", 1, 6e-4), ("nsr", 1, 6e-4)]
