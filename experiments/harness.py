@@ -369,13 +369,17 @@ def paired_row(label: str, a: dict[int, dict], b: dict[int, dict], keys, scales=
     seeds = sorted(a.keys() & b.keys())
     if not seeds:
         return None
-    cells = []
-    for key in keys:
-        scale = (scales or {}).get(key, 100)
-        mean, half = mean_interval([scale * (a[s][key] - b[s][key]) for s in seeds])
-        digits = 1 if scale == 100 else 3
-        cells.append(f"{mean:+.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else ""))
+    cells = [interval_cell([a[s][key] - b[s][key] for s in seeds], (scales or {}).get(key, 100), signed=True)
+             for key in keys]
     return f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |"
+
+
+def interval_cell(values: list[float], scale: float = 100, signed: bool = False) -> str:
+    """A table cell of `values` x `scale`: their mean ± the 95% interval's half-width (`mean_interval`), 1 decimal
+    in points (scale 100), else 3; with `signed` the mean carries its sign (a difference)."""
+    mean, half = mean_interval([scale * value for value in values])
+    digits = 1 if scale == 100 else 3
+    return f"{mean:{'+' if signed else ''}.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else "")
 
 
 def mean_interval(values: list[float]) -> tuple[float | None, float | None]:

@@ -180,15 +180,9 @@ def paired_table(results: list[dict], arms) -> str:
     rows = [row for row in rows if row]
     if not rows:
         return ""
-    own = []
-    for arm in arms:
-        cells = []
-        for key in keys:
-            scale = scales.get(key, 100)
-            mean, half = harness.mean_interval([scale * line[key] for line in last[arm].values()])
-            digits = 1 if scale == 100 else 3
-            cells.append(f"{mean:.{digits}f}" + (f" ± {half:.{digits}f}" if half is not None else ""))
-        own.append(f"| {arm} | {len(last[arm])} | " + " | ".join(cells) + " |")
+    own = [f"| {arm} | {len(last[arm])} | " + " | ".join(
+        harness.interval_cell([line[key] for line in last[arm].values()], scales.get(key, 100)) for key in keys) + " |"
+        for arm in arms]
     return "\n".join(["| arm, or a - b (last round) | seeds | " + " | ".join(keys) + " |",
                       "|---|---:|" + "---:|" * len(keys), *own, *rows]) + "\n"
 
