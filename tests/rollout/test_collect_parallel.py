@@ -32,8 +32,28 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 TAG = "OFFLINE_REC_TEST_ENGINE_TAG"
 NUM_PROMPTS = 16
-# 0.15 s per reward call and one reward thread per engine: a run lasts seconds, so kills land mid-run.
-SLOW_REWARD = "import time\ndef score(prompt, completion, fields):\n    time.sleep(0.15)\n    return 1.0\n"
+# 0.15 s per reward call and one reward thread per engine: a run lasts seconds. Where the tests kill a run, a
+# reward also waits while its prompt is listed in hold.json: the kill lands mid-run however slow the machine (a
+# timed window of ~2 s was missed once in CI, and the killed run finished).
+SLOW_REWARD = """import json, pathlib, time
+
+HOLD = pathlib.Path(__file__).with_name("hold.json")
+
+
+def held(prompt):
+    try:
+        return any(text in prompt for text in json.loads(HOLD.read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def score(prompt, completion, fields):
+    time.sleep(0.15)
+    deadline = time.monotonic() + 300
+    while held(prompt) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return 1.0
+"""
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -51,15 +71,29 @@ def vllm_importable():
 def workdir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("parallel")
     (path / "slow_reward.py").write_text(SLOW_REWARD)
-    prompts = "".join(json.dumps({"prompt": f"What is {a}+{a + 3}? "}) + "\n" for a in range(10, 10 + NUM_PROMPTS))
+    prompts = "".join(json.dumps({"prompt": prompt_text(i)}) + "\n" for i in range(NUM_PROMPTS))
     (path / "prompts.jsonl").write_text(prompts)
     return path
+
+
+def prompt_text(index: int) -> str:
+    return f"What is {10 + index}+{13 + index}? "
+
+
+def hold(workdir: Path, indices) -> None:
+    """Rewards of these prompts wait (in every engine) until `release`."""
+    (workdir / "hold.json").write_text(json.dumps([prompt_text(i).strip() for i in indices]))
+
+
+def release(workdir: Path) -> None:
+    (workdir / "hold.json").unlink(missing_ok=True)
 
 
 def collect_argv(model, workdir: Path, out: Path, *extra) -> list[str]:
     return ["collect", "--model", model, "--task", "slow_reward:score", "--prompts", str(workdir / "prompts.jsonl"),
             "--out", str(out), "--backend", "vllm", "--seed-per-prompt", "--seed", "7", "-k", "2",
-            "--max-new-tokens", "8", "--groups-per-shard", "2", "--reward-workers", "1", "--quiet", *extra]
+            "--max-new-tokens", "8", "--groups-per-shard", "2", "--reward-workers", "1", "--reward-timeout", "300",
+            "--quiet", *extra]
 
 
 def environment(workdir: Path, tag: str) -> dict[str, str]:
@@ -156,13 +190,24 @@ def test_two_engines_killed_and_resumed_write_the_groups_of_one(vllm_tiny_model,
     out = workdir / "two-engines"
     argv = collect_argv(vllm_tiny_model, workdir, out, "--data-parallel-size", "2")
 
-    # 1. kill -9 one engine once a shard is committed: the run stops, with what finished written.
+    try:
+        killed_and_resumed(argv, workdir, out)
+    finally:
+        release(workdir)
+    assert_same_groups(out, reference)
+
+
+def killed_and_resumed(argv: list[str], workdir: Path, out: Path) -> None:
+    # 1. kill -9 one engine once a shard is committed: the run stops, with what finished written. The second half
+    # of the prompts is held, so both engines still hold unfinished prompts when the kill lands.
+    hold(workdir, range(NUM_PROMPTS // 2, NUM_PROMPTS))
     tag = uuid.uuid4().hex
     process = run_collect(argv, workdir, tag)
     wait_for_shards(process, out, 1)
     engines = engine_processes(process.pid)
     assert len(engines) == 2, engines
     os.kill(engines[-1], signal.SIGKILL)
+    release(workdir)  # the surviving engine finishes its held prompts; the run ends on the dead one
     _, err = process.communicate(timeout=300)
     assert process.returncode == 1, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
@@ -172,12 +217,14 @@ def test_two_engines_killed_and_resumed_write_the_groups_of_one(vllm_tiny_model,
     assert not killed[S.M_COMPLETE] and 0 < killed[S.M_TOTALS]["groups"] < NUM_PROMPTS
     assert validate_dataset(out).ok
 
-    # 2. --resume, and kill -9 the coordinator itself: its engines die with it.
+    # 2. --resume, and kill -9 the coordinator itself: its engines die with it (the last quarter held meanwhile).
+    hold(workdir, range(3 * NUM_PROMPTS // 4, NUM_PROMPTS))
     tag = uuid.uuid4().hex
     process = run_collect(argv + ["--resume"], workdir, tag)
     wait_for_shards(process, out, len(killed[S.M_SHARDS]) + 1)
     process.send_signal(signal.SIGKILL)
     process.communicate(timeout=60)
+    release(workdir)
     assert_none_left(tag)
     again = json.loads((out / S.MANIFEST_FILE).read_text())
     assert again[S.M_SHARDS][:len(killed[S.M_SHARDS])] == killed[S.M_SHARDS]  # committed shards are kept
@@ -188,7 +235,6 @@ def test_two_engines_killed_and_resumed_write_the_groups_of_one(vllm_tiny_model,
     _, err = process.communicate(timeout=900)
     assert process.returncode == 0, err[-3000:]
     assert_none_left(tag)
-    assert_same_groups(out, reference)
 
 
 def test_engines_as_ray_actors_on_a_local_ray(vllm_tiny_model, workdir, reference, monkeypatch):
