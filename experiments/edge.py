@@ -250,11 +250,6 @@ def score_held_out(result: dict, out: Path, scale: EdgeScale) -> dict:
 # the protocol
 
 
-def chosen_lrs(results: list[dict], arms, choice_seeds) -> dict[str, float]:
-    """Per arm with results: its lr chosen on validation, averaged over `choice_seeds` (`harness.summarize`)."""
-    return {row["arm"]: row["lr"] for row in harness.summarize(results, arms, ("validation",), choice_seeds)}
-
-
 def lrs_of(arm: str, scale: EdgeScale) -> tuple[float, ...]:
     """The learning rates an arm's grid runs: `scale.lrs`, the untrained behavior's 0 alone."""
     return (0.0,) if arm == BEHAVIOR else scale.lrs
@@ -266,11 +261,7 @@ def plan(arms, scale: EdgeScale, done: list[dict], chosen_lr: bool, choice_seeds
     to score on the held-out splits."""
     finished = {(r["arm"], r["lr"], r["seed"]) for r in done if r.get("held_out", True) or not chosen_lr}
     if chosen_lr:
-        lrs = chosen_lrs(done, arms, choice_seeds)
-        missing = [arm for arm in arms if arm not in lrs]
-        if missing:
-            raise SystemExit(f"--chosen-lr: no grid results yet for {', '.join(missing)}: run its lr grid first")
-        todo = [(arm, lrs[arm], seed) for seed in scale.seeds for arm in arms]
+        todo = harness.at_chosen_lrs(done, arms, scale.seeds, choice_seeds)
     else:
         todo = [(arm, lr, seed) for seed in scale.seeds for arm in arms for lr in lrs_of(arm, scale)]
     return [run for run in todo if run not in finished]
@@ -491,7 +482,7 @@ def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy
     (resumable: a rerun runs the (arm, round) not yet in it); OUT/timing.md: `timing_table`, the first arm the
     reference. Within a round the arms run back to back, so that a ratio compares the same machine state."""
     policy = harness.shipped_policy(policy, scale.task)
-    lrs = chosen_lrs(harness.read_results(results_path or out / RESULTS_FILE), arms, choice_seeds)
+    lrs = harness.chosen_lrs(harness.read_results(results_path or out / RESULTS_FILE), arms, choice_seeds)
     missing = [arm for arm in arms if arm not in lrs]
     if missing:
         raise SystemExit(f"--timing: no grid results yet for {', '.join(missing)}: run its lr grid first")
@@ -544,10 +535,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        model="behavior policy folder (default: the shipped add3 policy)")
     parser.add_argument("--lrs", help="comma-separated learning rates of the grid (default 3e-4,1e-3,2e-3)")
     parser.add_argument("--seeds", help="comma-separated seeds (default 0): each collects its own logs")
-    parser.add_argument("--chosen-lr", action="store_true",
-                        help="run --seeds at each arm's lr chosen on validation (its grid must have run)")
-    parser.add_argument("--choice-seeds", default="0",
-                        help="seeds whose mean validation score chooses the lr (default 0: the grid's)")
+    harness.add_choice_options(parser)
     parser.add_argument("--results", help="results file (default OUT/results.jsonl)")
     parser.add_argument("--fill-entropy", action="store_true",
                         help="add the mean token entropy of every kept model to --results (needs eval --entropy)")

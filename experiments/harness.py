@@ -362,6 +362,29 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
     return rows
 
 
+def chosen_lrs(results: list[dict], arms, choice_seeds) -> dict[str, float]:
+    """Per arm with results: its lr chosen on validation, averaged over `choice_seeds` (`summarize`)."""
+    return {row["arm"]: row["lr"] for row in summarize(results, arms, ("validation",), choice_seeds)}
+
+
+def at_chosen_lrs(results: list[dict], arms, seeds, choice_seeds) -> list[tuple[str, float, int]]:
+    """(arm, lr, seed) for every seed of `seeds` and arm of `arms` at the arm's lr chosen on `choice_seeds`
+    (`chosen_lrs`); an arm without results is refused (its grid has to run first)."""
+    lrs = chosen_lrs(results, arms, choice_seeds)
+    missing = [arm for arm in arms if arm not in lrs]
+    if missing:
+        raise SystemExit(f"--chosen-lr: no grid results yet for {', '.join(missing)}: run its lr grid first")
+    return [(arm, lrs[arm], seed) for seed in seeds for arm in arms]
+
+
+def add_choice_options(parser: argparse.ArgumentParser) -> None:
+    """--chosen-lr and --choice-seeds (`at_chosen_lrs`, `summarize`'s choice_seeds)."""
+    parser.add_argument("--chosen-lr", action="store_true",
+                        help="run --seeds at each arm's lr chosen on validation (its grid must have run)")
+    parser.add_argument("--choice-seeds", default="0",
+                        help="seeds whose mean validation score chooses the lr (default 0: the grid's)")
+
+
 def paired_row(label: str, a: dict[int, dict], b: dict[int, dict], keys, scales=None) -> str | None:
     """One markdown row `| label | seeds | ... |`: per key, the difference a - b seed by seed (`a`, `b`: each seed's
     scores), over the seeds both have, as its mean ± 95% interval, in points (x 100, or x scales[key]); None where

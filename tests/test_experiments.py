@@ -562,7 +562,7 @@ def test_spread_and_carries_by_hand():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # ~6 min on a loaded machine: 4 trainings, 7 evaluations, each a child process
+@pytest.mark.timeout(1800)  # ~8 min on a loaded machine: 5 trainings, 10 evaluations, each a child process
 def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model):
     results = tmp_path / "arms.jsonl"
     argv = ["--quick", "--model", chat_model, "--out", str(tmp_path / "arms"), "--arms",
@@ -594,6 +594,18 @@ def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model)
     assert lora_spec["lora_r"] == 16 and lora_spec["skip_zero_advantage"] is True
     assert smollm2_arms.main(argv)["rows"] == outcome["rows"] and len(jsonl(results)) == 5  # resumed: nothing rerun
     assert "| filtered-sft-lora |" in outcome["table"] and "| base (untrained) |" in outcome["table"]
+
+    # --chosen-lr: a further seed at the lr seed 0's validation chose, alone; refused for an arm whose grid never ran
+    chosen = next(row["lr"] for row in outcome["rows"] if row["arm"] == "filtered-sft")
+    again = smollm2_arms.main([*argv[:argv.index("--arms")], "--arms", "filtered-sft", "--chosen-lr", "--seeds", "1",
+                               "--results", str(results)])
+    (seed_1,) = [line for line in jsonl(results) if line["seed"] == 1]
+    assert (seed_1["arm"], seed_1["lr"]) == ("filtered-sft", chosen) and len(jsonl(results)) == 6
+    (row,) = again["rows"]
+    assert (row["lr"], row["seeds"]) == (chosen, 2)  # still chosen on seed 0, whose grid every lr ran
+    with pytest.raises(SystemExit, match="no grid results yet for rec-logged"):
+        smollm2_arms.main([*argv[:argv.index("--arms")], "--arms", "rec-logged", "--chosen-lr", "--seeds", "1",
+                           "--results", str(results)])
 
 
 @pytest.mark.slow
