@@ -324,10 +324,21 @@ def run_final(name: str, arms: dict[str, Arm], lr: float, seed: int, out: Path, 
         metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
         result["steps"] = len(metrics)
         result["rows"] = sum(m["rows"] for m in metrics)
+        result.update(step_costs(metrics))
     elif arms[name].peer:
         result["steps"] = int(model.name.split("-")[1])  # TRL's checkpoint-STEPS
     shutil.rmtree(run_dir, ignore_errors=True)  # keep the numbers, not the weights
     return result
+
+
+def step_costs(metrics: list[dict]) -> dict:
+    """A training run's cost per step from its metrics.jsonl lines: the mean seconds, tokens and tokens/s of the
+    steps after the first (the first pays for allocations; a one-step run has only it), and the first's seconds."""
+    later = metrics[1:] or metrics
+    return {"step_seconds": statistics.mean(m["seconds"] for m in later),
+            "tokens_per_step": statistics.mean(m["num_tokens"] for m in later),
+            "tokens_per_s": statistics.mean(m["tokens_per_s"] for m in later),
+            "first_step_seconds": metrics[0]["seconds"]}
 
 
 SCORES = ("greedy", "t1", "pass8", "validation")

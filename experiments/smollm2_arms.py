@@ -147,14 +147,17 @@ def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_see
              f"{scale.epochs} pass(es); final models; lr chosen on {scale.validation_prompts} validation prompts "
              f"(greedy, mean over seeds {', '.join(map(str, choice_seeds))}); test: {scale.eval_prompts} prompts, "
              "ood: as many of sums19's pairs (mean ± 95% interval where several seeds).", "",
-             "| arm | lr | seeds | steps | peak RSS MiB | validation greedy | test greedy | test T=1 | test pass@8 | "
-             "ood greedy | ood T=1 | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| arm | lr | seeds | steps | step s | peak RSS MiB | validation greedy | test greedy | test T=1 | "
+             "test pass@8 | ood greedy | ood T=1 | train s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if base:
-        lines.append(f"| base (untrained) | | | | | {100 * base['validation']:.1f} | {100 * base['greedy']:.1f} | "
+        lines.append(f"| base (untrained) | | | | | | {100 * base['validation']:.1f} | {100 * base['greedy']:.1f} | "
                      f"{100 * base['t1']:.1f} | {100 * (base['pass8'] or 0):.1f} | {100 * base['ood_greedy']:.1f} | "
                      f"{100 * base['ood_t1']:.1f} | |")
     for r in rows:
-        lines.append(f"| {r['arm']} | {r['lr']:g} | {r['seeds']} | {r['steps'] or ''} | {r.get('peak_rss_mib', '')} "
+        step = f"{r['step_seconds']:.1f}" if r.get("step_seconds") else ""
+        lines.append(f"| {r['arm']} | {r['lr']:g} | {r['seeds']} | {r['steps'] or ''} | {step} | "
+                     f"{r.get('peak_rss_mib', '')} "
                      f"| {cell(r, 'validation')} | {cell(r, 'greedy')} | {cell(r, 't1')} | {cell(r, 'pass8')} | "
                      f"{cell(r, 'ood_greedy')} | {cell(r, 'ood_t1')} | {r['train_seconds']:.0f} |")
     return "\n".join(lines) + "\n"
@@ -193,8 +196,11 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
             f"{result['t1']:.3f}, ood greedy {result['ood_greedy']:.3f}, validation {result['validation']:.3f} "
             f"({result['train_seconds']:.0f} s training, peak {result['peak_rss_mib']} MiB)")
     rows = harness.summarize([r for r in done if r["arm"] in arms], arms, SCORES, choice_seeds)
-    for row in rows:  # the chosen lr's peak memory (the largest over its seeds)
-        row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"]))
+    for row in rows:  # the chosen lr's peak memory (the largest over its seeds) and mean step time
+        chosen = [r for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"])]
+        row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in chosen)
+        timed = [r["step_seconds"] for r in chosen if r.get("step_seconds")]
+        row["step_seconds"] = sum(timed) / len(timed) if timed else None
     return {"table": markdown_table(rows, base, scale, choice_seeds), "rows": rows, "base": base, "out": str(out)}
 
 

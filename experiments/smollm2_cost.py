@@ -43,13 +43,9 @@ def measure_train(kind: str, args, repeat: int) -> dict:
                          rows_per_step=args.rows_per_step, max_steps=args.steps, lr=1e-5, save_every=0,
                          **TRAIN_KINDS[kind])
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    later = metrics[1:] or metrics
     shutil.rmtree(run, ignore_errors=True)
     return {"measure": "train", "kind": kind, "repeat": repeat, "rows_per_step": args.rows_per_step,
-            "steps": len(metrics), "step_seconds": sum(m["seconds"] for m in later) / len(later),
-            "tokens_per_step": sum(m["num_tokens"] for m in later) / len(later),
-            "tokens_per_s": sum(m["tokens_per_s"] for m in later) / len(later),
-            "first_step_seconds": metrics[0]["seconds"], "process_seconds": cost["seconds"],
+            "steps": len(metrics), **harness.step_costs(metrics), "process_seconds": cost["seconds"],
             "peak_rss_mib": cost["peak_rss_mib"], "load_before": load, "load_after": load_average()}
 
 

@@ -585,7 +585,7 @@ def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model)
     for arm, runs in by_arm.items():
         assert sorted(run["lr"] for run in runs) == [1e-3, 1e-2]
         for run in runs:
-            assert run["peak_rss_mib"] > 100 and run["steps"] >= 1 and run["rows"] >= 1
+            assert run["peak_rss_mib"] > 100 and run["steps"] >= 1 and run["rows"] >= 1 and run["step_seconds"] > 0
             assert {"test_accuracy", "test_pass@1", "test_pass@4", "ood_accuracy", "ood_pass@4"} <= set(run)
             assert not (tmp_path / "arms" / "runs" / f"{arm}-lr{run['lr']:g}-seed0").exists()  # numbers kept only
         (row,) = [row for row in outcome["rows"] if row["arm"] == arm]
@@ -620,6 +620,16 @@ def test_cost_of_training_steps(tmp_path, chat_model):
     for line in measured:
         assert line["steps"] == 2 and line["step_seconds"] > 0 and line["peak_rss_mib"] > 100
     assert jsonl(results) == [{**line, "model": chat_model} for line in measured]
+
+
+def test_step_costs_by_hand():
+    """The steps after the first are averaged (the first pays for allocations); a one-step run has only its first."""
+    def step(seconds, tokens):
+        return {"seconds": seconds, "num_tokens": tokens, "tokens_per_s": tokens / seconds}
+
+    costs = harness.step_costs([step(80.0, 100), step(10.0, 200), step(20.0, 400)])
+    assert costs == {"step_seconds": 15.0, "tokens_per_step": 300, "tokens_per_s": 20.0, "first_step_seconds": 80.0}
+    assert harness.step_costs([step(8.0, 80)])["step_seconds"] == 8.0
 
 
 def test_steady_rates_by_hand():
