@@ -495,9 +495,9 @@ def grid_scale(args: argparse.Namespace, scale):
     return scale
 
 
-def chosen_arms(args: argparse.Namespace, arms, is_peer) -> list[str]:
+def chosen_arms(args: argparse.Namespace, arms, is_peer=None) -> list[str]:
     """The arms --arms names (all of `arms` by default), without the peers (`is_peer(name)`) with --no-peers
-    (an experiment without peer arms has no --no-peers)."""
+    (an experiment without peer arms has no --no-peers, and no `is_peer`)."""
     names = args.arms.split(",") if args.arms else list(arms)
     return [name for name in names if not (getattr(args, "no_peers", False) and is_peer(name))]
 

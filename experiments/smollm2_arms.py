@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON Lines file of finished runs")
     args = parser.parse_args(argv)
     scale = harness.grid_scale(args, QUICK if args.quick else Scale())
-    arms = harness.chosen_arms(args, ARMS, lambda arm: False)
+    arms = harness.chosen_arms(args, ARMS)
     return harness.run_and_print(run, Path(args.out), arms, scale, args.model, table_only=args.table_only,
                                  results_path=args.results, chosen_lr=args.chosen_lr,
                                  choice_seeds=harness.numbers(args.choice_seeds, int))
