@@ -14,4 +14,5 @@ if { ! command -v chromium || ! command -v chromedriver; } >/dev/null 2>&1 \
     || echo "warning: chromium could not be installed (see /tmp/offline-rec-chromium-install.log)" >&2
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec .venv/bin/python -m pytest -q "$@"
+# The 20 slowest tests close the log: where the suite's time goes (CI aims under 40 minutes).
+exec .venv/bin/python -m pytest -q --durations=20 "$@"
