@@ -482,10 +482,7 @@ def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy
     (resumable: a rerun runs the (arm, round) not yet in it); OUT/timing.md: `timing_table`, the first arm the
     reference. Within a round the arms run back to back, so that a ratio compares the same machine state."""
     policy = harness.shipped_policy(policy, scale.task)
-    lrs = harness.chosen_lrs(harness.read_results(results_path or out / RESULTS_FILE), arms, choice_seeds)
-    missing = [arm for arm in arms if arm not in lrs]
-    if missing:
-        raise SystemExit(f"--timing: no grid results yet for {', '.join(missing)}: run its lr grid first")
+    lrs = harness.chosen_lrs(harness.read_results(results_path or out / RESULTS_FILE), arms, choice_seeds, "--timing")
     timing_path = out / TIMING_FILE
     lines = harness.read_results(timing_path) if timing_path.is_file() else []
     paths = seed_data(out, policy, seed, scale, log)

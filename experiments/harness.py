@@ -373,18 +373,20 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
     return rows
 
 
-def chosen_lrs(results: list[dict], arms, choice_seeds) -> dict[str, float]:
-    """Per arm with results: its lr chosen on validation, averaged over `choice_seeds` (`summarize`)."""
-    return {row["arm"]: row["lr"] for row in summarize(results, arms, ("validation",), choice_seeds)}
+def chosen_lrs(results: list[dict], arms, choice_seeds, option: str) -> dict[str, float]:
+    """Per arm of `arms`: its lr chosen on validation, averaged over `choice_seeds` (`summarize`); an arm without
+    results is refused, in the name of `option` (its grid has to run first)."""
+    lrs = {row["arm"]: row["lr"] for row in summarize(results, arms, ("validation",), choice_seeds)}
+    missing = [arm for arm in arms if arm not in lrs]
+    if missing:
+        raise SystemExit(f"{option}: no grid results yet for {', '.join(missing)}: run its lr grid first")
+    return lrs
 
 
 def at_chosen_lrs(results: list[dict], arms, seeds, choice_seeds) -> list[tuple[str, float, int]]:
     """(arm, lr, seed) for every seed of `seeds` and arm of `arms` at the arm's lr chosen on `choice_seeds`
-    (`chosen_lrs`); an arm without results is refused (its grid has to run first)."""
-    lrs = chosen_lrs(results, arms, choice_seeds)
-    missing = [arm for arm in arms if arm not in lrs]
-    if missing:
-        raise SystemExit(f"--chosen-lr: no grid results yet for {', '.join(missing)}: run its lr grid first")
+    (`chosen_lrs`, for --chosen-lr)."""
+    lrs = chosen_lrs(results, arms, choice_seeds, "--chosen-lr")
     return [(arm, lrs[arm], seed) for seed in seeds for arm in arms]
 
 
