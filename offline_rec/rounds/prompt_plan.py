@@ -46,6 +46,28 @@ def validation_prompts(config: RoundsConfig) -> Path:
     return path
 
 
+def check_prompt_supply(config: RoundsConfig) -> None:
+    """Refuse a `--prompts` file that holds fewer distinct prompts than the run asks of it (validation, then the
+    pool or every round's fresh prompts), before anything is written: else a run would stop at the round that
+    found it short, hours in. Built-in splits are drawn to any size."""
+    if config.prompts is None:
+        return
+    distinct = len({_key(item) for item in load_prompts(config.prompts, prompt_column(config))})
+    asks = [(config.validation_prompts, f"--validation-prompts {config.validation_prompts}")]
+    if config.prompt_pool is not None:
+        asks.append((config.prompt_pool, f"--prompt-pool {config.prompt_pool}"))
+    elif config.prompts_per_round is not None:  # None with --logs: the rounds' data arrives, no prompt is drawn
+        asks.append((config.rounds * config.prompts_per_round,
+                     f"--rounds {config.rounds} x --prompts-per-round {config.prompts_per_round} fresh ones"))
+    needed = sum(count for count, _ in asks)
+    if distinct < needed:
+        remedy = "" if config.prompt_pool is not None or config.prompts_per_round is None else (
+            "; or --prompt-pool P to draw every round from P of them")
+        raise UserError(f"{config.prompts}: the run asks {needed} distinct prompts ("
+                        f"{' + '.join(text for _, text in asks)}), the file holds {distinct}: give a larger file "
+                        f"or ask fewer{remedy}")
+
+
 def round_prompts(config: RoundsConfig, number: int) -> Path:
     """RUN/round-N/prompts.jsonl: the N prompts round `number` asks (written once, see the module docstring)."""
     path = round_dir(config.out, number) / PROMPTS_FILE

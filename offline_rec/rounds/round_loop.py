@@ -97,9 +97,10 @@ def run_rounds(config: RoundsConfig, say=None) -> dict:
 
 
 def _check_before_writing(config: RoundsConfig) -> None:
-    """What a user can get wrong, refused before RUN is touched: the backend, the task and its prompt sources, the
-    recipe."""
+    """What a user can get wrong, refused before RUN is touched: the backend, the task and its prompt sources (a
+    --prompts file large enough), the recipe."""
     from offline_rec.rollout.backends import check_backend_name
+    from offline_rec.rounds.prompt_plan import check_prompt_supply
     from offline_rec.tasks.builtin import get_task
 
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here
@@ -109,6 +110,7 @@ def _check_before_writing(config: RoundsConfig) -> None:
     if task.prompts is None and config.prompts is None:
         raise UserError(f"task {task.name!r} has no built-in prompts: pass --prompts FILE (validation"
                         f"{'' if config.logs else ' and each round'} draws from it)")
+    check_prompt_supply(config)
     round_train_config(config, 1, {"model": config.model, "checkpoint": None})  # the recipe, its keys and values
 
 

@@ -159,3 +159,33 @@ def test_lora_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(UserError, match="rounds trains and deploys full weights: lora_r > 0 is not supported yet"):
         run_rounds(config(tmp_path, prompts_per_round=8, sets=["lora_r=8"]), say=lambda line: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_file_too_small_for_the_run_is_refused_before_anything_is_written(tmp_path):
+    """validation + every round's fresh prompts (or the pool) must be in --prompts as distinct prompts: a short file
+    is refused up front, not at the round that finds it short."""
+    from offline_rec.rounds.prompt_plan import check_prompt_supply
+    from offline_rec.rounds.round_loop import run_rounds
+
+    prompts = tmp_path / "q.jsonl"
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(11)] + [{"question": "q0", "answer": "0"}]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))  # 12 rows, 11 distinct
+
+    def plan(**options):
+        return config(tmp_path, task="gsm8k", prompts=str(prompts), test_prompts=prompts, **options)
+
+    with pytest.raises(UserError, match=r"q.jsonl: the run asks 16 distinct prompts \(--validation-prompts 8 \+ "
+                                        r"--rounds 2 x --prompts-per-round 4 fresh ones\), the file holds 11: give a "
+                                        r"larger file or ask fewer; or --prompt-pool P"):
+        run_rounds(plan(validation_prompts=8, prompts_per_round=4, rounds=2), say=lambda line: None)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match=r"asks 12 distinct prompts \(--validation-prompts 8 \+ --prompt-pool 4\), "
+                                        r"the file holds 11: give a larger file or ask fewer$"):
+        check_prompt_supply(plan(validation_prompts=8, prompts_per_round=4, prompt_pool=4))
+    with pytest.raises(UserError, match=r"asks 12 distinct prompts \(--validation-prompts 12\)"):
+        check_prompt_supply(plan(validation_prompts=12, logs=tmp_path / "logs"))
+    for enough in (plan(validation_prompts=3, prompts_per_round=4, rounds=2),
+                   plan(validation_prompts=7, prompts_per_round=4, prompt_pool=4),
+                   plan(validation_prompts=11, logs=tmp_path / "logs")):
+        check_prompt_supply(enough)
+    check_prompt_supply(config(tmp_path, validation_prompts=10_000))  # a built-in split: drawn to any size
