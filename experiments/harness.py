@@ -345,12 +345,23 @@ SCORES = ("greedy", "t1", "pass8", "validation")
 """The scores `summarize` gives a mean and an interval by default (fractions in a result, percent in its rows)."""
 
 
+def timed_runs(results: list[dict]) -> list[dict]:
+    """The results whose seconds measure their run: a line carrying "timing_void" (why: e.g. its process was
+    stopped with SIGSTOP while other work had the cores) keeps its scores but not its times."""
+    return [r for r in results if not r.get("timing_void")]
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    return statistics.mean(values) if values else None
+
+
 def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
               choice_seeds: tuple[int, ...] | None = None) -> list[dict]:
     """Per arm of `arms`: the lr with the best validation score, averaged over the seeds run at that lr (one lucky
     seed must not choose; with `choice_seeds`, over those of them alone, so that every lr is judged on the same
     seeds however many more ran at one of them); over that lr's seeds, the mean and the 95% interval (t
-    quantile) of each of `scores` (percent; test greedy, T=1, pass@8 and validation by default)."""
+    quantile) of each of `scores` (percent; test greedy, T=1, pass@8 and validation by default); train_seconds: the
+    mean over its `timed_runs` (None where none is)."""
     rows = []
     for arm in arms:
         runs = [r for r in results if r["arm"] == arm]
@@ -365,7 +376,7 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
         chosen = by_lr[lr]
         row = {"arm": arm, "lr": lr, "seeds": len(chosen),
                "by_lr": {x: (mean_of(rs, "greedy"), len(rs)) for x, rs in by_lr.items()},
-               "train_seconds": statistics.mean(r["train_seconds"] for r in chosen),
+               "train_seconds": mean_or_none([r["train_seconds"] for r in timed_runs(chosen)]),
                "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
         for key in scores:
             row[key], row[key + "_ci"] = mean_interval([100 * r[key] for r in chosen if r.get(key) is not None])

@@ -141,7 +141,19 @@ def scores(model, run_dir: Path, validation: str, scale: Scale, seed: int) -> di
                if isinstance(value, (int, float))}}
 
 
-def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds) -> str:
+def validation_by_lr(results: list[dict], arms, choice_seeds) -> dict[str, dict[float, float]]:
+    """Per arm of `arms`, per lr it ran: its mean validation greedy accuracy (percent) over `choice_seeds`, what
+    chose its lr."""
+    grid: dict[str, dict[float, list[float]]] = {}
+    for r in results:
+        if r["arm"] in arms and r["seed"] in choice_seeds:
+            grid.setdefault(r["arm"], {}).setdefault(r["lr"], []).append(100 * r["validation"])
+    return {arm: {lr: sum(v) / len(v) for lr, v in sorted(by_lr.items())} for arm, by_lr in grid.items()}
+
+
+def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds,
+                   grid: dict[str, dict[float, float]] | None = None) -> str:
+    """The arms at their chosen lrs; below it, with `grid` (`validation_by_lr`), every lr each arm ran."""
     cell = harness.cell
     lines = [f"SmolLM2-135M-Instruct, {TASK}: {scale.num_prompts} prompts x {scale.k} samples at T=1, "
              f"{scale.epochs} pass(es); final models; lr chosen on {scale.validation_prompts} validation prompts "
@@ -155,11 +167,15 @@ def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_see
                      f"{100 * base['t1']:.1f} | {100 * (base['pass8'] or 0):.1f} | {100 * base['ood_greedy']:.1f} | "
                      f"{100 * base['ood_t1']:.1f} | |")
     for r in rows:
-        step = f"{r['step_seconds']:.1f}" if r.get("step_seconds") else ""
+        step = f"{r['step_seconds']:.1f}" if r.get("step_seconds") else ""  # none: no run of it is timed_runs'
+        seconds = f"{r['train_seconds']:.0f}" if r["train_seconds"] is not None else ""
         lines.append(f"| {r['arm']} | {r['lr']:g} | {r['seeds']} | {r['steps'] or ''} | {step} | "
                      f"{r.get('peak_rss_mib', '')} "
                      f"| {cell(r, 'validation')} | {cell(r, 'greedy')} | {cell(r, 't1')} | {cell(r, 'pass8')} | "
-                     f"{cell(r, 'ood_greedy')} | {cell(r, 'ood_t1')} | {r['train_seconds']:.0f} |")
+                     f"{cell(r, 'ood_greedy')} | {cell(r, 'ood_t1')} | {seconds} |")
+    if grid:
+        lines += ["", "Validation greedy by lr (what chose it): " + "; ".join(
+            f"{arm} " + ", ".join(f"{lr:g} {score:.1f}" for lr, score in by_lr.items()) for arm, by_lr in grid.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -196,12 +212,13 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
             f"{result['t1']:.3f}, ood greedy {result['ood_greedy']:.3f}, validation {result['validation']:.3f} "
             f"({result['train_seconds']:.0f} s training, peak {result['peak_rss_mib']} MiB)")
     rows = harness.summarize([r for r in done if r["arm"] in arms], arms, SCORES, choice_seeds)
-    for row in rows:  # the chosen lr's peak memory (the largest over its seeds) and mean step time
+    for row in rows:  # the chosen lr's peak memory (the largest over its seeds) and mean step time (timed runs)
         chosen = [r for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"])]
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in chosen)
-        timed = [r["step_seconds"] for r in chosen if r.get("step_seconds")]
-        row["step_seconds"] = sum(timed) / len(timed) if timed else None
-    return {"table": markdown_table(rows, base, scale, choice_seeds), "rows": rows, "base": base, "out": str(out)}
+        row["step_seconds"] = harness.mean_or_none([r["step_seconds"] for r in harness.timed_runs(chosen)
+                                                    if r.get("step_seconds")])
+    grid = validation_by_lr(done, arms, choice_seeds)
+    return {"table": markdown_table(rows, base, scale, choice_seeds, grid), "rows": rows, "base": base, "out": str(out)}
 
 
 def main(argv: list[str] | None = None) -> dict:

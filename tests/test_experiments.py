@@ -147,6 +147,24 @@ def test_the_lr_is_chosen_on_the_choice_seeds_alone():
     assert (on_all["lr"], on_all["seeds"], on_all["greedy"]) == (1e-3, 2, pytest.approx(87.5))
 
 
+def test_a_run_whose_timing_is_void_keeps_its_scores_but_not_its_seconds():
+    """Seed 0 was paused mid-training (its line carries timing_void): the arm's train seconds are seed 1's alone,
+    its scores both seeds'; with every seed void, no seconds at all. SmolLM2's table prints blank cells then."""
+    def run(seed, seconds, **extra):
+        return {"arm": "filtered-sft", "lr": 1e-4, "seed": seed, "validation": 0.9, "greedy": 0.8 + seed / 10,
+                "train_seconds": seconds, "step_seconds": seconds / 20, "steps": 20, "peak_rss_mib": 7000, **extra}
+
+    paused = run(0, 2000.0, timing_void="SIGSTOPped 29 min")
+    (row,) = harness.summarize([paused, run(1, 300.0)], ["filtered-sft"], ("greedy", "validation"))
+    assert (row["seeds"], row["greedy"], row["train_seconds"]) == (2, pytest.approx(85.0), 300.0)
+    (void,) = harness.summarize([paused], ["filtered-sft"], ("greedy", "validation", "t1", "pass8", "ood_greedy",
+                                                              "ood_t1"))
+    assert void["train_seconds"] is None
+    table = smollm2_arms.markdown_table([{**void, "step_seconds": None, "peak_rss_mib": 7000}], None,
+                                        smollm2_arms.Scale(), (0,))
+    assert "| filtered-sft | 0.0001 | 1 | 20 |  | 7000 | 90.0 | 80.0 |" in table and table.rstrip().endswith("|  |")
+
+
 def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
     """The grid: every (arm, lr, seed) not finished, the untrained behavior at lr 0 once per seed; --chosen-lr:
     seeds at the lr validation chose on the grid seed, refused for an arm whose grid never ran."""
@@ -594,6 +612,10 @@ def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model)
     assert lora_spec["lora_r"] == 16 and lora_spec["skip_zero_advantage"] is True
     assert smollm2_arms.main(argv)["rows"] == outcome["rows"] and len(jsonl(results)) == 5  # resumed: nothing rerun
     assert "| filtered-sft-lora |" in outcome["table"] and "| base (untrained) |" in outcome["table"]
+    grid = {arm: {run["lr"]: 100 * run["validation"] for run in runs} for arm, runs in by_arm.items()}
+    assert smollm2_arms.validation_by_lr(jsonl(results), list(by_arm), (0,)) == grid
+    assert (f"Validation greedy by lr (what chose it): filtered-sft 0.001 {grid['filtered-sft'][1e-3]:.1f}, 0.01 "
+            f"{grid['filtered-sft'][1e-2]:.1f}; filtered-sft-lora") in outcome["table"]
 
     # --chosen-lr: a further seed at the lr seed 0's validation chose, alone; refused for an arm whose grid never ran
     chosen = next(row["lr"] for row in outcome["rows"] if row["arm"] == "filtered-sft")
