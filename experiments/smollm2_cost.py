@@ -8,7 +8,8 @@ line per measurement in experiments/results/smollm2_cost.jsonl.
     python -m experiments.smollm2_cost --quick --what train --model TINY --data DATA --out DIR
 
 train: `harness.train` (child) of `rec-logged` on the logged groups (rows of the task's real lengths,
---rows-per-step rows a step, --steps steps), full or LoRA; a step's time is the mean `seconds` of metrics.jsonl over
+--rows-per-step rows a step, --steps steps, micro-batches of --micro-batch-tokens), full (activations kept or
+recomputed) or LoRA; a step's time is the mean `seconds` of metrics.jsonl over
 the steps after the first (the first pays for allocations); peak memory is the train process's maximum resident
 set. collect: `offline-rec collect` of a few prompts and of many (sums9, K samples each); the steady-state rate is
 the extra samples over the extra seconds (the engine start and the model load cancel out). The load average is
@@ -27,7 +28,10 @@ from experiments.harness import SKIP
 from experiments.smollm2_arms import TASK, add_sampling_options, sampling
 
 RESULTS = Path(__file__).with_name("results") / "smollm2_cost.jsonl"
-TRAIN_KINDS = {"full": {}, "lora-r8": {"lora_r": 8, "lora_alpha": 16}, "lora-r16": {"lora_r": 16, "lora_alpha": 32}}
+TRAIN_KINDS = {"full": {}, "full-checkpointing": {"gradient_checkpointing": True},
+               "lora-r8": {"lora_r": 8, "lora_alpha": 16}, "lora-r16": {"lora_r": 16, "lora_alpha": 32}}
+"""What is trained: every weight (activations kept, or recomputed in backward), or LoRA adapters."""
+DEFAULT_MICRO_BATCH_TOKENS = 8192  # train's default
 BACKENDS = ("vllm", "hf")
 
 
@@ -35,16 +39,17 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 1)
 
 
-def measure_train(kind: str, args, repeat: int) -> dict:
-    run = Path(args.out) / f"train-{kind}-{repeat}"
+def measure_train(kind: str, micro_batch_tokens: int, args, repeat: int) -> dict:
+    run = Path(args.out) / f"train-{kind}-{micro_batch_tokens}-{repeat}"
     shutil.rmtree(run, ignore_errors=True)
     load = load_average()
     cost = harness.train(args.model, args.data, run, child=True, algorithm="rec-logged", **SKIP,
                          rows_per_step=args.rows_per_step, max_steps=args.steps, lr=1e-5, save_every=0,
-                         **TRAIN_KINDS[kind])
+                         micro_batch_tokens=micro_batch_tokens, **TRAIN_KINDS[kind])
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     shutil.rmtree(run, ignore_errors=True)
     return {"measure": "train", "kind": kind, "repeat": repeat, "rows_per_step": args.rows_per_step,
+            "micro_batch_tokens": micro_batch_tokens,
             "steps": len(metrics), **harness.step_costs(metrics), "process_seconds": cost["seconds"],
             "peak_rss_mib": cost["peak_rss_mib"], "load_before": load, "load_after": load_average()}
 
@@ -89,7 +94,9 @@ def markdown_table(lines: list[dict]) -> str:
             "load before, after |", "|---|---|---|---:|---:|---:|---|"]
     for r in lines:
         if r["measure"] == "train":
-            rows.append(f"| train | {r['kind']} | {r['rows_per_step']} rows x {r['steps']} steps | "
+            budget = r.get("micro_batch_tokens", DEFAULT_MICRO_BATCH_TOKENS)  # older lines: train's default
+            rows.append(f"| train | {r['kind']} | {r['rows_per_step']} rows x {r['steps']} steps, micro-batches of "
+                        f"<= {budget} tokens | "
                         f"{r['step_seconds']:.1f} | {r['tokens_per_s']:.0f} | {r['peak_rss_mib']} | "
                         f"{r['load_before']}, {r['load_after']} |")
         elif r["measure"] == "collect":
@@ -107,6 +114,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--data", help="train: the logged groups")
     parser.add_argument("--kinds", default="full,lora-r16", help=f"train: from {', '.join(TRAIN_KINDS)}")
     parser.add_argument("--rows-per-step", type=int, default=32)
+    parser.add_argument("--micro-batch-tokens", default=str(DEFAULT_MICRO_BATCH_TOKENS),
+                        help="train: comma-separated token budgets of a micro-batch (peak memory follows them)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompts", default="16,128", help="collect: a few and many prompts")
@@ -126,7 +135,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     lines = []
     for repeat in range(args.repeats):  # interleaved: every kind once, then again
         if args.what == "train":
-            lines += [measure_train(kind, args, repeat) for kind in args.kinds.split(",")]
+            lines += [measure_train(kind, int(budget), args, repeat) for kind in args.kinds.split(",")
+                      for budget in args.micro_batch_tokens.split(",")]
         else:
             for prompts in map(int, args.prompts.split(",")):
                 lines += [measure_collect(backend, prompts, args, repeat) for backend in BACKENDS]

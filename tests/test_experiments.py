@@ -637,11 +637,15 @@ def test_cost_of_training_steps(tmp_path, chat_model):
     data = write_train_dataset(tmp_path / "data", chat_model, num_groups=4, group_size=4)
     results = tmp_path / "cost.jsonl"
     measured = smollm2_cost.main(["--what", "train", "--quick", "--model", chat_model, "--data", data, "--out",
-                                  str(tmp_path / "cost"), "--kinds", "full,lora-r8", "--results", str(results)])
-    assert [line["kind"] for line in measured] == ["full", "lora-r8"]
+                                  str(tmp_path / "cost"), "--kinds", "full,full-checkpointing,lora-r8",
+                                  "--micro-batch-tokens", "8192,64", "--results", str(results)])
+    assert [(line["kind"], line["micro_batch_tokens"]) for line in measured] == [
+        (kind, budget) for kind in ("full", "full-checkpointing", "lora-r8") for budget in (8192, 64)]
     for line in measured:
         assert line["steps"] == 2 and line["step_seconds"] > 0 and line["peak_rss_mib"] > 100
     assert jsonl(results) == [{**line, "model": chat_model} for line in measured]
+    table = smollm2_cost.markdown_table(measured)
+    assert "| train | full-checkpointing | 4 rows x 2 steps, micro-batches of <= 64 tokens |" in table
 
 
 def test_step_costs_by_hand():
