@@ -132,21 +132,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     harness.check_names(args.kinds.split(","), TRAIN_KINDS, "kind")
     args.model = args.model or harness.smollm2_policy()
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    lines = []
-    for repeat in range(args.repeats):  # interleaved: every kind once, then again
-        if args.what == "train":
-            lines += [measure_train(kind, int(budget), args, repeat) for kind in args.kinds.split(",")
-                      for budget in args.micro_batch_tokens.split(",")]
-        else:
-            for prompts in map(int, args.prompts.split(",")):
-                lines += [measure_collect(backend, prompts, args, repeat) for backend in BACKENDS]
-    if args.what == "collect":
-        lines.append({"measure": "collect-steady", **{f"{b}_{key}": value for b, rate in steady_rates(lines).items()
-                                                      for key, value in rate.items()}})
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    for line in lines:
+    lines = []
+
+    def keep(line: dict) -> None:  # each measurement is written as it ends: a crash loses only the one in flight
         harness.append_run(args.results, {**line, "model": args.model})
         print(json.dumps(line), flush=True)
+        lines.append(line)
+
+    for repeat in range(args.repeats):  # interleaved: every kind once, then again
+        if args.what == "train":
+            for kind in args.kinds.split(","):
+                for budget in args.micro_batch_tokens.split(","):
+                    keep(measure_train(kind, int(budget), args, repeat))
+        else:
+            for prompts in map(int, args.prompts.split(",")):
+                for backend in BACKENDS:
+                    keep(measure_collect(backend, prompts, args, repeat))
+    if args.what == "collect":
+        keep({"measure": "collect-steady", **{f"{b}_{key}": value for b, rate in steady_rates(lines).items()
+                                              for key, value in rate.items()}})
     return lines
 
 
