@@ -351,17 +351,14 @@ def timed_runs(results: list[dict]) -> list[dict]:
     return [r for r in results if not r.get("timing_void")]
 
 
-def mean_or_none(values: list[float]) -> float | None:
-    return statistics.mean(values) if values else None
-
-
 def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
               choice_seeds: tuple[int, ...] | None = None) -> list[dict]:
     """Per arm of `arms`: the lr with the best validation score, averaged over the seeds run at that lr (one lucky
     seed must not choose; with `choice_seeds`, over those of them alone, so that every lr is judged on the same
     seeds however many more ran at one of them); over that lr's seeds, the mean and the 95% interval (t
     quantile) of each of `scores` (percent; test greedy, T=1, pass@8 and validation by default); train_seconds: the
-    mean over its `timed_runs` (None where none is)."""
+    mean over its `timed_runs` (None where none is); validation_by_lr: the mean validation score (percent) of every
+    lr that was judged, what chose the lr."""
     rows = []
     for arm in arms:
         runs = [r for r in results if r["arm"] == arm]
@@ -372,11 +369,13 @@ def summarize(results: list[dict], arms, scores: tuple[str, ...] = SCORES,
             by_lr.setdefault(r["lr"], []).append(r)
         judged = {x: [r for r in rs if choice_seeds is None or r["seed"] in choice_seeds] for x, rs in by_lr.items()}
         judged = {x: rs for x, rs in judged.items() if rs} or by_lr
-        lr = max(judged, key=lambda x: statistics.mean(r["validation"] for r in judged[x]))
+        validation = {x: statistics.mean(r["validation"] for r in rs) for x, rs in judged.items()}
+        lr = max(validation, key=validation.get)
         chosen = by_lr[lr]
         row = {"arm": arm, "lr": lr, "seeds": len(chosen),
                "by_lr": {x: (mean_of(rs, "greedy"), len(rs)) for x, rs in by_lr.items()},
-               "train_seconds": mean_or_none([r["train_seconds"] for r in timed_runs(chosen)]),
+               "validation_by_lr": {x: 100 * validation[x] for x in sorted(validation)},
+               "train_seconds": mean_of(timed_runs(chosen), "train_seconds"),
                "steps": next((r["steps"] for r in chosen if r.get("steps")), None)}
         for key in scores:
             row[key], row[key + "_ci"] = mean_interval([100 * r[key] for r in chosen if r.get(key) is not None])

@@ -141,19 +141,9 @@ def scores(model, run_dir: Path, validation: str, scale: Scale, seed: int) -> di
                if isinstance(value, (int, float))}}
 
 
-def validation_by_lr(results: list[dict], arms, choice_seeds) -> dict[str, dict[float, float]]:
-    """Per arm of `arms`, per lr it ran: its mean validation greedy accuracy (percent) over `choice_seeds`, what
-    chose its lr."""
-    grid: dict[str, dict[float, list[float]]] = {}
-    for r in results:
-        if r["arm"] in arms and r["seed"] in choice_seeds:
-            grid.setdefault(r["arm"], {}).setdefault(r["lr"], []).append(100 * r["validation"])
-    return {arm: {lr: sum(v) / len(v) for lr, v in sorted(by_lr.items())} for arm, by_lr in grid.items()}
-
-
-def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds,
-                   grid: dict[str, dict[float, float]] | None = None) -> str:
-    """The arms at their chosen lrs; below it, with `grid` (`validation_by_lr`), every lr each arm ran."""
+def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds) -> str:
+    """The arms at their chosen lrs (`harness.summarize`'s rows); below it, every lr's validation score that chose
+    them."""
     cell = harness.cell
     lines = [f"SmolLM2-135M-Instruct, {TASK}: {scale.num_prompts} prompts x {scale.k} samples at T=1, "
              f"{scale.epochs} pass(es); final models; lr chosen on {scale.validation_prompts} validation prompts "
@@ -173,9 +163,10 @@ def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_see
                      f"{r.get('peak_rss_mib', '')} "
                      f"| {cell(r, 'validation')} | {cell(r, 'greedy')} | {cell(r, 't1')} | {cell(r, 'pass8')} | "
                      f"{cell(r, 'ood_greedy')} | {cell(r, 'ood_t1')} | {seconds} |")
-    if grid:
+    if rows:
         lines += ["", "Validation greedy by lr (what chose it): " + "; ".join(
-            f"{arm} " + ", ".join(f"{lr:g} {score:.1f}" for lr, score in by_lr.items()) for arm, by_lr in grid.items())]
+            f"{r['arm']} " + ", ".join(f"{lr:g} {score:.1f}" for lr, score in r["validation_by_lr"].items())
+            for r in rows)]
     return "\n".join(lines) + "\n"
 
 
@@ -215,10 +206,8 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
     for row in rows:  # the chosen lr's peak memory (the largest over its seeds) and mean step time (timed runs)
         chosen = [r for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"])]
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in chosen)
-        row["step_seconds"] = harness.mean_or_none([r["step_seconds"] for r in harness.timed_runs(chosen)
-                                                    if r.get("step_seconds")])
-    grid = validation_by_lr(done, arms, choice_seeds)
-    return {"table": markdown_table(rows, base, scale, choice_seeds, grid), "rows": rows, "base": base, "out": str(out)}
+        row["step_seconds"] = harness.mean_of(harness.timed_runs(chosen), "step_seconds")
+    return {"table": markdown_table(rows, base, scale, choice_seeds), "rows": rows, "base": base, "out": str(out)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -26,12 +26,13 @@ from pathlib import Path
 from experiments import harness
 from experiments.harness import SKIP
 from experiments.smollm2_arms import TASK, add_sampling_options, sampling
+from offline_rec.training.config import StepOptions
 
 RESULTS = Path(__file__).with_name("results") / "smollm2_cost.jsonl"
 TRAIN_KINDS = {"full": {}, "full-checkpointing": {"gradient_checkpointing": True},
                "lora-r8": {"lora_r": 8, "lora_alpha": 16}, "lora-r16": {"lora_r": 16, "lora_alpha": 32}}
 """What is trained: every weight (activations kept, or recomputed in backward), or LoRA adapters."""
-DEFAULT_MICRO_BATCH_TOKENS = 8192  # train's default
+DEFAULT_MICRO_BATCH_TOKENS = StepOptions().micro_batch_tokens  # train's default
 BACKENDS = ("vllm", "hf")
 
 
