@@ -217,7 +217,7 @@ def train(options: dict, layers: TrainLayers) -> None:
     if summary.get("already_finished"):
         return
     typer.echo(train_line(summary))
-    if summary.get("distributed") == "DEEPSPEED":
+    if summary.get("world_size", 1) > 1:
         raise ExitWithoutTeardown()  # see run()
 
 
@@ -413,7 +413,7 @@ def rounds(config: RoundsConfig, output: Output) -> None:
 
 class ExitWithoutTeardown(SystemExit):
     """Exit 0, and the program (`run`) ends without the interpreter's teardown: what a command raises as its
-    end when native threads it leaves behind could abort that teardown (DeepSpeed training, see `run`)."""
+    end when native threads it leaves behind could abort that teardown (multi-process training, see `run`)."""
 
     def __init__(self):
         super().__init__(0)
@@ -422,11 +422,12 @@ class ExitWithoutTeardown(SystemExit):
 def run() -> None:
     """The `offline-rec` program and `python -m offline_rec`: `main()`, then the exit.
 
-    After a successful DeepSpeed training run, everything is written and the process group is
-    gone, yet DeepSpeed's native threads can abort the interpreter's teardown ("terminate called
-    without an active exception", exit -6: seen once in the 2-process ZeRO-3 CPU test), which
-    would fail a finished job; the process then ends without that teardown. `main()` called from
-    Python returns normally.
+    After a successful multi-process training run, everything is written and the process group
+    is gone, yet native threads left behind (DeepSpeed's, gloo's) can abort the interpreter's
+    teardown ("terminate called without an active exception", exit -6: seen once in the
+    2-process ZeRO-3 CPU test, once in the 2-process FSDP2 one, after the final checkpoint),
+    which would fail a finished job; the process then ends without that teardown. `main()`
+    called from Python returns normally.
     """
     try:
         main()

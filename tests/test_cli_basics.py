@@ -232,3 +232,28 @@ def test_the_program_skips_the_teardown_only_after_a_command_that_asks(monkeypat
         cli.run()
     assert done.value.code == 0 and skipped == [0]
     assert isinstance(cli.ExitWithoutTeardown(), SystemExit) and cli.ExitWithoutTeardown().code == 0
+
+
+@pytest.mark.parametrize("world_size, skips", [(1, False), (2, True)])
+def test_train_skips_the_teardown_after_a_multi_process_run_only(monkeypatch, capsys, world_size, skips):
+    # gloo's or DeepSpeed's native threads can abort a finished multi-process job's teardown (exit -6): every
+    # such run ends without it, whatever its backend; a one-process run exits normally
+    from offline_rec import cli, summaries
+    from offline_rec.eval import hooks
+    from offline_rec.training import config, loop
+
+    skipped = []
+    monkeypatch.setattr(cli.os, "_exit", skipped.append)
+    monkeypatch.setattr(config, "build_config", lambda *args: "resolved")
+    monkeypatch.setattr(hooks, "training_hooks", lambda resolved: None)
+    monkeypatch.setattr(loop, "train", lambda resolved, hooks: {"world_size": world_size, "distributed": "FSDP"})
+    monkeypatch.setattr(summaries, "train_line", lambda summary: "trained")
+    monkeypatch.setattr(sys, "argv", ["offline-rec", "train", "--data", "d", "--model", "m"])
+    if skips:
+        cli.run()
+        assert skipped == [0]
+    else:
+        with pytest.raises(SystemExit) as done:
+            cli.run()
+        assert done.value.code in (0, None) and skipped == []
+    assert "trained" in capsys.readouterr().out

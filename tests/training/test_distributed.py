@@ -97,15 +97,17 @@ def setup(tmp_path_factory):
 
 
 def _backend_run(setup, name: str) -> Path:
-    """The 2-process run under configs/accelerate/NAME.yaml (made once per module)."""
+    """The 2-process run under configs/accelerate/NAME.yaml (made once per module; a failed launch fails every test
+    that reads it with its own output, not with a second launch into its folder)."""
     if name not in setup["runs"]:
         out = setup["root"] / name
         config_file = setup["root"] / f"{name}.yaml"
         config_file.write_text(yaml.safe_dump(setup["settings"](out)))
         result = _launch(name, ["-m", "offline_rec", "train"], "--config", config_file)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        setup["runs"][name] = (out, result.stdout)
-    return setup["runs"][name][0]
+        setup["runs"][name] = (out, result)
+    out, result = setup["runs"][name]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return out
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -131,7 +133,7 @@ def test_two_processes_under_each_config_match_one_process(setup, name):
     assert summary["world_size"] == 2
     assert summary["optimizer_steps"] == summary["steps"] == STEPS
     assert json.loads((one / ckpt.SUMMARY_FILE).read_text())["distributed"] == "NO"
-    settings_block = " ".join(setup["runs"][name][1].split())  # the console wraps long lines
+    settings_block = " ".join(setup["runs"][name][1].stdout.split())  # the console wraps long lines
     assert f"(accelerate {RAN[name]['distributed']}), 2 process(es) on cpu, process group gloo" in settings_block
     # gradient_checkpointing: FSDP's own activation checkpointing under FSDP, transformers' elsewhere
     assert ("FSDP2 with its activation checkpointing" in settings_block) == (name == "fsdp2")
