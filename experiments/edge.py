@@ -76,8 +76,8 @@ TIMING_FILE, TIMING_TABLE = "timing.jsonl", "timing.md"
 PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"),
          *((cheaper, other) for cheaper in ("rec-logged-drop", "rec-logged-share0.5", "rec-logged-share0.25")
            for other in ("rft-trl", "filtered-sft", "rec-logged")))
-"""The arms compared seed by seed (`paired_table`): the recipe against both forms of RFT, and those two; its cheaper
-variants (item 5) against both and against the recipe."""
+"""The arms compared seed by seed (`harness.paired_table`): the recipe against both forms of RFT, and those two;
+its cheaper variants (item 5) against both and against the recipe."""
 PAIRED_KEYS = ("greedy", "t1", "pass8", "pass64", "ood_greedy", "ood_t1", "ood_pass64")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
@@ -303,7 +303,7 @@ def run(out: Path, arms, scale: EdgeScale, policy: str | None = None, log=print,
     table = markdown_table(rows, scale, choice_seeds)
     (out / TABLE_FILE).write_text(table)
     (out / GRID_FILE).write_text(grid_table(rows))
-    (out / PAIRED_FILE).write_text(paired_table(done, rows))
+    (out / PAIRED_FILE).write_text(harness.paired_table(done, rows, PAIRS, PAIRED_KEYS))
     scored = [row for row in rows if row.get("greedy") is not None]  # a grid run alone has validation scores only
     if scored:
         plot(scored, out / PLOT_FILE, scale)
@@ -377,23 +377,6 @@ def grid_table(rows: list[dict]) -> str:
             text = "" if value is None else f"{100 * value:.1f}" + (f" ({count})" if count > 1 else "")
             cells.append(f"**{text}**" if text and lr == r["lr"] else text)
         lines.append(f"| {r['arm']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def paired_table(results: list[dict], rows: list[dict], pairs=PAIRS, keys=PAIRED_KEYS) -> str:
-    """Per pair (a, b) of PAIRS whose arms both have rows: the difference a - b of each score (points) seed by seed,
-    each arm at its chosen lr, over the seeds both scored on the held-out splits: its mean ± 95% interval. Both arms
-    of a seed trained on the same logs, so the difference is paired (the seed-to-seed spread of the logs cancels)."""
-    chosen = {row["arm"]: row["lr"] for row in rows}
-    lines = ["| a - b | seeds | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
-    for a, b in pairs:
-        if a not in chosen or b not in chosen:
-            continue
-        by_seed = {arm: {r["seed"]: r for r in results if r["arm"] == arm and r["lr"] == chosen[arm]
-                         and r.get("held_out", True)} for arm in (a, b)}
-        row = harness.paired_row(f"{a} - {b}", by_seed[a], by_seed[b], keys)
-        if row:
-            lines.append(row)
     return "\n".join(lines) + "\n"
 
 

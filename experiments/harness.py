@@ -410,14 +410,35 @@ def add_choice_options(parser: argparse.ArgumentParser) -> None:
 
 def paired_row(label: str, a: dict[int, dict], b: dict[int, dict], keys, scales=None) -> str | None:
     """One markdown row `| label | seeds | ... |`: per key, the difference a - b seed by seed (`a`, `b`: each seed's
-    scores), over the seeds both have, as its mean ± 95% interval, in points (x 100, or x scales[key]); None where
-    no seed is in both. Both arms of a seed saw the same prompts and samples, so the difference is paired."""
+    scores), over the seeds both have, as its mean ± 95% interval, in points (x 100, or x scales[key]); a blank
+    cell where no seed has the key scored (not None) in both arms; None where no seed is in both. Both arms of a
+    seed saw the same prompts and samples, so the difference is paired."""
     seeds = sorted(a.keys() & b.keys())
     if not seeds:
         return None
-    cells = [interval_cell([a[s][key] - b[s][key] for s in seeds], (scales or {}).get(key, 100), signed=True)
+    differences = {key: [a[s][key] - b[s][key] for s in seeds if a[s].get(key) is not None
+                         and b[s].get(key) is not None] for key in keys}
+    cells = [interval_cell(differences[key], (scales or {}).get(key, 100), signed=True) if differences[key] else ""
              for key in keys]
     return f"| {label} | {len(seeds)} | " + " | ".join(cells) + " |"
+
+
+def paired_table(results: list[dict], rows: list[dict], pairs, keys) -> str:
+    """Per pair (a, b) of `pairs` whose arms both have rows (`summarize`'s): the difference a - b of each of `keys`
+    (points) seed by seed, each arm at its chosen lr, over the seeds both scored on the held-out splits (a run
+    without them, `held_out` false, left out): its mean ± 95% interval (`paired_row`). Both arms of a seed trained
+    on the same logs, so the difference is paired (the seed-to-seed spread of the logs cancels)."""
+    chosen = {row["arm"]: row["lr"] for row in rows}
+    lines = ["| a - b | seeds | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
+    for a, b in pairs:
+        if a not in chosen or b not in chosen:
+            continue
+        by_seed = {arm: {r["seed"]: r for r in results if r["arm"] == arm and r["lr"] == chosen[arm]
+                         and r.get("held_out", True)} for arm in (a, b)}
+        row = paired_row(f"{a} - {b}", by_seed[a], by_seed[b], keys)
+        if row:
+            lines.append(row)
+    return "\n".join(lines) + "\n"
 
 
 def interval_cell(values: list[float], scale: float = 100, signed: bool = False) -> str:

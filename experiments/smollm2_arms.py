@@ -41,6 +41,10 @@ ARMS: dict[str, Arm] = {
     f"{FILTERED_SFT}-lora": replace(FILTERED_SFT_ARM, train={**SKIP, **LORA}),
     "rec-logged-lora": Arm("rec-logged", {}, {**SKIP, **LORA}),
 }
+PAIRS = (("rec-logged", FILTERED_SFT), ("rec-logged-lora", f"{FILTERED_SFT}-lora"),
+         (f"{FILTERED_SFT}-lora", FILTERED_SFT), ("rec-logged-lora", "rec-logged"))
+"""The arms compared seed by seed: the recipe against RFT, full and LoRA; LoRA against full training."""
+PAIRED_KEYS = ("greedy", "t1", "pass8", "ood_greedy", "ood_t1")
 LRS = {FILTERED_SFT: (3e-5, 1e-4), "rec-logged": (3e-5, 1e-4), f"{FILTERED_SFT}-lora": (3e-4, 1e-3),
        "rec-logged-lora": (3e-4, 1e-3)}
 """Each arm's lr grid unless --lrs names one for all."""
@@ -141,9 +145,10 @@ def scores(model, run_dir: Path, validation: str, scale: Scale, seed: int) -> di
                if isinstance(value, (int, float))}}
 
 
-def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds) -> str:
+def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_seeds,
+                   results: list[dict] = ()) -> str:
     """The arms at their chosen lrs (`harness.summarize`'s rows); below it, every lr's validation score that chose
-    them."""
+    them, and the PAIRS' differences seed by seed (`harness.paired_table`, from `results`) where both arms ran."""
     cell = harness.cell
     lines = [f"SmolLM2-135M-Instruct, {TASK}: {scale.num_prompts} prompts x {scale.k} samples at T=1, "
              f"{scale.epochs} pass(es); final models; lr chosen on {scale.validation_prompts} validation prompts "
@@ -167,6 +172,10 @@ def markdown_table(rows: list[dict], base: dict | None, scale: Scale, choice_see
         lines += ["", "Validation greedy by lr (what chose it): " + "; ".join(
             f"{r['arm']} " + ", ".join(f"{lr:g} {score:.1f}" for lr, score in r["validation_by_lr"].items())
             for r in rows)]
+        paired = harness.paired_table(results, rows, PAIRS, PAIRED_KEYS)
+        if paired.count("\n") > 2:
+            lines += ["", "Paired by seed (both arms of a seed trained on the same logs), points, mean ± 95% interval:",
+                      "", paired.rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 
@@ -207,7 +216,8 @@ def run(out: Path, arms, scale: Scale, policy: str | None = None, log=print, tab
         chosen = [r for r in done if (r["arm"], r["lr"]) == (row["arm"], row["lr"])]
         row["peak_rss_mib"] = max(r["peak_rss_mib"] for r in chosen)
         row["step_seconds"] = harness.mean_of(harness.timed_runs(chosen), "step_seconds")
-    return {"table": markdown_table(rows, base, scale, choice_seeds), "rows": rows, "base": base, "out": str(out)}
+    return {"table": markdown_table(rows, base, scale, choice_seeds, done), "rows": rows, "base": base,
+            "out": str(out)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -167,6 +167,28 @@ def test_a_run_whose_timing_is_void_keeps_its_scores_but_not_its_seconds():
     assert table.rstrip().endswith("Validation greedy by lr (what chose it): filtered-sft 0.0001 90.0")
 
 
+def test_smollm2_table_pairs_the_recipe_with_rft_seed_by_seed():
+    """Below SmolLM2's table, rec-logged - filtered-sft per seed at each arm's chosen lr (another lr's run left out):
+    differences of 2 and 4 points greedy, mean 3.0 ± 12.71 x 1.414 / 1.414 = 12.7; a pair without rows, none."""
+    keys = ("validation", "greedy", "t1", "pass8", "ood_greedy", "ood_t1")
+
+    def run(arm, lr, seed, greedy, validation=0.5):
+        return {"arm": arm, "lr": lr, "seed": seed, "train_seconds": 100.0, "step_seconds": 5.0, "steps": 20,
+                **dict.fromkeys(keys, 0.5), "greedy": greedy, "validation": validation}
+
+    results = [run("filtered-sft", 1e-4, 0, 0.90), run("filtered-sft", 1e-4, 1, 0.80), run("rec-logged", 1e-4, 0, 0.92),
+               run("rec-logged", 1e-4, 1, 0.84), run("rec-logged", 3e-5, 1, 0.10, validation=0.4)]
+    results[0]["pass8"] = None  # a score a run lacks (pass@8 of fewer samples): left out of that column's pairs
+    rows = harness.summarize(results, ["filtered-sft", "rec-logged"], keys)
+    table = smollm2_arms.markdown_table([{**row, "peak_rss_mib": 7000} for row in rows], None, smollm2_arms.Scale(),
+                                        (0,), results).splitlines()
+    pair = "| rec-logged - filtered-sft | 2 | +3.0 ± 12.7 | +0.0 ± 0.0 | +0.0 | +0.0 ± 0.0 | +0.0 ± 0.0 |"
+    assert pair in table
+    assert not any(line.startswith("| rec-logged-lora - ") for line in table)
+    no_pairs = smollm2_arms.markdown_table(rows[:1], None, smollm2_arms.Scale(), (0,), results)
+    assert "Paired by seed" not in no_pairs
+
+
 def test_edge_plans_the_grid_then_the_seeds_at_the_chosen_lr():
     """The grid: every (arm, lr, seed) not finished, the untrained behavior at lr 0 once per seed; --chosen-lr:
     seeds at the lr validation chose on the grid seed, refused for an arm whose grid never ran."""
@@ -196,7 +218,7 @@ def test_edge_paired_table_by_hand():
     results += [run("rft-trl", 6e-4, s, g) for s, g in enumerate((0.59, 0.60, 0.61, 0.60, 0.70))]
     results += [run("rft-trl", 1e-3, 0, 0.99), run("rec-logged", 3e-4, 7, 0.5, held_out=False)]
     rows = [{"arm": "rec-logged", "lr": 3e-4}, {"arm": "rft-trl", "lr": 6e-4}]
-    table = edge.paired_table(results, rows, keys=("greedy",)).splitlines()
+    table = harness.paired_table(results, rows, edge.PAIRS, ("greedy",)).splitlines()
     # differences 1, 2, 0, 3 points: mean 1.5, sd 1.291, half-width 3.18 * 1.291 / 2 = 2.05
     assert table == ["| a - b | seeds | greedy |", "|---|---:|---:|", "| rec-logged - rft-trl | 4 | +1.5 ± 2.1 |"]
 
