@@ -243,14 +243,17 @@ HEAD_RECORDER = textwrap.dedent('''
     import json, os, sys
     from pathlib import Path
     from support.train_support import WidestVocabularyRows
-    from offline_rec.cli import main
+    from offline_rec.cli import ExitWithoutTeardown, exit_without_teardown, main
 
-    with WidestVocabularyRows(int(os.environ["VOCAB"])) as recorder:
-        try:
-            main(sys.argv[1:])
-        finally:
-            record = {"rows": recorder.rows, "outputs": recorder.outputs}
-            Path(os.environ["RECORD"] + os.environ["RANK"]).write_text(json.dumps(record))
+    try:
+        with WidestVocabularyRows(int(os.environ["VOCAB"])) as recorder:
+            try:
+                main(sys.argv[1:])
+            finally:
+                record = {"rows": recorder.rows, "outputs": recorder.outputs}
+                Path(os.environ["RECORD"] + os.environ["RANK"]).write_text(json.dumps(record))
+    except ExitWithoutTeardown:  # as `offline-rec` ends a multi-process run: without the teardown that can abort
+        exit_without_teardown()
 ''')
 
 
