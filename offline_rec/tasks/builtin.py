@@ -390,7 +390,8 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 # sums whose carry runs through every column (d carries, e.g. 456+567=1023 for d = 3), a step harder than any
 # train or test prompt (at most d - 1 carries); of the others, a hash puts about 20% in "test", the rest in
 # "train". The pair space is too large to list (810,000 pairs for d = 3), so prompts are drawn from a seeded
-# generator and kept when they fall in the split. docs/paper.md, "A task with headroom", has the calibration.
+# generator and kept when they fall in the split. docs/paper.md, "Which task puts the policy at the edge of its
+# competence?", has the calibration.
 
 ADD_DIGITS = (3, 4, 5, 6)
 """The family's levels: task add{d} for each d."""

@@ -66,7 +66,8 @@ def test_the_readme_loop_with_the_shipped_arith_policy_logs_data_like_the_demo(t
     demo_t1 = json.loads((Path(policy) / BUILD_INFO_FILE).read_text())["stats"]["mean_at_t1"]
     assert abs(stats["reward"]["mean"] - demo_t1) <= 0.12, stats["reward"]
     # All-equal 4-sample groups: 35% measured here, 42.7% expected on 512 train prompts from the policy's exact
-    # per-prompt accuracies (docs/paper.md, "A task with headroom"); with the chat template it never learnt, 98.4%.
+    # per-prompt accuracies (docs/paper.md, "Which task puts the policy at the edge of its competence?"); with the
+    # chat template it never learnt, 98.4%.
     assert 0.15 <= stats["all_equal_reward_group_fraction"] <= 0.65, stats["all_equal_reward_group_fraction"]
 
 
