@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 from markdown.extensions.toc import slugify
 from support.paths import REPO
@@ -31,8 +32,9 @@ def as_prose(text: str) -> str:
 def paper_quotes() -> list[tuple[str, str]]:
     """(file, quoted title) for every `docs/paper.md, "Title"` in the repository's tracked text files."""
     names = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    this_file = Path(__file__).resolve().relative_to(REPO).as_posix()  # its examples quote sections that are not
     quotes = []
-    for name in names:
+    for name in set(names) - {this_file}:
         if name.rsplit(".", 1)[-1] in ("py", "md", "yaml", "yml", "sh") and (REPO / name).is_file():
             quotes += [(name, title) for title in PAPER_QUOTE.findall(as_prose((REPO / name).read_text("utf-8")))]
     return quotes
@@ -45,9 +47,10 @@ def test_every_quoted_paper_section_is_a_heading_of_the_paper():
     assert [(name, title) for name, title in quotes if title not in titles] == []
 
 
-def test_a_quote_of_a_missing_section_is_found():
+def test_quotes_wrapped_over_lines_are_read_whole():
     # what the test above reads: wrapped docstrings, implicit concatenation and comment lines included
-    wrapped = 'x (docs/paper.md, "Does the recipe beat RFT on a "\n        "real model?\\") y\n# docs/paper.md "Rare\n# positives"'
+    wrapped = ('x (docs/paper.md, "Does the recipe beat RFT on a "\n        "real model?\\") y\n'
+               '# docs/paper.md "Rare\n# positives"')
     assert PAPER_QUOTE.findall(as_prose(wrapped)) == ["Does the recipe beat RFT on a real model?", "Rare positives"]
 
 
