@@ -1,7 +1,7 @@
 """References into the documentation resolve: every quote of a docs/paper.md section anywhere in the repository
 (advice that `inspect` prints, presets' measured source, configs, docstrings) names a heading the page has, and
-every link of the README reaches a file and, where it names one, a heading of it. (Links inside docs/ are checked
-by `mkdocs build --strict`, .ci/run.)"""
+every link of the README reaches a file and, where it names one, a heading of it; the set-up page gives the
+README's two set-up commands as they are. (Links inside docs/ are checked by `mkdocs build --strict`, .ci/run.)"""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 from markdown.extensions.toc import slugify
+from support.doc_blocks import bash_lines
 from support.paths import REPO
 
 PAPER_QUOTE = re.compile(r'docs/paper\.md,?\s\(?"([^"]{3,200})"')
@@ -64,3 +65,10 @@ def test_every_link_of_the_readme_reaches_a_file_and_its_heading():
         assert target.is_file(), link
         if anchor:
             assert anchor in {slugify(title, "-") for title in headings(target)}, link
+
+
+def test_the_set_up_page_gives_the_readmes_two_set_up_commands():
+    heading = "Run the demo (builds a virtualenv"
+    for page in ("README.md", "docs/install.md"):
+        assert bash_lines(page, heading) == ["bash scripts/install.sh && .venv/bin/offline-rec demo --out runs/demo"]
+        assert bash_lines(page, "Install everything and run the tests") == ["bash scripts/test.sh"]
