@@ -6,10 +6,10 @@
 
 For each pair it prints the largest absolute difference of the gradient with respect to the policy's
 log-probs (and of the advantages, for the advantage functions) between offline-rec and the peer, with
-and without the override docs/paper.md names ("Where the defaults differ from the authors' code on
-purpose"): icepop-seq against verl's sequence-level IS with an IcePop band, grpo + dual-clip against
-Trinity's PPO loss, sapo-gate against Trinity's SAPO, kl_estimator k2 against Trinity's K2 KL loss,
-population_std against Trinity's REC advantage, and how verl and Trinity treat a group of one.
+and without the override docs/paper.md names ("Where do the defaults differ from the
+authors' code, and how do I get theirs?"): icepop-seq against verl's sequence-level IS with an IcePop
+band, grpo + dual-clip against Trinity's PPO loss, sapo-gate against Trinity's SAPO, kl_estimator k2 against
+Trinity's K2 KL loss, population_std against Trinity's REC advantage, and how verl and Trinity treat a group of one.
 
 The peers are imported from --peers (their unpacked wheels, added as a site directory), not installed: the
 packages they import at module level and this machine lacks (ray, omegaconf, ...) are stood in for by empty

@@ -15,7 +15,7 @@ every round's choice is scored on 512 held-out test prompts: greedy, 64 samples 
 64), mean token entropy.
 
 Arms (recipe files in configs/; lr: the one each chose on validation in docs/paper.md's single-round comparison,
-"Against fine-tuning on the positives"):
+"Does the recipe beat fine-tuning on the positives?"):
   rec-logged        configs/rec-logged.yaml, lr 6e-4 (the demo's recipe)
   filtered-sft      configs/filtered-sft.yaml, lr 1e-3: iterated fine-tuning on the positives (RFT / ReST-EM)
   rec-oneside-nois  configs/rec-oneside-nois-wide.yaml (the paper's REC-OneSide-NoIS, clip 0.6/2.0), rows + skip,

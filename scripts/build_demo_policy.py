@@ -5,9 +5,9 @@
     python scripts/build_demo_policy.py --out /tmp/policy --steps 30        # a quick smoke build
 
 Each task's recipe is its `SHIPPED_POLICIES` entry; the options below replace single fields of it. The arith build
-takes ~2 min on an idle 2-core machine, the add3 build about as long (docs/paper.md, "A task with headroom"); on a
-busy one, --threads 1 is much faster than torch's default. The same recipe and thread count give bit-identical
-weights.
+takes ~2 min on an idle 2-core machine, the add3 build about as long (docs/paper.md, "Which task puts the policy at
+the edge of its competence?"); on a busy one, --threads 1 is much faster than torch's default. The same recipe and
+thread count give bit-identical weights.
 """
 
 from __future__ import annotations

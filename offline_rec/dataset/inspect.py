@@ -115,7 +115,7 @@ def card_warnings(ds: Dataset) -> list[str]:
         f'datasets.load_dataset("{folder}") may return rows cached for another folder named '
         f'"{ds.path.resolve().name}" or for an earlier version of this one: {problem}; load it with '
         f'datasets.load_dataset("parquet", data_files="{folder}/{S.DATA_DIR}/*.parquet", split="train"), '
-        f'or rewrite the card (README.md of offline-rec, "Loading with datasets")'
+        f'or rewrite the card (docs/dataset.md of offline-rec, "Loading with datasets")'
     ]
 
 

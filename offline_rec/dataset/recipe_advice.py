@@ -29,28 +29,28 @@ class Regime:
 REGIMES = {
     "several loggers": Regime(
         "--algorithm rec-oneside-nois --set batching=rows --set skip_zero_advantage=true --set group_mean_scale=0.5",
-        'docs/paper.md, "Logs from several behavior policies"',
+        'docs/paper.md, "What trains best on logs from several behavior policies?"',
         "no importance weights, half the group mean; fine-tuning on the positives still wins when the stronger "
         "logger is itself good",
     ),
     "one response per prompt": Regime(
         f"--config {LOGGED_RECIPE}",
-        'docs/paper.md, "One response per prompt"',
+        'docs/paper.md, "What trains on one response per prompt?"',
         "the training rewards' mean as the baseline; level with TRL's SFT on the positives (one seed)",
     ),
     "rare positives": Regime(
         "--algorithm rec-logged",
-        'docs/paper.md, "Rare positives"',
+        'docs/paper.md, "Does it still hold when positives are rare?"',
         "ahead of SFT on the positives on greedy and T=1 accuracy by 1.5 points, the 3 seeds' intervals overlapping",
     ),
     "groups from one logger": Regime(
         "--algorithm rec-logged",
-        'docs/paper.md, "At the edge of competence (add3)"',
+        'docs/paper.md, "Does RL beat fine-tuning on the positives at the edge of competence?"',
         "level with RFT on greedy accuracy, ahead on pass@64 (+2.0 +- 0.8 points; ood +6.9 +- 2.6), behind at T=1 "
         "(-4.5 +- 0.7; for one sample at T=1, --config configs/filtered-sft.yaml); 10 seeds, one round; in 1.44x "
         "RFT's training time instead of 2.07x, --config configs/rec-logged-fast.yaml (greedy level, pass@64 +1.1 "
-        "+- 0.8); on a real 135M instruct model (SmolLM2, 5 seeds, docs/paper.md \"A real model\") level with RFT "
-        "within the noise (ood greedy -6.4 +- 21.6) at 3.7x its training time",
+        "+- 0.8); on a real 135M instruct model (SmolLM2, 5 seeds, docs/paper.md \"Does the recipe beat RFT on a "
+        "real model?\") level with RFT within the noise (ood greedy -6.4 +- 21.6) at 3.7x its training time",
     ),
 }
 

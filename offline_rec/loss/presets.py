@@ -76,8 +76,8 @@ def _recipe(name: str, steps: StepRecipe | None = None, measured: MeasuredSettin
 
 REC_LOGGED_MEASURED = MeasuredSettings(
     lr=6e-4, lr_schedule="cosine", weight_decay=0.0, epochs=2, parameters=0.79e6,
-    source='docs/paper.md, "Against fine-tuning on the positives" (experiments/peers.py arm rows-skip-open-neg0.25, '
-           "3 seeds, the demo's logs)")
+    source='docs/paper.md, "Does the recipe beat fine-tuning on the positives?" (experiments/peers.py arm '
+           "rows-skip-open-neg0.25, 3 seeds, the demo's logs)")
 """What rec-logged was measured with: the demo's training (AdamW without weight decay, cosine to 0, 2 epochs)."""
 
 PRESETS: dict[str, Recipe] = {
@@ -121,7 +121,7 @@ PRESETS: dict[str, Recipe] = {
         # positives/negatives are split by a reward threshold (REINFORCE's baseline), never a group mean; the
         # training rewards' mean gives positives and negatives equal total weight whatever their count (with a share
         # p of 0/1 rewards at 1: p (1 - p) each side). The paper's fixed threshold: `--set baseline=constant
-        # --set baseline_value=0.5` (docs/paper.md, "One response per prompt", measured it).
+        # --set baseline_value=0.5` (docs/paper.md, "What trains on one response per prompt?", measured it).
         _recipe("topr", weight="topr", baseline="dataset", group_mean=False),
         _recipe("topr-seq", weight="topr-seq", baseline="dataset", group_mean=False),
         # The peers' objectives (see the docstring below for each formula and the source of each default).

@@ -390,7 +390,8 @@ def _math_score(predicted: str | None, completion: str, reference: str) -> float
 # sums whose carry runs through every column (d carries, e.g. 456+567=1023 for d = 3), a step harder than any
 # train or test prompt (at most d - 1 carries); of the others, a hash puts about 20% in "test", the rest in
 # "train". The pair space is too large to list (810,000 pairs for d = 3), so prompts are drawn from a seeded
-# generator and kept when they fall in the split. docs/paper.md, "A task with headroom", has the calibration.
+# generator and kept when they fall in the split. docs/paper.md, "Which task puts the policy at the edge of its
+# competence?", has the calibration.
 
 ADD_DIGITS = (3, 4, 5, 6)
 """The family's levels: task add{d} for each d."""
@@ -461,8 +462,8 @@ ADD_TASKS = {
 # Each pair is asked in every one of SUM_WORDINGS, so that a split holds many distinct prompts. Splits, fixed by the
 # pair alone: "ood" is every pair of the next level (sums9's ood is sums19's pairs, all of them); of the level's own
 # pairs, a hash (`arith_split`) puts about 20% in "test", the rest in "train", so no wording of a test pair is ever
-# in "train". Operands start at 1, so the sum is never an operand (`stated_sum_reward`). docs/paper.md, "A real
-# model: SmolLM2-135M-Instruct", has the calibration.
+# in "train". Operands start at 1, so the sum is never an operand (`stated_sum_reward`). docs/paper.md, "Which task
+# is at the real model's edge?", has the calibration.
 
 SUM_LEVELS = (9, 19, 39)
 """The largest operand of each level; the last one is only the ood split of the one before."""

@@ -324,7 +324,8 @@ class TrainConfig:
     )
     algorithm: str = option(
         "", "--algorithm",
-        help="preset, a whole recipe (objective, steps, measured settings; README 'Recipes'): " + ", ".join(PRESETS),
+        help="preset, a whole recipe (objective, steps, measured settings; docs/training.md 'Recipes'): "
+             + ", ".join(PRESETS),
         flag_help="Preset, a whole recipe: e.g. rec-logged, grpo, opmd.",
     )
     out: str = option(

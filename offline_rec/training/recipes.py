@@ -69,7 +69,7 @@ def lr_note(recipe: Recipe, model: str, lr: float) -> str | None:
     size = f"~{_size(count)} parameters" if count is not None else "a size not read from a local config.json"
     return (f"lr {lr:g}: {recipe.name}'s lr {recipe.measured.lr:g} was measured on a "
             f"{_size(recipe.measured.parameters)}-parameter policy and is the default up to {MEASURED_SCALE:g}x that "
-            f"size; {model} has {size}: give --lr (README, 'Recipes')")
+            f"size; {model} has {size}: give --lr (docs/training.md, 'Recipes')")
 
 
 def _size(count: float) -> str:

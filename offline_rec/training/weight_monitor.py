@@ -41,7 +41,8 @@ ESS_WARNING = 0.1
 
 BOUNDING_OPTIONS = ("--set weight_max=10 or dual_clip_c=3 bounds the weights "
                     "(or a -nois preset, which has none)")
-"""What a warning tells the user to do (README, "Importance weights on logs of several behavior policies")."""
+"""What a warning tells the user to do (docs/training.md, "Importance weights on logs of several
+behavior policies")."""
 
 STEP_PREFIX = "behavior/"
 """metrics.jsonl keys of the per-behavior step metrics: behavior/<name>/<metric> (name: `metric_name`)."""

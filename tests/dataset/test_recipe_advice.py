@@ -78,4 +78,4 @@ def test_inspect_names_the_recipe_for_groups_and_for_singletons(tmp_path):
     print_description(Console(file=buffer, width=400), singles)
     text = " ".join(buffer.getvalue().split())
     assert f"recipe measured for one response per prompt │ offline-rec train --config {LOGGED_RECIPE}" in text
-    assert 'docs/paper.md, "One response per prompt"' in text
+    assert 'docs/paper.md, "What trains on one response per prompt?"' in text

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 from support.cli_support import run_cli
+from support.doc_blocks import bash_lines
 from support.paths import REPO
-from support.readme_blocks import readme_bash_lines
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
@@ -25,7 +25,7 @@ LOOP_HEADING = "## The loop"
 
 def readme_loop_collect() -> list[str]:
     """The options of the README loop's `offline-rec collect` line (its first bash block), comment dropped."""
-    (line,) = [line for line in readme_bash_lines(LOOP_HEADING) if line.startswith("offline-rec collect ")]
+    (line,) = [line for line in bash_lines("README.md", LOOP_HEADING) if line.startswith("offline-rec collect ")]
     return shlex.split(line.split("#", 1)[0])[2:]
 
 
@@ -66,7 +66,8 @@ def test_the_readme_loop_with_the_shipped_arith_policy_logs_data_like_the_demo(t
     demo_t1 = json.loads((Path(policy) / BUILD_INFO_FILE).read_text())["stats"]["mean_at_t1"]
     assert abs(stats["reward"]["mean"] - demo_t1) <= 0.12, stats["reward"]
     # All-equal 4-sample groups: 35% measured here, 42.7% expected on 512 train prompts from the policy's exact
-    # per-prompt accuracies (docs/paper.md, "A task with headroom"); with the chat template it never learnt, 98.4%.
+    # per-prompt accuracies (docs/paper.md, "Which task puts the policy at the edge of its competence?"); with the
+    # chat template it never learnt, 98.4%.
     assert 0.15 <= stats["all_equal_reward_group_fraction"] <= 0.65, stats["all_equal_reward_group_fraction"]
 
 
@@ -117,7 +118,8 @@ def test_the_readme_lines_of_the_add3_policy_collect_and_eval(tmp_path, capsys, 
     """The README's add3 collect and eval lines as written, on fewer prompts and samples, with transformers."""
     from offline_rec.demo.behavior_policy import SHIPPED_POLICIES
 
-    collect, evaluate, demo = (shlex.split(line)[1:] for line in readme_bash_lines("A task with headroom ships too"))
+    lines = bash_lines("README.md", "A task with headroom ships too")
+    collect, evaluate, demo = (shlex.split(line)[1:] for line in lines)
     assert demo[:3] == ["demo", "--task", "add3"], demo  # the demo on add3 runs in tests/demo/test_demo.py
     assert collect[:5] == ["collect", "--model", "offline_rec/demo/add3_policy", "--task", "add3"], collect
     assert evaluate[:5] == ["eval", "--model", "offline_rec/demo/add3_policy", "--task", "add3"], evaluate

@@ -104,7 +104,8 @@ def test_a_measured_lr_is_the_default_only_near_the_size_it_was_measured_on(tmp_
     assert (config.lr, config.batching, config.lr_schedule) == (1e-6, "rows", "cosine")
     note = [line for line in config.recipe_lines() if line.startswith("note: lr")]
     assert note == [f"note: lr 1e-06: rec-logged's lr 0.0006 was measured on a 790k-parameter policy and is the "
-                    f"default up to 10x that size; {big} has ~1.89B parameters: give --lr (README, 'Recipes')"]
+                    f"default up to 10x that size; {big} has ~1.89B parameters: give --lr "
+                    "(docs/training.md, 'Recipes')"]
     # a Hub id or a GGUF file: the size is not read, the lr not taken
     hub = TrainConfig(data=["d"], model="Qwen/Qwen2.5-1.5B-Instruct", algorithm="rec-logged", out="r")
     assert hub.lr == 1e-6 and any("a size not read" in line for line in hub.recipe_lines())

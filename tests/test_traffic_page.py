@@ -1,6 +1,6 @@
-"""The README's "From logged traffic to training" block runs as written: each command line of its first bash block
-in a shell (`offline-rec` being this checkout's `python -m offline_rec`), on a `data/traffic` made like `import`
-makes it from a chat server's logs, right after the block's first line has built the tiny models."""
+"""The "From logged traffic to training" block of docs/traffic.md runs as written: each command line of its first
+bash block in a shell (`offline-rec` being this checkout's `python -m offline_rec`), on a `data/traffic` made like
+`import` makes it from a chat server's logs, right after the block's first line has built the tiny models."""
 
 from __future__ import annotations
 
@@ -10,23 +10,23 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.doc_blocks import bash_lines
 from support.paths import REPO
-from support.readme_blocks import readme_bash_lines
 from support.traffic_support import write_logged
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
 
-HEADING = "### From logged traffic to training"
+PAGE, HEADING = "docs/traffic.md", "## From logged traffic to training"
 
 
-def readme_commands() -> list[str]:
-    return readme_bash_lines(HEADING)
+def page_commands() -> list[str]:
+    return bash_lines(PAGE, HEADING)
 
 
 @pytest.mark.timeout(900)
-def test_readme_traffic_block_runs_as_written(tmp_path):
-    commands = readme_commands()
+def test_the_traffic_block_runs_as_written(tmp_path):
+    commands = page_commands()
     assert commands[0].startswith("python -c") and any("--prompts-from" in c for c in commands)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")

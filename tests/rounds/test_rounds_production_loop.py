@@ -1,5 +1,5 @@
-"""The README's production loop (record -> import -> rounds --logs) runs as written: each command line of its bash
-block in a shell (`offline-rec` being this checkout's `python -m offline_rec`), in front of the session's real vLLM
+"""The production loop of docs/rounds.md (record -> import -> rounds --logs) runs as written: each command line of its
+bash block in a shell (`offline-rec` being this checkout's `python -m offline_rec`), in front of the session's real vLLM
 server, which stands for the block's first line (the tiny chat model: another port and served name); the test is
 the day's clients, and their rewards."""
 
@@ -15,16 +15,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.doc_blocks import bash_lines
 from support.paths import REPO
 from support.ports import free_port
-from support.readme_blocks import readme_bash_lines
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-HEADING = "The production loop:"
+PAGE, HEADING = "docs/rounds.md", "The production loop:"
 PROMPTS = ["Name a colour.", "Say hello.", "Count to three.", "Name a fruit.", "Pick a number.", "Say yes or no."]
 REWARD_MODULE = '''
 def score(prompt, completion, fields):
@@ -33,10 +33,10 @@ def score(prompt, completion, fields):
 '''
 
 
-def readme_commands() -> list[str]:
+def page_commands() -> list[str]:
     """The block's command lines, a line ending in a backslash joined with the next."""
     commands, pending = [], ""
-    for line in readme_bash_lines(HEADING):
+    for line in bash_lines(PAGE, HEADING):
         pending += line.rstrip("\\").rstrip() + " " if line.endswith("\\") else line
         if not line.endswith("\\"):
             commands.append(pending)
@@ -56,8 +56,8 @@ def wait_for_port(port: int, process: subprocess.Popen, seconds: float = 60) -> 
 
 
 @pytest.mark.timeout(1200)
-def test_readme_production_loop_runs_as_written(vllm_server, tmp_path):
-    serve, record, import_, rounds, policy = readme_commands()
+def test_the_production_loop_runs_as_written(vllm_server, tmp_path):
+    serve, record, import_, rounds, policy = page_commands()
     assert serve.startswith("python -m vllm.entrypoints.openai.api_server") and serve.endswith("&")
     assert record.endswith("&") and "--upstream http://127.0.0.1:8000" in record and "--port 8001" in record
     model = vllm_server.model_dir
