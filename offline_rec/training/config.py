@@ -108,8 +108,8 @@ class StepOptions:
     micro_batch_tokens: int | str = option(
         AUTO, "--micro-batch-tokens", cli_type=int,
         help="token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum); "
-             f"auto: {MICRO_BATCH_TOKENS_CPU} on a CPU (as fast as 8192 or faster at half the memory: docs/paper.md "
-             f"'Memory'), {MICRO_BATCH_TOKENS_GPU} on a GPU (not measured)",
+             f"auto: {MICRO_BATCH_TOKENS_CPU} on a CPU (measured: as fast as 8192 or faster, in less memory: "
+             f"docs/paper.md 'Memory'), {MICRO_BATCH_TOKENS_GPU} on a GPU (not measured)",
         flag_help="Token budget of a micro-batch, padding included (default: by device).",
     )
     padding_free: bool | None = api_only(
