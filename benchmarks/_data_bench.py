@@ -54,7 +54,7 @@ import numpy as np
 from benchmarks._common import run_child
 
 TRAINER_PROMPTS_PER_STEP = 32  # TrainConfig defaults
-TRAINER_MICRO_BATCH_TOKENS = 8192
+TRAINER_MICRO_BATCH_TOKENS = 8192  # a GPU's default (auto: 2048 on a CPU)
 TRAINER_MAX_LENGTH = 2048
 
 

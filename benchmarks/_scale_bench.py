@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 STEPS = 20
-PROMPTS_PER_STEP, MICRO_BATCH_TOKENS, MAX_LENGTH = 32, 8192, 2048  # TrainConfig defaults
+PROMPTS_PER_STEP, MICRO_BATCH_TOKENS, MAX_LENGTH = 32, 8192, 2048  # TrainConfig defaults (micro_batch_tokens: a GPU's)
 
 
 def _resident_anonymous_mb() -> float:

@@ -136,6 +136,7 @@ def policy_loss(objective: Objective, batch: TokenBatch, num_tokens: float | tor
             kl_initial=kl.detach() if kl is not None else loss.new_zeros(()),
             sequences=loss.new_tensor(float(batch.logprobs.shape[0])),
             clipped=torch.where(mask, (~kept).to(dtype), 0.0).sum(),
+            masked_rows=(mask.any(dim=1) & ~kept.any(dim=1)).sum(),
             filtered=_filtered(objective, r, adv, clipped, kept),
             weight_sum=torch.where(mask, weight, 0.0).sum(),
             kl_behavior_sum=torch.where(mask, r.rho - 1 - r.log_ratio, 0.0).sum(),

@@ -33,6 +33,7 @@ TOTALS: tuple[Total, ...] = (
     Total("kl_initial", "sum"),  # the KL to the initial policy, sum(k m) / N (its coefficient left out)
     Total("sequences", "sum"),
     Total("clipped", "sum"),  # completion tokens with M = 0
+    Total("masked_rows", "sum"),  # rows with completion tokens, every one of them with M = 0
     Total("filtered", "sum"),  # completion tokens the bounds or a clip's filter removed from the clip's mask
     Total("weight_sum", "sum"),  # sum of W over the completion tokens
     Total("kl_behavior_sum", "sum"),  # sum of rho - 1 - log rho
@@ -88,6 +89,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("reg_loss", "losses", lambda t: t["reg_loss"], "its regularizer part R"),
     Metric("kl_initial", "losses", lambda t: t["kl_initial"], "the KL to the initial policy (before its coefficient)"),
     Metric("clip_fraction", "policy", _per_token("clipped"), "share of completion tokens with M = 0"),
+    Metric("masked_row_fraction", "policy", lambda t: t["masked_rows"] / t["sequences"].clamp(min=1),
+           "share of rows whose every completion token has M = 0: without a regularizer or kl_to_initial they get no "
+           "gradient (their backward is what skipping them could save)"),
     Metric("filter_fraction", "policy", _per_token("filtered"),
            "share the bounds (dual_clip_c, mask_low/high) or opsm's filter removed beyond the clip"),
     Metric("weight_mean", "policy", _per_token("weight_sum"), "mean W over the completion tokens"),

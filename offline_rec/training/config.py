@@ -10,6 +10,7 @@ A configuration is resolved in layers, each overriding the one before:
     2. the YAML file given with --config (or, with --resume, the run's saved config.yaml)
     3. the named command-line options (--data, --model, --lr, ...)
     4. `--set key=value` overrides, in the order given
+    5. the options left `auto` set for the device the run trains on (`resolve_device_defaults`: micro_batch_tokens)
 
 Values are coerced to the field's type (a --set value is read as YAML: `--set betas=[0.9,0.95]`). Old keys
 (`algorithm_overrides`, `--set algorithm.eps_low=...`, the caps) are read as today's with one deprecation line each
@@ -44,6 +45,9 @@ BATCHINGS = ("groups", "rows")
 MIXED_PRECISIONS = ("no", "bf16")
 MODEL_DTYPES = ("float32", "bfloat16")
 REPORTERS = ("tensorboard", "wandb", "mlflow", "trackio")
+AUTO = "auto"
+"""The value of an option that `resolve_device_defaults` sets for the device the run trains on."""
+MICRO_BATCH_TOKENS_CPU, MICRO_BATCH_TOKENS_GPU = 2048, 8192
 
 # Keys that may differ between a run's saved config and the command that resumes it: they
 # change how long the run goes and what it logs, not the trajectory of the steps already taken.
@@ -101,10 +105,12 @@ class StepOptions:
         0, "--max-steps", help="if > 0: train exactly this many optimizer steps, cycling epochs as needed",
         flag_help="Train exactly this many optimizer steps (overrides --epochs).",
     )
-    micro_batch_tokens: int = option(
-        8192, "--micro-batch-tokens",
-        help="token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum)",
-        flag_help="Token budget of a micro-batch, padding included.",
+    micro_batch_tokens: int | str = option(
+        AUTO, "--micro-batch-tokens", cli_type=int,
+        help="token budget of one forward/backward, padding included (sequences x longest; padding-free: their sum); "
+             f"auto: {MICRO_BATCH_TOKENS_CPU} on a CPU (measured: as fast as 8192 or faster, in less memory: "
+             f"docs/paper.md 'Memory'), {MICRO_BATCH_TOKENS_GPU} on a GPU (not measured)",
+        flag_help="Token budget of a micro-batch, padding included (default: by device).",
     )
     padding_free: bool | None = api_only(
         None,
@@ -130,7 +136,10 @@ class StepOptions:
 
     def __post_init__(self):
         _choice("batching", self.batching, BATCHINGS)
-        _at_least(self, 1, "prompts_per_step", "rows_per_step", "epochs", "micro_batch_tokens", "max_length")
+        _at_least(self, 1, "prompts_per_step", "rows_per_step", "epochs", "max_length")
+        if self.micro_batch_tokens != AUTO:
+            _require(isinstance(self.micro_batch_tokens, int) and self.micro_batch_tokens >= 1,
+                     f"micro_batch_tokens must be an integer >= 1 or {AUTO}, got {self.micro_batch_tokens!r}")
         _at_least(self, 0, "max_steps")
         _require(0.0 <= self.holdout < 1.0, f"holdout is a fraction in [0, 1), got {self.holdout}")
 
@@ -426,9 +435,16 @@ def coerce(name: str, kind, value):
     """`value` converted to the field type `kind`; strings from a command line are accepted."""
     args = typing.get_args(kind)
     if typing.get_origin(kind) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", "")):
+        members = [a for a in args if a is not type(None)]
+        if len(members) < len(args) and (
+                value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none", ""))):
             return None
-        return coerce(name, next(a for a in args if a is not type(None)), value)
+        for member in members[:-1]:  # the first type that takes the value: int | str reads "2048" as 2048
+            try:
+                return coerce(name, member, value)
+            except UserError:
+                pass
+        return coerce(name, members[-1], value)
     origin = typing.get_origin(kind)
     if origin is list:
         if isinstance(value, str):
@@ -543,8 +559,19 @@ def build_config(config_file: str | Path | None = None, options: dict | None = N
                 f"--resume cannot change {', '.join(changed)} of the run in {merged['out']} "
                 f"(saved in {saved_path}); start a new run with another --out"
             )
+        return resolve_device_defaults(config)
+    return resolve_device_defaults(TrainConfig(**merged))
+
+
+def resolve_device_defaults(config: TrainConfig) -> TrainConfig:
+    """`config` with its `AUTO` options set for the device it trains on (a value given stays): micro_batch_tokens
+    MICRO_BATCH_TOKENS_GPU where it trains on a GPU, else MICRO_BATCH_TOKENS_CPU. Imports torch when one is auto."""
+    if config.micro_batch_tokens != AUTO:
         return config
-    return TrainConfig(**merged)
+    from offline_rec.training.distributed import trains_on_gpu
+
+    tokens = MICRO_BATCH_TOKENS_GPU if trains_on_gpu(config.cpu) else MICRO_BATCH_TOKENS_CPU
+    return dataclasses.replace(config, steps=dataclasses.replace(config.steps, micro_batch_tokens=tokens))
 
 
 def config_to_yaml(config: TrainConfig) -> str:

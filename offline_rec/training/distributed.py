@@ -71,6 +71,11 @@ def _gpu_available() -> bool:
     return torch.cuda.is_available()
 
 
+def trains_on_gpu(cpu: bool) -> bool:
+    """A run with this `cpu` option trains on GPUs (`make_accelerator`): a GPU is present and cpu is false."""
+    return not cpu and _gpu_available()
+
+
 def make_accelerator(cpu: bool, mixed_precision: str):
     """The Accelerator of this run, running the launched backend also when the N processes are on CPU."""
     from accelerate import Accelerator
@@ -85,7 +90,7 @@ def make_accelerator(cpu: bool, mixed_precision: str):
     if backend == "DEEPSPEED" and cpu and _gpu_available():
         raise UserError("cpu: true under DeepSpeed on a machine with GPUs is not supported (DeepSpeed would put the "
                         "model on the GPU): drop cpu: true, or launch with configs/accelerate/ddp.yaml or fsdp2.yaml")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (cpu or not _gpu_available()):
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not trains_on_gpu(cpu):
         PartialState(cpu=True)  # the N processes joined over gloo (MULTI_CPU): DDP as it stands
         if backend == "FSDP":
             # AcceleratorState puts the FSDP plugin only on a GPU-type process group; the group, the

@@ -34,7 +34,7 @@ from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training import checks, distributed, group_index, scheduling, weight_monitor
-from offline_rec.training.config import TrainConfig
+from offline_rec.training.config import TrainConfig, resolve_device_defaults
 from offline_rec.training.metrics import MetricsLog, print_settings, step_metrics
 from offline_rec.training.micro_batching import plan_step
 from offline_rec.training.policy import optimizer_steps
@@ -59,6 +59,7 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     transformers_logging.disable_progress_bar()  # per-file load/save bars would drown the step bar
     distributed.import_deepspeed_only_when_used()
     hooks = hooks or TrainHooks()
+    config = resolve_device_defaults(config)  # a TrainConfig made without build_config may still say auto
     started, run_dir = time.time(), Path(config.out)
     if distributed.is_main_launch_process():
         print("\n".join(config.recipe_lines()), flush=True)

@@ -182,7 +182,7 @@ def test_every_option_has_help_and_the_listing_is_grouped():
 
 
 def test_saved_config_reproduces_the_config(tmp_path):
-    config = TrainConfig(**REQUIRED, lr=3e-6, eps_low=0.6, betas=[0.8, 0.9], weight_max=10.0)
+    config = TrainConfig(**REQUIRED, lr=3e-6, eps_low=0.6, betas=[0.8, 0.9], weight_max=10.0, micro_batch_tokens=4096)
     save_config(config, tmp_path / "config.yaml")
     text = (tmp_path / "config.yaml").read_text()
     assert "# objective: clip\n" in text and "\neps_low: 0.6\n" in text and "algorithm_overrides" not in text
