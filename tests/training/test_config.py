@@ -12,7 +12,7 @@ from support.paths import REPO
 
 from offline_rec.errors import UserError
 from offline_rec.loss.objective import Objective
-from offline_rec.loss.presets import PRESETS, get_objective
+from offline_rec.loss.presets import PRESETS, get_objective, preset_keys
 from offline_rec.training.config import (
     StepOptions,
     TrainConfig,
@@ -23,7 +23,7 @@ from offline_rec.training.config import (
     parse_sets,
     save_config,
 )
-from offline_rec.training.recipes import MEASURED_SCALE, parameter_count
+from offline_rec.training.recipes import MEASURED_SCALE, config_file_text, parameter_count, write_config_files
 
 CONFIGS = REPO / "configs"
 REQUIRED = dict(data=["d"], model="m", algorithm="grpo", out="r")
@@ -287,14 +287,34 @@ def test_one_config_file_per_preset_is_its_recipe(name, tmp_path):
     assert {key for key, value in recipe.items() if plain[key] != value} <= set(written)
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_config_file_is_what_its_preset_writes(name):
+    """configs/NAME.yaml is generated (scripts/write_configs.py): a file changed by hand, or a preset changed without
+    writing the files again, fails here."""
+    assert (CONFIGS / f"{name}.yaml").read_text() == config_file_text(PRESETS[name]), (
+        f"configs/{name}.yaml drifted from PRESETS[{name!r}]: run `python scripts/write_configs.py`")
+
+
+def test_the_writer_writes_a_changed_preset_and_the_drift_check_sees_it(tmp_path):
+    changed = dataclasses.replace(PRESETS["rec-logged"], objective=dataclasses.replace(
+        PRESETS["rec-logged"].objective, negative_weight=0.5))
+    (path,) = write_config_files(tmp_path, {"rec-logged": changed})
+    assert yaml.safe_load(path.read_text())["negative_weight"] == 0.5
+    assert path.read_text() != (CONFIGS / "rec-logged.yaml").read_text()
+    # the lr is the size rule's, said in a comment, never written as a key
+    assert "lr" not in yaml.safe_load(path.read_text()) and "lr: the recipe's measured 0.0006" in path.read_text()
+
+
 def test_wide_clip_and_gpu_configs():
     wide = build_config(CONFIGS / "rec-oneside-nois-wide.yaml", {"data": ["d"], "model": "m", "out": "r"})
     assert (wide.clip, wide.eps_low, wide.eps_high) == ("one-side", 0.6, 2.0)
     gpu = build_config(CONFIGS / "gsm8k-qwen2.5-1.5b.yaml", {"data": ["d"], "out": "r"})
     assert (gpu.model, gpu.prompts_per_step, gpu.lr, gpu.max_grad_norm, gpu.mixed_precision) == (
         "Qwen/Qwen2.5-1.5B-Instruct", 96, 1e-6, 1.0, "bf16")
-    # + the wide clip, the GPU, filtered-SFT and rec-logged-fast (tests/test_experiments.py: the measured arm)
-    assert len(list(CONFIGS.glob("*.yaml"))) == len(PRESETS) + 4
+    # one file per preset, and the GPU run setting: a preset by name and a run's sizes, none of a recipe's values
+    assert {path.stem for path in CONFIGS.glob("*.yaml")} == {*PRESETS, "gsm8k-qwen2.5-1.5b"}
+    run_setting = yaml.safe_load((CONFIGS / "gsm8k-qwen2.5-1.5b.yaml").read_text())
+    assert not set(run_setting) & preset_keys() and run_setting["algorithm"] in PRESETS
 
 
 def test_the_filtered_sft_recipe_trains_on_the_positives_alone():
