@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import yaml
+from support.cli_support import run_cli
 from support.paths import REPO
 
 from offline_rec.errors import UserError
@@ -21,6 +22,7 @@ from offline_rec.training.config import (
     option_groups,
     option_help,
     parse_sets,
+    printed_config,
     save_config,
 )
 from offline_rec.training.recipes import MEASURED_SCALE, config_file_text, parameter_count, write_config_files
@@ -187,6 +189,42 @@ def test_saved_config_reproduces_the_config(tmp_path):
     assert "# objective: clip\n" in text and "\neps_low: 0.6\n" in text and "algorithm_overrides" not in text
     assert build_config(tmp_path / "config.yaml") == config
     assert yaml.safe_load(config_to_yaml(config))["dual_clip_c"] == math.inf  # off, and read back as off
+
+
+@pytest.mark.parametrize("layers", [
+    dict(options={"algorithm": "rec-logged"}),
+    dict(config_file=CONFIGS / "filtered-sft.yaml", sets=["lr=1e-3", "eps_low=0.3"]),
+    dict(config_file=CONFIGS / "rec-oneside-nois-wide.yaml", options={"epochs": 3}, sets=["algorithm=grpo"]),
+])
+@pytest.mark.parametrize("model_given", [True, False])
+def test_printed_config_trains_what_the_layers_train(layers, model_given, tmp_path):
+    """`train --print-config` then `train --config` of what it printed: the same TrainConfig as the layers give,
+    on a model of the size a preset's lr was measured on and on one far larger. Printed without --model, the
+    lr stays the size rule's (not written); --data and --out are never needed to print."""
+    small = write_model_config(tmp_path / "small", hidden=64, layers=2)
+    big = write_model_config(tmp_path / "big", hidden=2048, layers=24, vocab=32000)
+    printed_path = tmp_path / "printed.yaml"
+    for model in (small, big):
+        run = {"data": ["d"], "model": model, "out": "r"}
+        options = {**layers.get("options", {}), **({"model": model} if model_given else {})}
+        printed_path.write_text(printed_config(layers.get("config_file"), options, layers.get("sets", ())))
+        written = yaml.safe_load(printed_path.read_text())
+        lr_given = model_given or "lr=1e-3" in layers.get("sets", ())
+        assert not {"data", "out"} & set(written) and ("lr" in written) == lr_given
+        direct = build_config(layers.get("config_file"), {**run, **layers.get("options", {})}, layers.get("sets", ()))
+        assert build_config(printed_path, run) == direct
+        assert ("lr: not written" in printed_path.read_text()) == (not lr_given)
+
+
+def test_print_config_on_the_command_line_prints_and_trains_nothing(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "train", "--algorithm", "grpo", "--set", "eps_high=0.28", "--print-config",
+                           "--out", str(tmp_path / "run"))
+    assert code == 0 and not (tmp_path / "run").exists()
+    printed = yaml.safe_load(out)
+    assert (printed["algorithm"], printed["eps_high"], printed["out"], printed["std_normalize"]) == (
+        "grpo", 0.28, str(tmp_path / "run"), True)
+    code, _, err = run_cli(capsys, "train", "--algorithm", "nope", "--print-config")
+    assert code != 0 and "nope" in err and "Traceback" not in err
 
 
 def test_resume_uses_the_saved_config_and_refuses_changes(tmp_path):
