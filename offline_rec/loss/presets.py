@@ -55,6 +55,10 @@ class Recipe:
     steps: StepRecipe | None = None
     measured: MeasuredSettings | None = None
 
+    def train_options(self) -> dict:
+        """The recipe as `train --config` keys: its name as `algorithm`, and every setting (`settings`)."""
+        return {"algorithm": self.name, **self.settings()}
+
     def settings(self) -> dict:
         """Every train option the recipe sets, by name: the objective's fields, the steps and measured settings."""
         settings = {field.name: getattr(self.objective, field.name) for field in dataclasses.fields(Objective)}
