@@ -257,7 +257,7 @@ PRESETS: dict[str, Recipe] = {
 W-REINFORCE, TOPR and the peers' objectives.
 
 The peers' objectives, each in the REC form -M * W * A * logp (M, W detached) whose GRADIENT equals
-the gradient of the authors' objective (tests/test_objectives.py checks each against autograd on
+the gradient of the authors' objective (tests/loss/test_objectives.py checks each against autograd on
 the authors' formula). Advantages stay the project's group mean without std division, so that the
 presets differ only in the objective; the authors use GRPO's std-normalized advantages
 (`--set std_normalize=true`), Dr. GRPO none. rho = pi / mu, mu the logged behavior.
