@@ -3,8 +3,10 @@ optimizer settings it was measured with (`Recipe`); `PRESETS` by name.
 
 `train --algorithm NAME` trains `PRESETS[NAME]` as it stands (`training.config`: the recipe's values are the
 defaults of its options, and train says which options move it away); `view` and `eval --offline` read a preset's
-objective alone. The sources of the peers' defaults are in `PRESETS`' docstring; what was measured, in
-docs/paper.md (a `MeasuredSettings` names its section). No torch here.
+objective alone; `rounds` and the demo train `DEFAULT_PRESET` unless told otherwise. configs/NAME.yaml is written
+from `PRESETS[NAME]` (scripts/write_configs.py; a test fails when one drifts): a recipe is written here only. The
+sources of the peers' defaults are in `PRESETS`' docstring; what was measured, in docs/paper.md (a
+`MeasuredSettings` names its section). No torch here.
 """
 
 from __future__ import annotations
@@ -253,8 +255,9 @@ PRESETS: dict[str, Recipe] = {
                 clip="one-side", weight="is", aggregation="dr-grpo", max_completion_length=1024),
     )
 }
-"""The paper's variants with the reference implementation's defaults, rec-logged, Zhu et al.'s PSR / NSR /
-W-REINFORCE, TOPR and the peers' objectives.
+"""The paper's variants with the reference implementation's defaults (and rec-oneside-nois-wide, its recommended
+wide clip), rec-logged and its cheaper form rec-logged-fast, filtered-sft (fine-tuning on the positives, the
+control), Zhu et al.'s PSR / NSR / W-REINFORCE, TOPR and the peers' objectives.
 
 The peers' objectives, each in the REC form -M * W * A * logp (M, W detached) whose GRADIENT equals
 the gradient of the authors' objective (tests/loss/test_objectives.py checks each against autograd on

@@ -11,6 +11,7 @@ A configuration is resolved in layers, each overriding the one before:
     3. the named command-line options (--data, --model, --lr, ...)
     4. `--set key=value` overrides, in the order given
 
+`printed_config` is what `train --print-config` prints: the layers resolved, as YAML for --config.
 Values are coerced to the field's type (a --set value is read as YAML: `--set betas=[0.9,0.95]`). Old keys
 (`algorithm_overrides`, `--set algorithm.eps_low=...`, the caps) are read as today's with one deprecation line each
 (`training.legacy_keys`). An unknown key is refused with the closest match. The options of `offline-rec cache` are

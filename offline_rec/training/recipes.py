@@ -6,7 +6,8 @@ an option given on the command line, in YAML or by `--set` wins. One exception, 
 rate belongs to the size of the policy it was measured on; for a model more than `MEASURED_SCALE` times larger
 (or of unknown size: a Hub id, a GGUF file) train keeps its generic default lr and says so (`lr_note`).
 `describe` gives the lines train prints first: the recipe resolved, and each option that moves it away from its
-measured setting. No torch here.
+measured setting; `config_file_text` writes a preset as its configs/NAME.yaml (scripts/write_configs.py). No torch
+here.
 """
 
 from __future__ import annotations
