@@ -559,7 +559,8 @@ def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path)
     prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-1" / "prompts.jsonl").read_text() for arm in lines]
     assert prompts[0] == prompts[1]  # the same prompts for every arm
     sft = yaml.safe_load((rounds.run_dir(tmp_path, "filtered-sft", 0) / "round-1" / "run" / "config.yaml").read_text())
-    assert (sft["algorithm"], sft["baseline"], sft["group_mean"], sft["lr"]) == ("reinforce", "constant", False, 1e-3)
+    assert (sft["algorithm"], sft["baseline"], sft["group_mean"], sft["lr"]) == (
+        "filtered-sft", "constant", False, 1e-3)
     assert (tmp_path / rounds.PLOT_FILE).stat().st_size > 0 and "| filtered-sft | 1 | 1 | 64 |" in outcome["table"]
     watched = rounds.run_dir(tmp_path, "rec-logged", 0) / "rounds.jsonl"
     before = watched.stat().st_mtime_ns
@@ -634,8 +635,8 @@ def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model)
             assert not (tmp_path / "arms" / "runs" / f"{arm}-lr{run['lr']:g}-seed0").exists()  # numbers kept only
         (row,) = [row for row in outcome["rows"] if row["arm"] == arm]
         assert row["lr"] == max(runs, key=lambda run: run["validation"])["lr"]  # one seed: its validation chooses
-    lora_spec = by_arm["filtered-sft-lora"][0]["arm_spec"]["train"]
-    assert lora_spec["lora_r"] == 16 and lora_spec["skip_zero_advantage"] is True
+    lora_spec = by_arm["filtered-sft-lora"][0]["arm_spec"]
+    assert lora_spec["train"]["lora_r"] == 16 and PRESETS[lora_spec["preset"]].steps.skip_zero_advantage  # its preset's
     assert smollm2_arms.main(argv)["rows"] == outcome["rows"] and len(jsonl(results)) == 5  # resumed: nothing rerun
     assert "| filtered-sft-lora |" in outcome["table"] and "| base (untrained) |" in outcome["table"]
     grid = {arm: {run["lr"]: 100 * run["validation"] for run in runs} for arm, runs in by_arm.items()}
