@@ -6,8 +6,8 @@ response per prompt (sample_index 0, what `record` -> `import` gives), and valid
 prompts no arm trains on. Evaluations are the demo's (`offline_rec.demo.config.heldout_evaluation`: the held-out
 TEST prompts, greedy plus samples at T=1) through the library's `offline_rec.eval.selection`.
 
-An arm (`Arm`) is an offline-rec recipe (a preset, its overrides, TrainConfig changes), trained with
-`train` (AdamW without weight decay, cosine lr to 0, gradient norm clipped at 1, through
+An arm (`Arm`) is an offline-rec recipe (a preset, its named overrides, TrainConfig changes), trained with
+`train` (the preset's whole recipe under the optimizer settings every arm shares, `DEMO_OPTIMIZER`, through
 `offline_rec.training.config.build_config` as `offline-rec train` builds its config), or a peer run with its
 real library: TRL's trainers (experiments/trl_peers.py) in TRL's own venv under the cache (`trl_python`), never
 in offline-rec's dependencies. Two protocols score them: the final model (`run_final`: greedy, T=1 accuracy and
@@ -34,15 +34,19 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from offline_rec.demo.config import DemoSettings, heldout_evaluation
+from offline_rec.loss.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 PEER_REQUIREMENT = ("torch==2.13.0", "trl==1.16.0")
 TRL_PEERS = Path(__file__).with_name("trl_peers.py")
-RECIPE_BASE = dict(lr_schedule="cosine", min_lr_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0)
-"""What every arm trains with besides its own recipe: AdamW without weight decay, cosine lr to 0, clip 1."""
+DEMO_OPTIMIZER = {"lr_schedule": PRESETS[DEFAULT_PRESET].measured.lr_schedule,
+                  "weight_decay": PRESETS[DEFAULT_PRESET].measured.weight_decay}
+"""What every arm trains with over its preset: the optimizer settings the demo's recipe was measured with (AdamW
+without weight decay, cosine lr to 0; the gradient norm clipped at train's default 1), so that arms differ in their
+recipes alone."""
 FILTERED_SFT = "filtered-sft"
 """offline-rec's filtered-SFT form (`FILTERED_SFT_ARM`): its steps take `positives_per_step` rows."""
 T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 10: 2.26, 11: 2.23, 12: 2.20, 13: 2.18,
@@ -52,7 +56,8 @@ T95 = {2: 12.71, 3: 4.30, 4: 3.18, 5: 2.78, 6: 2.57, 7: 2.45, 8: 2.36, 9: 2.31, 
 
 @dataclass(frozen=True)
 class Arm:
-    """An offline-rec arm: a preset, its overrides and TrainConfig changes; or a TRL peer (`peer`)."""
+    """An offline-rec arm: a preset (its whole recipe), objective overrides and other TrainConfig changes over it;
+    or a TRL peer (`peer`)."""
 
     preset: str = ""
     overrides: dict = field(default_factory=dict)
@@ -66,9 +71,9 @@ class Arm:
 ROWS = {"batching": "rows"}
 SKIP = {"batching": "rows", "skip_zero_advantage": True}
 OPEN_CLIP = {"eps_low": 0.6, "eps_high": 1e6}  # the negatives' side of the wide clip, no bound on the positives
-FILTERED_SFT_ARM = Arm("reinforce", {"baseline": "constant", "baseline_value": 0.0, "group_mean": False}, SKIP)
-"""Fine-tuning on the positives in offline-rec's form: A = r (baseline 0, no group mean), the rows of A = 0 (the
-negatives) skipped: the control that must match TRL's SFT if the trainer is not the gap."""
+FILTERED_SFT_ARM = Arm(FILTERED_SFT)
+"""Fine-tuning on the positives in offline-rec's form (the preset filtered-sft: A = r, the rows of A = 0 skipped):
+the control that must match TRL's SFT if the trainer is not the gap."""
 
 
 @dataclass(frozen=True)
@@ -204,7 +209,7 @@ def train(policy: str, data: str, run_dir: Path, child: bool = False, **fields) 
     from offline_rec.training.loop import train as train_run
 
     options = {"data": [str(data)], "model": str(policy), "out": str(run_dir), "keep_last": 0, "report_to": [],
-               "progress": False, **arm_defaults(fields["algorithm"]), **fields}
+               "progress": False, **fields}
     if child:
         import yaml
 
@@ -215,19 +220,6 @@ def train(policy: str, data: str, run_dir: Path, child: bool = False, **fields) 
     config = build_config(options=options)
     with open(log_path(run_dir), "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return train_run(config)
-
-
-def arm_defaults(algorithm: str) -> dict:
-    """Train's generic defaults of the options `algorithm`'s recipe sets beside its objective (its steps, its
-    measured optimizer settings): an arm trains its preset's OBJECTIVE with the steps and settings the arm states,
-    as every arm of experiments/results was measured (before a preset carried its steps), never a recipe's."""
-    from offline_rec.loss.objective import Objective
-    from offline_rec.loss.presets import get_preset
-    from offline_rec.training.config import option_help
-
-    objective = {option.name for option in fields(Objective)}
-    generic = {key: default for key, _, default, _ in option_help()}
-    return {key: generic[key] for key in get_preset(algorithm).settings() if key not in objective}
 
 
 def log_path(run_dir: Path) -> Path:
@@ -278,9 +270,10 @@ def train_final(name: str, arm: Arm, lr: float, seed: int, run_dir: Path, data: 
         return run_dir / f"checkpoint-{steps}", {}
     on_positives = name == FILTERED_SFT or name.startswith(FILTERED_SFT + "-") or arm.of_positives
     rows = scale.positives_per_step if on_positives else scale.rows_per_step
+    batching = {**get_preset(arm.preset).settings(), **arm.train}["batching"]
     steps = {"epochs": scale.epochs, "prompts_per_step": scale.groups_per_step,
-             **({"rows_per_step": rows} if arm.train.get("batching") == "rows" else {})}
-    cost = train(policy, data, run_dir, child=child, **RECIPE_BASE, algorithm=arm.preset, **dict(arm.overrides),
+             **({"rows_per_step": rows} if batching == "rows" else {})}
+    cost = train(policy, data, run_dir, child=child, **DEMO_OPTIMIZER, algorithm=arm.preset, **dict(arm.overrides),
                  lr=lr, seed=seed, save_every=0, **{**steps, **arm.train})
     # a LoRA checkpoint holds the adapter only: the model is final/ (the adapter merged into the base)
     model = run_dir / ckpt.FINAL_DIR if arm.train.get("lora_r") else ckpt.latest_checkpoint(run_dir)

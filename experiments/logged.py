@@ -50,7 +50,7 @@ ARMS: dict[str, tuple[str, dict] | None] = {
     "dataset": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "dataset"}),
     "constant": ("rec-oneside-nois", {**WIDE_CLIP, "baseline": "constant", "baseline_value": 0.5}),
     # clip-higher: the negatives' side stays at the preset's 0.2, the positives' side opens to 2.0
-    "dataset-asym": ("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0, "baseline": "dataset"}),
+    "dataset-asym": ("rec-oneside-nois", {"eps_high": 2.0, "baseline": "dataset"}),
     "dataset-open-neg0.25": ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 1e6, "baseline": "dataset",
                                                   "negative_weight": 0.25}),
     "topr": ("topr", {}),
@@ -103,7 +103,7 @@ def train_arm(arm: str, lr: float, run_dir: Path, paths: dict, policy: str, scal
                   epochs=scale.steps * scale.reference_groups_per_step // scale.num_prompts)
              if arm == "group-k8" else dict(data=paths["singletons"], prompts_per_step=scale.rows_per_step,
                                             epochs=scale.epochs))
-    harness.train(policy, run_dir=run_dir, **shape, **harness.RECIPE_BASE, algorithm=preset,
+    harness.train(policy, run_dir=run_dir, **shape, **harness.DEMO_OPTIMIZER, algorithm=preset,
                   **dict(overrides), lr=lr, seed=0, save_every=scale.eval_every)
     return ckpt.list_checkpoints(run_dir)
 

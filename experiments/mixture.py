@@ -70,8 +70,8 @@ ARMS: dict[str, Arm] = {
     "k0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, SKIP),
     "k0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.25}, SKIP),
     # the demo's default (issue 35's recipe) as it is, and with the all-correct groups kept (kappa 0.5)
-    "rec-logged": Arm("rec-logged", {}, SKIP),
-    "rec-logged-k0.5": Arm("rec-logged", {"group_mean_scale": 0.5}, SKIP),
+    "rec-logged": Arm("rec-logged"),
+    "rec-logged-k0.5": Arm("rec-logged", {"group_mean_scale": 0.5}),
 }
 LRS = {"sft-positives": 1e-3}
 """Per arm; the others 6e-4 (`DEFAULT_LR`). TRL's SFT: the lr it chose on validation on A's data."""

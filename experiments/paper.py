@@ -55,7 +55,7 @@ from pathlib import Path
 
 from experiments import harness
 from offline_rec.demo.config import DEMO_CHAT_TEMPLATE, DEMO_REWARD
-from offline_rec.loss.presets import PRESETS, WIDE_CLIP
+from offline_rec.loss.presets import PRESETS
 
 TASK = "arith"  # with the demo's reward and prompts (strict sum, no chat template), as the demo policy learnt
 MAX_NEW_TOKENS = 8
@@ -63,10 +63,12 @@ RESULTS_FILE = "results.jsonl"
 TABLE_FILE = "table.md"
 CURVES_FILE = "curves.png"
 
-WIDE = "rec-oneside-nois-wide"
-# A variant is a preset plus overrides; the wide clip is the paper's recommended REC-OneSide setting.
+WIDE = "rec-oneside-nois-wide"  # the preset of the paper's recommended REC-OneSide setting
+# A variant is a preset plus overrides, trained under the paper's protocol (PROTOCOL).
 VARIANTS: dict[str, tuple[str, dict]] = {name: (name, {}) for name in PRESETS}
-VARIANTS[WIDE] = ("rec-oneside-nois", dict(WIDE_CLIP))
+PROTOCOL = {"batching": "groups", "skip_zero_advantage": False, "lr_schedule": "constant"}
+"""The paper's setting for every variant, whatever steps and optimizer settings its preset was measured with: steps
+of `Scale.prompts_per_step` whole groups, a constant lr, `max_steps` steps."""
 DEFAULT_VARIANTS = ("reinforce", "grpo", "rec-oneside-nois", WIDE, "opmd")
 # The peers' objectives (offline_rec.loss.presets), with two controls of the default grid (rec-oneside-nois, grpo):
 # a grid run into the default grid's --out reuses their finished runs.
@@ -206,7 +208,7 @@ def train_segment(model: str, data: Path, out: Path, variant: str, steps: int, s
     """A `train` of `steps` steps from `model`, or continuing the run `init_from`; returns the run folder. The
     trainer's settings table and lines go to OUT.log: once per segment they would drown the grid's log."""
     preset, overrides = VARIANTS[variant]
-    harness.train(model, str(data), out, algorithm=preset, **overrides,
+    harness.train(model, str(data), out, algorithm=preset, **overrides, **PROTOCOL,
                   prompts_per_step=scale.prompts_per_step, max_steps=steps, lr=scale.lr, weight_decay=0.0,
                   max_grad_norm=scale.max_grad_norm, seed=seed, save_every=save_every,
                   init_from=None if init_from is None else str(init_from))

@@ -57,8 +57,8 @@ ARMS: dict[str, Arm] = {
     "groups": Arm("rec-oneside-nois", dict(WIDE_CLIP)),
     "rows": Arm("rec-oneside-nois", dict(WIDE_CLIP), ROWS),
     "rows-skip": Arm("rec-oneside-nois", dict(WIDE_CLIP), SKIP),
-    "rows-skip-asym": Arm("rec-oneside-nois", {"eps_low": 0.2, "eps_high": 2.0}, SKIP),
-    "rows-skip-redweight": Arm("rec-oneside-nois", {**WIDE_CLIP, "weight": "advantage", "temp": 1.0}, SKIP),
+    "rows-skip-asym": Arm("rec-oneside-nois", {"eps_high": 2.0}, SKIP),  # eps_low: the preset's 0.2
+    "rows-skip-redweight": Arm("rec-oneside-nois", {**WIDE_CLIP, "weight": "advantage"}, SKIP),
     "rows-skip-neg0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.5}, SKIP),
     "rows-skip-neg0.25": Arm("rec-oneside-nois", {**WIDE_CLIP, "negative_weight": 0.25}, SKIP),
     "rows-skip-k0.5": Arm("rec-oneside-nois", {**WIDE_CLIP, "group_mean_scale": 0.5}, SKIP),

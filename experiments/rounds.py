@@ -8,17 +8,17 @@ Every arm starts from the shipped demo policy (raw "What is a+b? " prompts, the 
 most 8 tokens; --task add3: the shipped add3 policy, its OOD split evaluated too) and runs `Scale.rounds` rounds of
 `prompts_per_round` fresh train-split prompts x K = 8 samples at T=1: the same samples for every arm (4 x 1024 x 8 =
 32768, the demo's one round of 4096 x 8). Each round trains 2 passes over its own data (--replay 1) with what every
-experiment trains with (`harness.RECIPE_BASE`: AdamW without weight decay, cosine lr to 0 within the round, gradient
-norm clipped at 1), a checkpoint every 25 steps; the next policy is the checkpoint (or the round's start) with the
-best greedy accuracy on 512 validation prompts (`offline_rec.eval.selection.choose_checkpoint`, inside `rounds`);
-every round's choice is scored on 512 held-out test prompts: greedy, 64 samples at T=1 (accuracy, pass@k up to
-64), mean token entropy.
+experiment trains with (`harness.DEMO_OPTIMIZER`: AdamW without weight decay, cosine lr to 0 within the round,
+gradient norm clipped at 1), a checkpoint every 25 steps; the next policy is the checkpoint (or the round's start)
+with the best greedy accuracy on 512 validation prompts (`offline_rec.eval.selection.choose_checkpoint`, inside
+`rounds`); every round's choice is scored on 512 held-out test prompts: greedy, 64 samples at T=1 (accuracy, pass@k
+up to 64), mean token entropy.
 
-Arms (recipe files in configs/; lr: the one each chose on validation in docs/paper.md's single-round comparison,
-"Does the recipe beat fine-tuning on the positives?"):
-  rec-logged        configs/rec-logged.yaml, lr 6e-4 (the demo's recipe)
-  filtered-sft      configs/filtered-sft.yaml, lr 1e-3: iterated fine-tuning on the positives (RFT / ReST-EM)
-  rec-oneside-nois  configs/rec-oneside-nois-wide.yaml (the paper's REC-OneSide-NoIS, clip 0.6/2.0), rows + skip,
+Arms (presets, offline_rec/loss/presets.py, with their --set overrides; lr: the one each chose on validation in
+docs/paper.md's single-round comparison, "Does the recipe beat fine-tuning on the positives?"):
+  rec-logged        the preset rec-logged, lr 6e-4 (the demo's recipe)
+  filtered-sft      the preset filtered-sft, lr 1e-3: iterated fine-tuning on the positives (RFT / ReST-EM)
+  rec-oneside-nois  the preset rec-oneside-nois-wide (the paper's REC-OneSide-NoIS, clip 0.6/2.0), rows + skip,
                     lr 3e-4
   w-reinforce       W-REINFORCE (Zhu et al. 2025): rewards +-1 around 0.5, the positives' term weighted 0.1 against
                     the negatives' (negative_weight 10), every row, lr 3e-4
@@ -38,7 +38,6 @@ from pathlib import Path
 
 from experiments import harness
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEFAULT_ARMS = ("rec-logged", "filtered-sft")
 RESULTS_FILE, TABLE_FILE, PAIRED_FILE, PLOT_FILE = "results.jsonl", "table.md", "paired.md", "arms.png"
 PAIRED_KEYS = ("greedy_accuracy", "accuracy", "pass@8", "pass@64", "entropy_mean", "ood_greedy_accuracy",
@@ -56,21 +55,20 @@ scores on the OOD split (`ood_` + key) where the task has one."""
 
 @dataclass(frozen=True)
 class RoundsArm:
-    """A recipe: a YAML of configs/ (or None: the preset `algorithm`) and its `--set` overrides."""
+    """A recipe: the preset `algorithm` and its `--set` overrides."""
 
-    recipe: str | None
+    algorithm: str
     sets: tuple[str, ...]
-    algorithm: str | None = None
 
 
 ARMS = {
-    "rec-logged": RoundsArm("rec-logged.yaml", ("lr=6e-4",)),
-    "filtered-sft": RoundsArm("filtered-sft.yaml", ("lr=1e-3",)),
-    "rec-oneside-nois": RoundsArm("rec-oneside-nois-wide.yaml", ("lr=3e-4", *ROW_STEPS, "skip_zero_advantage=true")),
-    "w-reinforce": RoundsArm(None, ("lr=3e-4", *ROW_STEPS, "baseline=constant", "baseline_value=0.5",
-                                    "group_mean=false", "negative_weight=10"), algorithm="reinforce"),
-    "nsr": RoundsArm(None, ("lr=3e-4", *ROW_STEPS, "skip_zero_advantage=true", "baseline=constant",
-                            "baseline_value=1.0", "group_mean=false"), algorithm="reinforce"),
+    "rec-logged": RoundsArm("rec-logged", ("lr=6e-4",)),
+    "filtered-sft": RoundsArm("filtered-sft", ("lr=1e-3",)),
+    "rec-oneside-nois": RoundsArm("rec-oneside-nois-wide", ("lr=3e-4", *ROW_STEPS, "skip_zero_advantage=true")),
+    "w-reinforce": RoundsArm("reinforce", ("lr=3e-4", *ROW_STEPS, "baseline=constant", "baseline_value=0.5",
+                                           "group_mean=false", "negative_weight=10")),
+    "nsr": RoundsArm("reinforce", ("lr=3e-4", *ROW_STEPS, "skip_zero_advantage=true", "baseline=constant",
+                                   "baseline_value=1.0", "group_mean=false")),
 }
 
 
@@ -101,13 +99,13 @@ def rounds_config(arm: str, seed: int, out: Path, scale: Scale, policy: str):
     from offline_rec.rounds.config import RoundsConfig
 
     spec, variant = ARMS[arm], task_variant(scale.task)
-    base = tuple(f"{key}={value}" for key, value in harness.RECIPE_BASE.items())
+    base = tuple(f"{key}={value}" for key, value in harness.DEMO_OPTIMIZER.items())
     return RoundsConfig(
         model=policy, task=variant["task"], reward=variant["reward"], chat_template=variant["chat_template"],
         max_new_tokens=variant["max_new_tokens"],
         backend="hf", out=out, rounds=scale.rounds, prompts_per_round=scale.prompts_per_round,
-        num_samples=scale.num_samples, recipe=CONFIGS / spec.recipe if spec.recipe else None,
-        algorithm=spec.algorithm, sets=[*base, *ROUND_SETS, *spec.sets, *scale.extra_sets], seed=seed,
+        num_samples=scale.num_samples, algorithm=spec.algorithm,
+        sets=[*base, *ROUND_SETS, *spec.sets, *scale.extra_sets], seed=seed,
         validation_prompts=scale.validation_prompts, eval_prompts=scale.eval_prompts, eval_samples=scale.eval_samples,
         batch_size=scale.batch_size, show_progress=False,
     )

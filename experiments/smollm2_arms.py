@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from experiments import harness
-from experiments.harness import FILTERED_SFT, FILTERED_SFT_ARM, SKIP, Arm
+from experiments.harness import FILTERED_SFT, FILTERED_SFT_ARM, Arm
 
 RESULTS = Path(__file__).with_name("results") / "smollm2_arms.jsonl"
 TASK = "sums9"
@@ -37,9 +37,9 @@ TASK = "sums9"
 LORA = {"lora_r": 16, "lora_alpha": 32}
 ARMS: dict[str, Arm] = {
     FILTERED_SFT: FILTERED_SFT_ARM,
-    "rec-logged": Arm("rec-logged", {}, SKIP),
-    f"{FILTERED_SFT}-lora": replace(FILTERED_SFT_ARM, train={**SKIP, **LORA}),
-    "rec-logged-lora": Arm("rec-logged", {}, {**SKIP, **LORA}),
+    "rec-logged": Arm("rec-logged"),
+    f"{FILTERED_SFT}-lora": replace(FILTERED_SFT_ARM, train=LORA),
+    "rec-logged-lora": Arm("rec-logged", {}, LORA),
 }
 PAIRS = (("rec-logged", FILTERED_SFT), ("rec-logged-lora", f"{FILTERED_SFT}-lora"),
          (f"{FILTERED_SFT}-lora", FILTERED_SFT), ("rec-logged-lora", "rec-logged"))

@@ -207,6 +207,10 @@ def train(options: dict, layers: TrainLayers) -> None:
     """Train a policy offline on logged groups (runs under `accelerate launch -m offline_rec train` too)."""
     if layers.list_options:
         return _list_train_options()
+    if layers.print_config:
+        from offline_rec.training.config import printed_config
+
+        return typer.echo(printed_config(layers.config_file, options, layers.sets), nl=False)
     from offline_rec.eval.hooks import training_hooks
     from offline_rec.summaries import train_line
     from offline_rec.training.config import build_config

@@ -31,6 +31,7 @@ from experiments import (
     smollm2_calibrate,
     smollm2_cost,
 )
+from offline_rec.loss.presets import PRESETS
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +416,8 @@ def test_regimes_follow_the_scale():
     assert paper.make_regime("stale", scale).interval == 20
     assert (paper.make_regime("lagged", scale).interval, paper.make_regime("lagged", scale).offset) == (1, 10)
     assert paper.make_regime("offline", scale).interval is None
-    assert paper.VARIANTS[paper.WIDE] == ("rec-oneside-nois", {"eps_low": 0.6, "eps_high": 2.0})
+    assert paper.VARIANTS[paper.WIDE] == (paper.WIDE, {})  # a preset: rec-oneside-nois with the wide clip
+    assert PRESETS[paper.WIDE].objective == replace(PRESETS["rec-oneside-nois"].objective, eps_low=0.6, eps_high=2.0)
     # the peers' grid: every peer preset, plus two controls of the default grid
     assert set(paper.PEER_VARIANTS) == {"rec-oneside-nois", "grpo", "cispo", "m2po", "dual-clip", "icepop",
                                         "icepop-seq", "opsm", "sapo", "gmpo", "dapo", "dr-grpo"}
@@ -557,7 +559,8 @@ def test_rounds_quick_run_gives_every_arm_the_same_samples_and_resumes(tmp_path)
     prompts = [(rounds.run_dir(tmp_path, arm, 0) / "round-1" / "prompts.jsonl").read_text() for arm in lines]
     assert prompts[0] == prompts[1]  # the same prompts for every arm
     sft = yaml.safe_load((rounds.run_dir(tmp_path, "filtered-sft", 0) / "round-1" / "run" / "config.yaml").read_text())
-    assert (sft["algorithm"], sft["baseline"], sft["group_mean"], sft["lr"]) == ("reinforce", "constant", False, 1e-3)
+    assert (sft["algorithm"], sft["baseline"], sft["group_mean"], sft["lr"]) == (
+        "filtered-sft", "constant", False, 1e-3)
     assert (tmp_path / rounds.PLOT_FILE).stat().st_size > 0 and "| filtered-sft | 1 | 1 | 64 |" in outcome["table"]
     watched = rounds.run_dir(tmp_path, "rec-logged", 0) / "rounds.jsonl"
     before = watched.stat().st_mtime_ns
@@ -633,8 +636,8 @@ def test_arms_collect_train_choose_on_validation_and_score(tmp_path, chat_model)
             assert not (tmp_path / "arms" / "runs" / f"{arm}-lr{run['lr']:g}-seed0").exists()  # numbers kept only
         (row,) = [row for row in outcome["rows"] if row["arm"] == arm]
         assert row["lr"] == max(runs, key=lambda run: run["validation"])["lr"]  # one seed: its validation chooses
-    lora_spec = by_arm["filtered-sft-lora"][0]["arm_spec"]["train"]
-    assert lora_spec["lora_r"] == 16 and lora_spec["skip_zero_advantage"] is True
+    lora_spec = by_arm["filtered-sft-lora"][0]["arm_spec"]
+    assert lora_spec["train"]["lora_r"] == 16 and PRESETS[lora_spec["preset"]].steps.skip_zero_advantage  # its preset's
     assert smollm2_arms.main(argv)["rows"] == outcome["rows"] and len(jsonl(results)) == 5  # resumed: nothing rerun
     assert "| filtered-sft-lora |" in outcome["table"] and "| base (untrained) |" in outcome["table"]
     grid = {arm: {run["lr"]: 100 * run["validation"] for run in runs} for arm, runs in by_arm.items()}
@@ -700,14 +703,31 @@ def test_an_experiment_without_peer_arms_has_no_no_peers_option(module, tmp_path
 
 
 def test_the_fast_recipe_file_is_the_measured_edge_arm():
-    """configs/rec-logged-fast.yaml trains what experiments/edge.py's rec-logged-share0.5 measured (harness.
-    train_final's options for it); the lr aside: the arm's 6e-4 was chosen on validation, the file leaves lr to
-    the size rule, which gives the same 6e-4 to a model this small."""
+    """configs/rec-logged-fast.yaml (the preset rec-logged-fast) trains what experiments/edge.py's
+    rec-logged-share0.5 measured (harness.train_final's options for it), under its own name; the lr aside: the
+    arm's 6e-4 was chosen on validation, the file leaves lr to the size rule, which gives the same 6e-4 to a model
+    this small."""
     from offline_rec.training.config import build_config
 
     given = {"data": ["d"], "model": str(REPO / "offline_rec" / "demo" / "add3_policy"), "out": "r"}
     arm, scale = edge.ARMS["rec-logged-share0.5"], edge.EdgeScale()
-    measured = build_config(None, {**given, **harness.RECIPE_BASE, "algorithm": arm.preset, **arm.overrides,
+    measured = build_config(None, {**given, **harness.DEMO_OPTIMIZER, "algorithm": arm.preset, **arm.overrides,
                                    "lr": 6e-4, "epochs": scale.epochs, "prompts_per_step": scale.groups_per_step,
-                                   "rows_per_step": scale.rows_per_step, **arm.train})
-    assert build_config(REPO / "configs" / "rec-logged-fast.yaml", given) == measured
+                                   "rows_per_step": scale.rows_per_step, **arm.train}).to_dict()
+    fast = build_config(REPO / "configs" / "rec-logged-fast.yaml", given).to_dict()
+    assert fast.pop("algorithm") == "rec-logged-fast" and measured.pop("algorithm") == "rec-logged"
+    assert fast == measured
+
+
+@pytest.mark.parametrize("module", [edge, peers, mixture, smollm2_arms])
+def test_an_arm_is_a_preset_and_what_it_changes(module):
+    """An arm names a preset and only the values it changes: none restates a value its preset already has (the
+    preset carries its whole recipe: its steps and measured settings too)."""
+    from offline_rec.loss.presets import PRESETS
+
+    for name, arm in module.ARMS.items():
+        if arm.peer or not arm.preset:
+            continue
+        own = PRESETS[arm.preset].settings()
+        restated = {key for key, value in {**arm.overrides, **arm.train}.items() if own.get(key, object()) == value}
+        assert not restated, f"{module.__name__} arm {name} restates {arm.preset}'s {sorted(restated)}"

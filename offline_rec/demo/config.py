@@ -8,10 +8,11 @@ A demo is the shipped policy's (`DemoSettings()`), or a variant of it made by re
 `demo_settings` applies them in that order, then the options a user gave. No variant merges into another:
 each replaces the fields it names.
 
-The training recipe is a file of offline_rec/demo/recipes/ (`train --config` keys), read in one place
-(`training_recipe`): the demo trains what the file says, with the demo's own changes over it (another preset,
-the wide clip, the epochs, `train_changes`). `train_config` makes the `TrainConfig` of a run from it, through
-`offline_rec.training.config.build_config` as `offline-rec train --config` does.
+The training recipe is a preset (by default `loss.presets.DEFAULT_PRESET`, its whole recipe) or a file of
+offline_rec/demo/recipes/ (`train --config` keys), read in one place (`training_recipe`): the demo trains what
+it says, with the demo's own changes over it (another preset, the wide clip, the epochs, `train_changes`).
+`train_config` makes the `TrainConfig` of a run from it, through `offline_rec.training.config.build_config` as
+`offline-rec train --config` does.
 
 Light on purpose (no torch at import): the CLI imports it to declare the demo's options.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.loss.presets import DEFAULT_PRESET
 from offline_rec.options import option
 
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
@@ -46,11 +48,12 @@ class DemoSettings:
     task: str = DEMO_TASK
     """The built-in task (`tasks.builtin`) whose train split is logged and whose test split (and ood split, where
     it has one) is held out; the shipped policy is the task's (`demo.behavior_policy.SHIPPED_POLICIES`)."""
-    recipe: str = "shipped.yaml"
-    """The training recipe: a file of offline_rec/demo/recipes/ (`train --config` keys, see `training_recipe`)."""
+    recipe: str = DEFAULT_PRESET
+    """The training recipe: a preset (`loss.presets`) or a file NAME.yaml of offline_rec/demo/recipes/ (`train
+    --config` keys), see `training_recipe`."""
     algorithm: str | None = None
-    """Another loss preset instead of the recipe's: its own whole recipe (objective and steps; the recipe file's,
-    chosen for the file's preset, are left out), the recipe file's optimizer settings; None: the recipe's."""
+    """Another loss preset instead of the recipe's: its own whole recipe (objective and steps; the recipe's, chosen
+    for its preset, are left out), the recipe's optimizer settings; None: the recipe's."""
     wide_clip: bool | None = None
     """True: the paper's wide clip eps_low 0.6, eps_high 2.0 (`loss.presets.WIDE_CLIP`) over the recipe's;
     False: the preset's own clip (the recipe's eps_low and eps_high left out); None: the recipe's."""
@@ -191,18 +194,20 @@ def prompt_format(model: str, settings: DemoSettings) -> DemoSettings:
 
 
 def training_recipe(settings: DemoSettings) -> dict:
-    """The demo's training recipe as `train --config` keys: the recipe file, then the settings' changes.
+    """The demo's training recipe as `train --config` keys: the recipe (a preset's, or a file's), then the
+    settings' changes.
 
     Another preset (`settings.algorithm`) brings its own whole recipe (`loss.presets`: its objective and its steps):
-    the file's objective and step keys, chosen for the file's preset, are left out and its optimizer settings kept.
+    the recipe's objective and step keys, chosen for its preset, are left out and its optimizer settings kept.
     `wide_clip` puts the wide clip over the objective (True) or leaves the preset's own clip (False); `epochs` and
     `train_changes` replace the recipe's values. The result is checked as a TrainConfig (an unknown preset, key or
     value is one line) before the demo does any work.
     """
-    from offline_rec.loss.presets import WIDE_CLIP, preset_keys
+    from offline_rec.loss.presets import WIDE_CLIP, get_preset, preset_keys
     from offline_rec.training.config import build_config, load_yaml
 
-    recipe = load_yaml(RECIPES_DIR / settings.recipe)
+    recipe = (load_yaml(RECIPES_DIR / settings.recipe) if settings.recipe.endswith(".yaml")
+              else get_preset(settings.recipe).train_options())
     if settings.algorithm is not None and settings.algorithm != recipe.get("algorithm"):
         recipe = {key: value for key, value in recipe.items() if key not in preset_keys()}
         recipe["algorithm"] = settings.algorithm

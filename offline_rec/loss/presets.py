@@ -3,8 +3,10 @@ optimizer settings it was measured with (`Recipe`); `PRESETS` by name.
 
 `train --algorithm NAME` trains `PRESETS[NAME]` as it stands (`training.config`: the recipe's values are the
 defaults of its options, and train says which options move it away); `view` and `eval --offline` read a preset's
-objective alone. The sources of the peers' defaults are in `PRESETS`' docstring; what was measured, in
-docs/paper.md (a `MeasuredSettings` names its section). No torch here.
+objective alone; `rounds` and the demo train `DEFAULT_PRESET` unless told otherwise. configs/NAME.yaml is written
+from `PRESETS[NAME]` (scripts/write_configs.py; a test fails when one drifts): a recipe is written here only. The
+sources of the peers' defaults are in `PRESETS`' docstring; what was measured, in docs/paper.md (a
+`MeasuredSettings` names its section). No torch here.
 """
 
 from __future__ import annotations
@@ -49,9 +51,15 @@ class Recipe:
     """A preset: its objective, and where they were measured with it its steps and optimizer settings."""
 
     name: str
+    description: str
+    """What the recipe does, in a sentence or a few (the header of its configs/NAME.yaml)."""
     objective: Objective
     steps: StepRecipe | None = None
     measured: MeasuredSettings | None = None
+
+    def train_options(self) -> dict:
+        """The recipe as `train --config` keys: its name as `algorithm`, and every setting (`settings`)."""
+        return {"algorithm": self.name, **self.settings()}
 
     def settings(self) -> dict:
         """Every train option the recipe sets, by name: the objective's fields, the steps and measured settings."""
@@ -69,9 +77,9 @@ def preset_keys() -> frozenset[str]:
     return frozenset(f.name for part in (Objective, StepRecipe) for f in dataclasses.fields(part))
 
 
-def _recipe(name: str, steps: StepRecipe | None = None, measured: MeasuredSettings | None = None,
+def _recipe(name: str, description: str, steps: StepRecipe | None = None, measured: MeasuredSettings | None = None,
             **objective) -> Recipe:
-    return Recipe(name, Objective(**objective), steps, measured)
+    return Recipe(name, description, Objective(**objective), steps, measured)
 
 
 REC_LOGGED_MEASURED = MeasuredSettings(
@@ -79,30 +87,91 @@ REC_LOGGED_MEASURED = MeasuredSettings(
     source='docs/paper.md, "Does the recipe beat fine-tuning on the positives?" (experiments/peers.py arm '
            "rows-skip-open-neg0.25, 3 seeds, the demo's logs)")
 """What rec-logged was measured with: the demo's training (AdamW without weight decay, cosine to 0, 2 epochs)."""
+REC_LOGGED_FAST_MEASURED = dataclasses.replace(
+    REC_LOGGED_MEASURED,
+    source='docs/paper.md, "Can the recipe train fewer rows and keep its lead?" (experiments/edge.py arm '
+           "rec-logged-share0.5, 10 seeds, lr 6e-4 chosen on validation)")
+"""rec-logged-fast was measured with rec-logged's settings (its lr rule too), on add3's logs."""
 
 PRESETS: dict[str, Recipe] = {
     recipe.name: recipe
     for recipe in (
-        _recipe("reinforce"),
-        _recipe("grpo", clip="one-side", weight="is", std_normalize=True),
-        _recipe("rec-oneside-is", clip="one-side", weight="is"),
-        _recipe("rec-oneside-nois", clip="one-side"),
-        _recipe("rec-twoside-is", clip="two-side", weight="is"),
-        _recipe("rec-twoside-nois", clip="two-side"),
-        _recipe("rec-ring-is", clip="ring", weight="is"),
-        _recipe("rec-ring-nois", clip="ring"),
-        _recipe("rec-gspo-is", clip="gspo-one-side", weight="gspo-is", eps_low=3e-4, eps_high=4e-4),
-        _recipe("rec-gspo-nois", clip="gspo-one-side", eps_low=3e-4, eps_high=4e-4),
-        _recipe("opmd", regularizer="k2", reg_coef=0.1),
-        _recipe("asymre", regularizer="forward-kl", reg_coef=0.1),
-        _recipe("reinforce-k3", regularizer="k3", reg_coef=0.1),
-        _recipe("red-drop", drop="balance"),
-        _recipe("red-weight", weight="advantage", temp=1.0),
+        _recipe("reinforce",
+                "Plain group-relative REINFORCE: no clipping, no weights, no regularizer (unstable off-policy)."),
+        _recipe("grpo",
+                "GRPO: one-side clip (eps 0.2/0.2), importance weights, std-normalized group advantages.",
+                clip="one-side", weight="is", std_normalize=True),
+        _recipe("rec-oneside-is",
+                "REC-OneSide-IS: one-side clip (PPO's gradient region, eps 0.2/0.2) with importance weights.",
+                clip="one-side", weight="is"),
+        _recipe("rec-oneside-nois",
+                "REC-OneSide-NoIS: one-side clip (eps 0.2/0.2), no importance weights.",
+                clip="one-side"),
+        _recipe("rec-oneside-nois-wide",
+                "REC-OneSide-NoIS with the paper's recommended WIDE clip eps_low 0.6 / eps_high 2.0 (faster learning "
+                "under stale data; less stable fully offline).",
+                clip="one-side", **WIDE_CLIP),
+        _recipe("rec-twoside-is",
+                "REC-TwoSide-IS: two-side clip band 1-eps_low <= rho <= 1+eps_high, importance weights.",
+                clip="two-side", weight="is"),
+        _recipe("rec-twoside-nois",
+                "REC-TwoSide-NoIS: two-side clip band, no importance weights.",
+                clip="two-side"),
+        _recipe("rec-ring-is",
+                "REC-Ring-IS: two-side band (0.2/0.2) plus the outer ring (0.6/2.0) where gradient is restored, IS "
+                "weights.",
+                clip="ring", weight="is"),
+        _recipe("rec-ring-nois",
+                "REC-Ring-NoIS: the ring clip without importance weights.",
+                clip="ring"),
+        _recipe("rec-gspo-is",
+                "REC-GSPO-IS: one-side clip on the sequence ratio (eps 3e-4/4e-4), sequence IS weights.",
+                clip="gspo-one-side", weight="gspo-is", eps_low=3e-4, eps_high=4e-4),
+        _recipe("rec-gspo-nois",
+                "REC-GSPO-NoIS: one-side clip on the sequence ratio, no weights.",
+                clip="gspo-one-side", eps_low=3e-4, eps_high=4e-4),
+        _recipe("opmd",
+                "OPMD: REINFORCE plus the k2 regularizer c*(logp - blogp)^2, c = 0.1.",
+                regularizer="k2", reg_coef=0.1),
+        _recipe("asymre",
+                "AsymRE: REINFORCE plus -c*logp (baseline shifted down by c = 0.1).",
+                regularizer="forward-kl", reg_coef=0.1),
+        _recipe("reinforce-k3",
+                "REINFORCE plus the k3 regularizer c*(rho - 1 - log rho), rho = pi/mu carrying gradient, c = 0.1: the "
+                "k3 estimate of KL(behavior || policy) on the logged tokens (the kl_behavior metric), as a penalty.",
+                regularizer="k3", reg_coef=0.1),
+        _recipe("red-drop",
+                "RED-Drop: drop surplus negatives in each group, baseline over the kept samples.",
+                drop="balance"),
+        _recipe("red-weight",
+                "RED-Weight: per-sample weight exp(A / temp), temp = 1.0.",
+                weight="advantage", temp=1.0),
         # offline-rec's recipe for logged groups: REC-OneSide's clip on the negatives only (eps_low 0.6, the wide
         # clip's), the positives unclipped, the negatives' term weighted 0.25, on steps of rows shuffled across
         # prompts without the rows of advantage 0, trained as it was measured (REC_LOGGED_MEASURED).
-        _recipe("rec-logged", StepRecipe("rows", 128, True), REC_LOGGED_MEASURED,
+        _recipe("rec-logged",
+                "rec-logged: offline-rec's recipe for logged groups: REC-OneSide's clip on the negatives only (a "
+                "negative stops once its ratio falls below 1 - eps_low), positives unclipped, the negatives' term "
+                "weighted 0.25.",
+                StepRecipe("rows", 128, True), REC_LOGGED_MEASURED,
                 clip="one-side-negatives", eps_low=0.6, negative_weight=0.25),
+        _recipe("rec-logged-fast",
+                "rec-logged-fast: rec-logged on fewer rows: each epoch trains half of the rows with A < 0, drawn "
+                "anew, their A doubled (negative_share 0.5: the same expected gradient). On add3's logs it trains "
+                "~30% fewer rows than rec-logged, in ~1.5x the CPU time of fine-tuning on the positives instead of "
+                "~2.1x, at the same greedy accuracy; it keeps less of rec-logged's pass@64 lead over RFT. Formula: "
+                "offline_rec/loss/advantages.py (group_advantages, negative_share).",
+                StepRecipe("rows", 128, True), REC_LOGGED_FAST_MEASURED,
+                clip="one-side-negatives", eps_low=0.6, negative_weight=0.25, negative_share=0.5),
+        # Fine-tuning on the positives in the loss's own form: the control every recipe is measured against.
+        _recipe("filtered-sft",
+                "filtered-sft: fine-tuning on the positives (RFT; iterated over rounds: ReST-EM's Improve step) in "
+                "offline-rec's loss form: REINFORCE with A = r (no group mean, baseline 0), so with 0/1 rewards the "
+                "negatives get A = 0 and leave the step (skip_zero_advantage) and the positives get the SFT "
+                "gradient. Steps of 32 positives, as measured against TRL's SFTTrainer in docs/paper.md (\"Does the "
+                "recipe beat fine-tuning on the positives?\": level with it; experiments/peers.py arm filtered-sft).",
+                StepRecipe("rows", 32, True),
+                baseline="constant", baseline_value=0.0, group_mean=False),
         # Zhu et al. 2025 ("The Surprising Effectiveness of Negative Reinforcement in LLM Reasoning", arXiv
         # 2506.01347; their code github.com/TianHongZXY/RLVR-Decomposed, verl's PPO loss with clip 0.2): no group,
         # a fixed split of 0/1 rewards into positives and negatives, PPO's clipped surrogate (one-side, W = rho)
@@ -111,38 +180,87 @@ PRESETS: dict[str, Recipe] = {
         # positives and -1 on the negatives, lambda 0.1; here A = r - 0.5 with the positives' term times 0.1: the
         # same direction, half the scale (Adam's step ignores a constant factor). On steps of rows, the rows of
         # A = 0 (the other sign, for PSR and NSR) skipped.
-        _recipe("psr", StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
+        _recipe("psr",
+                "PSR (Zhu et al. 2025, positive sample reinforcement): the positives alone, A = r (baseline 0, no "
+                "group mean), PPO's clip one-side 0.2/0.2 with W = rho and verl's dual clip c = 3; the rows of A = 0 "
+                "(the negatives) skipped on steps of 128 rows.",
+                StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
                 baseline="constant", baseline_value=0.0, group_mean=False),
-        _recipe("nsr", StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
+        _recipe("nsr",
+                "NSR (Zhu et al. 2025, negative sample reinforcement): the negatives alone, A = r - 1 (baseline 1, no "
+                "group mean), PPO's clip one-side 0.2/0.2 with W = rho and verl's dual clip c = 3; the rows of A = 0 "
+                "(the positives) skipped on steps of 128 rows.",
+                StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
                 baseline="constant", baseline_value=1.0, group_mean=False),
-        _recipe("w-reinforce", StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
+        _recipe("w-reinforce",
+                "W-REINFORCE (Zhu et al. 2025): positives weighted 0.1 against the negatives. Their A = +0.1 / -1 is "
+                "written A = r - 0.5 (baseline 0.5, no group mean) with the positives' term times 0.1 "
+                "(positive_weight): +0.05 / -0.5, the same direction at half the scale; PPO's clip one-side 0.2/0.2 "
+                "with W = rho and verl's dual clip c = 3, on steps of 128 rows.",
+                StepRecipe("rows", 128, True), clip="one-side", weight="is", dual_clip_c=3.0,
                 baseline="constant", baseline_value=0.5, group_mean=False, positive_weight=0.1),
         # TOPR (Le Roux et al. 2025, "Tapered Off-Policy REINFORCE", arXiv 2503.14286): no clip, no group. Its
         # positives/negatives are split by a reward threshold (REINFORCE's baseline), never a group mean; the
         # training rewards' mean gives positives and negatives equal total weight whatever their count (with a share
         # p of 0/1 rewards at 1: p (1 - p) each side). The paper's fixed threshold: `--set baseline=constant
         # --set baseline_value=0.5` (docs/paper.md, "What trains on one response per prompt?", measured it).
-        _recipe("topr", weight="topr", baseline="dataset", group_mean=False),
-        _recipe("topr-seq", weight="topr-seq", baseline="dataset", group_mean=False),
+        _recipe("topr",
+                "TOPR (Tapered Off-Policy REINFORCE): no clip; positives (r >= threshold) weight 1, negatives weight "
+                "min(rho, 1). Needs no groups: one response per prompt (production logs) trains as it is.",
+                weight="topr", baseline="dataset", group_mean=False),
+        _recipe("topr-seq",
+                "TOPR on the whole response: negatives weight min(prod_t rho_t, 1) (the sequence ratio), positives 1. "
+                "Needs no groups: one response per prompt (production logs) trains as it is.",
+                weight="topr-seq", baseline="dataset", group_mean=False),
         # The peers' objectives (see the docstring below for each formula and the source of each default).
-        _recipe("cispo", weight="is", weight_min=1 - 1.0, weight_max=1 + 0.28),
-        _recipe("m2po", clip="m2po", weight="is", m2_threshold=0.04),
-        _recipe("dual-clip", clip="one-side", weight="is", dual_clip_c=3.0),
-        _recipe("icepop", weight="is", mask_low=0.5, mask_high=5.0),
-        _recipe("icepop-seq", ratio_level="row", weight="is", mask_low=0.5, mask_high=2.0),
-        _recipe("opsm", clip="opsm", weight="is", opsm_delta=0.1),
-        _recipe("sapo", weight="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
-        _recipe("gmpo", clip="one-side", weight="gmpo", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1,
+        _recipe("cispo",
+                "CISPO (MiniMax-M1): W = sg(clamp(rho, 1-eps_low, 1+eps_high)), no mask: weight is within weight_min "
+                "= 1 - 1.0 (no lower bound) and weight_max = 1 + 0.28.",
+                weight="is", weight_min=1 - 1.0, weight_max=1 + 0.28),
+        _recipe("m2po",
+                "M2PO (the paper's Algorithm 1): among the trust-region tokens (A * log rho > 0), drop those of "
+                "largest (log rho)^2 until the mean over the remaining ones is <= m2_threshold (per micro-batch); W = "
+                "rho.",
+                clip="m2po", weight="is", m2_threshold=0.04),
+        _recipe("dual-clip",
+                "Dual-clip PPO: one-side clip (eps 0.2/0.2), and for A < 0 tokens with rho > c lose their gradient; W "
+                "= rho.",
+                clip="one-side", weight="is", dual_clip_c=3.0),
+        _recipe("icepop",
+                "IcePop: keep tokens with mask_low <= rho <= mask_high, W = rho (masked token IS).",
+                weight="is", mask_low=0.5, mask_high=5.0),
+        _recipe("icepop-seq",
+                "Sequence masked IS: keep whole rows with mask_low <= prod_t rho_t <= mask_high, W = prod_t rho_t "
+                "(the row's ratio, ratio_level row: as verl's sequence-level IS and TRL's sequence_mask).",
+                ratio_level="row", weight="is", mask_low=0.5, mask_high=2.0),
+        _recipe("opsm",
+                "OPSM (DeepSeek-V3.2): one-side clip, and rows with A < 0 and mean(blogp - logp) > opsm_delta "
+                "dropped; W = rho.",
+                clip="opsm", weight="is", opsm_delta=0.1),
+        _recipe("sapo",
+                "SAPO: soft gate (4/tau) sigmoid(tau (rho - 1)) in place of the clip (W = its derivative), "
+                "seq-mean-token-mean.",
+                weight="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, aggregation="seq-mean-token-mean"),
+        _recipe("gmpo",
+                "GMPO: geometric mean of sign-aware clipped ratios per row (log-ratio band [-0.4, 0.4]), "
+                "seq-mean-token-mean.",
+                clip="one-side", weight="gmpo", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1,
                 aggregation="seq-mean-token-mean"),
-        _recipe("dapo", clip="one-side", weight="is", eps_low=0.2, eps_high=0.28, aggregation="token-mean"),
-        _recipe("dr-grpo", clip="one-side", weight="is", aggregation="dr-grpo", max_completion_length=1024),
+        _recipe("dapo",
+                "DAPO: clip-higher one-side clip (eps 0.2/0.28), W = rho, token-mean over the step.",
+                clip="one-side", weight="is", eps_low=0.2, eps_high=0.28, aggregation="token-mean"),
+        _recipe("dr-grpo",
+                "Dr. GRPO: one-side clip (eps 0.2/0.2), W = rho, loss = sum / (num_sequences * "
+                "max_completion_length).",
+                clip="one-side", weight="is", aggregation="dr-grpo", max_completion_length=1024),
     )
 }
-"""The paper's variants with the reference implementation's defaults, rec-logged, Zhu et al.'s PSR / NSR /
-W-REINFORCE, TOPR and the peers' objectives.
+"""The paper's variants with the reference implementation's defaults (and rec-oneside-nois-wide, its recommended
+wide clip), rec-logged and its cheaper form rec-logged-fast, filtered-sft (fine-tuning on the positives, the
+control), Zhu et al.'s PSR / NSR / W-REINFORCE, TOPR and the peers' objectives.
 
 The peers' objectives, each in the REC form -M * W * A * logp (M, W detached) whose GRADIENT equals
-the gradient of the authors' objective (tests/test_objectives.py checks each against autograd on
+the gradient of the authors' objective (tests/loss/test_objectives.py checks each against autograd on
 the authors' formula). Advantages stay the project's group mean without std division, so that the
 presets differ only in the objective; the authors use GRPO's std-normalized advantages
 (`--set std_normalize=true`), Dr. GRPO none. rho = pi / mu, mu the logged behavior.
@@ -208,6 +326,10 @@ presets differ only in the objective; the authors use GRPO's std-normalized adva
               default max_completion_length is 512: `--set max_completion_length=512`); L only
               scales the step size.
 """
+
+
+DEFAULT_PRESET = "rec-logged"
+"""The recipe trained where none is named: `rounds` without --config or --algorithm, and the demo."""
 
 
 def get_preset(name: str) -> Recipe:

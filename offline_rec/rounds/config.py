@@ -18,9 +18,6 @@ from offline_rec.options import cli_fields, flags_of, flattened, nested, option,
 from offline_rec.rollout.config import RolloutOptions
 
 DEFAULT_PROMPTS_PER_ROUND = 256
-DEFAULT_RECIPE = {"algorithm": "rec-logged", "batching": "rows", "rows_per_step": 128, "skip_zero_advantage": True}
-"""The train options of a round without --config or --algorithm: configs/rec-logged.yaml's recipe (offline-rec's
-recipe for logged groups: the demo's default)."""
 RESUMABLE_CHANGES = frozenset({"rounds", "wait", "show_progress"})
 """Options a rerun may change: how far the run goes and how it waits and shows progress, not what it does."""
 

@@ -14,8 +14,9 @@ from offline_rec import schema as S
 from offline_rec.errors import DataError, UserError
 from offline_rec.eval.config import EvalConfig
 from offline_rec.files import atomic_write_json
+from offline_rec.loss.presets import DEFAULT_PRESET
 from offline_rec.rollout.backends.base import derive_seed
-from offline_rec.rounds.config import DEFAULT_RECIPE, RoundsConfig
+from offline_rec.rounds.config import RoundsConfig
 from offline_rec.rounds.deployment import Deployment
 from offline_rec.rounds.prompt_plan import prompt_column, round_prompts, validation_prompts
 from offline_rec.rounds.run_folder import CHOICE_FILE, logs_dir, read_json, round_dir
@@ -86,10 +87,10 @@ def arrived_logs(config: RoundsConfig, number: int, tokenizer_of, say) -> Path |
 
 
 def round_train_config(config: RoundsConfig, number: int, policy: dict) -> TrainConfig:
-    """The train config of round `number`: the recipe (--config, --algorithm, --set; default DEFAULT_RECIPE) on the
-    data of rounds max(1, N-W+1)..N, from `policy`'s checkpoint (weights and AdamW state) or, for the start
-    model, from --model; every checkpoint kept for the choice; one seed per round."""
-    options = {} if config.recipe is not None or config.algorithm is not None else dict(DEFAULT_RECIPE)
+    """The train config of round `number`: the recipe (--config, --algorithm, --set; default the preset
+    `loss.presets.DEFAULT_PRESET`) on the data of rounds max(1, N-W+1)..N, from `policy`'s checkpoint (weights and
+    AdamW state) or, for the start model, from --model; every checkpoint kept for the choice; one seed per round."""
+    options = {} if config.recipe is not None or config.algorithm is not None else {"algorithm": DEFAULT_PRESET}
     if config.algorithm is not None:
         options["algorithm"] = config.algorithm
     first = max(1, number - config.replay + 1)

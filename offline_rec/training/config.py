@@ -12,6 +12,7 @@ A configuration is resolved in layers, each overriding the one before:
     4. `--set key=value` overrides, in the order given
     5. the options left `auto` set for the device the run trains on (`resolve_device_defaults`: micro_batch_tokens)
 
+`printed_config` is what `train --print-config` prints: the layers resolved, as YAML for --config.
 Values are coerced to the field's type (a --set value is read as YAML: `--set betas=[0.9,0.95]`). Old keys
 (`algorithm_overrides`, `--set algorithm.eps_low=...`, the caps) are read as today's with one deprecation line each
 (`training.legacy_keys`). An unknown key is refused with the closest match. The options of `offline-rec cache` are
@@ -540,13 +541,22 @@ def build_config(config_file: str | Path | None = None, options: dict | None = N
     RUN/config.yaml, the saved config is the base instead of the recipe, and the layers may change only
     RESUMABLE_CHANGES keys (UserError otherwise). Old keys print one deprecation line each on stderr.
     """
+    return _resolve(_merged_layers(config_file, options, sets))
+
+
+def _merged_layers(config_file: str | Path | None, options: dict | None, sets) -> dict:
+    """The YAML file, the named options (None values dropped) and the --set overrides, merged (later ones win)."""
     options = {k: v for k, v in (options or {}).items() if v is not None}
     check_keys(options, "the command line")
     raw_file = load_yaml(config_file) if config_file else {}
     raw_sets = parse_sets(sets)
     algorithm = raw_sets.get("algorithm") or options.get("algorithm") or raw_file.get("algorithm")
-    merged = merge_layers(_layer(raw_file, algorithm, str(config_file), _warn), options,
-                          _layer(raw_sets, algorithm, "--set", _warn))
+    return merge_layers(_layer(raw_file, algorithm, str(config_file), _warn), options,
+                        _layer(raw_sets, algorithm, "--set", _warn))
+
+
+def _resolve(merged: dict) -> TrainConfig:
+    """The TrainConfig of merged layers: over the preset's recipe, or over the run's saved config on --resume."""
     saved_path = Path(merged["out"]) / "config.yaml" if merged.get("out") else None
     if merged.get("resume") and saved_path is not None and saved_path.is_file():
         raw_saved = load_yaml(saved_path)
@@ -574,13 +584,38 @@ def resolve_device_defaults(config: TrainConfig) -> TrainConfig:
     return dataclasses.replace(config, steps=dataclasses.replace(config.steps, micro_batch_tokens=tokens))
 
 
-def config_to_yaml(config: TrainConfig) -> str:
-    """The resolved config as YAML: every key at the top level, a comment line above each group's."""
+def config_to_yaml(config: TrainConfig, leave_out=frozenset()) -> str:
+    """The resolved config as YAML: every key (but those in `leave_out`) at the top level, a comment line above each
+    group's."""
     import yaml
 
-    return "".join(f"# {title}\n" + yaml.safe_dump({name: value for name, _, value, _ in rows}, sort_keys=False,
-                                                   default_flow_style=False)
-                   for title, rows in option_groups(config))
+    groups = [(title, {name: value for name, _, value, _ in rows if name not in leave_out})
+              for title, rows in option_groups(config)]
+    return "".join(f"# {title}\n" + yaml.safe_dump(values, sort_keys=False, default_flow_style=False)
+                   for title, values in groups if values)
+
+
+RUN_KEYS = {"data": ["DATA"], "model": "MODEL", "out": "RUN"}
+"""The options `train --print-config` does without, and what stands in for each while the config is resolved."""
+
+
+def printed_config(config_file: str | Path | None = None, options: dict | None = None, sets=()) -> str:
+    """What `train --print-config` prints: the config `train` would run with these layers, as YAML for --config.
+
+    --data, --model and --out may be missing: the YAML leaves them out, to be given beside --config. Without
+    --model, the lr is left out as well unless a layer sets it: train takes it from the model's size then
+    (`training.recipes.defaults`), and a comment says so."""
+    merged = _merged_layers(config_file, options, sets)
+    missing = {key for key in RUN_KEYS if not merged.get(key)}
+    config = _resolve({**merged, **{key: RUN_KEYS[key] for key in missing}})
+    leave_out = missing | ({"lr"} if "model" in missing and "lr" not in merged else set())
+    header = ["offline-rec train --print-config: the config train would run; give it back with --config FILE"]
+    if missing:
+        header.append(f"not given, so not written (give them beside --config): {', '.join(sorted(missing))}")
+    if "lr" in leave_out:
+        header.append("lr: not written: without --model train picks it from the model's size (a preset's measured "
+                      "lr on a model of the size it was measured on, else the generic one)")
+    return "".join(f"# {line}\n" for line in header) + config_to_yaml(config, leave_out)
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
@@ -598,6 +633,9 @@ class TrainLayers:
         [], "--set", help="Override an option: key=value, e.g. eps_high=2.0 (repeatable).")
     list_options: bool = option(
         False, "--list-options", help="List every option (YAML key / --set key), group by group, and exit.")
+    print_config: bool = option(
+        False, "--print-config",
+        help="Print the config train would run (YAML for --config) and exit; --data, --model, --out not needed.")
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ an option given on the command line, in YAML or by `--set` wins. One exception, 
 rate belongs to the size of the policy it was measured on; for a model more than `MEASURED_SCALE` times larger
 (or of unknown size: a Hub id, a GGUF file) train keeps its generic default lr and says so (`lr_note`).
 `describe` gives the lines train prints first: the recipe resolved, and each option that moves it away from its
-measured setting. No torch here.
+measured setting; `config_file_text` writes a preset as its configs/NAME.yaml (scripts/write_configs.py). No torch
+here.
 """
 
 from __future__ import annotations
@@ -79,13 +80,19 @@ def _size(count: float) -> str:
     return f"{count:g}"
 
 
+def shown_objective_fields(values: dict) -> list[str]:
+    """The objective fields that say what a recipe is, in field order: those away from plain REINFORCE's, and the
+    clip's own parameters (always shown, even at their defaults). `values`: at least every objective field."""
+    plain, read = Objective(), CLIP_MASKS[values["clip"]].parameters
+    return [field.name for field in dataclasses.fields(Objective)
+            if values[field.name] != getattr(plain, field.name) or field.name in read]
+
+
 def describe(recipe: Recipe, values: dict, model: str) -> list[str]:
     """What train prints first: the recipe resolved (its objective's choices, its steps, its optimizer settings and
     where they were measured), then one line per option whose value moves the recipe away from its setting.
     `values`: every train option's resolved value, by name."""
-    plain, read = Objective(), CLIP_MASKS[values["clip"]].parameters  # the clip's own parameters, always shown
-    changed = [f"{field.name} {_show(values[field.name])}" for field in dataclasses.fields(Objective)
-               if values[field.name] != getattr(plain, field.name) or field.name in read]
+    changed = [f"{name} {_show(values[name])}" for name in shown_objective_fields(values)]
     steps = (f"steps of {values['rows_per_step']} rows shuffled across prompts" if values["batching"] == "rows"
              else f"steps of {values['prompts_per_step']} whole groups")
     steps += ", rows of advantage 0 skipped" if values["skip_zero_advantage"] else ""
@@ -109,3 +116,46 @@ def describe(recipe: Recipe, values: dict, model: str) -> list[str]:
 
 def _show(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+CONFIG_USE = """\
+# Use: offline-rec train --config configs/{name}.yaml --data DATASET --model MODEL --out RUN
+#      (the same as --algorithm {name}: the preset's recipe, written out; change a value here or with
+#      --set KEY=VALUE). Formulas: offline_rec/loss/terms.py; presets, sources: offline_rec/loss/presets.py.
+# Written by scripts/write_configs.py from PRESETS["{name}"]: change the preset, then run it again.
+"""
+
+
+def config_file_text(recipe: Recipe) -> str:
+    """configs/NAME.yaml of a preset: its description and use as comments, then the values it sets (`train --config`
+    keys): its objective's shown fields (`shown_objective_fields`), its steps and measured settings where it has
+    them. A measured lr is left to the size rule (`defaults`), said in a comment."""
+    import textwrap
+
+    import yaml
+
+    settings = recipe.settings()
+    keys = shown_objective_fields(settings)
+    keys += [f.name for part in (recipe.steps, recipe.measured) if part is not None for f in dataclasses.fields(part)
+             if f.name not in ("lr", "parameters", "source")]
+    lines = textwrap.wrap(recipe.description, 115, break_long_words=False, break_on_hyphens=False)
+    if recipe.measured is not None:
+        measured = recipe.measured
+        lines += textwrap.wrap(
+            f"Measured: {measured.source}. lr: the recipe's measured {measured.lr:g} on models up to "
+            f"{MEASURED_SCALE:g}x the {_size(measured.parameters)} parameters it was measured on (the generic "
+            f"{GENERIC_LR:g} above that); give lr here to fix it.", 115, break_long_words=False, break_on_hyphens=False)
+    header = "".join(f"# {line}\n" for line in lines) + CONFIG_USE.format(name=recipe.name)
+    return header + yaml.safe_dump({"algorithm": recipe.name, **{key: settings[key] for key in keys}},
+                                   sort_keys=False, default_flow_style=False)
+
+
+def write_config_files(folder: Path, presets: dict[str, Recipe]) -> list[Path]:
+    """FOLDER/NAME.yaml of every preset (`config_file_text`); the files written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, recipe in presets.items():
+        path = folder / f"{name}.yaml"
+        path.write_text(config_file_text(recipe), encoding="utf-8")
+        written.append(path)
+    return written

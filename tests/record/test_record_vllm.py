@@ -276,7 +276,7 @@ def test_two_call_episode_is_one_line_in_order(session):
     )
 
 
-def test_issue_50_what_vllm_does_with_separators_echo_false_strings_and_gzip(vllm_server, tmp_path):
+def test_separators_echo_false_logprobs_and_gzip_on_vllm_itself_and_through_the_proxy(vllm_server, tmp_path):
     """The premises of issue 50's defect 1 and risks, checked on vLLM itself, and what the proxy records of them:
     U+2028, U+2029, U+0085 written raw inside a streamed chunk; chat `echo`'s text without its tokens;
     `"logprobs": "false"` beside `top_logprobs` answered without log-probs; a gzip body refused."""

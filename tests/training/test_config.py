@@ -8,11 +8,12 @@ import warnings
 
 import pytest
 import yaml
+from support.cli_support import run_cli
 from support.paths import REPO
 
 from offline_rec.errors import UserError
 from offline_rec.loss.objective import Objective
-from offline_rec.loss.presets import PRESETS, get_objective
+from offline_rec.loss.presets import PRESETS, get_objective, preset_keys
 from offline_rec.training.config import (
     StepOptions,
     TrainConfig,
@@ -21,9 +22,10 @@ from offline_rec.training.config import (
     option_groups,
     option_help,
     parse_sets,
+    printed_config,
     save_config,
 )
-from offline_rec.training.recipes import MEASURED_SCALE, parameter_count
+from offline_rec.training.recipes import MEASURED_SCALE, config_file_text, parameter_count, write_config_files
 
 CONFIGS = REPO / "configs"
 REQUIRED = dict(data=["d"], model="m", algorithm="grpo", out="r")
@@ -190,6 +192,42 @@ def test_saved_config_reproduces_the_config(tmp_path):
     assert yaml.safe_load(config_to_yaml(config))["dual_clip_c"] == math.inf  # off, and read back as off
 
 
+@pytest.mark.parametrize("layers", [
+    dict(options={"algorithm": "rec-logged"}),
+    dict(config_file=CONFIGS / "filtered-sft.yaml", sets=["lr=1e-3", "eps_low=0.3"]),
+    dict(config_file=CONFIGS / "rec-oneside-nois-wide.yaml", options={"epochs": 3}, sets=["algorithm=grpo"]),
+])
+@pytest.mark.parametrize("model_given", [True, False])
+def test_printed_config_trains_what_the_layers_train(layers, model_given, tmp_path):
+    """`train --print-config` then `train --config` of what it printed: the same TrainConfig as the layers give,
+    on a model of the size a preset's lr was measured on and on one far larger. Printed without --model, the
+    lr stays the size rule's (not written); --data and --out are never needed to print."""
+    small = write_model_config(tmp_path / "small", hidden=64, layers=2)
+    big = write_model_config(tmp_path / "big", hidden=2048, layers=24, vocab=32000)
+    printed_path = tmp_path / "printed.yaml"
+    for model in (small, big):
+        run = {"data": ["d"], "model": model, "out": "r"}
+        options = {**layers.get("options", {}), **({"model": model} if model_given else {})}
+        printed_path.write_text(printed_config(layers.get("config_file"), options, layers.get("sets", ())))
+        written = yaml.safe_load(printed_path.read_text())
+        lr_given = model_given or "lr=1e-3" in layers.get("sets", ())
+        assert not {"data", "out"} & set(written) and ("lr" in written) == lr_given
+        direct = build_config(layers.get("config_file"), {**run, **layers.get("options", {})}, layers.get("sets", ()))
+        assert build_config(printed_path, run) == direct
+        assert ("lr: not written" in printed_path.read_text()) == (not lr_given)
+
+
+def test_print_config_on_the_command_line_prints_and_trains_nothing(capsys, tmp_path):
+    code, out, _ = run_cli(capsys, "train", "--algorithm", "grpo", "--set", "eps_high=0.28", "--print-config",
+                           "--out", str(tmp_path / "run"))
+    assert code == 0 and not (tmp_path / "run").exists()
+    printed = yaml.safe_load(out)
+    assert (printed["algorithm"], printed["eps_high"], printed["out"], printed["std_normalize"]) == (
+        "grpo", 0.28, str(tmp_path / "run"), True)
+    code, _, err = run_cli(capsys, "train", "--algorithm", "nope", "--print-config")
+    assert code != 0 and "nope" in err and "Traceback" not in err
+
+
 def test_resume_uses_the_saved_config_and_refuses_changes(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
@@ -288,14 +326,34 @@ def test_one_config_file_per_preset_is_its_recipe(name, tmp_path):
     assert {key for key, value in recipe.items() if plain[key] != value} <= set(written)
 
 
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_config_file_is_what_its_preset_writes(name):
+    """configs/NAME.yaml is generated (scripts/write_configs.py): a file changed by hand, or a preset changed without
+    writing the files again, fails here."""
+    assert (CONFIGS / f"{name}.yaml").read_text() == config_file_text(PRESETS[name]), (
+        f"configs/{name}.yaml drifted from PRESETS[{name!r}]: run `python scripts/write_configs.py`")
+
+
+def test_the_writer_writes_a_changed_preset_and_the_drift_check_sees_it(tmp_path):
+    changed = dataclasses.replace(PRESETS["rec-logged"], objective=dataclasses.replace(
+        PRESETS["rec-logged"].objective, negative_weight=0.5))
+    (path,) = write_config_files(tmp_path, {"rec-logged": changed})
+    assert yaml.safe_load(path.read_text())["negative_weight"] == 0.5
+    assert path.read_text() != (CONFIGS / "rec-logged.yaml").read_text()
+    # the lr is the size rule's, said in a comment, never written as a key
+    assert "lr" not in yaml.safe_load(path.read_text()) and "lr: the recipe's measured 0.0006" in path.read_text()
+
+
 def test_wide_clip_and_gpu_configs():
     wide = build_config(CONFIGS / "rec-oneside-nois-wide.yaml", {"data": ["d"], "model": "m", "out": "r"})
     assert (wide.clip, wide.eps_low, wide.eps_high) == ("one-side", 0.6, 2.0)
     gpu = build_config(CONFIGS / "gsm8k-qwen2.5-1.5b.yaml", {"data": ["d"], "out": "r"})
     assert (gpu.model, gpu.prompts_per_step, gpu.lr, gpu.max_grad_norm, gpu.mixed_precision) == (
         "Qwen/Qwen2.5-1.5B-Instruct", 96, 1e-6, 1.0, "bf16")
-    # + the wide clip, the GPU, filtered-SFT and rec-logged-fast (tests/test_experiments.py: the measured arm)
-    assert len(list(CONFIGS.glob("*.yaml"))) == len(PRESETS) + 4
+    # one file per preset, and the GPU run setting: a preset by name and a run's sizes, none of a recipe's values
+    assert {path.stem for path in CONFIGS.glob("*.yaml")} == {*PRESETS, "gsm8k-qwen2.5-1.5b"}
+    run_setting = yaml.safe_load((CONFIGS / "gsm8k-qwen2.5-1.5b.yaml").read_text())
+    assert not set(run_setting) & preset_keys() and run_setting["algorithm"] in PRESETS
 
 
 def test_the_filtered_sft_recipe_trains_on_the_positives_alone():

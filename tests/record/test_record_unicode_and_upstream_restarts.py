@@ -1,7 +1,8 @@
-"""A real `offline-rec record` process, fourth round (issue 50): streamed answers holding Unicode line separators,
-the checkpoint named after the upstream restarts with other weights, a recovered episode with a hole, UTF-8
-episode ids; and the four risks: chat `echo`, `"logprobs": "false"` beside `top_logprobs`, compressed request
-bodies, the usage of a completions batch's lines."""
+"""Unicode in answers and episode ids, an upstream restarted with other weights, recovered episodes with a hole, and
+vLLM's request quirks. A real `offline-rec record` process, fourth round (issue 50): streamed answers holding Unicode
+line separators, the checkpoint named after the upstream restarts with other weights, a recovered episode with a
+hole, UTF-8 episode ids; and the four risks: chat `echo`, `"logprobs": "false"` beside `top_logprobs`, compressed
+request bodies, the usage of a completions batch's lines."""
 
 from __future__ import annotations
 

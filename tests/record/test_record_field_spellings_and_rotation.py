@@ -1,6 +1,7 @@
-"""A real `offline-rec record` process under a hostile client, second round (issue 38): request fields in
-odd spellings, string temperatures, endless and slow headers, a name planted at the next rotation, a hard
-link planted for recovery, long streams at shutdown, /health and the generating routes it does not record."""
+"""Request fields in every spelling vLLM reads, header limits, file rotation, recovery and shutdown. A real
+`offline-rec record` process under a hostile client, second round (issue 38): request fields in odd spellings, string
+temperatures, endless and slow headers, a name planted at the next rotation, a hard link planted for recovery, long
+streams at shutdown, /health and the generating routes it does not record."""
 
 from __future__ import annotations
 

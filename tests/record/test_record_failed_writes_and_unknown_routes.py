@@ -1,6 +1,7 @@
-"""A real `offline-rec record` process under a hostile client, third round (issue 38 follow-up): a body
-trickled after a refusal, vLLM routes that generate without being recorded, an episode past
---max-episode-mb whose calls overlap, and episode lines that fail to be written (journal, recovery)."""
+"""Episode lines that fail to be written (journal, recovery, fsync) and routes the recorder does not know. A real
+`offline-rec record` process under a hostile client, third round (issue 38 follow-up): a body trickled after a
+refusal, vLLM routes that generate without being recorded, an episode past --max-episode-mb whose calls overlap, and
+episode lines that fail to be written (journal, recovery)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""A real `offline-rec record` process tried as a hostile or unlucky client would (issue 29): bad inputs,
-URL tricks, slow and vanishing clients, limits, keys, a silent upstream. Each case checks what the
-client got, what was written (strict JSON, each answered call once, nothing unanswered) and that
-the proxy still serves."""
+"""The recorder against untrusted clients and a failing upstream. A real `offline-rec record` process tried as a
+hostile or unlucky client would (issue 29): bad inputs, URL tricks, slow and vanishing clients, limits, keys, a
+silent upstream. Each case checks what the client got, what was written (strict JSON, each answered call once,
+nothing unanswered) and that the proxy still serves."""
 
 from __future__ import annotations
 
