@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offline_rec.errors import disk_full
+from offline_rec.errors import write_fault
 
 CACHE_ENV = "OFFLINE_REC_CACHE"
 
@@ -69,7 +69,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        full = disk_full(e, path, f"{path.name} is unchanged; free space and run the command again")
+        full = write_fault(e, path, f"{path.name} is unchanged")
         if full is not None:
             raise full from None
         raise
