@@ -360,7 +360,8 @@ class DatasetWriter:
     def _write_manifest(self) -> None:
         self.manifest[S.M_TOTALS] = _totals(self.manifest[S.M_SHARDS])
         self.manifest["progress"] = self.progress
-        atomic_write_json(self.path / S.MANIFEST_FILE, self.manifest)
+        atomic_write_json(self.path / S.MANIFEST_FILE, self.manifest,
+                          None if self.atomic else "`--resume` continues from the shards it lists")
 
     def close(self, complete: bool = True) -> Path:
         """Commit what is buffered, write the dataset card, mark complete; returns the final path."""

@@ -70,9 +70,10 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     datasets, tokenizer = checks.open_training_data(config)
     if config.resume and (run_dir / ckpt.FINAL_DIR).is_dir():
         return ckpt.finished_summary(run_dir)
-    # One writer of RUN: the launch's rank 0 holds it for all ranks (its other ranks write what it tells them to).
+    data = _check_data(config, datasets, tokenizer)
+    # One writer of RUN, held from before its first write: the launch's rank 0 holds it for all ranks (they write
+    # what it tells them to). The checks before only read RUN (a run killed in them leaves no RUN/).
     with hold(run_dir, "train") if distributed.is_main_launch_process() else contextlib.nullcontext():
-        data = _check_data(config, datasets, tokenizer)
         # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
         trainer = build_trainer(config, data)
         # ---- 3. The run directory, the step logs and the importance weights' watch.
