@@ -114,10 +114,10 @@ RUNNER = textwrap.dedent('''
         import offline_rec.files as files
         real_write = files.atomic_write_text
 
-        def atomic_write_text(path, text):
+        def atomic_write_text(path, text, *rest):
             if Path(path).name == "rounds.jsonl" and (Path(path).parent / "round-1" / "record.json").is_file():
                 die()
-            return real_write(path, text)
+            return real_write(path, text, *rest)
 
         files.atomic_write_text = atomic_write_text
     else:
