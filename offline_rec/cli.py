@@ -7,6 +7,7 @@ importing this module imports neither torch nor transformers nor vLLM. Errors a 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -18,7 +19,7 @@ import typer
 from offline_rec import __version__
 from offline_rec.dataset.config import DatasetToDataset, FilterConfig, InspectConfig, MergeConfig, ValidateConfig
 from offline_rec.demo.config import DemoOptions
-from offline_rec.errors import UserError, disk_full
+from offline_rec.errors import UserError, write_fault
 from offline_rec.eval.config import EvalConfig, ReportConfig
 from offline_rec.hub.config import PullConfig, PushConfig
 from offline_rec.importers.config import ImportConfig
@@ -456,12 +457,13 @@ def main(argv: list[str] | None = None) -> None:
     except Preempted as e:
         typer.echo(f"preempted: {e.message}", err=True)
         sys.exit(e.exit_code)
-    except OSError as e:  # a full disk, wherever it strikes (checkpoints, rejects, summaries): one line too
-        full = disk_full(e, e.filename or "the output")
-        if full is None:
+    except OSError as e:  # a full disk or a read-only file system, wherever it strikes: one line too
+        # a permission error can be a read's: only the writers that meet one name it (`write_fault` there)
+        fault = None if e.errno in (errno.EACCES, errno.EPERM) else write_fault(e, e.filename or "the output")
+        if fault is None:
             raise
-        typer.echo(f"error: {full.message}", err=True)
-        sys.exit(full.exit_code)
+        typer.echo(f"error: {fault.message}", err=True)
+        sys.exit(fault.exit_code)
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import os
+import re
 
 
 class UserError(Exception):
@@ -28,18 +30,36 @@ def one_of(kind: str, value: str, valid) -> UserError:
     return UserError(f"unknown {kind} {value!r}; valid: {', '.join(sorted(valid))}")
 
 
-# errno values of a write refused because the disk (or the user's quota) is full.
-DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# errno values of a write the file system refused, each with what it is and what the user frees or changes.
+WRITE_FAULTS = {
+    errno.ENOSPC: ("no space left on device", "free space"),
+    errno.EDQUOT: ("no space left on device", "free space"),
+    errno.EROFS: ("read-only file system", "make the file system writable"),
+    errno.EACCES: ("permission denied", "make the folder writable (chmod, chattr -i)"),
+    errno.EPERM: ("operation not permitted", "make the folder writable (chmod, chattr -i)"),
+}
+# An OS error inside a native library's own error type (safetensors' SafetensorError: "... IoError(Os { code: 28,
+# kind: StorageFull, ...})", Rust's "(os error 28)").
+_WRAPPED_ERRNO = re.compile(r"(?:\bcode: |\(os error )(\d+)")
 
 
-def disk_full(
-    error: BaseException, writing: object, hint: str = "free space and run the command again"
-) -> UserError | None:
-    """The one-line UserError for an OSError that means "disk full" while writing `writing`; None for any
-    other error."""
-    if not isinstance(error, OSError) or error.errno not in DISK_FULL_ERRNOS:
+def write_fault(error: BaseException, writing: object, kept: str | None = None,
+                remedy: str | None = None) -> UserError | None:
+    """The one-line UserError for a write the file system refused (full disk, read-only, permission; an OSError,
+    or a native library's error wrapping one), None for any other error: what happened while writing `writing`,
+    what is `kept`, and the `remedy` (default: the fault's own, e.g. "free space") before running the command
+    again."""
+    number = error.errno if isinstance(error, OSError) else None
+    if number is None and not isinstance(error, OSError):
+        wrapped = _WRAPPED_ERRNO.search(str(error))
+        number = int(wrapped.group(1)) if wrapped else None
+    if number not in WRITE_FAULTS:
         return None
-    return UserError(f"no space left on device while writing {writing} ({error.strerror or error}); {hint}")
+    what, own_remedy = WRITE_FAULTS[number]
+    reason = (error.strerror if isinstance(error, OSError) else None) or os.strerror(number)
+    kept = f"{kept}; " if kept else ""
+    return UserError(f"{what} while writing {writing} ({reason}); {kept}{remedy or own_remedy} and run the command "
+                     "again")
 
 
 # vLLM comes in two extras: its GPU build and a CPU build

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offline_rec.errors import disk_full
+from offline_rec.errors import write_fault
 
 CACHE_ENV = "OFFLINE_REC_CACHE"
 
@@ -57,8 +57,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` so that readers see the old or the new content, never a mix."""
+def atomic_write_text(path: str | os.PathLike, text: str, kept: str | None = None) -> None:
+    """Write `text` to `path` so that readers see the old or the new content, never a mix. A refused write is a
+    one-line UserError (`write_fault`) saying the file is unchanged, and what else is `kept`."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -69,15 +70,15 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        full = disk_full(e, path, f"{path.name} is unchanged; free space and run the command again")
+        full = write_fault(e, path, f"{path.name} is unchanged" + (f"; {kept}" if kept else ""))
         if full is not None:
             raise full from None
         raise
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+def atomic_write_json(path: str | os.PathLike, obj: Any, kept: str | None = None) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n", kept)
 
 
 def now_iso() -> str:

@@ -13,8 +13,8 @@ from support.paths import REPO
 
 PACKAGE = REPO / "offline_rec"
 LAYERS = [
-    {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.progress",
-     "offline_rec.coerce", "offline_rec.preemption", "offline_rec.loss",
+    {"offline_rec", "offline_rec.errors", "offline_rec.schema", "offline_rec.files", "offline_rec.folder_lock",
+     "offline_rec.progress", "offline_rec.coerce", "offline_rec.preemption", "offline_rec.loss",
      "offline_rec.options",
      "offline_rec.ray_cluster", "offline_rec.devices", "offline_rec.workers"},
     {"offline_rec.dataset"},  # the format, below everything that reads or writes it

@@ -29,8 +29,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_rec import schema as S
-from offline_rec.errors import DataError, UserError, disk_full
+from offline_rec.errors import DataError, UserError, write_fault
 from offline_rec.files import atomic_write_json, fsync_dir, now_iso, partial_prefix, remove_dead_partials, sha256_file
+from offline_rec.folder_lock import LOCK_FILE, has_content
 
 READ_BATCH_ROWS = 4096
 # What pyarrow raises for a damaged Parquet file: I/O and format errors, and ValueError
@@ -182,7 +183,7 @@ class DatasetWriter:
         self.progress: dict = {}
         self.committed_group_ids: set[str] = set()
         exists = (
-            self.final_path.exists() and any(self.final_path.iterdir())
+            self.final_path.exists() and has_content(self.final_path)
             if self.final_path.is_dir()
             else self.final_path.exists()
         )
@@ -207,8 +208,10 @@ class DatasetWriter:
             remove_dead_partials(self.final_path)
             self.path = Path(tempfile.mkdtemp(prefix=partial_prefix(self.final_path), dir=self.final_path.parent))
         else:
-            if exists:  # overwrite in place
-                shutil.rmtree(self.final_path)
+            if exists:  # overwrite in place; the lock of a writer holding the folder (folder_lock) stays
+                for entry in self.final_path.iterdir():
+                    if entry.name != LOCK_FILE:
+                        shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
             self.path = self.final_path
             self.path.mkdir(parents=True, exist_ok=True)
         (self.path / S.DATA_DIR).mkdir(exist_ok=True)
@@ -302,9 +305,7 @@ class DatasetWriter:
                 tmp.unlink(missing_ok=True)
                 kept = ("nothing was written" if self.atomic else
                         "the shards committed before are kept; `--resume` continues from them")
-                full = disk_full(
-                    e, self.final_path / S.DATA_DIR / name, f"{kept}; free space and run the command again"
-                )
+                full = write_fault(e, self.final_path / S.DATA_DIR / name, kept)
                 if full is not None:
                     raise full from None
                 raise
@@ -343,7 +344,7 @@ class DatasetWriter:
         except OSError as e:
             target.unlink(missing_ok=True)
             kept = "nothing was written" if self.atomic else "the shards committed before are kept"
-            full = disk_full(e, self.final_path / S.DATA_DIR / name, f"{kept}; free space and run the command again")
+            full = write_fault(e, self.final_path / S.DATA_DIR / name, kept)
             if full is not None:
                 raise full from None
             raise
@@ -359,7 +360,8 @@ class DatasetWriter:
     def _write_manifest(self) -> None:
         self.manifest[S.M_TOTALS] = _totals(self.manifest[S.M_SHARDS])
         self.manifest["progress"] = self.progress
-        atomic_write_json(self.path / S.MANIFEST_FILE, self.manifest)
+        atomic_write_json(self.path / S.MANIFEST_FILE, self.manifest,
+                          None if self.atomic else "`--resume` continues from the shards it lists")
 
     def close(self, complete: bool = True) -> Path:
         """Commit what is buffered, write the dataset card, mark complete; returns the final path."""

@@ -51,9 +51,10 @@ from pathlib import Path
 
 from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, write_fault
 from offline_rec.eval.config import SUCCESS_THRESHOLD, EvalConfig, cli_arguments
 from offline_rec.files import atomic_write_json, atomic_write_text
+from offline_rec.folder_lock import has_content, hold
 from offline_rec.training import checkpoint as ckpt
 from offline_rec.training.config import TrainConfig
 
@@ -193,14 +194,20 @@ def evaluate(config: EvalConfig, backend=None) -> dict:
     `backend` reuses an already loaded backend (its model must be `config.model`); by default
     `config.backend` is loaded. Every user error (missing model, task without prompts, tokenizer
     too big for the model, vLLM not installed, existing `out`) is raised as UserError before
-    anything is sampled.
+    anything is sampled; a second writer of `out` too (`folder_lock`).
     """
-    from offline_rec.rollout.collect import collect, open_engines
-
     if config.offline:
         raise ValueError("an offline EvalConfig: estimate with offline_rec.eval.offline.offline_evaluate")
     out = config.out
     check_out(out, config.overwrite, config.resume)
+    with hold(out, "eval"):  # one writer of `out` at a time
+        return _evaluate_into(config, out, backend)
+
+
+def _evaluate_into(config: EvalConfig, out: Path, backend) -> dict:
+    """The rest of `evaluate`, `out` held."""
+    from offline_rec.rollout.collect import collect, open_engines
+
     model = resolve_model(config.model)
     task_spec = check_prompts(config)
     collect_config = rollout_config(config, model)
@@ -358,19 +365,25 @@ def check_out(out: Path, overwrite: bool, resume: bool = False) -> None:
         raise UserError("--overwrite replaces the evaluation in --out and --resume continues it: pass one of them")
     if out.exists() and not out.is_dir():
         raise UserError(f"output {out} is a file; give a directory for the evaluation")
-    if out.is_dir() and any(out.iterdir()) and not (overwrite or resume):
+    if out.is_dir() and has_content(out) and not (overwrite or resume):
         raise UserError(f"output {out} already exists; choose another --out (or --overwrite to replace its evaluation, "
                         "--resume to continue a stopped one)")
 
 
 def clear_out(out: Path, keep_rollouts: bool = False) -> None:
     """Remove what an earlier evaluation wrote into `out` (and nothing else; its rollouts are kept to resume
-    them), then make sure it exists."""
-    if not keep_rollouts:
-        shutil.rmtree(out / ROLLOUTS_DIR, ignore_errors=True)
-    for name in (SUMMARY_FILE, PER_PROMPT_FILE):
-        (out / name).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    them), then make sure it exists. A refused write (read-only, full, not permitted) is one line."""
+    try:
+        if not keep_rollouts:
+            shutil.rmtree(out / ROLLOUTS_DIR, ignore_errors=True)
+        for name in (SUMMARY_FILE, PER_PROMPT_FILE):
+            (out / name).unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        fault = write_fault(error, out, "nothing was evaluated into it")
+        if fault is not None:
+            raise fault from None
+        raise
 
 
 def _read_groups(rollouts: Path) -> list[dict]:

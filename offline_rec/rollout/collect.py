@@ -42,6 +42,7 @@ from pathlib import Path
 from offline_rec import schema as S
 from offline_rec.dataset.format import DatasetWriter, make_row, read_manifest
 from offline_rec.errors import DataError, UserError
+from offline_rec.folder_lock import has_content, hold
 from offline_rec.models.loading import load_tokenizer, tokenizer_hash
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
@@ -128,6 +129,12 @@ def collect(config: CollectConfig, backend: Backend | None = None, engines=None)
         "backend": backend_name,
     }
 
+    with hold(config.out, "collect"):  # one writer of the dataset at a time (a --resume too)
+        return _write(config, task, tokenizer, backend_name, identity, engines)
+
+
+def _write(config: CollectConfig, task, tokenizer, backend_name: str, identity: dict, engines) -> Path:
+    """The dataset `config.out` sampled (the rest of `collect`), or continued, or returned as it is when complete."""
     existing = _existing_manifest(config.out)
     committed = bool(existing and existing[S.M_SHARDS])
     if existing is not None and not config.resume:
@@ -409,7 +416,7 @@ def _prompts_label(config: CollectConfig, task: Task) -> str:
 
 def _existing_manifest(out: Path) -> dict | None:
     """The manifest at `out`, or None when there is no dataset yet (absent or empty directory)."""
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+    if not out.exists() or (out.is_dir() and not has_content(out)):
         return None
     return read_manifest(out)
 

@@ -20,6 +20,10 @@ from offline_rec.rollout.config import RolloutOptions
 DEFAULT_PROMPTS_PER_ROUND = 256
 RESUMABLE_CHANGES = frozenset({"rounds", "wait", "show_progress"})
 """Options a rerun may change: how far the run goes and how it waits and shows progress, not what it does."""
+ADDED_LATER = {"eval_every": 1, "groups_per_shard": 256}
+"""Options newer than some runs: a run whose rounds-config.json lacks one ran with this value."""
+PATH_OPTIONS = ("out", "logs", "recipe", "test_prompts", "prompts", "model")
+"""Options that name a file or folder: a rerun compares them resolved (a model only where it is a local path)."""
 
 
 @flattened
@@ -58,12 +62,18 @@ class RoundsConfig:
         help="Draw each round's prompts from one fixed pool of this many (default: new prompts every round).")
     temperature: float = option(1.0, "--temperature", help="Sampling temperature of the collected data.")
     batch_size: int = option(64, "--batch-size", help="hf: prompts per generate call.")
+    groups_per_shard: int = option(
+        ADDED_LATER["groups_per_shard"], "--groups-per-shard",
+        help="Commit the collected data every N groups (a killed collect resumes after the last commit).")
     validation_prompts: int = option(
         128, "--validation-prompts",
         help="Prompts (never trained on) the next policy is chosen on, by greedy accuracy; test is never read.")
     eval_prompts: int = option(128, "--eval-prompts", help="Held-out test prompts evaluated every round.")
     eval_samples: int = option(
         64, "--eval-samples", help="Samples per test prompt at T=1: accuracy at T=1, pass@k for k up to it.")
+    eval_every: int = option(
+        1, "--eval-every",
+        help="Evaluate on the test prompts every N-th round and the last (the choice on validation stays every round).")
     test_prompts: Path | None = option(
         None, "--test-prompts", help="Held-out prompts file (default: the task's test split).")
     seed: int = option(0, "--seed", help="Seeds the rounds' prompts, their sampling and training.")
@@ -76,13 +86,13 @@ class RoundsConfig:
     show_progress: bool = progress_switch(help="Show progress bars (the CLI's --quiet turns them off).")
 
     def __post_init__(self) -> None:
-        self.out = Path(self.out)
-        self.logs = None if self.logs is None else Path(self.logs)
+        self.out = Path(self.out).expanduser().resolve()  # the same run, however it is named (see `comparable`)
+        self.logs = None if self.logs is None else Path(self.logs).expanduser().resolve()
         self.recipe = None if self.recipe is None else Path(self.recipe)
         self.test_prompts = None if self.test_prompts is None else Path(self.test_prompts)
         self.sets = list(self.sets or ())
         for name in ("rounds", "num_samples", "replay", "batch_size", "eval_prompts", "eval_samples",
-                     "validation_prompts"):
+                     "validation_prompts", "eval_every", "groups_per_shard"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not (math.isfinite(self.wait) and self.wait >= 0):
@@ -90,6 +100,10 @@ class RoundsConfig:
         if not self.temperature > 0:
             raise UserError(f"--temperature must be > 0 (the logged log-probs are of a sampling distribution), got "
                             f"{self.temperature}")
+        from offline_rec.rollout.backends import SamplingSettings
+
+        SamplingSettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or None,
+                         max_new_tokens=self.max_new_tokens)  # the --top-p, --top-k, --max-new-tokens of collect
         self._check_prompt_options()
 
     def _check_prompt_options(self) -> None:
@@ -122,6 +136,19 @@ class RoundsConfig:
         values.update(dataclasses.asdict(self.rollout))
         return {name: str(value) if isinstance(value, Path) else value for name, value in values.items()
                 if name not in RESUMABLE_CHANGES}
+
+
+def comparable(name: str, value):
+    """An `identity` value as a rerun compares it: a path resolved (a run made with --out /abs/RUN is the run RUN
+    named from its parent), --set entries as a mapping (their order does not matter; a later key wins, as in train)."""
+    if value is None:
+        return None
+    if name in PATH_OPTIONS:
+        path = Path(value).expanduser()
+        return str(path.resolve()) if name != "model" or path.exists() else value
+    if name == "sets":
+        return {key.strip(): text.strip() for key, _, text in (str(entry).partition("=") for entry in value)}
+    return value
 
 
 def flag_name(name: str) -> str:

@@ -6,7 +6,7 @@ A line holds (every rate a fraction in [0, 1]):
 - the chosen policy on the held-out test prompts: greedy_accuracy, accuracy (at T=1), pass@k (k = 1, 2, 4, ...,
   --eval-samples; the unbiased estimator), entropy_mean (mean token entropy at T=1, nats), length_mean,
   truncation_rate; ood_* the same on the OOD split where the task has one; evaluated_in (the round whose
-  evaluation these are: an unchanged policy keeps its own);
+  evaluation these are: an unchanged policy keeps its own; None, and no scores, in a round --eval-every skips);
 - the round's data: data, data_source (collect / logs), data_rows, data_groups, data_reward_mean,
   data_all_equal_share (groups of >= 2 rows whose rewards are all equal), data_policy_version (mean over rows);
 - training: trained, skipped (why not), train_rounds (the rounds whose data it read), train_steps, train_rows (rows

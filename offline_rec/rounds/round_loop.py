@@ -18,15 +18,19 @@ chose (round 1: --model, whose evaluation is the line of round 0, RUN/start):
             round asks), the best one (`eval.selection.choose_checkpoint`) is P_{N+1}. Test prompts are never read.
 5. eval     P_{N+1} on the held-out test prompts: greedy, --eval-samples samples at T=1 (accuracy, pass@k for k =
             1, 2, 4, ..., --eval-samples), mean token entropy at T=1; the OOD split too where the task has one. An
-            unchanged policy (step 0 chosen, or a round skipped) keeps its evaluation (`evaluated_in`).
+            unchanged policy (step 0 chosen, or a round skipped) keeps its evaluation (`evaluated_in`). With
+            --eval-every N only every N-th round and the last are evaluated (the others: `evaluated_in` None).
 6. record   the round's line of RUN/rounds.jsonl (records.py); at the end summary.json and report/.
 
 One sampling engine serves the whole run; each policy's weights are loaded into it (deployment.py).
 
 Nothing is lost: every stage's output says whether it finished (run_folder.py), and a stage killed half way
 continues as its command does (collect and eval resume their datasets, train resumes from its last checkpoint),
-so a rerun of the same command never collects a round again and never trains twice on it. A rerun with other
-options is refused in one line naming the first that changed (--rounds may grow: the run goes on).
+so a rerun of the same command never collects a round again and never trains twice on it; rounds.jsonl is written
+again from the rounds' records at every start. A rerun with other options is refused in one line naming the first
+that changed (paths compared resolved, --set as a mapping; --rounds may grow: the run goes on). One process writes
+RUN at a time (`folder_lock`). Every value a user can get wrong (the model, the sampling values, the recipe, the
+prompt supply) is refused before RUN is touched; a refusal later in the run is written into summary.json.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import time
 from pathlib import Path
 
 from offline_rec.errors import UserError
+from offline_rec.folder_lock import hold
 from offline_rec.preemption import Preempted
 from offline_rec.rounds import records
 from offline_rec.rounds.config import RoundsConfig
@@ -73,9 +78,26 @@ def run_rounds(config: RoundsConfig, say=None) -> dict:
 
     say = say or _stderr
     _check_before_writing(config)
-    start_or_continue(config.out, config.identity())
+    with hold(config.out, "rounds"):  # one writer of RUN at a time
+        start_or_continue(config.out, config.identity())
+        records.write_lines(config.out)  # rounds.jsonl is the rounds' records: a line a kill -9 lost comes back
+        if config.logs is not None and logs_dir(config.logs, 0).exists():
+            say(f"{logs_dir(config.logs, 0)} is not read: round 0 is --model's evaluation; the rounds' data starts "
+                f"at {logs_dir(config.logs, 1)}")
+        try:
+            stopped = _rounds(config, say)
+        except UserError as refusal:  # summary.json says why the run stopped now, not why an earlier run did
+            records.write_summary(config.out, f"refused: {refusal.message}")
+            raise
+        summary = records.write_summary(config.out, stopped)
+        summary["report"] = {name: str(path)
+                             for name, path in report_runs([config.out], config.out / REPORT_DIR).items()}
+    return summary
+
+
+def _rounds(config: RoundsConfig, say) -> str | None:
+    """Round 0, then every round from its first unfinished stage; why the run stopped early (None: it did not)."""
     deployment = Deployment(config)
-    stopped = None
     number = 0
     try:
         with contextlib.redirect_stdout(sys.stderr):  # what the stages print (train's settings) is progress
@@ -86,23 +108,23 @@ def run_rounds(config: RoundsConfig, say=None) -> dict:
                 if line is None:
                     stopped = f"round {number}'s data {logs_dir(config.logs, number)} has not arrived; rerun then"
                     say(f"round {number}: {stopped}")
-                    break
+                    return stopped
                 previous = line
     except Preempted as stop:
         raise Preempted(f"round {number} stopped ({stop.message.split(':')[0]}); what finished is kept: run the "
                         "same command again to continue") from None
-    summary = records.write_summary(config.out, stopped)
-    summary["report"] = {name: str(path) for name, path in report_runs([config.out], config.out / REPORT_DIR).items()}
-    return summary
+    return None
 
 
 def _check_before_writing(config: RoundsConfig) -> None:
-    """What a user can get wrong, refused before RUN is touched: the backend, the task and its prompt sources (a
-    --prompts file large enough), the recipe."""
+    """What a user can get wrong, refused before RUN is touched: the model, the backend, the task and its prompt
+    sources (a --prompts file large enough), the recipe (the sampling values: `RoundsConfig`)."""
+    from offline_rec.models.loading import model_source
     from offline_rec.rollout.backends import check_backend_name
     from offline_rec.rounds.prompt_plan import check_prompt_supply
     from offline_rec.tasks.builtin import get_task
 
+    model_source(config.model)  # a path that exists nowhere, a folder that is no model
     check_backend_name(config.backend)  # unknown, or vllm that cannot be imported here
     task = get_task(config.task, config.reward)
     if task.prompts is None and config.test_prompts is None:
@@ -111,7 +133,8 @@ def _check_before_writing(config: RoundsConfig) -> None:
         raise UserError(f"task {task.name!r} has no built-in prompts: pass --prompts FILE (validation"
                         f"{'' if config.logs else ' and each round'} draws from it)")
     check_prompt_supply(config)
-    round_train_config(config, 1, {"model": config.model, "checkpoint": None})  # the recipe, its keys and values
+    # the recipe, its keys and values; a rerun's changed --set is named by start_or_continue, not by the train layer
+    round_train_config(config, 1, {"model": config.model, "checkpoint": None}, resume=False)
 
 
 def _start(config: RoundsConfig, deployment: Deployment, say) -> dict:
@@ -157,24 +180,34 @@ def _round(config: RoundsConfig, number: int, previous: dict, deployment: Deploy
             why = (f"no learning signal: all {signal['groups']} groups hold one response, whose advantage is 0 under "
                    f"the group mean; {SINGLETON_FIX}")
         say(f"{head}: {why}; skipped, the policy stays")
+        evaluation = _evaluation_of(config, number, policy, previous, folder, deployment, say, head)
         return records.write_round(config.out, number, {**line, **records.untrained_fields(why),
-                                                        **records.policy_fields(policy), **_kept(previous),
+                                                        **records.policy_fields(policy), **evaluation,
                                                         **records.cost_fields(folder)}, previous)
     first = max(1, number - config.replay + 1)
     with _stage(folder, "train", say, f"{head}: train on rounds {first}..{number}"):
         train_round(train_config)
     with _stage(folder, "choose", say, f"{head}: choose the next policy on the validation prompts"):
         chosen = choose_policy(config, number, policy, train_config, deployment)
-    if chosen["step"] == 0:
-        evaluation = _kept(previous)
-    else:
-        with _stage(folder, "eval", say, f"{head}: step {chosen['step']} on the test prompts"):
-            evaluation = _evaluation(config, chosen["model"], folder, deployment, number)
+    evaluation = _evaluation_of(config, number, chosen, previous, folder, deployment, say, head)
     line.update(records.train_fields(folder / RUN_DIR, list(range(first, number + 1))))
     line = records.write_round(config.out, number, {**line, **records.policy_fields(chosen), **evaluation,
                                                     **records.cost_fields(folder)}, previous)
     say(_round_line(line))
     return line
+
+
+def _evaluation_of(config: RoundsConfig, number: int, chosen: dict, previous: dict, folder: Path,
+                   deployment: Deployment, say, head: str) -> dict:
+    """The evaluation fields of round `number`'s line: the previous line's where the policy stayed and was
+    evaluated; else, in a round --eval-every asks for (every N-th and the last), `chosen` on the test prompts; else
+    none (`evaluated_in` None)."""
+    if chosen.get("step", 0) == 0 and previous.get("evaluated_in") is not None:
+        return _kept(previous)
+    if number % config.eval_every and number != config.rounds:
+        return {"evaluated_in": None}
+    with _stage(folder, "eval", say, f"{head}: step {chosen.get('step', 0)} on the test prompts"):
+        return _evaluation(config, chosen["model"], folder, deployment, number)
 
 
 def _evaluation(config: RoundsConfig, model: str, folder: Path, deployment: Deployment, number: int) -> dict:
@@ -208,13 +241,17 @@ def _stage(folder: Path, stage: str, say, what: str):
 
 
 def _round_line(line: dict) -> str:
+    """A finished round as one progress line: its data, training, choice, test scores and what each stage cost."""
     passes = sorted((key for key in line if key.startswith("pass@")), key=lambda key: int(key[5:]))
     top = f", {passes[-1]} {line[passes[-1]]:.3f}" if passes else ""
+    scores = (f"test greedy {line['greedy_accuracy']:.3f}, at T=1 {line['accuracy']:.3f}{top}"
+              if line.get("greedy_accuracy") is not None else "not evaluated (--eval-every)")
+    costs = ", ".join(f"{stage} {line[f'seconds_{stage}'] or 0:.0f} s" for stage in records.STAGES)
     return (f"round {line['round']}: logs reward {line['data_reward_mean']:.3f} (all-equal groups "
             f"{line['data_all_equal_share']:.0%}), {line['train_steps']} steps (staleness mean "
             f"{line['staleness_mean'] or 0:.1f}), chose step {line['chosen_step']} (validation greedy "
-            f"{line['validation_greedy_accuracy']:.3f}) -> test greedy {line['greedy_accuracy']:.3f}, at T=1 "
-            f"{line['accuracy']:.3f}{top}, {line['seconds']:.0f} s")
+            f"{line['validation_greedy_accuracy']:.3f}) -> {scores}; {line['seconds']:.0f} s ({costs}; samples: "
+            f"collect {line['collect_samples']}, choose and eval {line['eval_samples']})")
 
 
 def _stderr(message: str) -> None:

@@ -1,6 +1,7 @@
 """The folder of a rounds run: where each stage writes, and the options it was started with.
 
     RUN/
+      .offline-rec.lock      held by the run writing RUN (`folder_lock`): a second one is refused
       rounds-config.json     the options that shape the run (`RoundsConfig.identity`), compared on every rerun
       validation-prompts.jsonl, prompt-pool.jsonl (--prompt-pool)
       start/                 the policy of round 1: validation/ (greedy), eval/ (test), record.json
@@ -13,7 +14,8 @@
         eval/, eval-ood/     the chosen policy on the held-out test (and OOD) prompts
         seconds.json         wall time of each finished stage
         record.json          the round's line of rounds.jsonl
-      rounds.jsonl (its name is `eval.report.ROUNDS_FILE`: report reads it), summary.json, report/
+      rounds.jsonl (its name is `eval.report.ROUNDS_FILE`: report reads it; written from the records at every
+      start and after every round), summary.json, report/
 
 Every file is written atomically (offline_rec/files.py) and every stage's output says whether it finished: a
 dataset's complete manifest, a run's final/, an evaluation's summary.json, choice.json, record.json. A rerun reads
@@ -27,7 +29,8 @@ from pathlib import Path
 
 from offline_rec.errors import UserError
 from offline_rec.files import atomic_write_json
-from offline_rec.rounds.config import flag_name
+from offline_rec.folder_lock import has_content
+from offline_rec.rounds.config import ADDED_LATER, comparable, flag_name
 
 CONFIG_FILE = "rounds-config.json"
 VALIDATION_FILE = "validation-prompts.jsonl"
@@ -53,20 +56,22 @@ def logs_dir(logs: Path, number: int) -> Path:
 def start_or_continue(out: Path, identity: dict) -> bool:
     """Make RUN and save `identity`, or check it against the one RUN was started with; True for a rerun.
 
-    UserError, naming the first option that changed, for a rerun with other options; and for a folder that
-    holds something else than a rounds run.
+    UserError, naming the first option that changed, for a rerun with other options (compared as `comparable`
+    values: paths resolved, --set as a mapping); and for a folder that holds something else than a rounds run.
     """
     saved_path = out / CONFIG_FILE
     if saved_path.is_file():
         saved = json.loads(saved_path.read_text(encoding="utf-8"))
-        changed = [name for name in identity if saved.get(name) != identity[name]]
+        changed = [name for name in identity if comparable(name, saved.get(name, ADDED_LATER.get(name)))
+                   != comparable(name, identity[name])]
         if changed:
             name = changed[0]
-            raise UserError(f"{out} is a rounds run with {flag_name(name)} {saved.get(name)!r}, not "
+            was = saved.get(name, ADDED_LATER.get(name))
+            raise UserError(f"{out} is a rounds run with {flag_name(name)} {was!r}, not "
                             f"{identity[name]!r}: rerun it with its own options (only --rounds, --wait and --quiet "
                             "may change), or choose another --out")
         return True
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or has_content(out)):
         raise UserError(f"{out} exists and is not a rounds run (no {CONFIG_FILE}); choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(saved_path, identity)

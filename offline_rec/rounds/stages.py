@@ -60,7 +60,8 @@ def collect_round(config: RoundsConfig, number: int, policy: dict, deployment: D
         reward=config.reward, backend=config.backend, top_p=config.top_p, top_k=config.top_k,
         max_new_tokens=config.max_new_tokens, dtype=config.dtype, chat_template=config.chat_template,
         num_samples=config.num_samples, temperature=config.temperature, seed=derive_seed(config.seed, number),
-        batch_size=config.batch_size, resume=True, show_progress=config.show_progress,
+        batch_size=config.batch_size, groups_per_shard=config.groups_per_shard, resume=True,
+        show_progress=config.show_progress,
     )
     return collect(collect_config, backend=deployment.serve(policy["model"]))
 
@@ -86,17 +87,19 @@ def arrived_logs(config: RoundsConfig, number: int, tokenizer_of, say) -> Path |
     return path
 
 
-def round_train_config(config: RoundsConfig, number: int, policy: dict) -> TrainConfig:
+def round_train_config(config: RoundsConfig, number: int, policy: dict, resume: bool = True) -> TrainConfig:
     """The train config of round `number`: the recipe (--config, --algorithm, --set; default the preset
     `loss.presets.DEFAULT_PRESET`) on the data of rounds max(1, N-W+1)..N, from `policy`'s checkpoint (weights and
-    AdamW state) or, for the start model, from --model; every checkpoint kept for the choice; one seed per round."""
+    AdamW state) or, for the start model, from --model; every checkpoint kept for the choice; one seed per round.
+    `resume` False: the recipe alone, not compared with a training run the round may have started (the check before
+    RUN is read)."""
     options = {} if config.recipe is not None or config.algorithm is not None else {"algorithm": DEFAULT_PRESET}
     if config.algorithm is not None:
         options["algorithm"] = config.algorithm
     first = max(1, number - config.replay + 1)
     options.update(
         data=[str(data_path(config, k)) for k in range(first, number + 1)], model=config.model,
-        out=str(round_dir(config.out, number) / RUN_DIR), seed=derive_seed(config.seed, number), resume=True,
+        out=str(round_dir(config.out, number) / RUN_DIR), seed=derive_seed(config.seed, number), resume=resume,
         progress=config.show_progress, keep_last=0,
     )
     if policy.get("checkpoint"):
@@ -123,7 +126,8 @@ def train_round(train_config: TrainConfig) -> dict:
 
 def choose_policy(config: RoundsConfig, number: int, policy: dict, train_config: TrainConfig,
                   deployment: Deployment) -> dict:
-    """Stage 4: `policy` (step 0) and every checkpoint of `train_config`'s run decoded greedily on the validation
+    """Stage 4: `policy` (step 0) and every scheduled checkpoint of `train_config`'s run (not one a stop signal
+    saved in between: a resumed run chooses among what an uninterrupted one does) decoded greedily on the validation
     prompts (RUN/round-N/validation/step-S, each kept), the best one chosen into choice.json by the rule the demo
     and the experiments use (`eval.selection.choose_checkpoint`, best-validation: the later step on a tie)."""
     from offline_rec.eval.selection import choose_checkpoint
@@ -135,7 +139,7 @@ def choose_policy(config: RoundsConfig, number: int, policy: dict, train_config:
     if chosen is not None:
         return chosen
     candidates = [{**policy, "step": 0}]
-    for step, path in ckpt.list_checkpoints(Path(train_config.out)):
+    for step, path in ckpt.scheduled_checkpoints(Path(train_config.out)):
         if not ckpt.has_model_weights(path) or (path / "adapter_config.json").is_file():
             raise DataError(f"{path} holds no full model weights to sample from (a sharded or LoRA checkpoint)")
         accuracy = validation_accuracy(config, str(path), folder / VALIDATION_DIR / ckpt.checkpoint_name(step),

@@ -40,7 +40,7 @@ import re
 import shutil
 from pathlib import Path
 
-from offline_rec.errors import UserError
+from offline_rec.errors import UserError, write_fault
 from offline_rec.files import atomic_write_json
 from offline_rec.models.versions import (  # noqa: F401  (the run layout names, re-read by callers as ckpt.*)
     FINAL_DIR,
@@ -86,6 +86,13 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
         if match and (path / TRAINER_STATE_FILE).is_file():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def scheduled_checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """`list_checkpoints` without those only a stop signal saved (SIGTERM at step 5 of save_every 2: its trainer
+    state says `on_schedule` false): the checkpoints a run never stopped has too, whatever stopped this one."""
+    return [(step, path) for step, path in list_checkpoints(run_dir)
+            if read_trainer_state(path).get("on_schedule", True)]
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -166,11 +173,27 @@ def save_checkpoint(trainer, tokenizer, step: int, trainer_state: dict, with_mod
     sharded in `trainer/` unless `with_model` (an evaluation will load the checkpoint): then they are also gathered
     into Hugging Face files.
     """
+    accelerator = trainer.accelerator
+    root = Path(trainer.config.out) / CHECKPOINTS_DIR
+    tmp = root / f".{checkpoint_name(step)}.tmp"
+    try:
+        return _save_checkpoint(trainer, tokenizer, step, trainer_state, with_model, tmp)
+    except Exception as error:
+        # A refused write (a full disk, a read-only or immutable folder): the half-written checkpoint goes (it would
+        # only take space), the earlier ones stay, and --resume continues from the last of them.
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        fault = write_fault(error, tmp, "the checkpoints saved before are kept; --resume (a rerun of rounds) "
+                                        "continues from the last")
+        if fault is not None:
+            raise fault from None
+        raise
+
+
+def _save_checkpoint(trainer, tokenizer, step: int, trainer_state: dict, with_model: bool, tmp: Path) -> Path:
     accelerator, scorer = trainer.accelerator, trainer.scorer
     run_dir, keep_last = Path(trainer.config.out), trainer.config.keep_last
-    root = run_dir / CHECKPOINTS_DIR
-    final = root / checkpoint_name(step)
-    tmp = root / f".{checkpoint_name(step)}.tmp"
+    final = run_dir / CHECKPOINTS_DIR / checkpoint_name(step)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -12,6 +12,7 @@ from offline_rec import schema as S
 from offline_rec.dataset.format import open_dataset
 from offline_rec.dataset.locations import is_hub_path
 from offline_rec.errors import UserError, require_extra
+from offline_rec.folder_lock import has_content
 from offline_rec.loss.advantages import RewardMoments
 from offline_rec.models.loading import (
     check_token_ids_fit,
@@ -125,7 +126,7 @@ def _local_path(path: str) -> str:
 
 
 def check_run_dir(config: TrainConfig, run_dir: Path) -> None:
-    if not config.resume and run_dir.exists() and any(run_dir.iterdir()):
+    if not config.resume and run_dir.exists() and has_content(run_dir):
         raise UserError(
             f"run directory {run_dir} already exists; pass --resume to continue it, or choose another --out"
         )

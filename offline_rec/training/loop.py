@@ -23,12 +23,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offline_rec.folder_lock import hold
 from offline_rec.loss.advantages import RewardMoments, baseline_record
 from offline_rec.preemption import Preempted, StopRequest
 from offline_rec.progress import ProgressBar
@@ -70,14 +72,17 @@ def train(config: TrainConfig, hooks: TrainHooks | None = None) -> dict:
     if config.resume and (run_dir / ckpt.FINAL_DIR).is_dir():
         return ckpt.finished_summary(run_dir)
     data = _check_data(config, datasets, tokenizer)
-    # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
-    trainer = build_trainer(config, data)
-    # ---- 3. The run directory, the step logs and the importance weights' watch.
-    run = _Run(config, hooks, data, trainer, _start_logs(config, data, trainer))
-    # ---- 4. The steps, then 5. the final model and the summary; the one teardown either way.
-    with _teardown(run):
-        ending = _run_steps(run)
-        return _finish(run, ending, started)
+    # One writer of RUN, held from before its first write: the launch's rank 0 holds it for all ranks (they write
+    # what it tells them to). The checks before only read RUN (a run killed in them leaves no RUN/).
+    with hold(run_dir, "train") if distributed.is_main_launch_process() else contextlib.nullcontext():
+        # ---- 2. Processes, model, optimizer and schedule; the training state on --resume.
+        trainer = build_trainer(config, data)
+        # ---- 3. The run directory, the step logs and the importance weights' watch.
+        run = _Run(config, hooks, data, trainer, _start_logs(config, data, trainer))
+        # ---- 4. The steps, then 5. the final model and the summary; the one teardown either way.
+        with _teardown(run):
+            ending = _run_steps(run)
+            return _finish(run, ending, started)
 
 
 @dataclass
@@ -240,9 +245,11 @@ def _save_and_evaluate(run: _Run, ending: _Ending, completed: int, preempted: bo
     config, trainer, schedule = run.config, run.trainer, run.data.schedule
     accelerator = trainer.accelerator
     evaluate_now = config.eval_every and completed % config.eval_every == 0 and not preempted
-    if (completed == schedule.total_steps or evaluate_now or preempted
-            or (config.save_every and completed % config.save_every == 0)):
-        trainer_state = ckpt.make_trainer_state(schedule, completed, ending.metrics, trainer.lineage())
+    on_schedule = bool(completed == schedule.total_steps or (config.eval_every and completed % config.eval_every == 0)
+                       or (config.save_every and completed % config.save_every == 0))
+    if on_schedule or preempted:
+        trainer_state = {**ckpt.make_trainer_state(schedule, completed, ending.metrics, trainer.lineage()),
+                         "on_schedule": on_schedule}
         ending.last_saved = ckpt.save_checkpoint(trainer, run.data.tokenizer, completed, trainer_state,
                                                  with_model=bool(evaluate_now))
     if evaluate_now:

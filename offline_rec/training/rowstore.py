@@ -41,7 +41,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from offline_rec import schema as S
-from offline_rec.errors import UserError, disk_full
+from offline_rec.errors import UserError, write_fault
 from offline_rec.files import fsync_dir
 
 FORMAT_VERSION = 2  # of the folder layout; a store of another version is never opened
@@ -75,7 +75,7 @@ def estimated_bytes(rows: int, tokens_per_column: dict[str, int], index_bytes_pe
 
 
 def _write_error(directory: Path, error: OSError) -> UserError:
-    full = disk_full(error, directory, "free space there, or set reader_cache_dir to another folder")
+    full = write_fault(error, directory, remedy="free space there, or set reader_cache_dir to another folder,")
     if full is not None:
         return full
     return UserError(f"cannot write the trainer's row store in {directory} ({error}); "

@@ -256,12 +256,12 @@ def test_crash_between_shard_rename_and_manifest_update(tmp_path, monkeypatch):
     real_write_json = dataset_module.atomic_write_json
     manifest_writes = []
 
-    def crash_on_third_manifest_write(target, obj):
+    def crash_on_third_manifest_write(target, obj, kept=None):
         # write 1 creates the empty dataset, write 2 follows shard 0; before write 3, shard 1 is on disk
         manifest_writes.append(target)
         if len(manifest_writes) == 3:
             raise InjectedCrash
-        real_write_json(target, obj)
+        real_write_json(target, obj, kept)
 
     monkeypatch.setattr(dataset_module, "atomic_write_json", crash_on_third_manifest_write)
     writer = DatasetWriter(path, groups_per_shard=2)

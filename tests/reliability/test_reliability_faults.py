@@ -696,7 +696,44 @@ def test_full_disk_patched_write_during_merge(tmp_path, monkeypatch, capsys):
     assert list(out.parent.iterdir()) == [] and tree_digest(source) == before
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, capsys):
+def assert_one_line_refusal(code: int, err: str, *phrases: str) -> str:
+    """Exit 2, no traceback, and one "error:" line, the last, holding every phrase."""
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
+    assert all(phrase in lines[-1] for phrase in phrases), err
+    return lines[-1]
+
+
+def test_a_disk_full_during_a_checkpoint_on_a_real_small_disk_is_one_line_and_resume_goes_on(
+        tmp_path, small_disk, capsys):
+    """safetensors meets the full tmpfs first (a ~0.4 MB model on 256 kB): its own SafetensorError wraps the ENOSPC;
+    the half-written .step-000001.tmp goes, and with space freed --resume trains the run to its end."""
+    model = tiny_model(tmp_path / "model")
+    data = write_training_dataset(tmp_path / "data", model, num_groups=8)
+    disk = small_disk(256 * 1024)
+    run = disk.path / "run"
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(train_settings(model, data, run)))
+    line = assert_one_line_refusal(*run_cli(capsys, "train", "--config", config)[::2], "no space left on device",
+                                   ".step-000001.tmp", "--resume")
+    assert "free space and run the command again" in line
+    assert not list((run / ckpt.CHECKPOINTS_DIR).glob(".*.tmp")) and not (run / ckpt.FINAL_DIR).exists()
+    disk.grow(64 * 1024 * 1024)
+    assert cli_exit_code("train", "--out", run, "--resume") == 0
+    assert len((run / ckpt.METRICS_FILE).read_text().splitlines()) == TRAIN_STEPS
+
+
+@pytest.mark.parametrize(("error", "phrase", "remedy"), [
+    (OSError(errno.ENOSPC, "No space left on device"), "no space left on device", "free space"),
+    (PermissionError(errno.EPERM, "Operation not permitted"), "operation not permitted", "chattr -i"),
+    (OSError(errno.EROFS, "Read-only file system"), "read-only file system", "make the file system writable"),
+])
+def test_a_checkpoint_folder_that_refuses_writes_is_one_line_and_resume_goes_on(
+        tmp_path, monkeypatch, capsys, error, phrase, remedy):
+    """The second checkpoint's weights refused (a full disk, an immutable checkpoints folder, a file system remounted
+    read-only): one line naming it, no partial left, step 1's checkpoint whole and no final model; once writable,
+    --resume finishes the run from step 1."""
     import transformers.modeling_utils as modeling_utils
 
     model = tiny_model(tmp_path / "model")
@@ -705,16 +742,31 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypa
     config.write_text(yaml.safe_dump(train_settings(model, data, tmp_path / "run")))
     real_save, saves = modeling_utils.safe_save_file, []
 
-    def fills_up_on_the_second_checkpoint(*args, **kwargs):
+    def refuses_the_second(*args, **kwargs):
         saves.append(1)
-        return enospc() if len(saves) == 2 else real_save(*args, **kwargs)
+        if len(saves) == 2:
+            raise error
+        return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(modeling_utils, "safe_save_file", fills_up_on_the_second_checkpoint)
-    assert_disk_full_refusal(*run_cli(capsys, "train", "--config", config))
+    monkeypatch.setattr(modeling_utils, "safe_save_file", refuses_the_second)
     run = tmp_path / "run"
-    assert ckpt.latest_checkpoint(run).name == ckpt.checkpoint_name(1)  # step 1's checkpoint is whole
-    assert not (run / ckpt.FINAL_DIR).exists()
+    assert_one_line_refusal(*run_cli(capsys, "train", "--config", config)[::2], phrase, ".step-000002.tmp", remedy)
+    assert not list((run / ckpt.CHECKPOINTS_DIR).glob(".*.tmp"))
+    assert ckpt.latest_checkpoint(run).name == ckpt.checkpoint_name(1) and not (run / ckpt.FINAL_DIR).exists()
     monkeypatch.undo()
-    # space freed: --resume finishes the run from step 1's checkpoint
     assert cli_exit_code("train", "--out", run, "--resume") == 0
     assert len((run / ckpt.METRICS_FILE).read_text().splitlines()) == TRAIN_STEPS
+
+
+def test_a_read_only_file_system_under_an_evaluation_is_one_line(small_disk):
+    """eval (and the choice of a rounds run on validation) clears its folder first: on a read-only file system
+    that is one line naming the folder, not an OSError's traceback."""
+    from offline_rec.errors import UserError
+    from offline_rec.eval.rollouts import clear_out
+
+    disk = small_disk(64 * 1024)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk.path)], check=True)
+    with pytest.raises(UserError, match=r"^read-only file system while writing .*/round-1/validation \(Read-only file "
+                                        r"system\); nothing was evaluated into it; make the file system writable and "
+                                        r"run the command again$"):
+        clear_out(disk.path / "round-1" / "validation")

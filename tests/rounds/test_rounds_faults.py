@@ -11,6 +11,7 @@ fixture with the same options but --rounds, the same thread count).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,8 @@ def comparable(line: dict) -> dict:
 
 def test_killed_in_every_stage_a_rerun_ends_as_an_uninterrupted_run(reference, tmp_path):
     options, summary = reference
-    options = {**options, "out": tmp_path / "killed", "rounds": 2}  # --rounds may differ: the first two suffice
+    # --rounds may differ: the first two suffice; a shard per batch: the collect killed after the first of two
+    options = {**options, "out": tmp_path / "killed", "rounds": 2, "groups_per_shard": 1}
     runner = tmp_path / "runner.py"
     runner.write_text(RUNNER)
     out = Path(options["out"])
@@ -51,6 +53,9 @@ def test_killed_in_every_stage_a_rerun_ends_as_an_uninterrupted_run(reference, t
         child = subprocess.run([sys.executable, str(runner), *cli_arguments(options)], cwd=REPO, capture_output=True,
                                text=True, timeout=600, env=child_environment(TESTS, KILL_AT=point))
         assert killed_by_itself(child.returncode), f"not killed at {point} (exit {child.returncode}): {child.stderr}"
+        if point == "collect":  # the first batch's groups committed, the second's not yet sampled
+            manifest = json.loads((out / "round-1" / "data" / "manifest.json").read_text())
+            assert (len(manifest["shards"]), manifest["totals"]["groups"], manifest["complete"]) == (1, 4, False)
         if point == "train":  # the data finished in this child: no later run may write it again
             digests = {path: path.stat().st_mtime_ns for path in (out / "round-1" / "data").rglob("*")}
     assert not (out / "rounds.jsonl").is_file() or len(read_jsonl(out / "rounds.jsonl")) == 1  # round 0's only
@@ -60,5 +65,6 @@ def test_killed_in_every_stage_a_rerun_ends_as_an_uninterrupted_run(reference, t
     assert digests and {path: path.stat().st_mtime_ns for path in (out / "round-1" / "data").rglob("*")} == digests
     groups = [row["group_id"] for row in dataset_rows(out / "round-1" / "data")]
     assert len(groups) == options["prompts_per_round"] * options["num_samples"]  # each group once
+    assert len(json.loads((out / "round-1" / "data" / "manifest.json").read_text())["shards"]) == 2
     steps = [line["step"] for line in read_jsonl(out / "round-1" / "run" / "metrics.jsonl")]
     assert steps == list(range(1, finished["rounds"][1]["train_steps"] + 1))  # each step trained once

@@ -120,6 +120,35 @@ def test_a_rerun_redoes_nothing_and_a_changed_option_is_refused_naming_it(refere
     assert code == 2 and err.strip().splitlines()[-1] == (
         f"error: {out} is a rounds run with --num-samples 4, not 2: rerun it with its own options (only --rounds, "
         "--wait and --quiet may change), or choose another --out")
+    code, _, err = run_cli(capsys, *cli_arguments({**options, "sets": [*options["sets"][:-1], "epochs=2"]}))
+    assert code == 2 and err.strip().splitlines()[-1].startswith(  # the rounds option, not train's "--resume cannot"
+        f"error: {out} is a rounds run with --set {options['sets']!r}, not ")
+
+
+def test_rounds_jsonl_always_holds_every_rounds_record(reference):
+    """A line lost (kill -9 after the last round's record.json, before its line; or deleted by hand): the rerun
+    writes rounds.jsonl again from the records, and summary.json and the report agree with it."""
+    options, summary = reference
+    out = Path(options["out"])
+    lines = (out / "rounds.jsonl").read_text().splitlines(keepends=True)
+    (out / "rounds.jsonl").write_text("".join(lines[:-1]))  # round 3's line gone
+    (out / "summary.json").unlink()
+    again = run_rounds(RoundsConfig(**options), say=quiet)
+    assert read_jsonl(out / "rounds.jsonl") == summary["rounds"] == again["rounds"] and again["rounds_done"] == 3
+    assert json.loads((out / "summary.json").read_text())["rounds_done"] == 3
+    table = (out / "report" / "summary.md").read_text().split("## Rounds: reference\n", 1)[1]
+    assert len([row for row in table.splitlines() if row.startswith("| ")]) == 1 + 4
+
+
+def test_the_same_run_named_from_its_parent_with_sets_reordered_continues(reference, monkeypatch):
+    """Made with --out /abs/RUN, rerun as --out RUN from its parent with the --set entries in another order: the
+    same run, nothing redone (not "--resume cannot change data" from the train layer)."""
+    options, summary = reference
+    out = Path(options["out"])
+    monkeypatch.chdir(out.parent)
+    again = run_rounds(RoundsConfig(**{**options, "out": Path(out.name), "sets": list(reversed(options["sets"]))}),
+                       say=quiet)
+    assert again["rounds"] == summary["rounds"]
 
 
 def test_a_replay_window_trains_on_the_last_w_rounds_each_row_with_its_own_behavior(tmp_path, demo_policy, capsys):
@@ -167,9 +196,12 @@ def test_logs_that_arrive_round_by_round(reference, tmp_path):
     options, summary = reference
     logs, out = tmp_path / "logs", tmp_path / "from-logs"
     shutil.copytree(summary["rounds"][1]["data"], logs / "round-1")
+    (logs / "round-0").mkdir()  # round 0 is --model's evaluation: such a folder is said to be unread
     given = tiny_options(options["model"], out, logs=logs, prompts_per_round=None)
     said = []
     first = run_rounds(RoundsConfig(**given), say=said.append)
+    assert f"{logs / 'round-0'} is not read: round 0 is --model's evaluation; the rounds' data starts at " \
+           f"{logs / 'round-1'}" in said
     assert first["rounds_done"] == 1 and "round 2's data" in first["stopped"] and str(logs / "round-2") in first[
         "stopped"]
     assert first["rounds"][1]["data_source"] == "logs" and first["rounds"][1]["collect_samples"] == 0
@@ -188,3 +220,5 @@ def test_logs_that_arrive_round_by_round(reference, tmp_path):
     (other / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(UserError, match=r"^round 3: dataset .*round-3 was tokenized with another tokenizer"):
         run_rounds(RoundsConfig(**given), say=said.append)
+    stopped = json.loads((out / "summary.json").read_text())["stopped"]  # the refusal, not the earlier wait
+    assert stopped.startswith("refused: round 3: dataset ") and "another tokenizer" in stopped

@@ -189,3 +189,91 @@ def test_a_prompt_file_too_small_for_the_run_is_refused_before_anything_is_writt
                    plan(validation_prompts=11, logs=tmp_path / "logs")):
         check_prompt_supply(enough)
     check_prompt_supply(config(tmp_path, validation_prompts=10_000))  # a built-in split: drawn to any size
+
+
+def test_the_same_run_named_another_way_is_the_same_run(tmp_path, monkeypatch):
+    """--out given as an absolute path, then relative from its parent, and --set entries in another order: the same
+    run; a --set value that differs is refused naming --set."""
+    first = config(tmp_path, prompts_per_round=8, sets=["lr=2e-4", "save_every=2"])
+    assert start_or_continue(first.out, first.identity()) is False
+    monkeypatch.chdir(tmp_path)
+    again = RoundsConfig(model="m", task="arith", out="run", prompts_per_round=8, sets=["save_every=2", "lr=2e-4"])
+    assert again.out == first.out and start_or_continue(again.out, again.identity()) is True
+    with pytest.raises(UserError, match=r"is a rounds run with --set \['lr=2e-4', 'save_every=2'\], not "
+                                        r"\['save_every=4', 'lr=2e-4'\]"):
+        start_or_continue(again.out, config(tmp_path, prompts_per_round=8, sets=["save_every=4", "lr=2e-4"]).identity())
+
+
+def test_a_run_saved_before_an_option_existed_continues_with_its_default(tmp_path):
+    first = config(tmp_path, prompts_per_round=8)
+    start_or_continue(first.out, {k: v for k, v in first.identity().items() if k not in ("eval_every",
+                                                                                       "groups_per_shard")})
+    assert start_or_continue(first.out, first.identity()) is True
+    with pytest.raises(UserError, match="is a rounds run with --eval-every 1, not 2"):
+        start_or_continue(first.out, config(tmp_path, prompts_per_round=8, eval_every=2).identity())
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"model": "/no/such/path"}, "model /no/such/path does not exist"),
+    ({"top_p": 0.0}, r"top-p must be in \(0, 1\], got 0.0"),
+    ({"max_new_tokens": 0}, "max-new-tokens must be >= 1, got 0"),
+    ({"sets": ["no_such_key=1"]}, "no_such_key"),
+    ({"eval_every": 0}, "--eval-every must be >= 1"),
+])
+def test_a_refused_value_never_touches_run(tmp_path, options, message):
+    """Refused before RUN exists, so the corrected command is not refused as "a rounds run with" the bad value."""
+    from offline_rec.rounds.round_loop import run_rounds
+
+    with pytest.raises(UserError, match=message):
+        run_rounds(config(tmp_path, prompts_per_round=8, **options), say=lambda line: None)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_choice_reads_the_scheduled_checkpoints_only(tmp_path):
+    """SIGTERM at step 5 of save_every 2 saves step 5 (on_schedule false): a resumed run chooses among 2, 4, 6 as a
+    run never stopped does."""
+    from offline_rec.training import checkpoint as ckpt
+
+    for step, on_schedule in ((2, True), (4, True), (5, False), (6, True)):
+        folder = tmp_path / ckpt.CHECKPOINTS_DIR / ckpt.checkpoint_name(step)
+        folder.mkdir(parents=True)
+        (folder / ckpt.TRAINER_STATE_FILE).write_text(json.dumps({"step": step, "on_schedule": on_schedule}))
+    old = tmp_path / ckpt.CHECKPOINTS_DIR / ckpt.checkpoint_name(8)  # written before the key existed: scheduled
+    old.mkdir()
+    (old / ckpt.TRAINER_STATE_FILE).write_text(json.dumps({"step": 8}))
+    assert [step for step, _ in ckpt.scheduled_checkpoints(tmp_path)] == [2, 4, 6, 8]
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2, 4, 5, 6, 8]
+
+
+def test_eval_every_evaluates_every_nth_round_and_the_last(tmp_path, monkeypatch):
+    """--rounds 5 --eval-every 2: rounds 2, 4 and 5 evaluated; a policy that stays keeps its evaluation, and one
+    that stays unevaluated into a round due for it is evaluated there."""
+    from offline_rec.rounds import round_loop
+
+    monkeypatch.setattr(round_loop, "_evaluation", lambda config, model, folder, deployment, number: {
+        "evaluated_in": number, "greedy_accuracy": 0.5})
+    plan = config(tmp_path, prompts_per_round=8, rounds=5, eval_every=2)
+
+    def evaluation(number, step, previous):
+        folder = tmp_path / f"round-{number}"
+        folder.mkdir(parents=True, exist_ok=True)
+        return round_loop._evaluation_of(plan, number, {"model": "p", "step": step}, previous, folder, None,
+                                         lambda line: None, "")
+
+    evaluated = {"evaluated_in": 0, "greedy_accuracy": 0.25}
+    assert [evaluation(n, 2, evaluated)["evaluated_in"] for n in range(1, 6)] == [None, 2, None, 4, 5]
+    assert evaluation(3, 0, evaluated) == evaluated  # the policy stayed: its evaluation stays
+    assert evaluation(4, 0, {"evaluated_in": None})["evaluated_in"] == 4  # stayed unevaluated into a due round
+
+
+def test_a_rounds_line_shows_what_each_stage_cost():
+    from offline_rec.rounds.round_loop import _round_line
+
+    line = {"round": 2, "data_reward_mean": 0.5, "data_all_equal_share": 0.25, "train_steps": 4,
+            "staleness_mean": 1.5, "chosen_step": 4, "validation_greedy_accuracy": 0.625, "evaluated_in": None,
+            "seconds": 14.0, "seconds_collect": 3.0, "seconds_train": 5.0, "seconds_choose": 2.0,
+            "seconds_eval": None, "collect_samples": 32, "eval_samples": 24}
+    assert _round_line(line) == (
+        "round 2: logs reward 0.500 (all-equal groups 25%), 4 steps (staleness mean 1.5), chose step 4 (validation "
+        "greedy 0.625) -> not evaluated (--eval-every); 14 s (collect 3 s, train 5 s, choose 2 s, eval 0 s; samples: "
+        "collect 32, choose and eval 24)")

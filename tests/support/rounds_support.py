@@ -23,10 +23,11 @@ TINY_SETS = ("lr=6e-4", "weight_decay=0", "save_every=2", "rows_per_step=16", "e
 
 def tiny_options(model: str, out: Path, **overrides) -> dict:
     """RoundsConfig keyword arguments: 8 prompts x 4 samples a round, 8 validation and 8 test prompts (8 samples
-    each), two checkpoints a round, hf."""
+    each), two checkpoints a round, hf in batches of 4 prompts (a round's collect is two of them: a kill -9 between
+    them leaves one committed)."""
     options = dict(model=model, task="arith", reward=STRICT_ARITH, chat_template=False, max_new_tokens=8,
                    backend="hf", out=out, rounds=3, prompts_per_round=8, num_samples=4, validation_prompts=8,
-                   eval_prompts=8, eval_samples=8, batch_size=32, sets=list(TINY_SETS), show_progress=False)
+                   eval_prompts=8, eval_samples=8, batch_size=4, sets=list(TINY_SETS), show_progress=False)
     return {**options, **overrides}
 
 
@@ -64,7 +65,8 @@ def read_jsonl(path) -> list[dict]:
 
 # A child `offline-rec` that kills itself where KILL_AT says (patched before any offline_rec module is imported, so
 # the rounds modules bind the patched functions):
-#   collect  after round 1's data commits its groups, before the dataset is marked complete
+#   collect  after round 1's data commits its first groups (with --groups-per-shard 1: the first batch's, one shard
+#            of two), before the dataset is complete
 #   train    after round 1's first checkpoint is written
 #   choose   after round 1's first checkpoint is scored on the validation prompts
 #   eval     once round 1's test rollouts are committed, before the greedy pass and summary.json
@@ -112,10 +114,10 @@ RUNNER = textwrap.dedent('''
         import offline_rec.files as files
         real_write = files.atomic_write_text
 
-        def atomic_write_text(path, text):
+        def atomic_write_text(path, text, *rest):
             if Path(path).name == "rounds.jsonl" and (Path(path).parent / "round-1" / "record.json").is_file():
                 die()
-            return real_write(path, text)
+            return real_write(path, text, *rest)
 
         files.atomic_write_text = atomic_write_text
     else:

@@ -42,7 +42,7 @@ def metrics_steps(run: Path) -> list[int]:
 
 def test_sigterm_checkpoints_the_step_in_progress_and_resume_ends_at_the_same_weights(tmp_path, model_and_data):
     model, data = model_and_data
-    settings = dict(max_steps=7, eval_every=3, eval_task="unused", algorithm="red-drop", save_every=0)
+    settings = dict(max_steps=7, eval_every=3, eval_task="unused", algorithm="red-drop", save_every=0, keep_last=0)
     straight = config(tmp_path, model, data, out=str(tmp_path / "straight"), **settings)
     train(straight, TrainHooks(evaluate=lambda checkpoint: {}))
 
@@ -59,12 +59,16 @@ def test_sigterm_checkpoints_the_step_in_progress_and_resume_ends_at_the_same_we
     assert signal.getsignal(signal.SIGTERM) is before
     assert ckpt.latest_checkpoint(run).name == ckpt.checkpoint_name(4) and not (run / ckpt.FINAL_DIR).exists()
     assert metrics_steps(run) == [1, 2, 3, 4]
+    assert ckpt.read_trainer_state(ckpt.latest_checkpoint(run))["on_schedule"] is False  # saved for the stop only
 
     resumed = config(tmp_path, model, data, out=str(run), resume=True, **settings)
     train(resumed, TrainHooks(evaluate=lambda checkpoint: {}))
     a, b = weights(tmp_path / "straight"), weights(run)
     assert all(torch.equal(a[key], b[key]) for key in a)
     assert metrics_steps(run) == list(range(1, 8))
+    # what a choice among the checkpoints reads (rounds): the stopped run's are the uninterrupted one's
+    scheduled = [[step for step, _ in ckpt.scheduled_checkpoints(folder)] for folder in (tmp_path / "straight", run)]
+    assert scheduled == [[3, 6, 7], [3, 6, 7]] and [s for s, _ in ckpt.list_checkpoints(run)] == [3, 4, 6, 7]
 
 
 def _wait_for_steps(run: Path, count: int, process: subprocess.Popen, timeout: float = 240) -> None:
