@@ -87,6 +87,14 @@ SPLITS = (("test", ""), ("ood", "ood_"))
 LOGGED_CLIP = {"clip": "one-side-negatives", "eps_low": 0.6, "weight": "none"}
 """rec-logged's clip: the negatives stop at ratio 0.4, the positives are never clipped, no importance weight."""
 
+NEGATIVES_AT_CONSTANT = {"group_mean": False, "baseline": "constant", "negative_weight": 1.0, "negative_share": 0.1}
+"""A = r - b for every row (a positive 1 - b, a negative -b, all-wrong groups' too), a tenth of the negatives an
+epoch (their A x 10): the positives at RFT's weight, the negatives' expected term b x theirs."""
+SMALL_GROUP_MEAN = {"negative_weight": 1.0, "negative_share": 0.2}
+"""A = r - kappa * mean: a positive 1 - kappa p (an all-correct group keeps 1 - kappa), a negative -kappa p (all-wrong
+groups none); a fifth of the negatives an epoch (their A x 5)."""
+RFT_PLUS_NEG_STEPS = {**SKIP, "rows_per_step": 40}
+
 BEHAVIOR = "behavior"
 """The logger itself, untrained (one line per seed, lr 0): the row every arm starts from."""
 ARMS: dict[str, Arm] = {
@@ -111,6 +119,12 @@ ARMS: dict[str, Arm] = {
     "filtered-sft-4ep": replace(harness.FILTERED_SFT_ARM, train={**SKIP, "epochs": 4}, of_positives=True),
     "rec-logged-4ep": Arm("rec-logged", {}, {**SKIP, "epochs": 4}),
     "dpo-pairs": Arm(peer="dpo"),
+    # issue 56: RFT's positives at (nearly) full weight plus a small share of clipped negatives, in steps of 40 rows
+    # (32 positives and ~8 negatives: about filtered-SFT's number of steps)
+    "rft-plus-neg-b0.1": Arm("rec-logged", {**NEGATIVES_AT_CONSTANT, "baseline_value": 0.1}, RFT_PLUS_NEG_STEPS),
+    "rft-plus-neg-b0.05": Arm("rec-logged", {**NEGATIVES_AT_CONSTANT, "baseline_value": 0.05}, RFT_PLUS_NEG_STEPS),
+    "rft-plus-neg-k0.5": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.5}, RFT_PLUS_NEG_STEPS),
+    "rft-plus-neg-k0.25": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.25}, RFT_PLUS_NEG_STEPS),
 }
 
 
