@@ -193,7 +193,7 @@ def score(model: Path, run_dir: Path, validation_prompts: str | None, scale: Edg
         metrics = evaluate_policy(template, str(model), template.out, backend)
         scores.update({prefix + "greedy": metrics["greedy_accuracy"], prefix + "t1": metrics["accuracy"],
                        **{prefix + key.replace("@", ""): value for key, value in metrics.items()
-                          if key.startswith("pass@")}})
+                          if key.startswith(("pass@", "maj@"))}})
         prompts = [json.loads(line) for line in open(template.out / "per_prompt.jsonl")]
         per_prompt[split] = {"correct": [p["correct"] for p in prompts],
                              "greedy": [p.get("greedy_reward") for p in prompts]}
