@@ -93,6 +93,10 @@ epoch (their A x 10): the positives at RFT's weight, the negatives' expected ter
 SMALL_GROUP_MEAN = {"negative_weight": 1.0, "negative_share": 0.2}
 """A = r - kappa * mean: a positive 1 - kappa p (an all-correct group keeps 1 - kappa), a negative -kappa p (all-wrong
 groups none); a fifth of the negatives an epoch (their A x 5)."""
+UNSOLVED_NEGATIVES = {"group_mean_scale": 0.0, "centre_equal_groups": False, "baseline": "constant",
+                      "negative_weight": 1.0, "negative_share": 0.25}
+"""A positive A = 1 (an all-right group's 1 - b), a mixed group's negative 0 (skipped), an all-wrong group's -b:
+RFT plus negatives only where RFT has nothing to learn from; a quarter of them an epoch (their A x 4)."""
 RFT_PLUS_NEG_STEPS = {**SKIP, "rows_per_step": 40}
 
 BEHAVIOR = "behavior"
@@ -125,6 +129,8 @@ ARMS: dict[str, Arm] = {
     "rft-plus-neg-b0.05": Arm("rec-logged", {**NEGATIVES_AT_CONSTANT, "baseline_value": 0.05}, RFT_PLUS_NEG_STEPS),
     "rft-plus-neg-k0.5": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.5}, RFT_PLUS_NEG_STEPS),
     "rft-plus-neg-k0.25": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.25}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.1": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.1}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.25": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.25}, RFT_PLUS_NEG_STEPS),
 }
 
 
