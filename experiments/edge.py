@@ -131,6 +131,9 @@ ARMS: dict[str, Arm] = {
     "rft-plus-neg-k0.25": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.25}, RFT_PLUS_NEG_STEPS),
     "rft-unsolved-neg-b0.1": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.1}, RFT_PLUS_NEG_STEPS),
     "rft-unsolved-neg-b0.25": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.25}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.05": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.05}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.1-share0.15": Arm(
+        "rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.1, "negative_share": 0.15}, RFT_PLUS_NEG_STEPS),
 }
 
 
