@@ -87,6 +87,18 @@ SPLITS = (("test", ""), ("ood", "ood_"))
 LOGGED_CLIP = {"clip": "one-side-negatives", "eps_low": 0.6, "weight": "none"}
 """rec-logged's clip: the negatives stop at ratio 0.4, the positives are never clipped, no importance weight."""
 
+NEGATIVES_AT_CONSTANT = {"group_mean": False, "baseline": "constant", "negative_weight": 1.0, "negative_share": 0.1}
+"""A = r - b for every row (a positive 1 - b, a negative -b, all-wrong groups' too), a tenth of the negatives an
+epoch (their A x 10): the positives at RFT's weight, the negatives' expected term b x theirs."""
+SMALL_GROUP_MEAN = {"negative_weight": 1.0, "negative_share": 0.2}
+"""A = r - kappa * mean: a positive 1 - kappa p (an all-correct group keeps 1 - kappa), a negative -kappa p (all-wrong
+groups none); a fifth of the negatives an epoch (their A x 5)."""
+UNSOLVED_NEGATIVES = {"group_mean_scale": 0.0, "centre_equal_groups": False, "baseline": "constant",
+                      "negative_weight": 1.0, "negative_share": 0.25}
+"""A positive A = 1 (an all-right group's 1 - b), a mixed group's negative 0 (skipped), an all-wrong group's -b:
+RFT plus negatives only where RFT has nothing to learn from; a quarter of them an epoch (their A x 4)."""
+RFT_PLUS_NEG_STEPS = {**SKIP, "rows_per_step": 40}
+
 BEHAVIOR = "behavior"
 """The logger itself, untrained (one line per seed, lr 0): the row every arm starts from."""
 ARMS: dict[str, Arm] = {
@@ -111,6 +123,17 @@ ARMS: dict[str, Arm] = {
     "filtered-sft-4ep": replace(harness.FILTERED_SFT_ARM, train={"epochs": 4}, of_positives=True),
     "rec-logged-4ep": Arm("rec-logged", {}, {"epochs": 4}),
     "dpo-pairs": Arm(peer="dpo"),
+    # issue 56: RFT's positives at (nearly) full weight plus a small share of clipped negatives, in steps of 40 rows
+    # (32 positives and ~8 negatives: about filtered-SFT's number of steps)
+    "rft-plus-neg-b0.1": Arm("rec-logged", {**NEGATIVES_AT_CONSTANT, "baseline_value": 0.1}, RFT_PLUS_NEG_STEPS),
+    "rft-plus-neg-b0.05": Arm("rec-logged", {**NEGATIVES_AT_CONSTANT, "baseline_value": 0.05}, RFT_PLUS_NEG_STEPS),
+    "rft-plus-neg-k0.5": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.5}, RFT_PLUS_NEG_STEPS),
+    "rft-plus-neg-k0.25": Arm("rec-logged", {**SMALL_GROUP_MEAN, "group_mean_scale": 0.25}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.1": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.1}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.25": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.25}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.05": Arm("rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.05}, RFT_PLUS_NEG_STEPS),
+    "rft-unsolved-neg-b0.1-share0.15": Arm(
+        "rec-logged", {**UNSOLVED_NEGATIVES, "baseline_value": 0.1, "negative_share": 0.15}, RFT_PLUS_NEG_STEPS),
 }
 
 
@@ -179,7 +202,7 @@ def score(model: Path, run_dir: Path, validation_prompts: str | None, scale: Edg
         metrics = evaluate_policy(template, str(model), template.out, backend)
         scores.update({prefix + "greedy": metrics["greedy_accuracy"], prefix + "t1": metrics["accuracy"],
                        **{prefix + key.replace("@", ""): value for key, value in metrics.items()
-                          if key.startswith("pass@")}})
+                          if key.startswith(("pass@", "maj@"))}})
         prompts = [json.loads(line) for line in open(template.out / "per_prompt.jsonl")]
         per_prompt[split] = {"correct": [p["correct"] for p in prompts],
                              "greedy": [p.get("greedy_reward") for p in prompts]}
@@ -458,6 +481,101 @@ def fill_entropy(out: Path, results_path: Path | None = None, measure=entropy_of
     return filled
 
 
+FRONTIER_FILE, FRONTIER_PLOT = "frontier.jsonl", "frontier.png"
+FRONTIER_TEMPERATURES = (0.5, 0.7)
+"""Where each arm sits (issue 56 item 4): its kept models sampled at these temperatures too (T=1: the result line)."""
+
+
+def frontier_point(model: Path, temperature: float, scale: EdgeScale, work: Path) -> dict:
+    """pass@k and maj@K of `scale.eval_samples` samples at `temperature` of `model` on the test and ood prompts
+    (no greedy pass): the keys of a result line (pass1, pass64, maj64, ood_pass1, ...)."""
+    from offline_rec.eval.selection import evaluate_policy
+
+    point = {}
+    for split, prefix in SPLITS:
+        template = harness.heldout_template(scale.eval_prompts, str(model), work / split, scale.eval_samples,
+                                            scale.task, split)
+        metrics = evaluate_policy(template, str(model), work / split, greedy=False, temperature=temperature)
+        point.update({prefix + key.replace("@", ""): value for key, value in metrics.items()
+                      if key.startswith(("pass@", "maj@"))})
+    shutil.rmtree(work, ignore_errors=True)
+    return point
+
+
+def fill_frontier(out: Path, arms, temperatures=FRONTIER_TEMPERATURES, results_path: Path | None = None,
+                  measure=frontier_point, log=print) -> list[dict]:
+    """Every held-out result line of `arms` whose kept model is in OUT/models gets a line of OUT/frontier.jsonl per
+    temperature of `temperatures` (`measure(model, temperature, scale, work)`: its pass@k and maj@K on test and ood),
+    appended as it ends (resumable: a (model, temperature) already there is skipped). Returns every line."""
+    path = out / FRONTIER_FILE
+    lines = harness.read_results(path) if path.is_file() else []
+    done = {(line["model"], line["temperature"]) for line in lines}
+    for result in harness.read_results(results_path or out / RESULTS_FILE):
+        if result["arm"] not in arms or not result.get("held_out", True) or not (out / result["model"]).is_dir():
+            continue
+        scale = EdgeScale(**{**result["scale"], "lrs": tuple(result["scale"]["lrs"]),
+                             "seeds": tuple(result["scale"]["seeds"])})
+        for temperature in temperatures:
+            if (result["model"], temperature) in done:
+                continue
+            point = measure(out / result["model"], temperature, scale, out / "runs" / "frontier")
+            line = {key: result[key] for key in ("arm", "lr", "seed", "model")}
+            line.update(temperature=temperature, **point)
+            harness.append_run(path, line)
+            lines.append(line)
+            log(f"{result['arm']} lr {result['lr']:g} seed {result['seed']} T={temperature:g}: pass@1 "
+                f"{point['pass1']:.3f}, pass@{scale.eval_samples} {point[f'pass{scale.eval_samples}']:.3f}, ood "
+                f"{point['ood_pass1']:.3f} / {point[f'ood_pass{scale.eval_samples}']:.3f}")
+    return lines
+
+
+def frontier_rows(results: list[dict], frontier: list[dict], arms, choice_seeds, k: int) -> list[dict]:
+    """Per arm (at its lr chosen on validation) and temperature: the mean over its seeds of pass@1 and pass@k on
+    test and ood (in %), with the seeds counted; T=1 from the result lines themselves."""
+    lrs = harness.chosen_lrs(results, arms, choice_seeds, "--frontier")
+    keys = ("pass1", f"pass{k}", "ood_pass1", f"ood_pass{k}")
+    points = [{**r, "temperature": 1.0} for r in results if r.get("held_out", True) and "pass1" in r]
+    rows = []
+    for arm in arms:
+        for temperature in sorted({line["temperature"] for line in [*frontier, *points]}):
+            runs = [line for line in [*frontier, *points] if line["arm"] == arm and line["lr"] == lrs[arm]
+                    and line["temperature"] == temperature]
+            if runs:
+                rows.append({"arm": arm, "lr": lrs[arm], "temperature": temperature, "seeds": len(runs),
+                             **{key: 100 * statistics.mean(run[key] for run in runs) for key in keys}})
+    return rows
+
+
+def plot_frontier(rows: list[dict], path: Path, k: int) -> Path:
+    """pass@k against pass@1 on test and ood, one line per arm through its temperatures (each point labelled T):
+    a frontier above another's gives more of both."""
+    plt = harness.pyplot()
+    figure, axes = plt.subplots(1, 2, figsize=(12, 5), layout="constrained")
+    for axis, (split, prefix) in zip(axes, SPLITS):
+        for arm in dict.fromkeys(row["arm"] for row in rows):
+            points = [row for row in rows if row["arm"] == arm]
+            line, = axis.plot([row[prefix + "pass1"] for row in points], [row[f"{prefix}pass{k}"] for row in points],
+                              marker="o", label=f"{arm} ({min(row['seeds'] for row in points)} seeds)")
+            for row in points:
+                axis.annotate(f"T={row['temperature']:g}", (row[prefix + "pass1"], row[f"{prefix}pass{k}"]),
+                              fontsize=6, color=line.get_color(), xytext=(3, 3), textcoords="offset points")
+        axis.set_xlabel(f"pass@1 on {split} (%)")
+        axis.set_ylabel(f"pass@{k} on {split} (%)")
+        axis.grid(True, alpha=0.3)
+    axes[0].legend(fontsize=7)
+    figure.suptitle("Where each arm sits: pass@1 against pass@k over the sampling temperature (mean over seeds)",
+                    fontsize=10)
+    return harness.savefig(figure, path)
+
+
+def frontier_table(rows: list[dict], k: int) -> str:
+    out = [f"| arm | lr | T | seeds | test pass@1 | test pass@{k} | ood pass@1 | ood pass@{k} |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['arm']} | {r['lr']:g} | {r['temperature']:g} | {r['seeds']} | {r['pass1']:.1f} | "
+            f"{r[f'pass{k}']:.1f} | {r['ood_pass1']:.1f} | {r[f'ood_pass{k}']:.1f} |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
 def time_arms(out: Path, arms, seed: int, repeats: int, scale: EdgeScale, policy: str | None = None, log=print,
               choice_seeds: tuple[int, ...] = (0,), results_path: Path | None = None) -> str:
     """Training time alone, interleaved (item 5): `repeats` rounds, each training every arm of `arms` in turn at its
@@ -523,12 +641,26 @@ def main(argv: list[str] | None = None) -> dict:
                         help="time the training alone: ROUNDS rounds of every --arms in turn at its chosen lr on the "
                              "first --seeds' logs, nothing scored (OUT/timing.jsonl, OUT/timing.md; the first arm is "
                              "the reference of the ratio)")
+    parser.add_argument("--frontier", metavar="TEMPERATURES",
+                        help="comma-separated temperatures (e.g. 0.5,0.7): sample every kept held-out model of --arms "
+                             "at each too (OUT/frontier.jsonl), then OUT/frontier.md and frontier.png: pass@1 against "
+                             "pass@64 per arm over the temperatures, T=1 from the result lines")
     args = parser.parse_args(argv)
     scale = harness.grid_scale(args, QUICK if args.quick else EdgeScale())
     results = Path(args.results) if args.results else None
     if args.fill_entropy:
         return {"filled": fill_entropy(Path(args.out), results)}
     arms = harness.chosen_arms(args, ARMS, lambda arm: arm in ARMS and ARMS[arm].peer)
+    if args.frontier:
+        out, choice_seeds = Path(args.out), harness.numbers(args.choice_seeds, int)
+        frontier = fill_frontier(out, arms, harness.numbers(args.frontier, float), results)
+        rows = frontier_rows(harness.read_results(results or out / RESULTS_FILE), frontier, arms, choice_seeds,
+                             scale.eval_samples)
+        table = frontier_table(rows, scale.eval_samples)
+        (out / "frontier.md").write_text(table)
+        plot_frontier(rows, out / FRONTIER_PLOT, scale.eval_samples)
+        print(table)
+        return {"table": table, "rows": rows}
     if args.timing:
         table = time_arms(Path(args.out), arms, scale.seeds[0], args.timing, scale, args.model,
                           choice_seeds=harness.numbers(args.choice_seeds, int), results_path=results)

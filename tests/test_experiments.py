@@ -265,6 +265,7 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
             scores = [result[prefix + key] for key in ("greedy", "t1", "pass1", "pass2", "pass4")]
             assert all(0 <= value <= 1 for value in scores) and result[prefix + "pass1"] == result[prefix + "t1"]
             assert result[prefix + "pass1"] <= result[prefix + "pass2"] <= result[prefix + "pass4"]
+            assert 0 <= result[prefix + "maj4"] <= result[prefix + "pass4"]  # a vote won by a right answer had one
         kept = tmp_path / result["model"]
         counts = json.loads((kept / "scores.json").read_text())
         assert (kept / "model.safetensors").is_file() and len(counts["ood"]["correct"]) == 16
@@ -284,6 +285,25 @@ def test_edge_quick_run_scores_test_and_ood_keeps_the_models_and_resumes(tmp_pat
     filled = harness.read_results(tmp_path / edge.RESULTS_FILE)
     assert [(r["entropy"], r["ood_entropy"]) for r in filled] == [(1.5, 1.25)] + [(0.5, 0.25)] * 3
     assert edge.fill_entropy(tmp_path, measure=measure, log=lambda message: None) == 0
+
+    # --frontier: each kept model of the arms sampled at another temperature too (one real evaluation, the rest a
+    # stand-in measure), resumable; the rows pair each arm's T=1 (its result line) with the new temperature
+    point = edge.frontier_point(tmp_path / by_arm["filtered-sft"]["model"], 0.5, edge.QUICK, tmp_path / "runs" / "f")
+    assert set(point) >= {"pass1", "pass4", "maj4", "ood_pass1", "ood_pass4", "ood_maj4"}
+    assert all(0 <= value <= 1 for value in point.values()) and not (tmp_path / "runs" / "f").exists()
+
+    def at(model, temperature, scale, work):
+        return {"pass1": temperature / 2, "pass4": temperature, "ood_pass1": temperature / 4, "ood_pass4": 0.5}
+
+    frontier = edge.fill_frontier(tmp_path, ["filtered-sft", "nsr"], (0.5,), measure=at, log=lambda message: None)
+    assert [(line["arm"], line["temperature"], line["pass1"]) for line in frontier] == [
+        ("filtered-sft", 0.5, 0.25), ("nsr", 0.5, 0.25)]
+    assert edge.fill_frontier(tmp_path, ["filtered-sft", "nsr"], (0.5,), measure=at) == frontier  # nothing re-run
+    rows = edge.frontier_rows(results, frontier, ["filtered-sft"], (0,), 4)
+    assert [(row["temperature"], row["seeds"], row["pass4"]) for row in rows] == [
+        (0.5, 1, 50.0), (1.0, 1, pytest.approx(100 * by_arm["filtered-sft"]["pass4"]))]
+    assert "| filtered-sft | 0.0006 | 0.5 | 1 | 25.0 | 50.0 | 12.5 | 50.0 |" in edge.frontier_table(rows, 4)
+    assert edge.plot_frontier(rows, tmp_path / edge.FRONTIER_PLOT, 4).stat().st_size > 0
 
     # --timing: every arm in turn at its chosen lr on seed 0's logs, two rounds, resumable, nothing scored
     (tmp_path / "runs" / "another-run").mkdir(parents=True)  # another experiment's run in the same OUT

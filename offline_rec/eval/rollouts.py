@@ -17,6 +17,9 @@ offline_rec.eval.offline):
    - greedy_accuracy, greedy_reward_mean: over prompts, one greedy completion each
    - pass@k for k = 1, 2, 4, ... and K: the unbiased estimator 1 - C(n-c, k) / C(n, k) of "at
      least one of k samples is correct" per prompt (n samples, c correct), averaged over prompts
+   - maj@K: majority voting over the K samples of a prompt (`majority_vote`: the answer most samples state, by
+     the task's `Task.answer`, is scored; a tie shares the credit), averaged over prompts. With pass@K it is the
+     second ceiling of what the policy's samples hold: what a vote gets, where pass@K is what an oracle picks
    - length_mean / length_p50 / length_max (completion tokens), truncation_rate (finish "length")
    - with `entropy`: entropy_mean, the mean over every sampled completion token (all prompts, all samples) of
      H = -sum_v p(v) log p(v), p the distribution that token was sampled from (softmax(logits / T) after top-k
@@ -109,9 +112,30 @@ def pass_ks(num_samples: int) -> list[int]:
     return ks
 
 
+def majority_vote(answers: Sequence[str | None], correct: Sequence[bool]) -> float:
+    """maj@n of one prompt's n samples: the answer stated by the most samples wins, and scores the share of its
+    samples that are correct (1 or 0 where the reward reads nothing but the answer); answers tied for the most
+    votes share the credit equally. A sample that states no answer (None) does not vote; 0.0 when none does.
+
+    Example: answers [7, 7, 8, 8, 9, None] with only the 7s correct: 7 and 8 tie with 2 votes -> (1 + 0) / 2 = 0.5.
+    """
+    if len(answers) != len(correct):
+        raise ValueError(f"majority_vote needs one answer per sample, got {len(answers)} and {len(correct)}")
+    votes: dict[str, list[bool]] = {}
+    for answer, right in zip(answers, correct):
+        if answer is not None:
+            votes.setdefault(answer, []).append(bool(right))
+    if not votes:
+        return 0.0
+    most = max(map(len, votes.values()))
+    winners = [samples for samples in votes.values() if len(samples) == most]
+    return sum(sum(samples) / most for samples in winners) / len(winners)
+
+
 def prompt_metrics(rewards: Sequence[float | None], lengths: Sequence[int], finish_reasons: Sequence[str],
-                   success_threshold: float = SUCCESS_THRESHOLD) -> dict:
-    """One prompt's samples: reward_mean, correct, n, pass@k, length_mean, truncated (null rewards count as 0)."""
+                   success_threshold: float = SUCCESS_THRESHOLD, answers: Sequence[str | None] | None = None) -> dict:
+    """One prompt's samples: reward_mean, correct, n, pass@k, length_mean, truncated (null rewards count as 0);
+    with each sample's `answers`, maj@n (`majority_vote`)."""
     n = len(rewards)
     values = [0.0 if r is None else float(r) for r in rewards]
     correct = sum(value > success_threshold for value in values)
@@ -124,6 +148,8 @@ def prompt_metrics(rewards: Sequence[float | None], lengths: Sequence[int], fini
         "truncated": sum(reason == S.FINISH_LENGTH for reason in finish_reasons),
         "reward_null": sum(r is None for r in rewards),
     }
+    if answers is not None:
+        metrics[f"maj@{n}"] = majority_vote(answers, [value > success_threshold for value in values])
     return metrics
 
 
@@ -142,6 +168,8 @@ def aggregate_metrics(per_prompt: list[dict], lengths: Sequence[int], greedy_rew
         "accuracy": sum(p["correct"] for p in per_prompt) / samples,
         f"mean@{k_max}": sum(p["reward_mean"] for p in per_prompt) / len(per_prompt),
         **{f"pass@{k}": sum(p[f"pass@{k}"] for p in per_prompt) / len(per_prompt) for k in pass_ks(k_max)},
+        **({f"maj@{k_max}": sum(p[f"maj@{k_max}"] for p in per_prompt) / len(per_prompt)}
+           if all(f"maj@{k_max}" in p for p in per_prompt) else {}),
         "length_mean": sum(lengths) / len(lengths),
         "length_p50": _median(sorted_lengths),
         "length_max": sorted_lengths[-1],
@@ -225,7 +253,8 @@ def _evaluate_into(config: EvalConfig, out: Path, backend) -> dict:
     entropies = rollout_entropies(groups, model, dtype, collect_config.sampling) if config.entropy else None
     per_prompt, lengths = [], []
     for index, group in enumerate(groups):
-        metrics = prompt_metrics(group["rewards"], group["lengths"], group["finish_reasons"], threshold)
+        metrics = prompt_metrics(group["rewards"], group["lengths"], group["finish_reasons"], threshold,
+                                 [task_spec.answer(text) for text in group["completions"]])
         lengths.extend(group["lengths"])
         entry = {"group_id": group["group_id"], "prompt": group["prompt"], "fields": group["fields"],
                  "rewards": group["rewards"], **metrics}
@@ -387,8 +416,9 @@ def clear_out(out: Path, keep_rollouts: bool = False) -> None:
 
 
 def _read_groups(rollouts: Path) -> list[dict]:
-    """Per group of the rollouts dataset: ids, prompt, fields, rewards, completion lengths, finish reasons."""
-    columns = [S.PROMPT, S.PROMPT_IDS, S.COMPLETION_IDS, S.REWARD, S.FINISH_REASON, S.META]
+    """Per group of the rollouts dataset: ids, prompt, fields, rewards, completions, completion lengths, finish
+    reasons."""
+    columns = [S.PROMPT, S.PROMPT_IDS, S.COMPLETION, S.COMPLETION_IDS, S.REWARD, S.FINISH_REASON, S.META]
     groups = []
     for rows in open_dataset(rollouts).iter_groups(columns):
         groups.append({
@@ -397,6 +427,7 @@ def _read_groups(rollouts: Path) -> list[dict]:
             "prompt_ids": rows[0][S.PROMPT_IDS],
             "fields": json.loads(rows[0][S.META]),
             "rewards": [row[S.REWARD] for row in rows],
+            "completions": [row[S.COMPLETION] for row in rows],
             "completion_ids": [row[S.COMPLETION_IDS] for row in rows],
             "lengths": [len(row[S.COMPLETION_IDS]) for row in rows],
             "finish_reasons": [row[S.FINISH_REASON] for row in rows],

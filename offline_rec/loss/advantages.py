@@ -142,7 +142,8 @@ def group_advantages(
         A_i = r_i - k * mean_g(r)                           (default; k = group_mean_scale, 1 by default)
         A_i = (r_i - k * mean_g(r)) / (std_g(r) + 1e-6)     (std_normalize; unbiased sample std, or the
                                                              population std with population_std)
-    The other rows (singleton groups; every row without `group_mean`) use `objective.baseline`:
+    The other rows (singleton groups; every row without `group_mean`; with centre_equal_groups false, the rows of a
+    group whose kept rewards are all equal) use `objective.baseline`:
         group     A_i = 0                                   (no baseline)
         step      A_i = r_i - mean_{j != i}(r_j)            (leave-one-out over the kept rows passed in,
                   std_normalize: / (std_{j != i}(r_j) + 1e-6);   i.e. the whole step, all ranks; A_i = 0
@@ -181,11 +182,24 @@ def group_advantages(
     if objective.std_normalize:
         centred = centred / (std[codes] + STD_EPS)
     grouped = keep & (count[codes] > 1) if objective.group_mean else torch.zeros_like(keep)  # [N]
+    if not objective.centre_equal_groups:
+        grouped &= ~_equal_groups(values, codes, num_groups, keep)[codes]
     fallback = BASELINE_RULES[objective.baseline](objective, values, keep, dataset_moments)  # [N], float64
     advantages = torch.where(grouped, centred, torch.where(keep, fallback, 0.0))  # [N]
     if objective.negative_share < 1:
         advantages, keep = _share_negatives(advantages, keep, objective.negative_share, generator)
     return advantages.to(out_dtype), keep
+
+
+def _equal_groups(rewards, codes, num_groups: int, keep) -> torch.Tensor:
+    """[G] bool: the groups whose kept rewards are all equal (exactly: max == min)."""
+    import torch
+
+    high = torch.full((num_groups,), -torch.inf, dtype=rewards.dtype, device=rewards.device)
+    low = torch.full((num_groups,), torch.inf, dtype=rewards.dtype, device=rewards.device)
+    high = high.scatter_reduce(0, codes[keep], rewards[keep], "amax")  # [G]
+    low = low.scatter_reduce(0, codes[keep], rewards[keep], "amin")  # [G]
+    return high == low
 
 
 def _share_negatives(advantages, keep, share: float, generator):

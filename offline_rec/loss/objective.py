@@ -110,6 +110,10 @@ class Objective:
     group_mean_scale: float = api_only(
         1.0, help="kappa in [0, 1]: rows centred on kappa * their group's mean (below 1 an all-correct group keeps a "
                   "positive advantage)")
+    centre_equal_groups: bool = api_only(
+        True, help="a group whose rewards are all equal is centred on its mean like any other (A = 0 at "
+                   "group_mean_scale 1); false: its rows use `baseline` instead (constant b: an all-wrong group's "
+                   "rows get -b, an all-right one's 1 - b)")
     std_normalize: bool = api_only(False, help="divide centred rewards by the group std + 1e-6 (GRPO)")
     population_std: bool = api_only(
         False, help="with std_normalize, the population std (ddof 0, Trinity-RFT's REC) instead of the sample std")
@@ -150,6 +154,9 @@ class Objective:
     def _check_advantage(self):
         if self.baseline == "group" and not self.group_mean:
             raise ValueError("group_mean=false needs a baseline other than group (step, dataset or constant)")
+        if self.baseline == "group" and not self.centre_equal_groups:
+            raise ValueError("centre_equal_groups=false needs a baseline other than group (step, dataset or "
+                             "constant) for the groups of equal rewards")
         if self.baseline == "constant" and self.std_normalize:
             raise ValueError("std_normalize divides by the std of the baseline's population; baseline=constant has "
                              "none: use baseline step or dataset")
@@ -217,8 +224,8 @@ AXES: dict[str, tuple[str, ...]] = {
     "regularizer": ("regularizer", "reg_coef"),
     "kl": ("kl_to_initial", "kl_estimator"),
     "aggregation": ("aggregation", "max_completion_length"),
-    "advantage": ("baseline", "baseline_value", "group_mean", "group_mean_scale", "std_normalize", "population_std",
-                  "drop", "negative_share"),
+    "advantage": ("baseline", "baseline_value", "group_mean", "group_mean_scale", "centre_equal_groups",
+                  "std_normalize", "population_std", "drop", "negative_share"),
 }
 """Every field of `Objective` by the axis it belongs to (train's --list-options groups them so)."""
 

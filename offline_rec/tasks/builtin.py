@@ -88,6 +88,15 @@ class Task:
     warm_up: Callable[[], object] | None = None
     """Run once, untimed, before scoring: imports that a timeout must not cut in half."""
     description: str = ""
+    answer_fn: Callable[[str], str | None] | None = None
+    """``fn(completion) -> answer | None``: the answer a completion states, as its reward reads it; majority voting
+    (eval's maj@K) groups samples by it. None: the completion's stripped text is its answer."""
+
+    def answer(self, completion: str) -> str | None:
+        """The answer `completion` states (`answer_fn`), None where it states none."""
+        if self.answer_fn is None:
+            return completion.strip() or None
+        return self.answer_fn(completion)
 
 
 def function_name(fn: Callable) -> str:
@@ -229,6 +238,20 @@ def final_number(text: str) -> Decimal | None:
         return numbers[0]
     numbers = parse_numbers(text)
     return numbers[-1] if numbers else None
+
+
+def number_answer(text: str) -> str | None:
+    """The answer of a task whose reward reads `final_number`: that number, normalized ("42.0" and "42" agree)."""
+    number = final_number(text)
+    if number is None:
+        return None
+    return str(number.to_integral() if number == number.to_integral() else number.normalize())
+
+
+def math_answer(text: str) -> str | None:
+    """The answer of the math task: the stated answer (`stated_answer`) in its canonical spelling."""
+    answer = stated_answer(text)
+    return None if answer is None else normalize_math_answer(answer)
 
 
 def gsm8k_reference(fields: dict) -> Decimal:
@@ -443,6 +466,7 @@ ADD_TASKS = {
     f"add{digits}": Task(
         name=f"add{digits}",
         reward_fn=arith_answer_reward,
+        answer_fn=number_answer,
         reward_name=function_name(arith_answer_reward),
         prompts=functools.partial(add_prompts, digits=digits),
         splits=SPLITS,
@@ -532,6 +556,7 @@ SUM_TASKS = {
     f"sums{largest}": Task(
         name=f"sums{largest}",
         reward_fn=stated_sum_reward,
+        answer_fn=number_answer,
         reward_name=function_name(stated_sum_reward),
         prompts=functools.partial(sum_prompts, largest=largest),
         splits=SPLITS,
@@ -551,6 +576,7 @@ TASKS: dict[str, Task] = {
     "arith": Task(
         name="arith",
         reward_fn=arith_answer_reward,
+        answer_fn=number_answer,
         reward_name=function_name(arith_answer_reward),
         prompts=arith_prompts,
         chat_instruction=ARITH_CHAT_INSTRUCTION,
@@ -559,6 +585,7 @@ TASKS: dict[str, Task] = {
     "gsm8k": Task(
         name="gsm8k",
         reward_fn=gsm8k_reward,
+        answer_fn=number_answer,
         reward_name=function_name(gsm8k_reward),
         prompt_column="question",
         instruction=GSM8K_INSTRUCTION,
@@ -567,6 +594,7 @@ TASKS: dict[str, Task] = {
     "math": Task(
         name="math",
         reward_fn=math_answer_reward,
+        answer_fn=math_answer,
         reward_name=function_name(math_answer_reward),
         prompt_column="problem",
         instruction=MATH_INSTRUCTION,

@@ -204,7 +204,8 @@ def check_learning_signal(config: TrainConfig, index: group_index.GroupIndex, sc
         signal_rows = 0  # every step is one row: the leave-one-out mean has no other row
     singletons_zero = stats["singleton_groups"] if objective.baseline == "group" and objective.group_mean else 0
     summary = {"rows": len(every.rows), "signal_rows": signal_rows, "singleton_groups": singletons_zero,
-               "all_equal_groups": stats["zero_variance_groups"] if objective.group_mean else 0}
+               "all_equal_groups": stats["zero_variance_groups"]
+               if objective.group_mean and objective.centre_equal_groups else 0}
     if signal_rows:
         return summary
     where = f"training data ({len(groups)} groups, {len(every.rows)} rows)"

@@ -103,6 +103,40 @@ def test_prompt_and_aggregate_metrics_by_hand():
     assert "greedy_accuracy" not in E.aggregate_metrics([a], [3, 5, 2, 8], None)
 
 
+def test_majority_vote_by_hand():
+    # one answer wins: 3 votes for "7" (right) against 2 for "8" -> 1; the winner wrong -> 0
+    assert E.majority_vote(["7", "8", "7", "8", "7"], [True, False, True, False, True]) == 1.0
+    assert E.majority_vote(["7", "8", "8"], [True, False, False]) == 0.0
+    # a tie shares the credit: "7" (right) and "8" (wrong) with 2 votes each, "9" one -> (1 + 0) / 2
+    assert E.majority_vote(["7", "7", "8", "8", "9", None], [True, True, False, False, False, False]) == 0.5
+    # samples stating no answer do not vote: one "7" beats four silences; none stating anything -> 0
+    assert E.majority_vote([None, None, "7", None, None], [False] * 2 + [True] + [False] * 2) == 1.0
+    assert E.majority_vote([None, None], [False, False]) == 0.0
+    # a reward reading more than the answer: the winning answer scores the share of its samples that are right
+    assert E.majority_vote(["42", "42", "42", "40"], [True, False, True, False]) == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="one answer per sample"):
+        E.majority_vote(["1"], [True, False])
+    # prompt_metrics carries maj@n with answers, and aggregate_metrics averages it over prompts (absent without)
+    a = E.prompt_metrics([1.0, 0.0, 1.0], [1, 1, 1], ["stop"] * 3, answers=["5", "6", "5"])
+    b = E.prompt_metrics([0.0, 1.0, 0.0], [1, 1, 1], ["stop"] * 3, answers=["4", "5", "3"])  # 3-way tie: 1/3
+    assert (a["maj@3"], b["maj@3"]) == (1.0, pytest.approx(1 / 3))
+    assert E.aggregate_metrics([a, b], [1] * 6, None)["maj@3"] == pytest.approx((1 + 1 / 3) / 2)
+    assert "maj@3" not in E.prompt_metrics([1.0, 0.0, 1.0], [1, 1, 1], ["stop"] * 3)
+
+
+def test_a_task_states_answers_as_its_reward_reads_them():
+    from offline_rec.tasks.builtin import get_task
+
+    add3, sums, math_task = get_task("add3"), get_task("sums9"), get_task("math")
+    assert [add3.answer(text) for text in ("1458", " 1458 ", "#### 1458.0", "17 + 25 = 42.", "none")] == [
+        "1458", "1458", "1458", "42", None]
+    assert sums.answer("3 + 4 = 7") == "7" and sums.answer("3.50") == "3.5"
+    assert math_task.answer("so the answer is \\boxed{\\frac{1}{2}}") == math_task.answer("\\boxed{\\frac12}")
+    # the generic task (a reward function alone): the stripped completion, None when empty
+    generic = get_task("offline_rec.tasks.builtin:arith_reward")
+    assert (generic.answer(" 12 \n"), generic.answer("  ")) == ("12", None)
+
+
 def test_greedy_evaluation_alone_decodes_what_evaluate_decodes_greedily(tmp_path, checkpoint):
     # 40 built-in arith prompts, batches of 16 (a last, smaller batch too): the same completions and the same
     # greedy accuracy as evaluate's greedy pass, on the same loaded model, with nothing sampled at T=1.
@@ -157,6 +191,12 @@ def test_evaluate_hf_writes_a_consistent_eval_folder(tmp_path, checkpoint, promp
         assert p["greedy_reward"] == digit_reward(p["prompt"], p["greedy_completion"], p["fields"])
     assert metrics["greedy_accuracy"] == sum(p["greedy_reward"] for p in per_prompt) / 3
     assert metrics["pass@4"] == pytest.approx(sum(p["correct"] > 0 for p in per_prompt) / 3)
+    # maj@4: a generic task's answer is the stripped completion; each prompt's vote from the stored samples
+    for p in per_prompt:
+        rows = [row for row in table if row[S.GROUP_ID] == p["group_id"]]
+        assert p["maj@4"] == E.majority_vote([row[S.COMPLETION].strip() or None for row in rows],
+                                             [row[S.REWARD] > 0.5 for row in rows])
+    assert metrics["maj@4"] == pytest.approx(sum(p["maj@4"] for p in per_prompt) / 3)
 
     # An existing evaluation is kept unless --overwrite.
     with pytest.raises(UserError, match="already exists"):

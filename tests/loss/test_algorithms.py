@@ -242,7 +242,7 @@ def test_unknown_algorithm_lists_valid_names():
 
 
 def test_unknown_field_lists_valid_fields():
-    valid = r"valid: aggregation, baseline, baseline_value, clip, drop, dual_clip_c, eps_high"
+    valid = r"valid: aggregation, baseline, baseline_value, centre_equal_groups, clip, drop, dual_clip_c, eps_high"
     with pytest.raises(errors.UserError, match=r"unknown objective field 'epsilon'; " + valid):
         get_objective("grpo", epsilon=0.3)
 
