@@ -97,7 +97,7 @@ UNSOLVED_NEGATIVES = {"group_mean_scale": 0.0, "centre_equal_groups": False, "ba
                       "negative_weight": 1.0, "negative_share": 0.25}
 """A positive A = 1 (an all-right group's 1 - b), a mixed group's negative 0 (skipped), an all-wrong group's -b:
 RFT plus negatives only where RFT has nothing to learn from; a quarter of them an epoch (their A x 4)."""
-RFT_PLUS_NEG_STEPS = {**SKIP, "rows_per_step": 40}
+RFT_PLUS_NEG_STEPS = {"rows_per_step": 40}
 
 BEHAVIOR = "behavior"
 """The logger itself, untrained (one line per seed, lr 0): the row every arm starts from."""

@@ -42,6 +42,9 @@ from offline_rec.loss.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 PEER_REQUIREMENT = ("torch==2.13.0", "trl==1.16.0")
 TRL_PEERS = Path(__file__).with_name("trl_peers.py")
+RESULTS_MICRO_BATCH = {"micro_batch_tokens": 8192}
+"""The micro-batch budget every result line of experiments/results was trained with (train's default before it
+followed the device): the same sums in the same order, so that a rerun of a recorded run gives its numbers again."""
 DEMO_OPTIMIZER = {"lr_schedule": PRESETS[DEFAULT_PRESET].measured.lr_schedule,
                   "weight_decay": PRESETS[DEFAULT_PRESET].measured.weight_decay}
 """What every arm trains with over its preset: the optimizer settings the demo's recipe was measured with (AdamW
@@ -209,7 +212,7 @@ def train(policy: str, data: str, run_dir: Path, child: bool = False, **fields) 
     from offline_rec.training.loop import train as train_run
 
     options = {"data": [str(data)], "model": str(policy), "out": str(run_dir), "keep_last": 0, "report_to": [],
-               "progress": False, **fields}
+               "progress": False, **RESULTS_MICRO_BATCH, **fields}
     if child:
         import yaml
 

@@ -99,7 +99,7 @@ def rounds_config(arm: str, seed: int, out: Path, scale: Scale, policy: str):
     from offline_rec.rounds.config import RoundsConfig
 
     spec, variant = ARMS[arm], task_variant(scale.task)
-    base = tuple(f"{key}={value}" for key, value in harness.DEMO_OPTIMIZER.items())
+    base = tuple(f"{key}={value}" for key, value in {**harness.DEMO_OPTIMIZER, **harness.RESULTS_MICRO_BATCH}.items())
     return RoundsConfig(
         model=policy, task=variant["task"], reward=variant["reward"], chat_template=variant["chat_template"],
         max_new_tokens=variant["max_new_tokens"],
