@@ -122,7 +122,7 @@ def result_of(arm: str, seed: int, folder: Path, scale: Scale) -> dict:
 
     def kept(key: str) -> bool:
         score = key.removeprefix("ood_")
-        return score in LINE_KEYS or score.startswith("pass@")
+        return score in LINE_KEYS or score.startswith(("pass@", "maj@"))
 
     rounds = [{key: value for key, value in line.items() if kept(key)} for line in read_lines(folder)]
     return {"arm": arm, "seed": seed, "rounds": rounds, "scale": asdict(scale), "arm_spec": asdict(ARMS[arm])}
@@ -147,8 +147,18 @@ def summarize(results: list[dict], arms) -> list[dict]:
                 row[name] = statistics.fmean(values)
                 row[name + "_ci"] = (harness.T95.get(len(values), 2.0) * statistics.stdev(values) / len(values) ** 0.5
                                      if len(values) > 1 else None)
+            row.update(ceilings([run[0] for run in runs if run], top))
             rows.append(row)
     return rows
+
+
+def ceilings(starts: list[dict], pass_key: str) -> dict:
+    """The untrained policy's ceilings (its round-0 lines, mean over seeds, %): pass@K (what an oracle picks of its K
+    samples) and maj@K (what a majority vote over them gets); None where a line lacks maj@K (runs from before it)."""
+    maj_key = "maj@" + pass_key.removeprefix("pass@")
+    return {"ceiling_pass": statistics.fmean(100 * line[pass_key] for line in starts),
+            "ceiling_maj": statistics.fmean(100 * line[maj_key] for line in starts)
+            if all(maj_key in line for line in starts) else None}
 
 
 def markdown_table(rows: list[dict], scale: Scale) -> str:
@@ -156,11 +166,17 @@ def markdown_table(rows: list[dict], scale: Scale) -> str:
              f"(collected samples equal for every arm); held-out: {scale.eval_prompts} test prompts, greedy and "
              f"{scale.eval_samples} samples at T=1; the policy of each round chosen on {scale.validation_prompts} "
              "validation prompts; mean ± 95% interval over seeds (t quantile) where several.", "",
+             "The ceilings are the untrained policy's (round 0): its pass@K and its majority vote maj@K over the same "
+             "K samples; greedy / pass@K is the share of that capability a round's greedy answer has turned into "
+             "accuracy.", "",
              "| arm | round | seeds | samples collected | test greedy | T=1 accuracy | pass@k | entropy (nats) | "
-             "rows trained | train s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "ceilings pass@K / maj@K | greedy / pass@K | rows trained | train s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        maj = "" if r["ceiling_maj"] is None else f"{r['ceiling_maj']:.1f}"
         cells = [harness.cell(r, "greedy"), harness.cell(r, "t1"), f"{r['pass_key']} {harness.cell(r, 'pass')}",
-                 harness.cell(r, "entropy", 3)]
+                 harness.cell(r, "entropy", 3), f"{r['ceiling_pass']:.1f} / {maj}",
+                 f"{r['greedy'] / r['ceiling_pass']:.2f}" if r["ceiling_pass"] else ""]
         lines.append(f"| {r['arm']} | {r['round']} | {r['seeds']} | {r['collect_samples']} | {' | '.join(cells)} | "
                      f"{r['train_rows']:.0f} | {r['train_seconds']:.0f} |")
     return "\n".join(lines) + "\n"

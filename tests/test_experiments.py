@@ -527,7 +527,8 @@ def test_a_rounds_result_keeps_the_test_and_ood_scores_and_costs_of_each_round(t
     from offline_rec.files import atomic_write_json
     from offline_rec.rounds.run_folder import RECORD_FILE, round_dir
 
-    scores = {"greedy_accuracy": 0.5, "accuracy": 0.4, "pass@1": 0.4, "pass@64": 0.9, "entropy_mean": 0.3}
+    scores = {"greedy_accuracy": 0.5, "accuracy": 0.4, "pass@1": 0.4, "pass@64": 0.9, "maj@64": 0.6,
+              "entropy_mean": 0.3}
     recorded = {"round": 1, "train_rows": 128, "seconds_train": 2.0, **scores, "length_mean": 4.0,
                 **{f"ood_{key}": value / 2 for key, value in scores.items()}, "ood_truncation_rate": 0.0}
     for number, line in ((0, {"round": 0, **scores}), (1, recorded)):
@@ -537,6 +538,25 @@ def test_a_rounds_result_keeps_the_test_and_ood_scores_and_costs_of_each_round(t
     assert result["rounds"][0] == {"round": 0, **scores}
     left_out = {"length_mean", "ood_truncation_rate"}  # neither a score nor a cost of the table
     assert result["rounds"][1] == {key: value for key, value in recorded.items() if key not in left_out}
+
+
+def test_rounds_table_puts_each_round_next_to_the_untrained_policys_ceilings_by_hand():
+    # two seeds of one arm: round 0 (the untrained policy) pass@4 0.9 / 0.8 and maj@4 0.5 / 0.7 -> ceilings 85.0 and
+    # 60.0 on every row; round 1's greedy 0.51 / 0.34 -> 42.5, 42.5 / 85.0 = 0.50 of the pass@4 ceiling
+    def line(number, greedy, pass4, maj4=None):
+        return {"round": number, "greedy_accuracy": greedy, "accuracy": greedy, "pass@4": pass4, "entropy_mean": 0.1,
+                **({} if maj4 is None else {"maj@4": maj4})}
+
+    results = [{"arm": "rec-logged", "seed": seed, "rounds": [line(0, 0.3, p0, m0), line(1, g1, 0.9)]}
+               for seed, p0, m0, g1 in ((0, 0.9, 0.5, 0.51), (1, 0.8, 0.7, 0.34))]
+    rows = rounds.summarize(results, ["rec-logged"])
+    ceiling = (pytest.approx(85.0), pytest.approx(60.0))
+    assert [(row["ceiling_pass"], row["ceiling_maj"]) for row in rows] == [ceiling] * 2
+    table = rounds.markdown_table(rows, rounds.QUICK)
+    assert "| 85.0 / 60.0 | 0.50 |" in table.splitlines()[-1]
+    # runs recorded before maj@K: the pass@K ceiling alone
+    del results[0]["rounds"][0]["maj@4"]
+    assert rounds.summarize(results, ["rec-logged"])[0]["ceiling_maj"] is None
 
 
 def test_rounds_paired_table_by_hand():

@@ -4,7 +4,9 @@ A line holds (every rate a fraction in [0, 1]):
 - round (0: the policy the run started from, evaluated only), policy (the model folder the round chose),
   policy_checkpoint, policy_version, chosen_step (0: the policy the round started from), validation_greedy_accuracy;
 - the chosen policy on the held-out test prompts: greedy_accuracy, accuracy (at T=1), pass@k (k = 1, 2, 4, ...,
-  --eval-samples; the unbiased estimator), entropy_mean (mean token entropy at T=1, nats), length_mean,
+  --eval-samples; the unbiased estimator), maj@K (majority voting over the K samples: with pass@K, what the
+  policy's samples hold; round 0's are the untrained policy's ceilings), entropy_mean (mean token entropy at T=1,
+  nats), length_mean,
   truncation_rate; ood_* the same on the OOD split where the task has one; evaluated_in (the round whose
   evaluation these are: an unchanged policy keeps its own; None, and no scores, in a round --eval-every skips);
 - the round's data: data, data_source (collect / logs), data_rows, data_groups, data_reward_mean,
@@ -28,7 +30,7 @@ from offline_rec.eval.report import ROUNDS_FILE
 from offline_rec.files import atomic_write_json, atomic_write_text
 from offline_rec.rounds.run_folder import RECORD_FILE, SECONDS_FILE, SUMMARY_FILE, read_json, round_dir
 
-EVAL_KEYS = ("greedy_accuracy", "accuracy", "pass@", "entropy_mean", "length_mean", "truncation_rate")
+EVAL_KEYS = ("greedy_accuracy", "accuracy", "pass@", "maj@", "entropy_mean", "length_mean", "truncation_rate")
 STAGES = ("collect", "train", "choose", "eval")
 
 

@@ -97,6 +97,8 @@ def test_every_sample_is_counted_against_the_rows_written(reference):
     assert summary["totals"]["collect_samples"] == 3 * options["prompts_per_round"] * options["num_samples"]
     evaluated = [line for line in summary["rounds"] if line["evaluated_in"] == line["round"]]
     assert all("pass@8" in line and line["entropy_mean"] > 0 for line in evaluated)
+    # the ceilings of each evaluated policy: majority voting over its samples never beats an oracle pick of them
+    assert all(0 <= line["maj@8"] <= line["pass@8"] for line in evaluated)
 
 
 def test_the_report_draws_the_rounds(reference):
