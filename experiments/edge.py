@@ -75,9 +75,11 @@ RESULTS_FILE, TABLE_FILE, GRID_FILE, PAIRED_FILE, PLOT_FILE = ("results.jsonl", 
 TIMING_FILE, TIMING_TABLE = "timing.jsonl", "timing.md"
 PAIRS = (("rec-logged", "rft-trl"), ("rec-logged", "filtered-sft"), ("filtered-sft", "rft-trl"),
          *((cheaper, other) for cheaper in ("rec-logged-drop", "rec-logged-share0.5", "rec-logged-share0.25")
-           for other in ("rft-trl", "filtered-sft", "rec-logged")))
+           for other in ("rft-trl", "filtered-sft", "rec-logged")),
+         *((candidate, other) for candidate in ("rft-unsolved-neg-b0.05", "rft-unsolved-neg-b0.1", "rft-plus-neg-b0.05")
+           for other in ("rft-trl", "filtered-sft")))
 """The arms compared seed by seed (`harness.paired_table`): the recipe against both forms of RFT, and those two;
-its cheaper variants (item 5) against both and against the recipe."""
+its cheaper variants (issue 47 item 5) against both and against the recipe; issue 56's candidates against both."""
 PAIRED_KEYS = ("greedy", "t1", "pass8", "pass64", "ood_greedy", "ood_t1", "ood_pass64")
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "chat_template.jinja")
