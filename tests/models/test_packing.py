@@ -75,7 +75,10 @@ def test_one_packed_row_scores_and_trains_like_padded_rows(arch):
     assert expected[padded["positions_mask"]].min() < -1.0  # real predictions
     torch.testing.assert_close(result, expected, atol=1e-5, rtol=0)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+        # float32 sums over both layouts' tokens in another order: an entry's error grows with the tensor's scale
+        # (the embedding gradient reaches ~50 here; one of its small entries differed by 2.7e-5 on one machine)
+        scale = expected_grads[name].abs().max().item()
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5 + 1e-6 * scale, rtol=1e-4, msg=name)
 
 
 def test_chat_templated_non_ascii_prompts_pack_like_padded_rows_on_qwen2():
